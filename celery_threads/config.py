@@ -1,0 +1,102 @@
+"""The ``threads_*`` settings, read once from ``app.conf`` and cached on the app."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from celery import Celery
+
+from .errors import ConfigurationError
+
+_ATTR = "_celery_threads_config"
+
+DEFAULTS: dict[str, Any] = {
+    "threads_redis_url": None,
+    "threads_key_prefix": "celery_threads",
+    "threads_keepalive": 30.0,
+    "threads_dispatch_interval": 1.0,
+    "threads_dead_letter_queue": None,
+    "threads_release_timeout": 60.0,
+    "threads_dispatch_batch": 500,
+    "threads_worker_dispatch": True,
+    "threads_shards": 1,
+}
+
+
+@dataclass(frozen=True)
+class ThreadsConfig:
+    redis_url: str
+    key_prefix: str
+    keepalive: float
+    dispatch_interval: float
+    dead_letter_queue: Optional[str]
+    release_timeout: float
+    dispatch_batch: int
+    worker_dispatch: bool
+    shards: int
+
+    @property
+    def keepalive_ms(self) -> int:
+        return int(self.keepalive * 1000)
+
+    @property
+    def release_timeout_ms(self) -> int:
+        return int(self.release_timeout * 1000)
+
+
+def _setting(app: Celery, name: str) -> Any:
+    value = app.conf.get(name)
+    return DEFAULTS[name] if value is None else value
+
+
+def _redis_url(app: Celery) -> str:
+    url = app.conf.get("threads_redis_url")
+    if url:
+        return str(url)
+    broker = app.conf.broker_url or ""
+    if isinstance(broker, str) and broker.startswith(("redis://", "rediss://", "unix://")):
+        return broker
+    raise ConfigurationError(
+        "celery-threads needs a Redis server for its gate: set app.conf.threads_redis_url "
+        "(for example 'redis://localhost:6379/0'); it defaults to broker_url only when the "
+        f"broker is Redis, and the broker here is {broker!r}."
+    )
+
+
+def read_config(app: Celery) -> ThreadsConfig:
+    """Return the app's :class:`ThreadsConfig`, reading ``app.conf`` the first time only."""
+    cached: Optional[ThreadsConfig] = getattr(app, _ATTR, None)
+    if cached is not None:
+        return cached
+    prefix = str(_setting(app, "threads_key_prefix"))
+    if not prefix or "{" in prefix or "}" in prefix:
+        raise ConfigurationError(
+            f"threads_key_prefix={prefix!r}: use a non-empty name without braces; the braces of "
+            "each key are the gate's Redis Cluster hash tag."
+        )
+    config = ThreadsConfig(
+        redis_url=_redis_url(app),
+        key_prefix=prefix,
+        keepalive=float(_setting(app, "threads_keepalive")),
+        dispatch_interval=float(_setting(app, "threads_dispatch_interval")),
+        dead_letter_queue=app.conf.get("threads_dead_letter_queue"),
+        release_timeout=float(_setting(app, "threads_release_timeout")),
+        dispatch_batch=int(_setting(app, "threads_dispatch_batch")),
+        worker_dispatch=bool(_setting(app, "threads_worker_dispatch")),
+        shards=int(_setting(app, "threads_shards")),
+    )
+    if config.keepalive <= 0 or config.dispatch_interval <= 0 or config.release_timeout <= 0:
+        raise ConfigurationError(
+            "threads_keepalive, threads_dispatch_interval and threads_release_timeout must be "
+            "positive numbers of seconds."
+        )
+    if config.shards != 1:
+        raise ConfigurationError("threads_shards: only 1 shard is supported in this version.")
+    setattr(app, _ATTR, config)
+    return config
+
+
+def forget_config(app: Celery) -> None:
+    """Drop the cached settings, so that changed ``app.conf`` values are read again."""
+    if hasattr(app, _ATTR):
+        delattr(app, _ATTR)

@@ -1,0 +1,154 @@
+"""The dispatcher: releases due heads, reclaims lapsed leases, republishes lost releases.
+
+A tick reads only the earliest entries of two index ZSETs, so it costs O(due work), never a scan of
+all threads.  Each piece of work is one fenced script, so any number of dispatchers (beat's entry
+on any worker, every worker's own loop) can run at once.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from .gate import DIED, REPUBLISH, RETRIED, Outcome
+from .keys import ShardKeys
+from .runtime import Runtime
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class TickReport:
+    released: int = 0
+    republished: int = 0
+    retried: int = 0
+    died: int = 0
+    next_ms: Optional[int] = None       # earliest known future work (server clock, ms)
+    now_ms: int = 0
+    more: bool = False                  # a batch was full: run again at once
+    dead: list[tuple[str, str]] = field(default_factory=list)
+
+
+class Dispatcher:
+    def __init__(self, runtime: Runtime) -> None:
+        self.runtime = runtime
+
+    def tick(self) -> TickReport:
+        """One pass over every shard, at most ``threads_dispatch_batch`` items of each kind."""
+        report = TickReport()
+        for shard in self.runtime.keys.all_shards():
+            self._tick_shard(shard, report)
+        return report
+
+    def run_until_idle(self, max_passes: int = 20) -> TickReport:
+        report = self.tick()
+        passes = 1
+        while report.more and passes < max_passes:
+            report = self.tick()
+            passes += 1
+        return report
+
+    def _tick_shard(self, shard: ShardKeys, report: TickReport) -> None:
+        gate, batch = self.runtime.gate, self.runtime.config.dispatch_batch
+        scan = gate.scan_due(shard, batch)
+        report.now_ms = scan.now_ms
+        if scan.next_ms is not None:
+            report.next_ms = min(scan.next_ms, report.next_ms or scan.next_ms)
+        report.more = report.more or len(scan.due) >= batch or len(scan.lapsed) >= batch
+        for outcome in gate.release_many(scan.due):
+            if outcome.release is not None:
+                report.released += 1
+                self.runtime.publish(outcome.release)
+        for thread_id, outcome in zip(scan.lapsed, gate.expire_many(scan.lapsed)):
+            self._after_expire(thread_id, outcome, report)
+
+    def _after_expire(self, thread_id: str, outcome: Outcome, report: TickReport) -> None:
+        if outcome.status == REPUBLISH:
+            report.republished += 1
+            logger.warning("celery-threads: member %s of thread %s was released but no worker "
+                           "claimed it within the release timeout; republishing it",
+                           outcome.release and outcome.release.task_id, thread_id)
+        elif outcome.status == RETRIED:
+            report.retried += 1
+            logger.warning("celery-threads: lease of member %s of thread %s lapsed (worker "
+                           "lost?); it will run again", outcome.info, thread_id)
+        elif outcome.status == DIED:
+            report.died += 1
+            report.dead.append((thread_id, outcome.info))
+            record = self.runtime.gate.dead_record(outcome.info)
+            exception = record.meta.get("exception", "") if record else "LeaseExpired"
+            self._mark_failed(outcome.info, exception)
+            self.runtime.announce_death(thread_id, outcome.info, exception,
+                                        int(record.meta.get("retries", 0)) if record else 0)
+        self.runtime.publish(outcome.release)
+
+    def _mark_failed(self, task_id: str, exception: str) -> None:
+        """The worker that ran it is gone, so nobody else records the failure in the backend."""
+        try:
+            self.runtime.app.backend.mark_as_failure(task_id, LeaseExpired(exception))
+        except Exception:  # no result backend, or it is down: the dead-letter store has it
+            logger.debug("celery-threads: could not mark %s failed in the result backend",
+                         task_id, exc_info=True)
+
+
+class LeaseExpired(Exception):
+    """A running member's lease lapsed: its worker stopped renewing it (SIGKILL, lost machine)."""
+
+
+class DispatchLoop:
+    """Every worker's own dispatcher: sleeps until the next due head or deadline, woken early by
+    the gate's pub/sub message when a sooner head appears; beat's entry remains the safety net."""
+
+    def __init__(self, runtime: Runtime) -> None:
+        self.runtime = runtime
+        self.dispatcher = Dispatcher(runtime)
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="celery-threads-dispatch",
+                                        daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def _run(self) -> None:
+        interval = self.runtime.config.dispatch_interval
+        pubsub = None
+        while not self._stop.is_set():
+            try:
+                if pubsub is None:
+                    pubsub = self.runtime.client.pubsub(ignore_subscribe_messages=True)
+                    pubsub.subscribe(*[s.wake_channel for s in self.runtime.keys.all_shards()])
+                report = self.dispatcher.tick()
+                wait = 0.0 if report.more else interval
+                if report.next_ms is not None and not report.more:
+                    wait = min(wait, max(0.0, (report.next_ms - report.now_ms) / 1000.0))
+                self._sleep(pubsub, wait)
+            except Exception:
+                logger.exception("celery-threads: dispatcher tick failed; retrying in %ss",
+                                 interval)
+                if pubsub is not None:
+                    try:
+                        pubsub.close()
+                    except Exception:
+                        pass
+                pubsub = None
+                self._stop.wait(interval)
+        if pubsub is not None:
+            pubsub.close()
+
+    def _sleep(self, pubsub: Any, wait: float) -> None:
+        """Sleep up to ``wait`` seconds; a wake message on the gate's channel cuts it short."""
+        end = time.monotonic() + wait
+        while not self._stop.is_set():
+            remaining = end - time.monotonic()
+            if remaining <= 0:
+                return
+            if pubsub.get_message(timeout=min(remaining, 0.5)) is not None:
+                return

@@ -1,0 +1,29 @@
+"""Every error celery-threads raises derives from :class:`ThreadsError`."""
+from __future__ import annotations
+
+
+class ThreadsError(Exception):
+    """Base class of every celery-threads error."""
+
+
+class InvalidThreadId(ThreadsError, ValueError):
+    """The thread id is missing, of the wrong type, empty, or longer than 1,024 bytes.
+
+    Pass ``thread_id=`` to ``apply_async`` (a non-empty ``str`` or an ``int``), or declare the task
+    with ``thread_key=`` naming the argument that holds it.  Nothing was stored or sent.
+    """
+
+
+class ConfigurationError(ThreadsError):
+    """A ``threads_*`` setting is missing or wrong; the message names the setting to fix."""
+
+
+class GateUnavailable(ThreadsError):
+    """The gate's Redis could not be reached; the message says which URL was tried.
+
+    A publish that raises this stored nothing and sent nothing: it is safe to call again.
+    """
+
+
+class UnknownTask(ThreadsError, KeyError):
+    """No thread member (or dead task) has this task id."""

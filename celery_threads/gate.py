@@ -1,0 +1,334 @@
+"""The gate: the Redis side of celery-threads, the single source of truth.
+
+Each transition is one atomic Lua script (``lua/*.lua``, sharing ``lua/_common.lua``).  This module
+only names the transitions and turns their replies into Python values; it never publishes to the
+broker (see :mod:`celery_threads.publish`) and never decides policy (see the task and worker modules).
+"""
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any, Callable, Iterator, Optional, Sequence
+
+import redis
+from redis.backoff import ExponentialBackoff
+from redis.commands.core import Script
+from redis.retry import Retry
+
+from .keys import Keys, ShardKeys, ThreadKeys
+
+logger = logging.getLogger(__name__)
+
+SCRIPT_NAMES = ("enqueue", "release", "claim", "renew", "finish", "requeue", "kill", "delete",
+                "expire", "fail", "restart")
+MAX_REPUBLISH_BACKOFF = 6  # a lost release is republished after 1, 2, 4, ... 64 release timeouts
+
+# Reply statuses shared by the scripts.
+DONE, NOOP = 1, 0
+CLAIMED, ALREADY_CLAIMED, STALE = 1, 2, 0
+REPUBLISH, RETRIED, DIED = 2, 3, 4
+
+
+def _load_lua(name: str) -> str:
+    return resources.files("celery_threads").joinpath("lua").joinpath(name).read_text(encoding="utf-8")
+
+
+def script_sources() -> dict[str, str]:
+    """Each script's full source: the shared prelude followed by its own body."""
+    common = _load_lua("_common.lua")
+    return {name: common + "\n" + _load_lua(f"{name}.lua") for name in SCRIPT_NAMES}
+
+
+@dataclass(frozen=True)
+class Release:
+    """A member the gate has just released: publish its envelope with this fencing token."""
+
+    thread_id: str
+    task_id: str
+    token: str
+    retries: int
+    envelope: bytes
+
+
+@dataclass(frozen=True)
+class Outcome:
+    status: int
+    info: str
+    release: Optional[Release]
+
+    @property
+    def done(self) -> bool:
+        return self.status == DONE
+
+
+def parse_record(record: bytes) -> tuple[int, int, int, int, bytes]:
+    """Split a member record into (seq, retries, max_retries, retry_delay_ms, envelope)."""
+    header, _, envelope = record.partition(b"\n")
+    seq, retries, max_retries, delay = (int(x) for x in header.split(b"|"))
+    return seq, retries, max_retries, delay, envelope
+
+
+def make_client(url: str) -> "redis.Redis[bytes]":
+    """A client that rides out short Redis outages: each command is retried with backoff for ~10 s.
+
+    Every script is idempotent under its fencing token, so replaying one whose reply was lost is safe.
+    """
+    return redis.Redis.from_url(
+        url,
+        retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), 20),
+        retry_on_error=[redis.ConnectionError, redis.TimeoutError],
+        health_check_interval=30,
+        socket_keepalive=True,
+    )
+
+
+class Gate:
+    """Transitions of the gate for one Redis client and key prefix.
+
+    ``clock`` returns the time in milliseconds to use instead of the Redis server's ``TIME``; only
+    the model-based test sets it.
+    """
+
+    def __init__(self, client: "redis.Redis[bytes]", keys: Keys, *, release_timeout_ms: int,
+                 keepalive_ms: int = 30_000, clock: Optional[Callable[[], int]] = None) -> None:
+        self.client = client
+        self._keepalive_text = f"{keepalive_ms / 1000:g}s"
+        self.keys = keys
+        self.release_timeout_ms = release_timeout_ms
+        self.clock = clock
+        self._scripts: dict[str, Script] = {
+            name: client.register_script(source) for name, source in script_sources().items()
+        }
+
+    # -- plumbing ---------------------------------------------------------------------------
+    def _now_arg(self) -> str:
+        return "" if self.clock is None else str(int(self.clock()))
+
+    def _run(self, name: str, thread_id: str, *args: Any, client: Any = None) -> Any:
+        keys = self.keys.thread(thread_id)
+        argv = [self._now_arg(), thread_id, self.release_timeout_ms, keys.shard.wake_channel, *args]
+        return self._scripts[name](keys=keys.script_keys(), args=argv, client=client or self.client)
+
+    def _outcome(self, thread_id: str, reply: Sequence[Any]) -> Outcome:
+        status, info = int(reply[0]), _text(reply[1])
+        release = None
+        if len(reply) > 2:
+            _, retries, _, _, envelope = parse_record(reply[4])
+            release = Release(thread_id, _text(reply[2]), _text(reply[3]), retries, envelope)
+        return Outcome(status, info, release)
+
+    def _call(self, name: str, thread_id: str, *args: Any) -> Outcome:
+        return self._outcome(thread_id, self._run(name, thread_id, *args))
+
+    # -- transitions --------------------------------------------------------------------------
+    def enqueue(self, thread_id: str, task_id: str, envelope: bytes, *, delay_ms: int = 0,
+                at_ms: Optional[int] = None, max_retries: Optional[int] = None,
+                retry_delay_ms: int = 0) -> Outcome:
+        mode, value = ("at", at_ms) if at_ms is not None else ("in", max(0, delay_ms))
+        return self._call("enqueue", thread_id, task_id, mode, value, _max_retries(max_retries),
+                          retry_delay_ms, envelope)
+
+    def release(self, thread_id: str) -> Outcome:
+        return self._call("release", thread_id)
+
+    def claim(self, thread_id: str, task_id: str, token: str, keepalive_ms: int,
+              worker: str) -> int:
+        return int(self._run("claim", thread_id, task_id, token, keepalive_ms, worker)[0])
+
+    def renew(self, thread_id: str, task_id: str, token: str, keepalive_ms: int) -> bool:
+        return int(self._run("renew", thread_id, task_id, token, keepalive_ms)[0]) == 1
+
+    def renew_many(self, members: Sequence[tuple[str, str, str]], keepalive_ms: int) -> list[bool]:
+        """Renew ``(thread_id, task_id, token)`` leases in one round trip."""
+        pipe = self.client.pipeline(transaction=False)
+        for thread_id, task_id, token in members:
+            self._run("renew", thread_id, task_id, token, keepalive_ms, client=pipe)
+        return [int(r[0]) == 1 for r in pipe.execute()]
+
+    def finish(self, thread_id: str, task_id: str, token: str) -> Outcome:
+        return self._call("finish", thread_id, task_id, token)
+
+    def requeue(self, thread_id: str, task_id: str, token: str, *, retries: int,
+                delay_ms: int = 0, at_ms: Optional[int] = None,
+                envelope: bytes = b"") -> Outcome:
+        mode, value = ("at", at_ms) if at_ms is not None else ("in", max(0, delay_ms))
+        return self._call("requeue", thread_id, task_id, token, mode, value, retries, envelope)
+
+    def kill(self, thread_id: str, task_id: str, token: str, meta: dict[str, Any], *,
+             keep: bool = True) -> Outcome:
+        meta = {"thread_id": thread_id, **meta}
+        return self._call("kill", thread_id, task_id, token, "1" if keep else "0",
+                          json.dumps(meta, default=repr))
+
+    def delete(self, task_id: str, *, token: str = "", only_waiting: bool = False) -> Outcome:
+        thread_id = self.thread_of(task_id)
+        if thread_id is None:
+            return Outcome(NOOP, "", None)
+        return self._call("delete", thread_id, task_id, token, "1" if only_waiting else "0")
+
+    def expire(self, thread_id: str) -> Outcome:
+        return self._call("expire", thread_id, MAX_REPUBLISH_BACKOFF, self._keepalive_text)
+
+    def fail(self, thread_id: str, task_id: str, token: str, reason: str) -> Outcome:
+        """A failed attempt the task itself could not report: retry if retries remain, else die."""
+        return self._call("fail", thread_id, task_id, token, reason)
+
+    def restart(self, task_id: str, *, max_retries: Optional[int] = None,
+                retry_delay_ms: int = 0) -> Outcome:
+        record = self.dead_record(task_id)
+        if record is None:
+            return Outcome(NOOP, "", None)
+        return self._call("restart", record.meta["thread_id"], task_id, _max_retries(max_retries),
+                          retry_delay_ms)
+
+    # -- dispatcher reads ---------------------------------------------------------------------
+    def now_ms(self) -> int:
+        if self.clock is not None:
+            return int(self.clock())
+        seconds, micros = self.client.time()
+        return int(seconds) * 1000 + int(micros) // 1000
+
+    def scan_due(self, shard: ShardKeys, limit: int) -> "Scan":
+        """The earliest ``limit`` entries of the due and leases indexes, and the server's time.
+
+        One round trip, O(log n + limit).  Entries at or before now are work; the first later one
+        tells a dispatcher how long it may sleep.
+        """
+        pipe = self.client.pipeline(transaction=False)
+        if self.clock is None:
+            pipe.time()
+        pipe.zrange(shard.due, 0, limit - 1, withscores=True)
+        pipe.zrange(shard.leases, 0, limit - 1, withscores=True)
+        replies = pipe.execute()
+        if self.clock is None:
+            seconds, micros = replies.pop(0)
+            now = int(seconds) * 1000 + int(micros) // 1000
+        else:
+            now = int(self.clock())
+        due_rows, lease_rows = replies
+        return Scan(
+            now_ms=now,
+            due=[_text(m) for m, score in due_rows if score <= now],
+            lapsed=[_text(m) for m, score in lease_rows if score <= now],
+            next_ms=min((int(score) for _, score in (*due_rows, *lease_rows) if score > now),
+                        default=None),
+        )
+
+    def release_many(self, thread_ids: Sequence[str]) -> list[Outcome]:
+        return self._pipelined("release", thread_ids)
+
+    def expire_many(self, thread_ids: Sequence[str]) -> list[Outcome]:
+        return self._pipelined("expire", thread_ids, MAX_REPUBLISH_BACKOFF, self._keepalive_text)
+
+    def _pipelined(self, name: str, thread_ids: Sequence[str], *args: Any) -> list[Outcome]:
+        if not thread_ids:
+            return []
+        pipe = self.client.pipeline(transaction=False)
+        for thread_id in thread_ids:
+            self._run(name, thread_id, *args, client=pipe)
+        return [self._outcome(t, r) for t, r in zip(thread_ids, pipe.execute())]
+
+    # -- inspection ---------------------------------------------------------------------------
+    def thread_of(self, task_id: str) -> Optional[str]:
+        for shard in self.keys.all_shards():
+            value = self.client.hget(shard.tasks, task_id)
+            if value is not None:
+                return _text(value)
+        return None
+
+    def snapshot(self, thread_id: str) -> Optional["ThreadSnapshot"]:
+        """A consistent read of one thread (a MULTI/EXEC of plain reads)."""
+        keys = self.keys.thread(thread_id)
+        pipe = self.client.pipeline(transaction=True)
+        pipe.hgetall(keys.active)
+        pipe.zrange(keys.queue, 0, -1, withscores=True)
+        pipe.hgetall(keys.members)
+        pipe.zscore(keys.shard.due, thread_id)
+        active, queue, members, due_at = pipe.execute()
+        if not active and not queue:
+            return None
+        return ThreadSnapshot(
+            thread_id=thread_id,
+            active={_text(k): _text(v) for k, v in active.items()},
+            waiting=[(_text(m)[17:], int(score)) for m, score in queue],
+            records={_text(k): v for k, v in members.items()},
+            due_at=None if due_at is None else int(due_at),
+        )
+
+    def thread_ids(self) -> Iterator[str]:
+        """Every existing thread: each is in exactly one of the due and leases indexes."""
+        for shard in self.keys.all_shards():
+            for index in (shard.due, shard.leases):
+                for member, _ in self.client.zscan_iter(index):
+                    yield _text(member)
+
+    def dead_record(self, task_id: str) -> Optional["DeadRecord"]:
+        for shard in self.keys.all_shards():
+            pipe = self.client.pipeline(transaction=True)
+            pipe.hget(shard.dead_records, task_id)
+            pipe.zscore(shard.dead, task_id)
+            raw, died_at = pipe.execute()
+            if raw is not None:
+                return DeadRecord.parse(task_id, raw, died_at)
+        return None
+
+    def dead_records(self) -> list["DeadRecord"]:
+        records: list[DeadRecord] = []
+        for shard in self.keys.all_shards():
+            rows = self.client.zrange(shard.dead, 0, -1, withscores=True)
+            if not rows:
+                continue
+            raws = self.client.hmget(shard.dead_records, [m for m, _ in rows])
+            records.extend(DeadRecord.parse(_text(m), raw, score)
+                           for (m, score), raw in zip(rows, raws) if raw is not None)
+        records.sort(key=lambda r: r.died_at_ms)
+        return records
+
+    def forget(self, task_id: str) -> bool:
+        for shard in self.keys.all_shards():
+            pipe = self.client.pipeline(transaction=True)
+            pipe.zrem(shard.dead, task_id)
+            pipe.hdel(shard.dead_records, task_id)
+            if any(pipe.execute()):
+                return True
+        return False
+
+
+@dataclass(frozen=True)
+class Scan:
+    now_ms: int
+    due: list[str]
+    lapsed: list[str]
+    next_ms: Optional[int]    # earliest future entry among those read; None when none was read
+
+
+@dataclass(frozen=True)
+class ThreadSnapshot:
+    thread_id: str
+    active: dict[str, str]
+    waiting: list[tuple[str, int]]      # (task id, scheduled_at ms) in release order
+    records: dict[str, bytes]
+    due_at: Optional[int]
+
+
+@dataclass(frozen=True)
+class DeadRecord:
+    task_id: str
+    meta: dict[str, Any]
+    envelope: bytes
+    died_at_ms: int
+
+    @classmethod
+    def parse(cls, task_id: str, raw: bytes, died_at: Any) -> "DeadRecord":
+        meta, _, envelope = raw.partition(b"\n")
+        return cls(task_id, json.loads(meta), envelope, int(died_at or 0))
+
+
+def _max_retries(value: Optional[int]) -> int:
+    return -1 if value is None else int(value)
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)

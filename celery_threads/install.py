@@ -1,0 +1,65 @@
+"""Self-installation: ``base=ThreadedTask`` sets up the beat entry, the worker step and handlers."""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from celery import signals
+from celery._state import connect_on_app_finalize
+
+logger = logging.getLogger(__name__)
+
+DISPATCH_TASK = "celery_threads.dispatch"
+BEAT_ENTRY = "celery-threads-dispatch"
+
+
+def install(app: Any) -> None:
+    """Idempotent; called when a ThreadedTask is bound to ``app``."""
+    if getattr(app, "_celery_threads_installed", False):
+        return
+    app._celery_threads_installed = True
+    from .worker import ThreadsWorkerStep
+
+    app.steps["worker"].add(ThreadsWorkerStep)
+    interval = float(app.conf.get("threads_dispatch_interval") or 1.0)
+    schedule = dict(app.conf.beat_schedule or {})
+    schedule.setdefault(BEAT_ENTRY, {
+        "task": DISPATCH_TASK,
+        "schedule": interval,
+        # A tick that waited longer than a few intervals is useless: a newer one is coming.
+        "options": {"expires": max(interval * 5, 5.0)},
+    })
+    app.conf.beat_schedule = schedule
+
+
+@connect_on_app_finalize
+def _add_dispatch_task(app: Any) -> Any:
+    @app.task(name=DISPATCH_TASK, shared=False, lazy=False, ignore_result=True)
+    def dispatch() -> dict[str, int]:
+        """One dispatcher pass (beat's safety net beside each worker's own loop)."""
+        from .dispatcher import Dispatcher
+        from .runtime import get_runtime
+
+        report = Dispatcher(get_runtime(app)).run_until_idle()
+        return {"released": report.released, "republished": report.republished,
+                "retried": report.retried, "died": report.died}
+
+    return dispatch
+
+
+@signals.worker_init.connect
+def _add_worker_step(sender: Any = None, **kwargs: Any) -> None:
+    # Task modules imported after the app was bound still get the step: worker_init comes before
+    # the worker builds its blueprint.
+    app = getattr(sender, "app", None)
+    if app is not None and getattr(app, "_celery_threads_installed", False):
+        from .worker import ThreadsWorkerStep
+
+        app.steps["worker"].add(ThreadsWorkerStep)
+
+
+@signals.task_revoked.connect
+def _on_task_revoked(sender: Any = None, **kwargs: Any) -> None:
+    from .worker import on_task_revoked
+
+    on_task_revoked(sender=sender, **kwargs)

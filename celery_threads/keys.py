@@ -1,0 +1,111 @@
+"""Every Redis key name of the gate, built from one prefix.
+
+All keys of one shard share the hash tag ``{<shard>}``, so each script touches a single Redis
+Cluster slot.  A thread's keys carry the tag of the shard its id hashes to.
+"""
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ShardKeys:
+    """The index keys of one shard."""
+
+    prefix: str
+    shard: int
+
+    @property
+    def tag(self) -> str:
+        return f"{self.prefix}:{{{self.shard}}}"
+
+    @property
+    def seq(self) -> str:
+        """String counter: arrival order of members and fencing tokens."""
+        return f"{self.tag}:seq"
+
+    @property
+    def due(self) -> str:
+        """ZSET thread id -> head's scheduled_at (ms), for threads with no active member."""
+        return f"{self.tag}:due"
+
+    @property
+    def leases(self) -> str:
+        """ZSET thread id -> deadline (ms) of its active member's release or lease."""
+        return f"{self.tag}:leases"
+
+    @property
+    def tasks(self) -> str:
+        """HASH task id -> thread id, for every member."""
+        return f"{self.tag}:tasks"
+
+    @property
+    def dead(self) -> str:
+        """ZSET task id -> died_at (ms): the dead-letter store's order."""
+        return f"{self.tag}:dead"
+
+    @property
+    def dead_records(self) -> str:
+        """HASH task id -> ``meta_json \\n envelope`` of each dead task."""
+        return f"{self.tag}:dead:records"
+
+    @property
+    def wake_channel(self) -> str:
+        """Pub/sub channel told when a future head becomes the shard's earliest."""
+        return f"{self.tag}:wake"
+
+    def thread(self, thread_id: str) -> "ThreadKeys":
+        return ThreadKeys(self, thread_id)
+
+
+@dataclass(frozen=True)
+class ThreadKeys:
+    """The keys of one thread, plus its shard's index keys, in the order every script takes them."""
+
+    shard: ShardKeys
+    thread_id: str
+
+    @property
+    def base(self) -> str:
+        return f"{self.shard.tag}:t:{self.thread_id}"
+
+    @property
+    def queue(self) -> str:
+        """ZSET of waiting members: ``<seq16>:<task id>`` scored by scheduled_at (ms)."""
+        return f"{self.base}:q"
+
+    @property
+    def members(self) -> str:
+        """HASH task id -> ``seq|retries|max_retries|retry_delay_ms \\n envelope``."""
+        return f"{self.base}:m"
+
+    @property
+    def active(self) -> str:
+        """HASH describing the active member (task, token, state, since, deadline, worker, n)."""
+        return f"{self.base}:a"
+
+    def script_keys(self) -> list[str]:
+        s = self.shard
+        return [s.seq, s.due, s.leases, s.tasks, s.dead, s.dead_records,
+                self.queue, self.members, self.active]
+
+
+@dataclass(frozen=True)
+class Keys:
+    prefix: str
+    shards: int = 1
+
+    def shard_of(self, thread_id: str) -> int:
+        if self.shards == 1:
+            return 0
+        return zlib.crc32(thread_id.encode()) % self.shards
+
+    def shard(self, index: int) -> ShardKeys:
+        return ShardKeys(self.prefix, index)
+
+    def all_shards(self) -> list[ShardKeys]:
+        return [self.shard(i) for i in range(self.shards)]
+
+    def thread(self, thread_id: str) -> ThreadKeys:
+        return self.shard(self.shard_of(thread_id)).thread(thread_id)

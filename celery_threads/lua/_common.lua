@@ -1,0 +1,171 @@
+-- Shared prelude, prepended to every gate script (one body, so transitions cannot drift).
+--
+-- KEYS (identical for every script; all carry the shard's hash tag):
+--   KEYS[1] seq      STRING  shard counter: arrival order and fencing tokens
+--   KEYS[2] due      ZSET    thread id -> head scheduled_at (ms); threads with no active member
+--   KEYS[3] leases   ZSET    thread id -> deadline (ms) of the active member (release or lease)
+--   KEYS[4] tasks    HASH    task id -> thread id, every member
+--   KEYS[5] dead     ZSET    task id -> died_at (ms)
+--   KEYS[6] deadrec  HASH    task id -> meta_json "\n" envelope
+--   KEYS[7] queue    ZSET    this thread's waiting members "<seq16>:<task id>" -> scheduled_at (ms)
+--   KEYS[8] members  HASH    this thread's members: task id -> "seq|retries|max_retries|delay_ms\n" envelope
+--   KEYS[9] active   HASH    this thread's active member: task, token, state, since, deadline, worker, n
+-- ARGV (common head):
+--   ARGV[1] now      "" to use the Redis server's TIME, else milliseconds (tests only)
+--   ARGV[2] thread   thread id
+--   ARGV[3] release_timeout_ms   how long a release may stay unclaimed before it is republished
+--   ARGV[4] wake     pub/sub channel told when a future head becomes the shard's earliest
+-- Script-specific ARGV start at ARGV[5].
+-- Every reply is {status, info, [released_task, released_token, released_record]}.
+
+if redis.replicate_commands then pcall(redis.replicate_commands) end  -- Redis 6.2: TIME before writes
+
+local K_SEQ, K_DUE, K_LEASES, K_TASKS = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local K_DEAD, K_DEADREC, K_Q, K_M, K_A = KEYS[5], KEYS[6], KEYS[7], KEYS[8], KEYS[9]
+
+local NOW
+if ARGV[1] ~= '' then
+  NOW = tonumber(ARGV[1])
+else
+  local t = redis.call('TIME')
+  NOW = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+local TID = ARGV[2]
+local RELEASE_TIMEOUT = tonumber(ARGV[3])
+local WAKE = ARGV[4]
+local SEQ_WIDTH = 16
+
+local function next_seq()
+  return redis.call('INCR', K_SEQ)
+end
+
+-- record = "seq|retries|max_retries|delay_ms\n" .. envelope
+local function parse_record(rec)
+  local nl = string.find(rec, '\n', 1, true)
+  local seq, retries, maxr, delay = string.match(string.sub(rec, 1, nl - 1), '^(%d+)|(%d+)|(-?%d+)|(%d+)$')
+  return { seq = seq, retries = tonumber(retries), maxr = tonumber(maxr), delay = tonumber(delay), body_at = nl + 1 }
+end
+
+local function make_record(seq, retries, maxr, delay, envelope)
+  return seq .. '|' .. retries .. '|' .. maxr .. '|' .. delay .. '\n' .. envelope
+end
+
+local function queue_member(seq, task)
+  return seq .. ':' .. task
+end
+
+local function task_of(member)
+  return string.sub(member, SEQ_WIDTH + 2)
+end
+
+-- Put TID in exactly one index (due when idle with members, leases when active), or delete its
+-- keys when it has no member left.
+local function refresh_index()
+  if redis.call('EXISTS', K_A) == 1 then
+    redis.call('ZREM', K_DUE, TID)
+    return
+  end
+  redis.call('ZREM', K_LEASES, TID)
+  local head = redis.call('ZRANGE', K_Q, 0, 0, 'WITHSCORES')
+  if head[1] == nil then
+    redis.call('ZREM', K_DUE, TID)
+    redis.call('DEL', K_Q, K_M)
+    return
+  end
+  redis.call('ZADD', K_DUE, head[2], TID)
+  if tonumber(head[2]) > NOW then
+    local first = redis.call('ZRANGE', K_DUE, 0, 0)
+    if first[1] == TID then redis.call('PUBLISH', WAKE, head[2]) end
+  end
+end
+
+-- Release the head when it is due and nothing is active: it becomes RELEASED under a new token.
+-- Returns {task, token, record} or nil.
+local function release_head()
+  if redis.call('EXISTS', K_A) == 1 then return nil end
+  local head = redis.call('ZRANGE', K_Q, 0, 0, 'WITHSCORES')
+  if head[1] == nil or tonumber(head[2]) > NOW then
+    refresh_index()
+    return nil
+  end
+  local member = head[1]
+  local task = task_of(member)
+  redis.call('ZREM', K_Q, member)
+  local token = tostring(next_seq())
+  local deadline = NOW + RELEASE_TIMEOUT
+  redis.call('HSET', K_A, 'task', task, 'token', token, 'state', 'RELEASED', 'since', NOW,
+    'deadline', deadline, 'sched', head[2], 'n', 0)
+  redis.call('ZREM', K_DUE, TID)
+  redis.call('ZADD', K_LEASES, deadline, TID)
+  return { task, token, redis.call('HGET', K_M, task) }
+end
+
+local function reply(status, info, released)
+  if released == nil then return { status, info } end
+  return { status, info, released[1], released[2], released[3] }
+end
+
+-- Is the active member (task, token)?  token '' matches any token.
+local function is_active(task, token)
+  local a = redis.call('HMGET', K_A, 'task', 'token', 'state')
+  if a[1] ~= task then return nil end
+  if token ~= '' and a[2] ~= token then return nil end
+  return a[3]
+end
+
+-- Detach the active member for good (it ended) and forget it.
+local function drop_active(task)
+  redis.call('DEL', K_A)
+  redis.call('HDEL', K_M, task)
+  redis.call('HDEL', K_TASKS, task)
+end
+
+-- Waiting again: the active member goes back to the queue at `sched` with its arrival order.
+local function requeue_active(task, sched, retries, envelope)
+  local rec = redis.call('HGET', K_M, task)
+  local p = parse_record(rec)
+  if envelope == '' then envelope = string.sub(rec, p.body_at) end
+  redis.call('HSET', K_M, task, make_record(p.seq, retries, p.maxr, p.delay, envelope))
+  redis.call('ZADD', K_Q, sched, queue_member(p.seq, task))
+  redis.call('DEL', K_A)
+end
+
+-- Move the active member to the dead-letter store (when keep is true) and detach it.
+local function kill_active(task, keep, meta_json)
+  if keep then
+    local rec = redis.call('HGET', K_M, task)
+    local p = parse_record(rec)
+    redis.call('ZADD', K_DEAD, NOW, task)
+    redis.call('HSET', K_DEADREC, task, meta_json .. '\n' .. string.sub(rec, p.body_at))
+  end
+  drop_active(task)
+end
+
+-- Add a new arrival; returns false when the task id is already a member.
+local function add_member(task, sched, retries, maxr, delay, envelope)
+  if redis.call('HEXISTS', K_TASKS, task) == 1 then return false end
+  local seq = string.format('%016d', next_seq())
+  redis.call('ZADD', K_Q, sched, queue_member(seq, task))
+  redis.call('HSET', K_M, task, make_record(seq, retries, maxr, delay, envelope))
+  redis.call('HSET', K_TASKS, task, TID)
+  return true
+end
+
+local function schedule(mode, value)
+  if mode == 'at' then return tonumber(value) end
+  return NOW + tonumber(value)
+end
+
+-- A failed attempt of the active member (its worker was lost or its lease lapsed): it re-enters
+-- after its retry delay while retries remain, else it dies with `reason`.
+-- Returns 3 (retried) or 4 (died).
+local function fail_active(task, reason)
+  local p = parse_record(redis.call('HGET', K_M, task))
+  if p.maxr < 0 or p.retries < p.maxr then
+    requeue_active(task, NOW + p.delay, p.retries + 1, '')
+    return 3
+  end
+  local meta = cjson.encode({ thread_id = TID, retries = p.retries, exception = reason, traceback = '' })
+  kill_active(task, true, meta)
+  return 4
+end

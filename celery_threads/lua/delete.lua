@@ -1,0 +1,20 @@
+-- delete: detach a member whatever its state and promote the next member at once.
+--   ARGV[5] task id   ARGV[6] token required when the member is active ("" = any)
+--   ARGV[7] "1" to delete only a WAITING member (a plain revoke must not detach a running one)
+-- Returns {1, previous state} plus the release, or {0, ''} when nothing was deleted.
+local task, token = ARGV[5], ARGV[6]
+if redis.call('HGET', K_TASKS, task) ~= TID then return reply(0, '') end
+local state = is_active(task, '')
+if state then
+  if ARGV[7] == '1' then return reply(0, state) end
+  if token ~= '' and not is_active(task, token) then return reply(0, state) end
+  drop_active(task)
+else
+  if token ~= '' then return reply(0, 'WAITING') end
+  state = 'WAITING'
+  local p = parse_record(redis.call('HGET', K_M, task))
+  redis.call('ZREM', K_Q, queue_member(p.seq, task))
+  redis.call('HDEL', K_M, task)
+  redis.call('HDEL', K_TASKS, task)
+end
+return reply(1, state, release_head())

@@ -1,0 +1,28 @@
+-- expire: the dispatcher's lease sweep for one thread whose deadline has passed.
+--   ARGV[5] max republish backoff exponent   ARGV[6] keepalive, for the death reason
+-- A RELEASED member nobody claimed is republished under the same token (the first delivery to
+-- arrive wins the claim), its deadline backing off.  A RUNNING member whose lease lapsed counts as a
+-- failed attempt: it re-enters after its retry delay while retries remain, else it dies.
+-- Returns {0, ''} nothing to do, {2, 'republish'} with the release to publish again,
+-- {3, task} retried, {4, task} died; 3 and 4 carry the next release, if any.
+local a = redis.call('HMGET', K_A, 'task', 'token', 'state', 'deadline', 'n')
+if a[1] == false then
+  release_head()
+  return reply(0, '')
+end
+local task, token, state, deadline = a[1], a[2], a[3], tonumber(a[4])
+if deadline > NOW then
+  redis.call('ZADD', K_LEASES, deadline, TID)
+  return reply(0, '')
+end
+if state == 'RELEASED' then
+  local n = tonumber(a[5]) + 1
+  local backoff = math.min(n, tonumber(ARGV[5]))
+  local new_deadline = NOW + RELEASE_TIMEOUT * (2 ^ backoff)
+  redis.call('HSET', K_A, 'deadline', new_deadline, 'n', n)
+  redis.call('ZADD', K_LEASES, new_deadline, TID)
+  return { 2, 'republish', task, token, redis.call('HGET', K_M, task) }
+end
+local status = fail_active(task, 'LeaseExpired: the worker running it sent no keepalive for ' ..
+  ARGV[6] .. ' (worker lost?), and no retries were left')
+return reply(status, task, release_head())

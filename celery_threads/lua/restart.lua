@@ -1,0 +1,12 @@
+-- restart: a dead task re-enters its thread as a brand-new arrival (same task id, retries reset).
+--   ARGV[5] task id   ARGV[6] max_retries   ARGV[7] retry delay ms
+-- Returns {1, ''} plus the release, {0, ''} when it is not in the dead-letter store,
+-- {2, ''} when that task id is a member again already.
+local task = ARGV[5]
+local rec = redis.call('HGET', K_DEADREC, task)
+if rec == false then return reply(0, '') end
+local nl = string.find(rec, '\n', 1, true)
+if not add_member(task, NOW, 0, ARGV[6], ARGV[7], string.sub(rec, nl + 1)) then return reply(2, '') end
+redis.call('ZREM', K_DEAD, task)
+redis.call('HDEL', K_DEADREC, task)
+return reply(1, '', release_head())

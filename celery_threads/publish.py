@@ -1,0 +1,163 @@
+"""Capture the message plain Celery would publish, store it as an envelope, publish it on release.
+
+An envelope is ``header_json + b"\\n" + body``: the body already serialized by the app's serializer
+(so an argument it cannot encode fails before anything is stored), the header holding everything
+``Producer.publish`` needs to send exactly that message later.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from datetime import datetime, timezone
+from typing import Any, Optional
+
+from celery import Celery
+from kombu import Exchange, Queue
+from kombu.serialization import dumps
+
+from .gate import Release
+
+logger = logging.getLogger(__name__)
+
+THREAD_HEADER = "thread_id"
+TOKEN_HEADER = "thread_token"
+OUR_HEADERS = (THREAD_HEADER, TOKEN_HEADER)
+
+_PROPERTY_KEYS = ("correlation_id", "reply_to", "priority", "delivery_mode", "expiration",
+                  "message_id", "user_id", "app_id", "type", "timestamp")
+
+
+class CapturingProducer:
+    """Stands in for a kombu ``Producer`` during ``apply_async``: the task message is kept, not sent.
+
+    Any other publish made on it (the ``task-sent`` event) is held until :meth:`flush`, so nothing
+    reaches the broker unless the gate stored the member.
+    """
+
+    def __init__(self, real: Any) -> None:
+        self._real = real
+        self.envelope: Optional[bytes] = None
+        self._held: list[tuple[Any, dict[str, Any]]] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+    def publish(self, body: Any, **kwargs: Any) -> None:
+        if self.envelope is None:
+            self.envelope = encode_envelope(body, kwargs)
+        else:
+            self._held.append((body, kwargs))
+
+    def flush(self) -> None:
+        held, self._held = self._held, []
+        for body, kwargs in held:
+            try:
+                self._real.publish(body, **kwargs)
+            except Exception:  # an event is best effort, as in Celery
+                logger.warning("celery-threads: could not publish a held event", exc_info=True)
+
+
+def _name(entity: Any) -> Any:
+    return entity.name if isinstance(entity, (Exchange, Queue)) else entity
+
+
+def encode_envelope(body: Any, kwargs: dict[str, Any]) -> bytes:
+    serializer = kwargs.get("serializer")
+    content_type = kwargs.get("content_type")
+    if content_type is None:
+        content_type, content_encoding, payload = dumps(body, serializer=serializer)
+    else:
+        content_encoding = kwargs.get("content_encoding") or "utf-8"
+        payload = body
+    if isinstance(payload, str):
+        payload = payload.encode(content_encoding or "utf-8")
+    headers = dict(kwargs.get("headers") or {})
+    for key in OUR_HEADERS:
+        headers.pop(key, None)
+    header = {
+        "exchange": _name(kwargs.get("exchange")) or "",
+        "routing_key": kwargs.get("routing_key"),
+        "declare": [_name(q) for q in (kwargs.get("declare") or []) if isinstance(q, Queue)],
+        "content_type": content_type,
+        "content_encoding": content_encoding,
+        "compression": kwargs.get("compression"),
+        "retry": kwargs.get("retry", True),
+        "retry_policy": kwargs.get("retry_policy"),
+        "headers": headers,
+        "properties": {k: kwargs[k] for k in _PROPERTY_KEYS if kwargs.get(k) is not None},
+    }
+    return json.dumps(header, default=repr).encode() + b"\n" + payload
+
+
+def decode_envelope(envelope: bytes) -> tuple[dict[str, Any], bytes]:
+    header, _, body = envelope.partition(b"\n")
+    return json.loads(header), body
+
+
+def task_name(envelope: bytes) -> str:
+    header, _ = decode_envelope(envelope)
+    return str(header["headers"].get("task", ""))
+
+
+def decode_arguments(app: Celery, envelope: bytes) -> tuple[list[Any], dict[str, Any]]:
+    """The ``(args, kwargs)`` of a stored task message (protocol 2)."""
+    from kombu.serialization import loads
+
+    header, body = decode_envelope(envelope)
+    payload = loads(body, header["content_type"], header["content_encoding"],
+                    accept=app.conf.accept_content | {header["content_type"]})
+    if isinstance(payload, (list, tuple)) and len(payload) == 3:
+        return list(payload[0]), dict(payload[1])
+    return list(payload.get("args", [])), dict(payload.get("kwargs", {}))
+
+
+def publish_release(app: Celery, release: Release, producer: Any = None,
+                    extra_headers: Optional[dict[str, Any]] = None, queue: Optional[str] = None
+                    ) -> None:
+    """Publish a released member: its stored message, plus the thread id and fencing token."""
+    header, body = decode_envelope(release.envelope)
+    headers = dict(header["headers"])
+    headers["retries"] = release.retries
+    headers["eta"] = None
+    headers[THREAD_HEADER] = release.thread_id
+    headers[TOKEN_HEADER] = release.token
+    if extra_headers:
+        headers.update(extra_headers)
+    properties = dict(header["properties"])
+    properties.pop("expiration", None)
+    remaining = _seconds_until(headers.get("expires"))
+    if remaining is not None:
+        # The broker's TTL counts from now; an expired member still goes out, so the worker
+        # revokes it as expired and the thread moves on.
+        properties["expiration"] = max(remaining, 0.001)
+    exchange, routing_key = header["exchange"], header["routing_key"]
+    declare = [app.amqp.queues[name] for name in header["declare"]]
+    if queue is not None:
+        declare = [app.amqp.queues[queue]]
+        exchange, routing_key = declare[0].exchange.name, declare[0].routing_key
+    with app.producer_or_acquire(producer) as P:
+        P.publish(
+            body,
+            exchange=exchange,
+            routing_key=routing_key,
+            headers=headers,
+            content_type=header["content_type"],
+            content_encoding=header["content_encoding"],
+            compression=header["compression"],
+            declare=declare,
+            retry=header["retry"],
+            retry_policy=header["retry_policy"],
+            **properties,
+        )
+
+
+def _seconds_until(expires: Any) -> Optional[float]:
+    if not expires:
+        return None
+    try:
+        when = datetime.fromisoformat(str(expires))
+    except ValueError:
+        return None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=timezone.utc)
+    return (when - datetime.now(timezone.utc)).total_seconds()

@@ -1,0 +1,101 @@
+"""Per-app runtime: the gate's client, the settings, and the few actions every side shares."""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import traceback as tb
+from typing import Any, Optional
+
+from celery import Celery
+
+from .config import ThreadsConfig, read_config
+from .gate import Gate, Outcome, Release, make_client
+from .keys import Keys
+from .publish import THREAD_HEADER, publish_release, task_name
+from .signals import member_dead
+
+logger = logging.getLogger(__name__)
+
+_ATTR = "_celery_threads_runtime"
+_lock = threading.Lock()
+
+
+class Runtime:
+    """What a process needs to drive the gate for one app."""
+
+    def __init__(self, app: Celery) -> None:
+        self.app = app
+        self.config: ThreadsConfig = read_config(app)
+        self.client = make_client(self.config.redis_url)
+        self.keys = Keys(self.config.key_prefix, self.config.shards)
+        self.gate = Gate(self.client, self.keys,
+                         release_timeout_ms=self.config.release_timeout_ms,
+                         keepalive_ms=self.config.keepalive_ms)
+        self.pid = os.getpid()
+
+    def publish(self, release: Optional[Release], producer: Any = None) -> None:
+        """Publish a release.  A failure is logged, not raised: the member is safely RELEASED in
+        the gate, and the dispatcher republishes it after ``threads_release_timeout``."""
+        if release is None:
+            return
+        try:
+            publish_release(self.app, release, producer)
+        except Exception:
+            logger.exception(
+                "celery-threads: could not publish member %s of thread %s; the dispatcher "
+                "republishes it after threads_release_timeout (%ss)",
+                release.task_id, release.thread_id, self.config.release_timeout)
+
+    def apply(self, outcome: Outcome, producer: Any = None) -> Outcome:
+        self.publish(outcome.release, producer)
+        return outcome
+
+    def kill(self, thread_id: str, task_id: str, token: str, *, exc: BaseException,
+             retries: int, keep: bool = True, einfo: Any = None,
+             reason: Optional[str] = None) -> Outcome:
+        """The member died: record it (unless ``keep`` is false), tell listeners, promote the next."""
+        exception = reason or f"{type(exc).__name__}: {exc}"
+        trace = (getattr(einfo, "traceback", None)
+                 or "".join(tb.format_exception(type(exc), exc, exc.__traceback__)))
+        meta = {"retries": retries, "exception": exception, "traceback": trace}
+        outcome = self.apply(self.gate.kill(thread_id, task_id, token, meta, keep=keep))
+        if outcome.done:
+            self.announce_death(thread_id, task_id, exception, retries)
+        return outcome
+
+    def announce_death(self, thread_id: str, task_id: str, exception: str, retries: int) -> None:
+        record = self.gate.dead_record(task_id)
+        name = task_name(record.envelope) if record else ""
+        logger.warning("celery-threads: member %s (%s) of thread %s died: %s",
+                       task_id, name, thread_id, exception)
+        if record is not None and self.config.dead_letter_queue:
+            self._send_dead_letter(thread_id, task_id, exception, record.envelope)
+        member_dead.send(sender=self.app.tasks.get(name, name), task_id=task_id,
+                         thread_id=thread_id, name=name, exception=exception, retries=retries)
+
+    def _send_dead_letter(self, thread_id: str, task_id: str, exception: str,
+                          envelope: bytes) -> None:
+        try:
+            publish_release(self.app, Release(thread_id, task_id, "", 0, envelope),
+                            extra_headers={THREAD_HEADER: thread_id,
+                                           "thread_dead_letter": True,
+                                           "thread_exception": exception},
+                            queue=self.config.dead_letter_queue)
+        except Exception:
+            logger.exception("celery-threads: could not route dead member %s to queue %s; it "
+                             "stays in the dead-letter store", task_id,
+                             self.config.dead_letter_queue)
+
+
+def get_runtime(app: Celery) -> Runtime:
+    """The app's runtime in this process (a forked child builds its own)."""
+    runtime: Optional[Runtime] = getattr(app, _ATTR, None)
+    if runtime is not None and runtime.pid == os.getpid():
+        return runtime
+    with _lock:
+        runtime = getattr(app, _ATTR, None)
+        if runtime is None or runtime.pid != os.getpid():
+            runtime = Runtime(app)
+            setattr(app, _ATTR, runtime)
+        return runtime

@@ -1,0 +1,184 @@
+"""``ThreadedTask``: the Celery task base class whose publications go through the gate."""
+from __future__ import annotations
+
+import inspect
+import logging
+from datetime import datetime, timezone
+from typing import Any, Callable, Optional, Union
+
+from celery import Task
+from celery.exceptions import Ignore, Reject, Retry
+from celery.utils import uuid
+
+from .errors import InvalidThreadId
+from .publish import OUR_HEADERS, THREAD_HEADER, TOKEN_HEADER, CapturingProducer
+from .runtime import get_runtime
+
+logger = logging.getLogger(__name__)
+
+MAX_THREAD_ID_BYTES = 1024
+
+ThreadKey = Union[str, Callable[[tuple, dict], Any], None]
+
+
+def normalize_thread_id(value: Any) -> str:
+    """A valid thread id as a string, or :class:`InvalidThreadId`."""
+    if isinstance(value, bool) or not isinstance(value, (str, int)):
+        raise InvalidThreadId(
+            f"thread id {value!r} is a {type(value).__name__}: use a non-empty str or an int")
+    text = str(value)
+    if not text:
+        raise InvalidThreadId("thread id is empty: use a non-empty str or an int")
+    if len(text.encode("utf-8")) > MAX_THREAD_ID_BYTES:
+        raise InvalidThreadId(
+            f"thread id is {len(text.encode('utf-8'))} bytes long; the limit is "
+            f"{MAX_THREAD_ID_BYTES} bytes")
+    return text
+
+
+def _eta_ms(eta: Any) -> int:
+    if isinstance(eta, str):
+        eta = datetime.fromisoformat(eta)
+    if eta.tzinfo is None:
+        eta = eta.replace(tzinfo=timezone.utc)
+    return int(eta.timestamp() * 1000)
+
+
+class ThreadedTask(Task):
+    """A task whose calls join a thread: at most one member of a thread runs at a time.
+
+    Give the thread with ``apply_async(..., thread_id=...)`` or declare ``thread_key`` (an argument
+    name or a callable ``(args, kwargs) -> id``).  ``dead_letter = False`` drops members that die
+    instead of keeping them in the dead-letter store.
+    """
+
+    thread_key: ThreadKey = None
+    dead_letter: bool = True
+
+    Strategy = "celery_threads.worker:threaded_strategy"
+    Request = "celery_threads.worker:ThreadedRequest"
+
+    # Celery's own worker-lost retry would publish from the main process; the gate does it instead.
+    retry_on_worker_lost = False
+
+    @classmethod
+    def on_bound(cls, app: Any) -> None:
+        from .install import install
+
+        install(app)
+
+    # -- publishing ---------------------------------------------------------------------------
+    def resolve_thread_id(self, args: Any, kwargs: Any, explicit: Any = None) -> str:
+        if explicit is not None:
+            return normalize_thread_id(explicit)
+        key = self.thread_key
+        args, kwargs = tuple(args or ()), dict(kwargs or {})
+        if callable(key):
+            return normalize_thread_id(key(args, kwargs))
+        if isinstance(key, str):
+            if key in kwargs:
+                return normalize_thread_id(kwargs[key])
+            try:
+                bound = inspect.signature(self.run).bind_partial(*args, **kwargs)
+            except TypeError:
+                bound = None
+            if bound is not None and key in bound.arguments:
+                return normalize_thread_id(bound.arguments[key])
+            raise InvalidThreadId(
+                f"task {self.name} takes its thread id from argument {key!r}, which this call "
+                "does not pass")
+        raise InvalidThreadId(
+            f"task {self.name} needs a thread id: pass apply_async(..., thread_id=...) or declare "
+            "the task with thread_key='<argument name>'")
+
+    def apply_async(self, args: Any = None, kwargs: Any = None, task_id: Optional[str] = None,
+                    producer: Any = None, link: Any = None, link_error: Any = None,
+                    shadow: Any = None, **options: Any) -> Any:
+        explicit = options.pop("thread_id", None)
+        app = self._get_app()
+        if app.conf.task_always_eager:
+            return super().apply_async(args, kwargs, task_id=task_id, producer=producer,
+                                       link=link, link_error=link_error, shadow=shadow, **options)
+        headers = dict(options.pop("headers", None) or {})
+        token = headers.get(TOKEN_HEADER) or None
+        if explicit is None:
+            explicit = headers.get(THREAD_HEADER)
+        for key in OUR_HEADERS:
+            headers.pop(key, None)
+        thread_id = self.resolve_thread_id(args, kwargs, explicit)
+        countdown = options.pop("countdown", None)
+        eta = options.pop("eta", None)
+        task_id = task_id or uuid()
+        runtime = get_runtime(app)
+        with app.producer_or_acquire(producer) as real:
+            capture = CapturingProducer(real)
+            result = super().apply_async(args, kwargs, task_id=task_id, producer=capture,
+                                         link=link, link_error=link_error, shadow=shadow,
+                                         headers=headers, **options)
+            assert capture.envelope is not None, "Celery published no task message"
+            at_ms = _eta_ms(eta) if eta is not None else None
+            delay_ms = int(float(countdown or 0) * 1000)
+            if token is not None:
+                outcome = runtime.gate.requeue(
+                    thread_id, task_id, token, retries=int(options.get("retries") or 0),
+                    delay_ms=delay_ms, at_ms=at_ms, envelope=capture.envelope)
+                if not outcome.done:
+                    logger.warning(
+                        "celery-threads: retry of %s[%s] ignored: it no longer holds thread %s "
+                        "(deleted, or its lease lapsed)", self.name, task_id, thread_id)
+                else:
+                    _requeued.add((task_id, token))
+            else:
+                outcome = runtime.gate.enqueue(
+                    thread_id, task_id, capture.envelope, delay_ms=delay_ms, at_ms=at_ms,
+                    max_retries=self.max_retries,
+                    retry_delay_ms=int(float(self.default_retry_delay or 0) * 1000))
+                if not outcome.done:
+                    logger.info("celery-threads: %s[%s] is already a member of thread %s; "
+                                "not enqueued twice", self.name, task_id, thread_id)
+            capture.flush()
+            runtime.publish(outcome.release, real)
+        return result
+
+    # -- running ------------------------------------------------------------------------------
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        request = self.request
+        headers = request.headers or {}
+        token = headers.get(TOKEN_HEADER)
+        if not token or request.called_directly or request.is_eager:
+            return super().__call__(*args, **kwargs)
+        thread_id = headers[THREAD_HEADER]
+        task_id = request.id
+        runtime = get_runtime(self._get_app())
+        gate = runtime.gate
+        try:
+            result = super().__call__(*args, **kwargs)
+        except Retry:
+            if (task_id, token) not in _requeued:
+                # Retry raised by hand, without self.retry() publishing: re-enter now.
+                gate_outcome = gate.requeue(thread_id, task_id, token,
+                                            retries=int(request.retries or 0) + 1)
+                runtime.apply(gate_outcome)
+            _requeued.discard((task_id, token))
+            raise
+        except Ignore:
+            runtime.apply(gate.finish(thread_id, task_id, token))
+            raise
+        except Reject as exc:
+            if exc.requeue:
+                runtime.apply(gate.requeue(thread_id, task_id, token,
+                                           retries=int(request.retries or 0)))
+            else:
+                runtime.kill(thread_id, task_id, token, exc=exc, retries=int(request.retries or 0),
+                             keep=self.dead_letter, reason=f"Rejected: {exc.reason!r}")
+            raise
+        except Exception as exc:
+            runtime.kill(thread_id, task_id, token, exc=exc, retries=int(request.retries or 0),
+                         keep=self.dead_letter)
+            raise
+        runtime.apply(gate.finish(thread_id, task_id, token))
+        return result
+
+
+# (task id, token) pairs whose self.retry() re-entered the gate in this process.
+_requeued: set[tuple[str, str]] = set()

@@ -1,0 +1,252 @@
+"""The worker side: claim on receipt, lease renewal, and the endings only the main process sees.
+
+* :func:`threaded_strategy` claims each released member with its fencing token before Celery even
+  logs it as received, so a stale or duplicate delivery is acked and dropped without a
+  ``task-received`` event or a result-backend write for the live task.
+* :class:`ThreadedRequest` ends members whose pool child could not: a killed child
+  (``WorkerLostError``) and a hard time limit.
+* :class:`ThreadsWorkerStep` renews the leases of the members this worker holds (in its own
+  thread, so it works under prefork, threads and solo pools) and runs the worker's dispatch loop.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any, Optional
+
+from celery import bootsteps
+from celery.exceptions import TimeLimitExceeded, WorkerLostError
+from celery.utils.serialization import get_pickled_exception
+from celery.worker import state as worker_state
+from celery.worker.request import Request
+from celery.worker.strategy import default as default_strategy
+
+from .gate import CLAIMED, ALREADY_CLAIMED, RETRIED
+from .publish import THREAD_HEADER, TOKEN_HEADER
+from .runtime import get_runtime
+
+logger = logging.getLogger(__name__)
+
+
+def threaded_strategy(task: Any, app: Any, consumer: Any, **kwargs: Any) -> Any:
+    handle = default_strategy(task, app, consumer, **kwargs)
+    runtime = get_runtime(app)
+    keepalive_ms = runtime.config.keepalive_ms
+    hostname = consumer.hostname
+
+    def task_message_handler(message: Any, body: Any, ack: Any, reject: Any, callbacks: Any,
+                             **kw: Any) -> Any:
+        headers = message.headers or {}
+        token = headers.get(TOKEN_HEADER)
+        if not token:
+            return _enter_gate_from_worker(task, runtime, message, ack, reject)
+        thread_id, task_id = headers.get(THREAD_HEADER), headers.get("id")
+        status = runtime.gate.claim(thread_id, task_id, token, keepalive_ms, hostname)
+        if status != CLAIMED:
+            why = "a duplicate delivery" if status == ALREADY_CLAIMED else "a stale release"
+            logger.info("celery-threads: dropped %s[%s] of thread %s: %s (token %s)",
+                        task.name, task_id, thread_id, why, token)
+            ack()
+            return None
+        return handle(message, body, ack, reject, callbacks, **kw)
+
+    return task_message_handler
+
+
+def _enter_gate_from_worker(task: Any, runtime: Any, message: Any, ack: Any, reject: Any) -> None:
+    """A threaded task's message that did not come through the gate (``send_task`` by name from
+    another program, a dead letter sent back): the worker enqueues it into its thread."""
+    from .publish import encode_envelope
+    from .task import _eta_ms
+
+    headers = dict(message.headers or {})
+    try:
+        args, kwargs, _ = message.decode()
+        thread_id = task.resolve_thread_id(args, kwargs, headers.get(THREAD_HEADER))
+    except Exception as exc:
+        logger.error("celery-threads: rejected %s[%s]: it came without a thread id (%s). Publish "
+                     "it with apply_async(thread_id=...) or give the task a thread_key.",
+                     task.name, headers.get("id"), exc)
+        reject(requeue=False) if callable(reject) else None
+        return
+    delivery = message.delivery_info or {}
+    props = message.properties or {}
+    envelope = encode_envelope(message.body, {
+        "exchange": delivery.get("exchange") or "",
+        "routing_key": delivery.get("routing_key"),
+        "content_type": message.content_type,
+        "content_encoding": message.content_encoding,
+        "headers": {**headers, "eta": None},
+        **{k: props.get(k) for k in ("correlation_id", "reply_to", "priority")},
+    })
+    eta = headers.get("eta")
+    outcome = runtime.gate.enqueue(
+        thread_id, headers["id"], envelope, at_ms=_eta_ms(eta) if eta else None,
+        max_retries=task.max_retries,
+        retry_delay_ms=int(float(task.default_retry_delay or 0) * 1000))
+    runtime.publish(outcome.release)
+    ack()
+
+
+def _thread_headers(request: Any) -> tuple[Optional[str], Optional[str]]:
+    headers = request.request_dict
+    return headers.get(THREAD_HEADER), headers.get(TOKEN_HEADER)
+
+
+class ThreadedRequest(Request):
+    """Main-process endings of a threaded member that its pool child could not report."""
+
+    def on_timeout(self, soft: bool, timeout: float) -> None:
+        thread_id, token = _thread_headers(self)
+        if not soft and token and not worker_state.should_terminate:
+            exc = TimeLimitExceeded(timeout)
+            get_runtime(self.task.app).kill(
+                thread_id, self.id, token, exc=exc, retries=int(self.request_dict.get("retries") or 0),
+                keep=self.task.dead_letter, reason=f"TimeLimitExceeded: hard time limit ({timeout}s)")
+        super().on_timeout(soft, timeout)
+
+    def on_failure(self, exc_info: Any, send_failed_event: bool = True,
+                   return_ok: bool = False) -> None:
+        thread_id, token = _thread_headers(self)
+        exc = get_pickled_exception(exc_info.exception)
+        exc = getattr(exc, "exc", exc)
+        lost = isinstance(exc, (WorkerLostError, SystemExit, KeyboardInterrupt))
+        if token and lost and not (self._already_revoked or self._already_cancelled):
+            runtime = get_runtime(self.task.app)
+            outcome = runtime.gate.fail(thread_id, self.id, token,
+                                        f"WorkerLostError: {exc}; no retries were left")
+            runtime.apply(outcome)
+            if outcome.status == RETRIED:
+                self._announce_lost_retry(exc, exc_info)
+                return
+            if outcome.status == 4:
+                runtime.announce_death(thread_id, self.id, f"WorkerLostError: {exc}",
+                                       int(self.request_dict.get("retries") or 0))
+        super().on_failure(exc_info, send_failed_event=send_failed_event, return_ok=return_ok)
+
+    def _announce_lost_retry(self, exc: BaseException, exc_info: Any) -> None:
+        """What Celery does for a retried task: RETRY state, ``task-retried`` event, ack."""
+        from celery.utils.saferepr import saferepr
+
+        if self.store_errors:
+            self.task.backend.mark_as_retry(self.id, exc, exc_info.traceback,
+                                            request=self._context)
+        if self.task.acks_late:
+            self.acknowledge()
+        self.send_event("task-retried", exception=saferepr(exc), traceback=exc_info.traceback)
+
+
+def on_task_revoked(sender: Any = None, request: Any = None, terminated: bool = False,
+                    expired: bool = False, **kwargs: Any) -> None:
+    """A revoked member (revoke on receipt, terminate while running, expired) leaves its thread."""
+    from .task import ThreadedTask
+
+    if not isinstance(sender, ThreadedTask) or request is None:
+        return
+    headers = request.headers or {}
+    token = headers.get(TOKEN_HEADER)
+    if not token:
+        return
+    runtime = get_runtime(sender.app)
+    runtime.apply(runtime.gate.delete(request.id, token=token))
+
+
+def wrap_revoke_command() -> None:
+    """``app.control.revoke(id)`` of a member still waiting in the gate deletes it (a worker is the
+    only place that sees a plain revoke).  A released or running member ends as usual when a
+    worker discards or terminates it."""
+    from celery.utils.functional import maybe_list
+    from celery.worker.control import Panel
+
+    original = Panel.data.get("revoke")
+    if original is None or getattr(original, "_celery_threads", False):
+        return
+
+    def revoke(state: Any, task_id: Any, terminate: bool = False, signal: Any = None,
+               **kwargs: Any) -> Any:
+        reply = original(state, task_id, terminate=terminate, signal=signal, **kwargs)
+        app = state.consumer.app
+        if getattr(app, "_celery_threads_installed", False):
+            runtime = get_runtime(app)
+            for one in maybe_list(task_id) or []:
+                try:
+                    runtime.apply(runtime.gate.delete(one, only_waiting=True))
+                except Exception:
+                    logger.exception("celery-threads: could not delete revoked member %s", one)
+        return reply
+
+    revoke._celery_threads = True  # type: ignore[attr-defined]
+    revoke.__doc__ = original.__doc__
+    Panel.data["revoke"] = revoke
+
+
+class LeaseRenewer:
+    """Renews the lease of every threaded member this worker process holds, every keepalive/3."""
+
+    def __init__(self, runtime: Any) -> None:
+        self.runtime = runtime
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="celery-threads-renew",
+                                        daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def held(self) -> list[tuple[str, str, str]]:
+        members = []
+        for request in list(worker_state.reserved_requests):
+            thread_id, token = _thread_headers(request)
+            if token:
+                members.append((thread_id, request.id, token))
+        return members
+
+    def _run(self) -> None:
+        period = self.runtime.config.keepalive / 3.0
+        while True:
+            members = self.held()
+            if self._stop.is_set() and not members:
+                return
+            if members:
+                try:
+                    renewed = self.runtime.gate.renew_many(members, self.runtime.config.keepalive_ms)
+                    for (thread_id, task_id, _), ok in zip(members, renewed):
+                        if not ok:
+                            logger.debug("celery-threads: %s no longer holds thread %s", task_id,
+                                         thread_id)
+                except Exception:
+                    logger.exception("celery-threads: could not renew leases; retrying")
+            self._stop.wait(period) if not self._stop.is_set() else self._stop.wait(0.2)
+
+
+class ThreadsWorkerStep(bootsteps.StartStopStep):
+    """Installed in every worker of an app with threaded tasks: renewer and dispatch loop."""
+
+    label = "celery-threads"
+
+    def __init__(self, worker: Any, **kwargs: Any) -> None:
+        self.renewer: Optional[LeaseRenewer] = None
+        self.loop: Any = None
+
+    def start(self, worker: Any) -> None:
+        from .dispatcher import DispatchLoop
+
+        runtime = get_runtime(worker.app)
+        wrap_revoke_command()
+        self.renewer = LeaseRenewer(runtime)
+        self.renewer.start()
+        if runtime.config.worker_dispatch:
+            self.loop = DispatchLoop(runtime)
+            self.loop.start()
+
+    def stop(self, worker: Any) -> None:
+        if self.loop is not None:
+            self.loop.stop()
+        if self.renewer is not None:
+            self.renewer.stop()   # keeps renewing what is still running, then ends
+
+    def shutdown(self, worker: Any) -> None:
+        self.stop(worker)

@@ -1,0 +1,196 @@
+"""Fixtures: a private redis-server, real `celery worker` / `celery beat` subprocesses.
+
+Services missing on a laptop skip the tests that need them; under CI (CI=1) they fail instead.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Iterator, Optional
+
+import pytest
+import redis
+
+ROOT = Path(__file__).resolve().parent.parent
+IN_CI = os.environ.get("CI") == "1"
+
+
+def _missing(what: str) -> None:
+    if IN_CI:
+        pytest.fail(f"{what} is required in CI")
+    pytest.skip(f"{what} is not available")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class RedisServer:
+    """A redis-server of the test's own, which a test may stop and start again."""
+
+    def __init__(self, appendonly: bool = False) -> None:
+        self.binary = shutil.which("redis-server") or "/usr/bin/redis-server"
+        self.port = free_port()
+        self.dir = tempfile.mkdtemp(prefix="ct-redis-")
+        self.appendonly = appendonly
+        self.proc: Optional[subprocess.Popen[bytes]] = None
+
+    def url(self, db: int = 0) -> str:
+        return f"redis://127.0.0.1:{self.port}/{db}"
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "yes" if self.appendonly else "no", "--dir", self.dir,
+             "--logfile", os.path.join(self.dir, "redis.log")],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        client = redis.Redis(port=self.port)
+        for _ in range(200):
+            try:
+                client.ping()
+                return
+            except redis.ConnectionError:
+                time.sleep(0.02)
+        raise RuntimeError("redis-server did not start")
+
+    def stop(self, kill: bool = False) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL if kill else signal.SIGTERM)
+            self.proc.wait(10)
+        self.proc = None
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[RedisServer]:
+    if not (shutil.which("redis-server") or os.path.exists("/usr/bin/redis-server")):
+        _missing("redis-server")
+    server = RedisServer()
+    server.start()
+    yield server
+    server.stop()
+    shutil.rmtree(server.dir, ignore_errors=True)
+
+
+class CeleryProcess:
+    """A real `celery -A tests.proj worker|beat` subprocess with its own environment."""
+
+    def __init__(self, kind: str, env: dict[str, str], args: list[str], name: str) -> None:
+        self.kind, self.name = kind, name
+        self.log = Path(tempfile.mkdtemp(prefix="ct-celery-")) / f"{kind}.log"
+        self.cmd = [sys.executable, "-m", "celery", "-A", "tests.proj", kind, *args]
+        self.env = {**os.environ, **env, "PYTHONPATH": str(ROOT)}
+        self.proc: Optional[subprocess.Popen[bytes]] = None
+
+    def start(self) -> "CeleryProcess":
+        self._logfile = open(self.log, "ab")
+        self.proc = subprocess.Popen(self.cmd, env=self.env, cwd=ROOT, stdout=self._logfile,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+        return self
+
+    def wait_ready(self, timeout: float = 30) -> "CeleryProcess":
+        needle = b"ready." if self.kind == "worker" else b"beat: Starting"
+        end = time.time() + timeout
+        while time.time() < end:
+            if needle in self.log.read_bytes():
+                return self
+            if self.proc is not None and self.proc.poll() is not None:
+                break
+            time.sleep(0.1)
+        raise RuntimeError(f"{self.kind} {self.name} did not start:\n{self.output()[-4000:]}")
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        """Signal the whole process group (main process and pool children)."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, sig)
+            self.proc.wait(30)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+        if hasattr(self, "_logfile"):
+            self._logfile.close()
+
+    def children(self) -> list[int]:
+        out = subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True)
+        return [int(p) for p in out.stdout.split()]
+
+
+class Deployment:
+    """Workers and beat sharing one environment (one Redis, one broker, one key prefix)."""
+
+    def __init__(self, env: dict[str, str]) -> None:
+        self.env = env
+        self.processes: list[CeleryProcess] = []
+
+    def worker(self, name: str = "w1", pool: str = "prefork", concurrency: int = 2,
+               extra: Optional[list[str]] = None, wait: bool = True) -> CeleryProcess:
+        args = ["--loglevel", "INFO", "-P", pool, "-c", str(concurrency), "-n",
+                f"{name}-{uuid.uuid4().hex[:6]}@%h", "--without-gossip", "--without-mingle",
+                *(extra or [])]
+        proc = CeleryProcess("worker", self.env, args, name).start()
+        self.processes.append(proc)
+        return proc.wait_ready() if wait else proc
+
+    def beat(self) -> CeleryProcess:
+        schedule = tempfile.mktemp(prefix="ct-beat-")
+        proc = CeleryProcess("beat", self.env, ["--loglevel", "INFO", "-s", schedule], "beat")
+        self.processes.append(proc.start())
+        return proc.wait_ready()
+
+    def stop(self) -> None:
+        for proc in reversed(self.processes):
+            proc.stop()
+
+
+def deployment_env(server: RedisServer, broker: Optional[str] = None, **overrides: str
+                   ) -> dict[str, str]:
+    env = {
+        "CT_REDIS_URL": server.url(0),
+        "CT_BROKER_URL": broker or server.url(1),
+        "CT_BACKEND_URL": server.url(2),
+        "CT_KEEPALIVE": "30",
+        "CT_DISPATCH_INTERVAL": "0.5",
+    }
+    env.update(overrides)
+    return env
+
+
+@pytest.fixture
+def make_deployment(redis_server: RedisServer) -> Iterator:
+    made: list[Deployment] = []
+
+    def make(broker: Optional[str] = None, **overrides: str) -> Deployment:
+        d = Deployment(deployment_env(redis_server, broker, **overrides))
+        made.append(d)
+        return d
+
+    yield make
+    for d in made:
+        d.stop()
+
+
+def rabbitmq_url() -> str:
+    url = "amqp://guest:guest@127.0.0.1:5672//"
+    try:
+        socket.create_connection(("127.0.0.1", 5672), timeout=2).close()
+    except OSError:
+        _missing("RabbitMQ on 127.0.0.1:5672")
+    return url

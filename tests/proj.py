@@ -1,0 +1,166 @@
+"""The Celery project the test workers run (importable by forked pool children).
+
+Configured from the environment so that each test can point workers at its own Redis server and
+broker: CT_REDIS_URL (gate and results), CT_BROKER_URL, and CT_* overrides of settings.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import redis
+from celery import Celery
+from celery.exceptions import Ignore, Reject
+
+from celery_threads import ThreadedTask
+
+REDIS_URL = os.environ.get("CT_REDIS_URL", "redis://127.0.0.1:6379/15")
+app = Celery("ctproj", broker=os.environ.get("CT_BROKER_URL", REDIS_URL),
+             backend=os.environ.get("CT_BACKEND_URL", REDIS_URL))
+app.conf.update(
+    threads_redis_url=REDIS_URL,
+    threads_keepalive=float(os.environ.get("CT_KEEPALIVE", "30")),
+    threads_dispatch_interval=float(os.environ.get("CT_DISPATCH_INTERVAL", "1")),
+    threads_release_timeout=float(os.environ.get("CT_RELEASE_TIMEOUT", "60")),
+    threads_dead_letter_queue=os.environ.get("CT_DLQ") or None,
+    task_acks_late=os.environ.get("CT_ACKS_LATE") == "1",
+    worker_prefetch_multiplier=int(os.environ.get("CT_PREFETCH", "4")),
+    broker_transport_options={
+        "visibility_timeout": float(os.environ.get("CT_VISIBILITY", "3600")),
+    },
+    worker_send_task_events=True,
+    task_send_sent_event=True,
+    broker_connection_retry_on_startup=True,
+)
+if os.environ.get("CT_UNACKED_RESTORE"):
+    app.conf.broker_transport_options.update(unacked_restore_interval=1, unacked_restore_throttle=1)
+
+_history: "redis.Redis[bytes] | None" = None
+
+
+def history() -> "redis.Redis[bytes]":
+    global _history
+    if _history is None or getattr(_history, "_pid", None) != os.getpid():
+        _history = redis.Redis.from_url(REDIS_URL)
+        _history._pid = os.getpid()  # type: ignore[attr-defined]
+    return _history
+
+
+def _record(thread: str, event: str, label: str, task_id: str) -> None:
+    """Append an event stamped with the Redis server's clock; counts members running at once."""
+    r = history()
+    seconds, micros = r.time()
+    stamp = seconds * 1_000_000 + micros
+    pipe = r.pipeline()
+    if event == "start":
+        pipe.incr(f"running:{thread}")
+    else:
+        pipe.decr(f"running:{thread}")
+    pipe.rpush(f"hist:{thread}", f"{event}|{label}|{task_id}|{stamp}")
+    running = pipe.execute()[0]
+    if event == "start" and running > 1:
+        r.rpush("overlaps", f"{thread}|{label}|{task_id}")
+
+
+class _Span:
+    def __init__(self, task: ThreadedTask, thread: str, label: str) -> None:
+        self.args = (thread, label, task.request.id)
+
+    def __enter__(self) -> "_Span":
+        _record(self.args[0], "start", *self.args[1:])
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        _record(self.args[0], "end", *self.args[1:])
+
+
+@app.task(base=ThreadedTask, bind=True, thread_key="thread", max_retries=3,
+          default_retry_delay=0.2)
+def record(self, thread, label, sleep=0.0, fail_times=0, countdown=0.2):
+    """Runs `sleep` seconds; fails (with self.retry) its first `fail_times` attempts."""
+    with _Span(self, thread, label):
+        time.sleep(sleep)
+        if self.request.retries < fail_times:
+            raise self.retry(countdown=countdown, exc=RuntimeError(f"{label} attempt failed"))
+    return label
+
+
+@app.task(base=ThreadedTask, bind=True, thread_key="thread", autoretry_for=(KeyError,),
+          max_retries=2, retry_backoff=0.1, retry_jitter=False)
+def autoretry(self, thread, label, fail_times=0):
+    with _Span(self, thread, label):
+        if self.request.retries < fail_times:
+            raise KeyError(label)
+    return label
+
+
+@app.task(base=ThreadedTask, bind=True, thread_key="thread", max_retries=0)
+def boom(self, thread, label, sleep=0.0):
+    """Fails for good on its first attempt."""
+    with _Span(self, thread, label):
+        time.sleep(sleep)
+        raise ValueError(f"{label} exploded")
+
+
+@app.task(base=ThreadedTask, bind=True, thread_key="thread", dead_letter=False, max_retries=0)
+def boom_quietly(self, thread, label):
+    with _Span(self, thread, label):
+        raise ValueError(f"{label} exploded")
+
+
+@app.task(base=ThreadedTask, bind=True, thread_key="thread")
+def rejecter(self, thread, label, requeue=False):
+    with _Span(self, thread, label):
+        pass
+    if requeue and self.request.retries == 0 and not history().getset(f"rejected:{label}", 1):
+        raise Reject("again", requeue=True)
+    if not requeue:
+        raise Reject("no thanks", requeue=False)
+    return label
+
+
+@app.task(base=ThreadedTask, bind=True, thread_key="thread")
+def ignorer(self, thread, label):
+    with _Span(self, thread, label):
+        pass
+    raise Ignore()
+
+
+@app.task(base=ThreadedTask, bind=True, thread_key="thread", soft_time_limit=0.5, max_retries=0)
+def soft_limited(self, thread, label):
+    with _Span(self, thread, label):
+        time.sleep(5)
+
+
+@app.task(base=ThreadedTask, bind=True, thread_key="thread", time_limit=1, max_retries=0)
+def hard_limited(self, thread, label):
+    _record(thread, "start", label, self.request.id)
+    time.sleep(30)
+
+
+@app.task(base=ThreadedTask, bind=True, thread_key="thread", max_retries=1,
+          default_retry_delay=0.1)
+def suicide(self, thread, label):
+    """Kills its own pool child on the first attempt (WorkerLostError in the main process)."""
+    with _Span(self, thread, label):
+        if self.request.retries == 0 and not history().getset(f"killed:{label}", 1):
+            os.kill(os.getpid(), signal.SIGKILL)
+    return label
+
+
+@app.task(base=ThreadedTask, bind=True)
+def free(self, label, sleep=0.0):
+    """No thread_key: the thread id comes from apply_async(thread_id=...)."""
+    thread = self.request.headers["thread_id"]
+    with _Span(self, thread, label):
+        time.sleep(sleep)
+    return label
+
+
+@app.task(bind=True)
+def plain(self, thread, label, sleep=0.0):
+    """A plain Celery task, to compare with."""
+    with _Span(self, thread, label):
+        time.sleep(sleep)
+    return label
