@@ -105,7 +105,7 @@ def decode_arguments(app: Celery, envelope: bytes) -> tuple[list[Any], dict[str,
 
     header, body = decode_envelope(envelope)
     payload = loads(body, header["content_type"], header["content_encoding"],
-                    accept=app.conf.accept_content | {header["content_type"]})
+                    accept={*app.conf.accept_content, header["content_type"]})
     if isinstance(payload, (list, tuple)) and len(payload) == 3:
         return list(payload[0]), dict(payload[1])
     return list(payload.get("args", [])), dict(payload.get("kwargs", {}))

@@ -194,3 +194,44 @@ def rabbitmq_url() -> str:
     except OSError:
         _missing("RabbitMQ on 127.0.0.1:5672")
     return url
+
+
+@pytest.fixture(scope="session")
+def proj(redis_server: RedisServer):
+    """The tests' Celery project, configured as the client side of the default deployment."""
+    os.environ.update(deployment_env(redis_server))
+    from tests import proj as module
+
+    configure_client(module.app, **deployment_env(redis_server))
+    return module
+
+
+def configure_client(app, **env: str) -> None:
+    """Point the in-test client app at a deployment's Redis, broker and settings."""
+    from celery_threads.config import forget_config
+
+    app.conf.update(
+        threads_redis_url=env["CT_REDIS_URL"],
+        broker_url=env["CT_BROKER_URL"],
+        result_backend=env["CT_BACKEND_URL"],
+        threads_release_timeout=float(env.get("CT_RELEASE_TIMEOUT", "60")),
+        threads_keepalive=float(env.get("CT_KEEPALIVE", "30")),
+    )
+    forget_config(app)
+    for attr in ("_celery_threads_runtime",):
+        if hasattr(app, attr):
+            delattr(app, attr)
+    # Drop pooled broker connections and the cached backend so the new URLs take effect.
+    app._pool = None
+    app.amqp._producer_pool = None
+    app._local.__dict__.pop("backend", None) if hasattr(app, "_local") else None
+    app.__dict__.pop("backend", None)
+
+
+@pytest.fixture(scope="session")
+def worker(redis_server: RedisServer, proj) -> Iterator[CeleryProcess]:
+    """One prefork worker shared by the tests that need nothing special from it."""
+    d = Deployment(deployment_env(redis_server))
+    proc = d.worker("shared", concurrency=3)
+    yield proc
+    d.stop()

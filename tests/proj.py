@@ -164,3 +164,11 @@ def plain(self, thread, label, sleep=0.0):
     with _Span(self, thread, label):
         time.sleep(sleep)
     return label
+
+
+from celery_threads.signals import member_dead  # noqa: E402
+
+
+@member_dead.connect
+def _remember_death(sender=None, task_id=None, thread_id=None, exception=None, **kwargs):
+    history().rpush(f"dead_signal:{thread_id}", f"{task_id}|{exception}")

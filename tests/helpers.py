@@ -1,0 +1,55 @@
+"""Reading the history the test tasks write, and waiting for things."""
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Callable, TypeVar
+
+T = TypeVar("T")
+
+
+def tid(prefix: str = "t") -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:10]}"
+
+
+def wait_for(condition: Callable[[], T], timeout: float = 20.0, interval: float = 0.05,
+             what: str = "condition") -> T:
+    end = time.time() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.time() > end:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)
+
+
+@dataclass(frozen=True)
+class Event:
+    kind: str       # "start" or "end"
+    label: str
+    task_id: str
+    at_us: int      # Redis server clock
+
+
+def events(r, thread: str) -> list[Event]:
+    rows = [x.decode().split("|") for x in r.lrange(f"hist:{thread}", 0, -1)]
+    return [Event(k, label, task_id, int(at)) for k, label, task_id, at in rows]
+
+
+def starts(r, thread: str) -> list[str]:
+    return [e.label for e in events(r, thread) if e.kind == "start"]
+
+
+def assert_serial(r, thread: str) -> None:
+    """No two members of `thread` ran at once: starts and ends alternate."""
+    evs = events(r, thread)
+    for i, e in enumerate(evs):
+        assert e.kind == ("start" if i % 2 == 0 else "end"), f"overlap in {thread}: {evs}"
+        if e.kind == "end":
+            assert e.label == evs[i - 1].label, f"overlap in {thread}: {evs}"
+
+
+def gate_keys(r, thread: str) -> list[bytes]:
+    return [k for k in r.scan_iter(match=f"*:t:{thread}:*")]
