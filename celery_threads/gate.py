@@ -295,6 +295,90 @@ class Gate:
                 return True
         return False
 
+    # -- health reads (read-only, for Threads' health API and the command line) ---------------
+    def thread_summaries(self, thread_ids: Sequence[str]
+                         ) -> list[tuple[dict[str, str], int, Optional[tuple[str, int]]]]:
+        """For each thread: its active hash, how many members wait, and its head as
+        ``(task id, scheduled_at ms)`` (``None`` when none waits); one MULTI/EXEC of plain reads."""
+        if not thread_ids:
+            return []
+        pipe = self.client.pipeline(transaction=True)
+        for thread_id in thread_ids:
+            keys = self.keys.thread(thread_id)
+            pipe.hgetall(keys.active)
+            pipe.zcard(keys.queue)
+            pipe.zrange(keys.queue, 0, 0, withscores=True)
+        replies = pipe.execute()
+        rows: list[tuple[dict[str, str], int, Optional[tuple[str, int]]]] = []
+        for i in range(len(thread_ids)):
+            active, waiting, head = replies[3 * i:3 * i + 3]
+            rows.append(({_text(k): _text(v) for k, v in active.items()}, int(waiting),
+                         (_text(head[0][0])[17:], int(head[0][1])) if head else None))
+        return rows
+
+    def overdue(self, shard: ShardKeys, before_ms: int, limit: int
+                ) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
+        """Threads of ``shard`` whose active member's deadline (leases index), or whose idle head's
+        scheduled_at (due index), is at or before ``before_ms``: at most ``limit`` of each, earliest
+        first, as ``(thread id, ms)``.  O(log n + limit): never a scan of all threads."""
+        pipe = self.client.pipeline(transaction=False)
+        pipe.zrangebyscore(shard.leases, "-inf", before_ms, start=0, num=limit, withscores=True)
+        pipe.zrangebyscore(shard.due, "-inf", before_ms, start=0, num=limit, withscores=True)
+        lapsed, due = pipe.execute()
+        return ([(_text(m), int(score)) for m, score in lapsed],
+                [(_text(m), int(score)) for m, score in due])
+
+    def index_counts(self, shard: ShardKeys, now_ms: int, overdue_before_ms: int
+                     ) -> dict[str, Any]:
+        """Sizes of ``shard``'s indexes, each O(1) or O(log n): ``idle`` and ``active`` threads,
+        ``members``, ``dead`` tasks, ``lapsed`` deadlines and ``overdue_heads`` at or before
+        ``overdue_before_ms``, and ``oldest_due``, the idle thread whose head has been due the
+        longest at ``now_ms`` as ``(thread id, scheduled_at ms)`` or ``None``."""
+        pipe = self.client.pipeline(transaction=True)
+        pipe.zcard(shard.due)
+        pipe.zcard(shard.leases)
+        pipe.hlen(shard.tasks)
+        pipe.zcard(shard.dead)
+        pipe.zcount(shard.leases, "-inf", overdue_before_ms)
+        pipe.zcount(shard.due, "-inf", overdue_before_ms)
+        pipe.zrangebyscore(shard.due, "-inf", now_ms, start=0, num=1, withscores=True)
+        idle, active, members, dead, lapsed, overdue_heads, oldest = pipe.execute()
+        return {
+            "idle": int(idle), "active": int(active), "members": int(members), "dead": int(dead),
+            "lapsed": int(lapsed), "overdue_heads": int(overdue_heads),
+            "oldest_due": (_text(oldest[0][0]), int(oldest[0][1])) if oldest else None,
+        }
+
+    def active_states(self, shard: ShardKeys, batch: int = 1000) -> dict[str, int]:
+        """How many active members of ``shard`` are in each state (``RELEASED``, ``RUNNING``).
+
+        O(active threads): the leases index is walked incrementally, each batch's states read in
+        one pipelined round trip."""
+        counts: dict[str, int] = {}
+        pending: list[str] = []
+        seen: set[str] = set()  # ZSCAN may return an entry twice while the ZSET is rehashed
+
+        def count(thread_ids: list[str]) -> None:
+            pipe = self.client.pipeline(transaction=False)
+            for thread_id in thread_ids:
+                pipe.hget(self.keys.thread(thread_id).active, "state")
+            for state in pipe.execute():
+                if state is not None:
+                    counts[_text(state)] = counts.get(_text(state), 0) + 1
+
+        for member, _ in self.client.zscan_iter(shard.leases, count=batch):
+            thread_id = _text(member)
+            if thread_id in seen:
+                continue
+            seen.add(thread_id)
+            pending.append(thread_id)
+            if len(pending) >= batch:
+                count(pending)
+                pending = []
+        if pending:
+            count(pending)
+        return counts
+
 
 @dataclass(frozen=True)
 class Scan:

@@ -135,3 +135,294 @@ class Threads:
     def forget(self, task_id: str) -> bool:
         """Drop a dead task from the store; ``True`` if it was there."""
         return self.gate.forget(task_id)
+
+    # -- health -----------------------------------------------------------------------------
+    # Every "now" below is the Redis server's clock (TIME), the clock the gate's scripts use.
+
+    @property
+    def stuck_after(self) -> float:
+        """Seconds past a deadline or a due head's scheduled_at after which a thread is stuck:
+        :data:`STUCK_AFTER_TICKS` dispatcher ticks (``threads_dispatch_interval``)."""
+        return STUCK_AFTER_TICKS * self.runtime.config.dispatch_interval
+
+    def status(self, thread_id: Any) -> Optional[ThreadStatus]:
+        """The thread's members with their health (lease expiry, worker, ages), or ``None`` when
+        the thread does not exist."""
+        from .task import normalize_thread_id
+
+        thread_id = normalize_thread_id(thread_id)
+        now = self.gate.now_ms()
+        snapshot = self.gate.snapshot(thread_id)
+        return None if snapshot is None else _status(snapshot, now)
+
+    def summaries(self, batch: int = 500) -> Iterator[ThreadSummary]:
+        """One line of health per existing thread (``celery threads ls``), read ``batch`` threads
+        per round trip.  Reads every thread: O(threads)."""
+        seen: set[str] = set()
+        pending: list[str] = []
+        for thread_id in self.ids():
+            if thread_id in seen:   # the index scan may return a thread twice
+                continue
+            seen.add(thread_id)
+            pending.append(thread_id)
+            if len(pending) >= batch:
+                yield from self._summaries(pending)
+                pending = []
+        if pending:
+            yield from self._summaries(pending)
+
+    def _summaries(self, thread_ids: list[str]) -> Iterator[ThreadSummary]:
+        now = self.gate.now_ms()
+        for thread_id, (active, waiting, head) in zip(thread_ids,
+                                                      self.gate.thread_summaries(thread_ids)):
+            if not active and head is None:
+                continue            # it ended between the scan and the read
+            since = _int(active.get("since"))
+            yield ThreadSummary(
+                thread_id=thread_id,
+                members=waiting + (1 if active else 0),
+                active_task=active.get("task"),
+                active_state=active.get("state"),
+                active_for=None if since is None else (now - since) / 1000.0,
+                next_eligible_at=None if head is None else _at(head[1]),
+                head_age=None if head is None else (now - head[1]) / 1000.0,
+            )
+
+    def stuck(self, grace: Optional[float] = None, limit: int = 100) -> list[StuckThread]:
+        """Threads the dispatcher should have moved on but did not, most overdue first.
+
+        * an active member whose deadline (a RUNNING member's lease, a RELEASED member's release
+          timeout) lapsed more than ``grace`` seconds ago without being reclaimed or republished;
+        * an idle thread whose head has been due for more than ``grace`` seconds without being
+          released.
+
+        Either means no dispatcher is running (no ``celery beat`` and no worker).  ``grace``
+        defaults to :attr:`stuck_after`.  Read through the index ZSETs by score: O(log n + stuck
+        threads), at most ``limit`` of each kind per shard.
+        """
+        grace_ms = int((self.stuck_after if grace is None else grace) * 1000)
+        now = self.gate.now_ms()
+        cutoff = now - grace_ms
+        found: list[StuckThread] = []
+        for shard in self.gate.keys.all_shards():
+            lapsed, due = self.gate.overdue(shard, cutoff, limit)
+            rows = self.gate.thread_summaries([t for t, _ in lapsed] + [t for t, _ in due])
+            for (thread_id, score), (active, _, _) in zip(lapsed, rows[:len(lapsed)]):
+                stuck = _stuck_active(thread_id, score, active, now, cutoff)
+                if stuck is not None:
+                    found.append(stuck)
+            for (thread_id, score), (active, _, head) in zip(due, rows[len(lapsed):]):
+                if active or head is None or head[1] > cutoff:
+                    continue        # released, or displaced by a later head, since the read
+                found.append(_stuck_head(thread_id, head[0], head[1], now))
+        found.sort(key=lambda s: s.overdue_for, reverse=True)
+        return found
+
+    def stats(self, grace: Optional[float] = None) -> Stats:
+        """Counts of threads, members by state and dead letters, the oldest waiting head, and how
+        many threads are :meth:`stuck` (``grace`` as there).  Everything is read from the
+        indexes in O(log n), except the RELEASED/RUNNING split: O(active members)."""
+        grace_ms = int((self.stuck_after if grace is None else grace) * 1000)
+        now = self.gate.now_ms()
+        threads = members = active = dead = stuck = 0
+        states: dict[str, int] = {}
+        oldest: Optional[tuple[str, int]] = None
+        for shard in self.gate.keys.all_shards():
+            counts = self.gate.index_counts(shard, now, now - grace_ms)
+            threads += counts["idle"] + counts["active"]
+            members += counts["members"]
+            active += counts["active"]
+            dead += counts["dead"]
+            stuck += counts["lapsed"] + counts["overdue_heads"]
+            if counts["oldest_due"] is not None and (oldest is None
+                                                     or counts["oldest_due"][1] < oldest[1]):
+                oldest = counts["oldest_due"]
+            for state, n in self.gate.active_states(shard).items():
+                states[state] = states.get(state, 0) + n
+        head = None
+        if oldest is not None:
+            row = self.gate.thread_summaries([oldest[0]])[0][2]
+            head = WaitingHead(oldest[0], row[0] if row else "", _at(oldest[1]),
+                               (now - oldest[1]) / 1000.0)
+        return Stats(
+            now=_at(now),
+            threads=threads,
+            members={"WAITING": max(0, members - active),
+                     "RELEASED": states.get("RELEASED", 0),
+                     "RUNNING": states.get("RUNNING", 0)},
+            dead=dead,
+            oldest_waiting_head=head,
+            stuck=stuck,
+        )
+
+
+# -- health types and helpers ---------------------------------------------------------------
+
+STUCK_AFTER_TICKS = 3
+"""A deadline lapsed, or a due head left unreleased, for this many dispatcher ticks is stuck."""
+
+DISPATCHER_HINT = ("is a dispatcher running? Start `celery beat` or a worker of this app "
+                   "(each worker dispatches unless threads_worker_dispatch is False)")
+
+
+class ActiveStatus(NamedTuple):
+    """The active member of a thread, with its lease."""
+
+    task_id: str
+    name: str
+    state: str                        # "RELEASED" or "RUNNING"
+    scheduled_at: datetime
+    retries: int
+    since: datetime                   # when it was released to the broker
+    active_for: float                 # seconds since ``since``
+    deadline: datetime                # lease expiry (RUNNING) or release deadline (RELEASED)
+    expires_in: float                 # seconds until ``deadline``; negative once it lapsed
+    worker: Optional[str]             # hostname of the worker that claimed it (RUNNING)
+    claimed_at: Optional[datetime]
+    republished: int                  # times its release was republished, unclaimed
+
+
+class WaitingStatus(NamedTuple):
+    """A waiting member of a thread."""
+
+    task_id: str
+    name: str
+    scheduled_at: datetime
+    arrival: int                      # arrival order among the thread's members, 1 = earliest
+    retries: int
+
+
+class ThreadStatus(NamedTuple):
+    """One thread in detail (``celery threads show``)."""
+
+    thread_id: str
+    now: datetime                     # the Redis server's clock when it was read
+    active: Optional[ActiveStatus]
+    waiting: list[WaitingStatus]      # in the order they would be released
+    next_eligible_at: Optional[datetime]   # the head's scheduled_at
+    head_age: Optional[float]         # seconds since the head became eligible; negative: not yet
+
+    @property
+    def members(self) -> int:
+        return len(self.waiting) + (1 if self.active else 0)
+
+
+class ThreadSummary(NamedTuple):
+    """One thread in a line (``celery threads ls``)."""
+
+    thread_id: str
+    members: int
+    active_task: Optional[str]
+    active_state: Optional[str]
+    active_for: Optional[float]       # seconds the active member has been active
+    next_eligible_at: Optional[datetime]   # the head's scheduled_at
+    head_age: Optional[float]         # seconds since the head became eligible; negative: not yet
+
+
+class StuckThread(NamedTuple):
+    """A thread the dispatcher did not move on (see :meth:`Threads.stuck`)."""
+
+    thread_id: str
+    kind: str                         # "lease", "release" (an active member) or "head"
+    task_id: str
+    state: str                        # "RUNNING", "RELEASED" or "WAITING"
+    overdue_since: datetime           # the lapsed deadline, or the head's scheduled_at
+    overdue_for: float                # seconds
+    worker: Optional[str]
+    reason: str
+
+
+class WaitingHead(NamedTuple):
+    thread_id: str
+    task_id: str
+    scheduled_at: datetime
+    age: float                        # seconds it has been due
+
+
+class Stats(NamedTuple):
+    now: datetime                     # the Redis server's clock
+    threads: int
+    members: dict[str, int]           # by state: WAITING, RELEASED, RUNNING
+    dead: int                         # tasks in the dead-letter store
+    oldest_waiting_head: Optional[WaitingHead]   # the idle thread's head due the longest
+    stuck: int                        # threads :meth:`Threads.stuck` would list
+
+
+def _at(ms: int) -> datetime:
+    return datetime.fromtimestamp(ms / 1000.0, tz=timezone.utc)
+
+
+def _int(value: Optional[str]) -> Optional[int]:
+    return None if value is None or value == "" else int(value)
+
+
+def _status(snapshot: ThreadSnapshot, now: int) -> ThreadStatus:
+    parsed = {task_id: parse_record(record) for task_id, record in snapshot.records.items()}
+    arrival = {task_id: rank for rank, task_id in
+               enumerate(sorted(parsed, key=lambda t: parsed[t][0]), start=1)}
+
+    def name_of(task_id: str) -> str:
+        envelope = parsed[task_id][4] if task_id in parsed else b""
+        return task_name(envelope) if envelope.startswith(b"{\"") else ""
+
+    def retries_of(task_id: str) -> int:
+        return parsed[task_id][1] if task_id in parsed else 0
+
+    active = None
+    a = snapshot.active
+    if a:
+        since, deadline = int(a.get("since", now)), int(a.get("deadline", now))
+        claimed = _int(a.get("claimed"))
+        active = ActiveStatus(
+            task_id=a["task"], name=name_of(a["task"]), state=a.get("state", ""),
+            scheduled_at=_at(int(a.get("sched", since))),
+            retries=retries_of(a["task"]),
+            since=_at(since), active_for=(now - since) / 1000.0,
+            deadline=_at(deadline), expires_in=(deadline - now) / 1000.0,
+            worker=a.get("worker") or None, claimed_at=_utc(claimed),
+            republished=int(a.get("n", 0) or 0),
+        )
+    waiting = [WaitingStatus(task_id, name_of(task_id), _at(ms),
+                             arrival.get(task_id, 0), retries_of(task_id))
+               for task_id, ms in snapshot.waiting]
+    head_ms = snapshot.waiting[0][1] if snapshot.waiting else None
+    return ThreadStatus(
+        thread_id=snapshot.thread_id, now=_at(now), active=active,
+        waiting=waiting, next_eligible_at=_utc(head_ms),
+        head_age=None if head_ms is None else (now - head_ms) / 1000.0,
+    )
+
+
+def _stuck_active(thread_id: str, score: int, active: dict[str, str], now: int,
+                  cutoff: int) -> Optional[StuckThread]:
+    if not active:
+        return StuckThread(thread_id, "lease", "", "", _at(score), (now - score) / 1000.0,
+                           None, "in the leases index without an active member, past its "
+                           f"deadline by {_seconds(now - score)}: {DISPATCHER_HINT}")
+    deadline = int(active.get("deadline", score))
+    if deadline > cutoff:
+        return None                 # renewed, republished or reclaimed since the read
+    state, worker = active.get("state", ""), active.get("worker") or None
+    late = _seconds(now - deadline)
+    if state == "RUNNING":
+        kind = "lease"
+        reason = (f"lease expired {late} ago (worker {worker} stopped renewing it) and the "
+                  f"member was not reclaimed: {DISPATCHER_HINT}")
+    else:
+        kind = "release"
+        reason = (f"released but unclaimed {late} past its release deadline, and not "
+                  f"republished: {DISPATCHER_HINT}")
+    return StuckThread(thread_id, kind, active.get("task", ""), state,
+                       _at(deadline), (now - deadline) / 1000.0,
+                       worker, reason)
+
+
+def _stuck_head(thread_id: str, task_id: str, scheduled_ms: int, now: int) -> StuckThread:
+    return StuckThread(thread_id, "head", task_id, "WAITING",
+                       _at(scheduled_ms), (now - scheduled_ms) / 1000.0,
+                       None, f"head due {_seconds(now - scheduled_ms)} ago and not released: "
+                       f"{DISPATCHER_HINT}")
+
+
+def _seconds(ms: int) -> str:
+    return f"{ms / 1000.0:.1f}s"

@@ -174,17 +174,25 @@ def deployment_env(server: RedisServer, broker: Optional[str] = None, **override
 
 
 @pytest.fixture
-def make_deployment(redis_server: RedisServer) -> Iterator:
+def make_deployment(redis_server: RedisServer, proj) -> Iterator:
+    """Workers of their own: own key prefix and queue, so no other test's members reach them.
+
+    The in-test client app is pointed at the newest deployment until the test ends.
+    """
     made: list[Deployment] = []
 
     def make(broker: Optional[str] = None, **overrides: str) -> Deployment:
+        name = uuid.uuid4().hex[:8]
+        overrides = {"CT_KEY_PREFIX": f"ct-{name}", "CT_QUEUE": f"q-{name}", **overrides}
         d = Deployment(deployment_env(redis_server, broker, **overrides))
+        configure_client(proj.app, **d.env)
         made.append(d)
         return d
 
     yield make
     for d in made:
         d.stop()
+    configure_client(proj.app, **deployment_env(redis_server))
 
 
 def rabbitmq_url() -> str:
@@ -216,6 +224,9 @@ def configure_client(app, **env: str) -> None:
         result_backend=env["CT_BACKEND_URL"],
         threads_release_timeout=float(env.get("CT_RELEASE_TIMEOUT", "60")),
         threads_keepalive=float(env.get("CT_KEEPALIVE", "30")),
+        threads_key_prefix=env.get("CT_KEY_PREFIX", "celery_threads"),
+        task_default_queue=env.get("CT_QUEUE", "celery"),
+        task_acks_late=env.get("CT_ACKS_LATE") == "1",
     )
     forget_config(app)
     for attr in ("_celery_threads_runtime",):

@@ -1,0 +1,320 @@
+"""A pure-Python reference model of the gate (one shard), for the model-based test.
+
+It states the semantics of ``celery_threads/lua/*.lua`` without Redis: a thread is a set of members,
+at most one of which is *active* (RELEASED to a worker under a fencing token, or RUNNING under a
+lease); the others wait.  The head is the waiting member with the earliest scheduled_at, ties broken
+by arrival order.  After every transition that detaches or re-queues the active member, or adds a
+member, the head is released when it is due and nothing is active ("release_head").  A thread
+exists only while it has members.
+
+Fencing tokens here are the model's own strings (``"m1"``, ``"m2"``, ...): the test maps them one to
+one onto the gate's tokens instead of assuming how the gate makes them.  Every method mirrors the
+:class:`celery_threads.gate.Gate` method of the same name and returns what that method returns.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+DONE, NOOP = 1, 0
+CLAIMED, ALREADY_CLAIMED, STALE = 1, 2, 0
+REPUBLISH, RETRIED, DIED = 2, 3, 4
+RELEASED, RUNNING, WAITING = "RELEASED", "RUNNING", "WAITING"
+
+
+@dataclass
+class Member:
+    task_id: str
+    sched: int              # scheduled_at, ms
+    seq: int                # arrival order, kept across retries, new on restart
+    retries: int
+    max_retries: int        # -1: unlimited
+    retry_delay_ms: int
+    envelope: bytes
+
+
+@dataclass
+class Active:
+    task_id: str
+    token: str
+    state: str              # RELEASED or RUNNING
+    deadline: int           # release timeout (RELEASED) or lease (RUNNING), ms
+    n: int = 0              # republications of this release so far
+    worker: Optional[str] = None
+
+
+@dataclass
+class Thread:
+    thread_id: str
+    members: dict[str, Member] = field(default_factory=dict)   # waiting and active alike
+    active: Optional[Active] = None
+
+    def waiting(self) -> list[Member]:
+        """Waiting members in release order: earliest scheduled_at, then arrival."""
+        busy = self.active.task_id if self.active else None
+        return sorted((m for m in self.members.values() if m.task_id != busy),
+                      key=lambda m: (m.sched, m.seq))
+
+
+@dataclass(frozen=True)
+class Release:
+    thread_id: str
+    task_id: str
+    token: str
+    retries: int
+    envelope: bytes
+
+
+@dataclass(frozen=True)
+class Outcome:
+    status: int
+    info: str
+    release: Optional[Release] = None
+
+
+@dataclass(frozen=True)
+class Dead:
+    task_id: str
+    meta: dict[str, Any]
+    envelope: bytes
+    died_at_ms: int
+
+
+@dataclass(frozen=True)
+class Scan:
+    due: list[str]
+    lapsed: list[str]
+    next_ms: Optional[int]
+
+
+class Model:
+    def __init__(self, *, release_timeout_ms: int, keepalive_ms: int = 30_000,
+                 max_republish_backoff: int = 6, now: int = 0) -> None:
+        self.release_timeout_ms = release_timeout_ms
+        self.keepalive_text = f"{keepalive_ms / 1000:g}s"
+        self.max_republish_backoff = max_republish_backoff
+        self.now = now
+        self.threads: dict[str, Thread] = {}
+        self.tasks: dict[str, str] = {}          # task id -> thread id, every member
+        self.dead: dict[str, Dead] = {}
+        self._arrivals = itertools.count(1)
+        self._tokens = itertools.count(1)
+
+    # -- helpers ---------------------------------------------------------------------------
+    def _schedule(self, delay_ms: int, at_ms: Optional[int]) -> int:
+        return int(at_ms) if at_ms is not None else self.now + max(0, int(delay_ms))
+
+    def _active(self, thread_id: str, task_id: str, token: str) -> Optional[Active]:
+        """The active member when it is (task_id, token); token "" matches any token."""
+        thread = self.threads.get(thread_id)
+        if thread is None or thread.active is None or thread.active.task_id != task_id:
+            return None
+        if token != "" and thread.active.token != token:
+            return None
+        return thread.active
+
+    def _release_of(self, thread: Thread) -> Release:
+        assert thread.active is not None
+        m = thread.members[thread.active.task_id]
+        return Release(thread.thread_id, m.task_id, thread.active.token, m.retries, m.envelope)
+
+    def _release_head(self, thread_id: str) -> Optional[Release]:
+        thread = self.threads.get(thread_id)
+        if thread is None:
+            return None
+        if thread.active is not None:
+            return None
+        waiting = thread.waiting()
+        if not waiting:
+            del self.threads[thread_id]             # the last member left: the thread is gone
+            return None
+        head = waiting[0]
+        if head.sched > self.now:
+            return None
+        thread.active = Active(head.task_id, f"m{next(self._tokens)}", RELEASED,
+                               self.now + self.release_timeout_ms)
+        return self._release_of(thread)
+
+    def _add_member(self, thread_id: str, task_id: str, sched: int, max_retries: int,
+                    retry_delay_ms: int, envelope: bytes) -> bool:
+        if task_id in self.tasks:
+            return False
+        thread = self.threads.setdefault(thread_id, Thread(thread_id))
+        thread.members[task_id] = Member(task_id, sched, next(self._arrivals), 0, max_retries,
+                                         retry_delay_ms, envelope)
+        self.tasks[task_id] = thread_id
+        return True
+
+    def _drop_active(self, thread: Thread) -> str:
+        assert thread.active is not None
+        task_id = thread.active.task_id
+        thread.active = None
+        del thread.members[task_id]
+        del self.tasks[task_id]
+        return task_id
+
+    def _requeue_active(self, thread: Thread, sched: int, retries: int, envelope: bytes) -> None:
+        assert thread.active is not None
+        m = thread.members[thread.active.task_id]
+        m.sched, m.retries = sched, retries
+        if envelope:
+            m.envelope = envelope
+        thread.active = None
+
+    def _kill_active(self, thread: Thread, keep: bool, meta: dict[str, Any]) -> None:
+        assert thread.active is not None
+        m = thread.members[thread.active.task_id]
+        if keep:
+            self.dead[m.task_id] = Dead(m.task_id, meta, m.envelope, self.now)
+        self._drop_active(thread)
+
+    def _fail_active(self, thread: Thread, reason: str) -> int:
+        """A failed attempt: retry at now + retry delay while retries remain, else die."""
+        assert thread.active is not None
+        m = thread.members[thread.active.task_id]
+        if m.max_retries < 0 or m.retries < m.max_retries:
+            self._requeue_active(thread, self.now + m.retry_delay_ms, m.retries + 1, b"")
+            return RETRIED
+        meta = {"thread_id": thread.thread_id, "retries": m.retries, "exception": reason,
+                "traceback": ""}
+        self._kill_active(thread, True, meta)
+        return DIED
+
+    # -- transitions (mirroring Gate) --------------------------------------------------------
+    def enqueue(self, thread_id: str, task_id: str, envelope: bytes, *, delay_ms: int = 0,
+                at_ms: Optional[int] = None, max_retries: Optional[int] = None,
+                retry_delay_ms: int = 0) -> Outcome:
+        maxr = -1 if max_retries is None else int(max_retries)
+        if not self._add_member(thread_id, task_id, self._schedule(delay_ms, at_ms), maxr,
+                                retry_delay_ms, envelope):
+            return Outcome(NOOP, "")
+        return Outcome(DONE, "", self._release_head(thread_id))
+
+    def release(self, thread_id: str) -> Outcome:
+        return Outcome(DONE, "", self._release_head(thread_id))
+
+    def claim(self, thread_id: str, task_id: str, token: str, keepalive_ms: int,
+              worker: str) -> int:
+        active = self._active(thread_id, task_id, token)
+        if active is None:
+            return STALE
+        if active.state == RUNNING:
+            return ALREADY_CLAIMED
+        active.state, active.deadline, active.worker = RUNNING, self.now + keepalive_ms, worker
+        return CLAIMED
+
+    def renew(self, thread_id: str, task_id: str, token: str, keepalive_ms: int) -> bool:
+        active = self._active(thread_id, task_id, token)
+        if active is None or active.state != RUNNING:
+            return False
+        active.deadline = self.now + keepalive_ms
+        return True
+
+    def finish(self, thread_id: str, task_id: str, token: str) -> Outcome:
+        if self._active(thread_id, task_id, token) is None:
+            return Outcome(NOOP, "")
+        self._drop_active(self.threads[thread_id])
+        return Outcome(DONE, "", self._release_head(thread_id))
+
+    def requeue(self, thread_id: str, task_id: str, token: str, *, retries: int,
+                delay_ms: int = 0, at_ms: Optional[int] = None,
+                envelope: bytes = b"") -> Outcome:
+        if self._active(thread_id, task_id, token) is None:
+            return Outcome(NOOP, "")
+        self._requeue_active(self.threads[thread_id], self._schedule(delay_ms, at_ms), retries,
+                             envelope)
+        return Outcome(DONE, "", self._release_head(thread_id))
+
+    def kill(self, thread_id: str, task_id: str, token: str, meta: dict[str, Any], *,
+             keep: bool = True) -> Outcome:
+        if self._active(thread_id, task_id, token) is None:
+            return Outcome(NOOP, "")
+        self._kill_active(self.threads[thread_id], keep, {"thread_id": thread_id, **meta})
+        return Outcome(DONE, "", self._release_head(thread_id))
+
+    def delete(self, task_id: str, *, token: str = "", only_waiting: bool = False) -> Outcome:
+        thread_id = self.tasks.get(task_id)
+        if thread_id is None:
+            return Outcome(NOOP, "")
+        thread = self.threads[thread_id]
+        if thread.active is not None and thread.active.task_id == task_id:
+            state = thread.active.state
+            if only_waiting or (token != "" and thread.active.token != token):
+                return Outcome(NOOP, state)
+            self._drop_active(thread)
+        else:
+            if token != "":
+                return Outcome(NOOP, WAITING)
+            state = WAITING
+            del thread.members[task_id]
+            del self.tasks[task_id]
+        return Outcome(DONE, state, self._release_head(thread_id))
+
+    def expire(self, thread_id: str) -> Outcome:
+        thread = self.threads.get(thread_id)
+        if thread is None or thread.active is None:
+            # An idle thread in a stale sweep: its due head is released (see the test's notes).
+            return Outcome(NOOP, "", self._release_head(thread_id))
+        active = thread.active
+        if active.deadline > self.now:
+            return Outcome(NOOP, "")
+        if active.state == RELEASED:
+            active.n += 1
+            backoff = min(active.n, self.max_republish_backoff)
+            active.deadline = self.now + self.release_timeout_ms * 2 ** backoff
+            return Outcome(REPUBLISH, "republish", self._release_of(thread))
+        task_id = active.task_id
+        reason = (f"LeaseExpired: the worker running it sent no keepalive for "
+                  f"{self.keepalive_text} (worker lost?), and no retries were left")
+        status = self._fail_active(thread, reason)
+        return Outcome(status, task_id, self._release_head(thread_id))
+
+    def fail(self, thread_id: str, task_id: str, token: str, reason: str) -> Outcome:
+        active = self._active(thread_id, task_id, token)
+        if active is None or active.state != RUNNING:
+            return Outcome(NOOP, "")
+        status = self._fail_active(self.threads[thread_id], reason)
+        return Outcome(status, task_id, self._release_head(thread_id))
+
+    def restart(self, task_id: str, *, max_retries: Optional[int] = None,
+                retry_delay_ms: int = 0) -> Outcome:
+        record = self.dead.get(task_id)
+        if record is None:
+            return Outcome(NOOP, "")
+        thread_id = record.meta["thread_id"]
+        maxr = -1 if max_retries is None else int(max_retries)
+        if not self._add_member(thread_id, task_id, self.now, maxr, retry_delay_ms,
+                                record.envelope):
+            return Outcome(2, "")
+        del self.dead[task_id]
+        return Outcome(DONE, "", self._release_head(thread_id))
+
+    def forget(self, task_id: str) -> bool:
+        return self.dead.pop(task_id, None) is not None
+
+    # -- the dispatcher's view ----------------------------------------------------------------
+    def due_index(self) -> dict[str, int]:
+        """thread id -> head's scheduled_at, for every existing thread with nothing active."""
+        return {t.thread_id: t.waiting()[0].sched for t in self.threads.values()
+                if t.active is None}
+
+    def lease_index(self) -> dict[str, int]:
+        """thread id -> the active member's deadline, for every thread with an active member."""
+        return {t.thread_id: t.active.deadline for t in self.threads.values()
+                if t.active is not None}
+
+    def scan_due(self, limit: int) -> Scan:
+        """What Gate.scan_due reads: the earliest ``limit`` entries of each index (ZSET order:
+        score, then member bytes)."""
+        def first(index: dict[str, int]) -> list[tuple[str, int]]:
+            rows = sorted(index.items(), key=lambda kv: (kv[1], kv[0].encode()))
+            return rows[:limit]
+
+        due, leases = first(self.due_index()), first(self.lease_index())
+        later = [score for _, score in (*due, *leases) if score > self.now]
+        return Scan([t for t, s in due if s <= self.now], [t for t, s in leases if s <= self.now],
+                    min(later, default=None))
+
+    def thread_of(self, task_id: str) -> Optional[str]:
+        return self.tasks.get(task_id)

@@ -1,0 +1,92 @@
+"""Crashed workers, lost releases and duplicate deliveries."""
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+from celery import Task
+
+from celery_threads import Threads
+from celery_threads.runtime import get_runtime
+from tests.conftest import configure_client
+from tests.helpers import assert_serial, events, starts, tid, wait_for
+
+
+@pytest.fixture
+def r(proj):
+    return proj.history()
+
+
+def test_sigkilled_worker_lease_lapses_and_member_reenters(proj, make_deployment, r):
+    d = make_deployment(CT_KEEPALIVE="2", CT_DISPATCH_INTERVAL="0.2")
+    victim = d.worker("victim", concurrency=1)
+    thread = tid("crash")
+    doomed = proj.record.delay(thread, "doomed", sleep=30)
+    nxt = proj.record.delay(thread, "next")
+    wait_for(lambda: starts(r, thread) == ["doomed"], what="doomed to start")
+    killed_at = time.time()
+    victim.kill(signal.SIGKILL)
+    rescuer = d.worker("rescuer", concurrency=1)
+    # The lapsed attempt counts as a failure with retries left: doomed re-enters behind `next`
+    # only if `next` is earlier; its retry delay is 0.2 s, so it re-enters at once.
+    wait_for(lambda: len(starts(r, thread)) >= 2, timeout=30, what="the thread to move on")
+    moved_on = time.time() - killed_at
+    assert moved_on < 2 + 0.2 + 8   # keepalive + a tick + worker start-up on a loaded machine
+    assert nxt.get(timeout=60) == "next"
+    assert starts(r, thread)[:2] == ["doomed", "next"]   # next arrived before doomed re-entered
+    Threads(proj.app).delete(doomed.id)
+
+
+def test_lapsed_lease_without_retries_dies_naming_the_keepalive(proj, make_deployment, r):
+    d = make_deployment(CT_KEEPALIVE="1.5", CT_DISPATCH_INTERVAL="0.2")
+    victim = d.worker("victim", concurrency=1)
+    thread = tid("crash")
+    doomed = proj.boom.delay(thread, "doomed", sleep=30)       # max_retries=0
+    wait_for(lambda: starts(r, thread) == ["doomed"], what="doomed to start")
+    victim.kill(signal.SIGKILL)
+    d.worker("rescuer", concurrency=1)
+    nxt = proj.record.delay(thread, "next")
+    assert nxt.get(timeout=30) == "next"
+    [dead] = [x for x in Threads(proj.app).dead() if x.task_id == doomed.id]
+    assert "LeaseExpired" in dead.exception and "1.5s" in dead.exception
+
+
+def test_release_that_never_reached_the_broker_is_republished(proj, make_deployment, redis_server, r):
+    d = make_deployment(CT_RELEASE_TIMEOUT="1", CT_DISPATCH_INTERVAL="0.2")
+    d.worker("w", concurrency=1)
+    thread = tid("lost")
+    # A producer that died between the gate and the broker: stored and released, never published.
+    from celery_threads.publish import CapturingProducer
+
+    runtime = get_runtime(proj.app)
+    with proj.app.producer_or_acquire() as real:
+        capture = CapturingProducer(real)
+        result = Task.apply_async(proj.record, (thread, "lost"), producer=capture)
+    outcome = runtime.gate.enqueue(thread, result.id, capture.envelope)
+    assert outcome.release is not None                       # released, but nobody publishes it
+    assert Threads(proj.app).get(thread).active.state == "RELEASED"
+    assert result.get(timeout=30) == "lost"
+    assert starts(r, thread) == ["lost"]
+
+
+def test_redelivered_message_never_runs_twice_at_once(proj, make_deployment, r):
+    d = make_deployment(CT_ACKS_LATE="1", CT_VISIBILITY="1", CT_UNACKED_RESTORE="1",
+                        CT_PREFETCH="1")
+    d.worker("a", concurrency=2)
+    d.worker("b", concurrency=2)
+    thread, plain_thread = tid("dup"), tid("dup-plain")
+    plain = proj.plain.delay(plain_thread, "plain", sleep=6)
+    threaded = proj.record.delay(thread, "threaded", sleep=6)
+    assert threaded.get(timeout=60) == "threaded"
+    plain.get(timeout=60)
+    time.sleep(2)
+    # The control: plain Celery with these settings runs the redelivered task again while the
+    # first run is still going.
+    plain_events = events(r, plain_thread)
+    assert [e.kind for e in plain_events][:2] == ["start", "start"], plain_events
+    # Ours ran once; the redelivery was dropped by the claim.
+    assert starts(r, thread) == ["threaded"]
+    assert_serial(r, thread)
+    logs = "".join(p.output() for p in d.processes)
+    assert "a duplicate delivery" in logs
