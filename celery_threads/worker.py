@@ -33,20 +33,26 @@ def threaded_strategy(task: Any, app: Any, consumer: Any, **kwargs: Any) -> Any:
     runtime = get_runtime(app)
     keepalive_ms = runtime.config.keepalive_ms
     hostname = consumer.hostname
+    connection_errors = consumer.connection_errors
+
+    def drop(ack: Any) -> None:
+        ack(logger, connection_errors)
 
     def task_message_handler(message: Any, body: Any, ack: Any, reject: Any, callbacks: Any,
                              **kw: Any) -> Any:
         headers = message.headers or {}
         token = headers.get(TOKEN_HEADER)
         if not token:
-            return _enter_gate_from_worker(task, runtime, message, ack, reject)
+            return _enter_gate_from_worker(task, runtime, message,
+                                           lambda: drop(ack),
+                                           lambda: reject(logger, connection_errors, False))
         thread_id, task_id = headers.get(THREAD_HEADER), headers.get("id")
         status = runtime.gate.claim(thread_id, task_id, token, keepalive_ms, hostname)
         if status != CLAIMED:
             why = "a duplicate delivery" if status == ALREADY_CLAIMED else "a stale release"
             logger.info("celery-threads: dropped %s[%s] of thread %s: %s (token %s)",
                         task.name, task_id, thread_id, why, token)
-            ack()
+            drop(ack)
             return None
         return handle(message, body, ack, reject, callbacks, **kw)
 
@@ -67,7 +73,7 @@ def _enter_gate_from_worker(task: Any, runtime: Any, message: Any, ack: Any, rej
         logger.error("celery-threads: rejected %s[%s]: it came without a thread id (%s). Publish "
                      "it with apply_async(thread_id=...) or give the task a thread_key.",
                      task.name, headers.get("id"), exc)
-        reject(requeue=False) if callable(reject) else None
+        reject()
         return
     delivery = message.delivery_info or {}
     props = message.properties or {}

@@ -158,6 +158,15 @@ class Deployment:
     def stop(self) -> None:
         for proc in reversed(self.processes):
             proc.stop()
+        for proc in self.processes:
+            assert_healthy(proc)
+
+
+def assert_healthy(proc: CeleryProcess) -> None:
+    """A worker or beat that hit an unrecoverable error fails the test that ran it."""
+    output = proc.output()
+    for needle in ("Unrecoverable error", "CRITICAL/"):
+        assert needle not in output, f"{proc.kind} {proc.name}:\n{output[-3000:]}"
 
 
 def deployment_env(server: RedisServer, broker: Optional[str] = None, **overrides: str

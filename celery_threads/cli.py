@@ -1,0 +1,478 @@
+"""``celery -A proj threads ...``: inspect and steer threads and the dead-letter store.
+
+A ``celery.commands`` entry point: Celery loads the app from its own ``-A`` option and hands it to
+these commands as ``ctx.obj.app`` (a :class:`celery.bin.base.CLIContext`).  Every command takes
+``--json``; ``stats`` exits with :data:`EX_STUCK` when a thread is stuck, so it doubles as a health
+check.  Times are the gate's Redis server clock, printed in UTC.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import shutil
+from datetime import datetime
+from typing import Any, Callable, NamedTuple, Optional, Sequence, TypeVar, cast
+
+import click
+import redis
+from kombu.utils.url import maybe_sanitize_url
+
+from .config import read_config
+from .errors import ConfigurationError, ThreadsError, UnknownTask
+from .threads import DISPATCHER_HINT, StuckThread, Threads, ThreadSummary
+
+EX_STUCK = 3           # `stats`: at least one thread is stuck
+EX_UNAVAILABLE = 69    # the gate's Redis cannot be reached (sysexits EX_UNAVAILABLE, as Celery)
+EX_CONFIG = 78         # a threads_* setting is wrong (sysexits EX_CONFIG)
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class GateUnreachable(click.ClickException):
+    exit_code = EX_UNAVAILABLE
+
+
+class BadSettings(click.ClickException):
+    exit_code = EX_CONFIG
+
+
+# -- the app, its gate, and errors ------------------------------------------------------------
+
+def _app(ctx: click.Context) -> Any:
+    app = getattr(ctx.obj, "app", None)
+    if app is None:
+        raise click.UsageError("run it through Celery, which loads your app: "
+                               "celery -A proj threads ...")
+    return app
+
+
+def _redis_url(ctx: click.Context) -> str:
+    try:
+        return read_config(_app(ctx)).redis_url
+    except ConfigurationError as exc:
+        raise BadSettings(str(exc)) from None
+
+
+def _unreachable(url: str, exc: BaseException) -> GateUnreachable:
+    return GateUnreachable(
+        f"cannot reach the gate's Redis at {maybe_sanitize_url(url)} ({exc}). Start that server, or set "
+        "threads_redis_url in the app's configuration to the Redis the workers use.")
+
+
+def _threads(ctx: click.Context) -> Threads:
+    """The app's :class:`Threads`, once Redis answered a PING (failing fast: the gate's own client
+    retries for ~10 s, right for workers but not for a person at a shell)."""
+    url = _redis_url(ctx)
+    try:
+        probe = redis.Redis.from_url(url, socket_connect_timeout=3, socket_timeout=5)
+    except ValueError as exc:
+        raise BadSettings(f"threads_redis_url {maybe_sanitize_url(url)!r} is not a Redis URL: {exc}"
+                          ) from None
+    try:
+        probe.ping()
+    except redis.RedisError as exc:
+        raise _unreachable(url, exc) from None
+    finally:
+        probe.close()
+    return Threads(_app(ctx))
+
+
+def _guarded(fn: F) -> F:
+    """Turn the errors a command may meet into messages that say what to do (no traceback)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            raise _unreachable(_redis_url(click.get_current_context()), exc) from None
+        except ConfigurationError as exc:
+            raise BadSettings(str(exc)) from None
+        except ThreadsError as exc:
+            raise click.ClickException(_message(exc)) from None
+
+    return cast(F, wrapper)
+
+
+def _message(exc: BaseException) -> str:
+    # KeyError subclasses (UnknownTask) would print their message quoted.
+    return str(exc.args[0]) if exc.args else type(exc).__name__
+
+
+json_option = click.option("--json", "as_json", is_flag=True,
+                           help="Print JSON instead of text.")
+
+
+# -- output -----------------------------------------------------------------------------------
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, tuple) and hasattr(value, "_asdict"):
+        return {k: _jsonable(v) for k, v in value._asdict().items()}
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, datetime):
+        return value.isoformat(timespec="milliseconds")
+    if isinstance(value, float):
+        return round(value, 3)
+    if value is None or isinstance(value, (str, int, bool)):
+        return value
+    return repr(value)
+
+
+def _echo_json(data: Any) -> None:
+    click.echo(json.dumps(_jsonable(data), indent=2))
+
+
+def _width() -> int:
+    """The terminal's width, never under 80 columns."""
+    return max(80, shutil.get_terminal_size((80, 24)).columns)
+
+
+def _when(at: Optional[datetime]) -> str:
+    return "-" if at is None else at.strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _duration(seconds: float) -> str:
+    s = abs(seconds)
+    if s < 10:
+        return f"{s:.1f}s"
+    if s < 60:
+        return f"{s:.0f}s"
+    minutes, s_ = divmod(int(s), 60)
+    if minutes < 60:
+        return f"{minutes}m{s_:02d}s"
+    hours, minutes = divmod(minutes, 60)
+    if hours < 24:
+        return f"{hours}h{minutes:02d}m"
+    days, hours = divmod(hours, 24)
+    return f"{days}d{hours:02d}h"
+
+
+def _relative(seconds_ahead: Optional[float]) -> str:
+    """``in 3.0s`` for the future, ``3.0s ago`` for the past."""
+    if seconds_ahead is None:
+        return "-"
+    if abs(seconds_ahead) < 0.05:
+        return "now"
+    if seconds_ahead > 0:
+        return f"in {_duration(seconds_ahead)}"
+    return f"{_duration(seconds_ahead)} ago"
+
+
+def _fit(text: str, width: int) -> str:
+    return text if len(text) <= width else text[:max(width - 1, 0)] + "…"
+
+
+class Column(NamedTuple):
+    header: str
+    right: bool = False      # align right (numbers)
+    shrink: bool = False     # may be cut, with "…", to fit the width
+
+
+def _table(columns: Sequence[Column], rows: Sequence[Sequence[Any]],
+           width: Optional[int] = None) -> list[str]:
+    """Aligned lines (header first), shrinking the shrinkable columns to fit ``width``."""
+    width = width or _width()
+    cells = [["-" if v is None else str(v) for v in row] for row in rows]
+    widths = [max([len(c.header), *(len(r[i]) for r in cells)]) for i, c in enumerate(columns)]
+    excess = sum(widths) + 2 * (len(columns) - 1) - width
+    while excess > 0:
+        shrinkable = [i for i, c in enumerate(columns)
+                      if c.shrink and widths[i] > max(len(c.header), 8)]
+        if not shrinkable:
+            break
+        widest = max(shrinkable, key=lambda i: widths[i])
+        widths[widest] -= 1
+        excess -= 1
+
+    def line(values: Sequence[str]) -> str:
+        parts = [_fit(v, w).rjust(w) if c.right else _fit(v, w).ljust(w)
+                 for c, v, w in zip(columns, values, widths)]
+        return "  ".join(parts).rstrip()
+
+    return [line([c.header for c in columns]), *(line(r) for r in cells)]
+
+
+def _echo_lines(lines: Sequence[str]) -> None:
+    for text in lines:
+        click.echo(text)
+
+
+def _pairs(pairs: Sequence[tuple[str, Any]], indent: int = 2) -> list[str]:
+    """``label  value`` lines, the values aligned."""
+    label_width = max(len(label) for label, _ in pairs)
+    return [f"{' ' * indent}{label.ljust(label_width)}  {'-' if v is None else v}"
+            for label, v in pairs]
+
+
+# -- commands ---------------------------------------------------------------------------------
+
+@click.group(name="threads")
+def threads() -> None:
+    """Inspect and steer celery-threads: threads, members, dead letters, health."""
+
+
+_SORTS = {
+    "id": (lambda s: s.thread_id, False),
+    "members": (lambda s: (s.members, s.thread_id), True),
+    # Longest active first; idle threads after, the longest-waiting head first.
+    "age": (lambda s: (s.active_for is not None,
+                       s.active_for if s.active_for is not None else s.head_age or 0.0), True),
+}
+
+
+@threads.command("ls")
+@click.option("--sort", type=click.Choice(list(_SORTS)), default="id", show_default=True,
+              help="id; members (most first); age (longest active first).")
+@click.option("--limit", type=click.IntRange(min=1), default=None,
+              help="Show at most this many threads.")
+@json_option
+@click.pass_context
+@_guarded
+def ls(ctx: click.Context, sort: str, limit: Optional[int], as_json: bool) -> None:
+    """List threads: members, active member, when the head is eligible."""
+    key, reverse = _SORTS[sort]
+    summaries: list[ThreadSummary] = sorted(_threads(ctx).summaries(), key=key, reverse=reverse)
+    total = len(summaries)
+    shown = summaries[:limit] if limit else summaries
+    if as_json:
+        _echo_json(shown)
+        return
+    if not shown:
+        click.echo("No threads.")
+        return
+    columns = [Column("THREAD", shrink=True), Column("MEMBERS", right=True),
+               Column("ACTIVE TASK", shrink=True), Column("STATE"),
+               Column("ACTIVE FOR", right=True), Column("NEXT ELIGIBLE")]
+    _echo_lines(_table(columns, [
+        (s.thread_id, s.members, s.active_task, s.active_state,
+         None if s.active_for is None else _duration(s.active_for),
+         None if s.head_age is None else _relative(-s.head_age))
+        for s in shown]))
+    more = f" (first {len(shown)} shown)" if len(shown) < total else ""
+    click.echo(f"{total} thread{'s' if total != 1 else ''}{more}")
+
+
+@threads.command()
+@click.argument("thread_id")
+@json_option
+@click.pass_context
+@_guarded
+def show(ctx: click.Context, thread_id: str, as_json: bool) -> None:
+    """Show a thread: its active member, its waiting members in release order."""
+    status = _threads(ctx).status(thread_id)
+    if status is None:
+        raise click.ClickException(
+            f"no thread {thread_id!r}: a thread exists only while it has members. "
+            "`celery threads ls` lists the existing threads.")
+    if as_json:
+        _echo_json({**_jsonable(status), "members": status.members})
+        return
+    n = status.members
+    click.echo(f"Thread {status.thread_id}: {n} member{'s' if n != 1 else ''} "
+               f"(Redis time {_when(status.now)})")
+    click.echo("")
+    a = status.active
+    if a is None:
+        click.echo(f"Active member: none; the head is eligible "
+                   f"{_relative(None if status.head_age is None else -status.head_age)}.")
+    else:
+        if a.state == "RUNNING":
+            lease_label, lease = "lease expires", _relative(a.expires_in)
+        else:
+            lease_label, lease = "release deadline", _relative(a.expires_in)
+        if a.expires_in < 0:
+            lease = f"LAPSED {_relative(a.expires_in)}"
+        scheduled_ahead = (a.scheduled_at - status.now).total_seconds()
+        pairs: list[tuple[str, Any]] = [
+            ("task id", a.task_id),
+            ("name", a.name or "?"),
+            ("state", a.state),
+            ("scheduled at", f"{_when(a.scheduled_at)} ({_relative(scheduled_ahead)})"),
+            ("active for", f"{_duration(a.active_for)} (released {_when(a.since)})"),
+            (lease_label, f"{_when(a.deadline)} ({lease})"),
+            ("worker", a.worker),
+            ("retries", a.retries),
+        ]
+        if a.republished:
+            pairs.append(("republished", f"{a.republished} time(s): no worker claimed it"))
+        click.echo("Active member")
+        _echo_lines(_pairs(pairs))
+    click.echo("")
+    if not status.waiting:
+        click.echo("Waiting members: none.")
+        return
+    click.echo("Waiting members, in release order")
+    columns = [Column("#", right=True), Column("TASK ID", shrink=True), Column("SCHEDULED AT"),
+               Column("ARRIVAL", right=True), Column("RETRIES", right=True)]
+    _echo_lines(_table(columns, [(i, m.task_id, _when(m.scheduled_at), m.arrival, m.retries)
+                                 for i, m in enumerate(status.waiting, start=1)]))
+
+
+@threads.command()
+@click.argument("task_id")
+@json_option
+@click.pass_context
+@_guarded
+def delete(ctx: click.Context, task_id: str, as_json: bool) -> None:
+    """Detach a member now and promote the next.
+
+    A running member is also revoked with terminate; a released one is revoked.
+    """
+    t = _threads(ctx)
+    thread_id = t.gate.thread_of(task_id)
+    if thread_id is None or not t.delete(task_id):
+        hint = ("it is in the dead-letter store (see `celery threads forget`)"
+                if t.gate.dead_record(task_id) is not None else
+                "it may have ended or been deleted already; `celery threads show THREAD_ID` "
+                "lists a thread's members")
+        raise click.ClickException(f"no thread has a member with task id {task_id!r}: {hint}.")
+    if as_json:
+        _echo_json({"task_id": task_id, "thread_id": thread_id, "deleted": True})
+    else:
+        click.echo(f"Deleted member {task_id} of thread {thread_id}.")
+
+
+@threads.command()
+@json_option
+@click.pass_context
+@_guarded
+def dead(ctx: click.Context, as_json: bool) -> None:
+    """List the dead-letter store, newest last, with exceptions."""
+    tasks = _threads(ctx).dead()
+    if as_json:
+        _echo_json(tasks)
+        return
+    if not tasks:
+        click.echo("The dead-letter store is empty.")
+        return
+    width = _width()
+    lines = _table([Column("DIED AT"), Column("TASK ID"), Column("THREAD", shrink=True)],
+                   [(_when(d.died_at), d.task_id, d.thread_id) for d in tasks], width)
+    click.echo(lines[0])
+    for line, d in zip(lines[1:], tasks):
+        click.echo(line)
+        exception = (d.exception.strip().splitlines() or ["?"])[-1]
+        retries = f"{d.retries} retr{'y' if d.retries == 1 else 'ies'}"
+        click.echo(_fit(f"    {d.name or '?'}, {retries}: {exception}", width))
+    click.echo(f"{len(tasks)} dead task{'s' if len(tasks) != 1 else ''}; "
+               "`celery threads restart TASK_ID` runs one again")
+
+
+@threads.command()
+@click.argument("task_id")
+@json_option
+@click.pass_context
+@_guarded
+def restart(ctx: click.Context, task_id: str, as_json: bool) -> None:
+    """Run a dead task again, as a new arrival of its thread.
+
+    Same task id; its retries start again from zero.
+    """
+    t = _threads(ctx)
+    record = t.gate.dead_record(task_id)
+    if record is None:
+        raise UnknownTask(f"{task_id!r} is not in the dead-letter store; "
+                          "`celery threads dead` lists it")
+    try:
+        # The task's max_retries and default_retry_delay come from its registered class.
+        t.app.loader.import_default_modules()
+    except Exception as exc:
+        click.echo(f"warning: could not import the app's task modules ({exc}); the task keeps "
+                   "default retry settings", err=True)
+    t.restart(task_id)
+    thread_id = str(record.meta.get("thread_id", ""))
+    if as_json:
+        _echo_json({"task_id": task_id, "thread_id": thread_id, "restarted": True})
+    else:
+        click.echo(f"Restarted {task_id} in thread {thread_id} as a new arrival.")
+
+
+@threads.command()
+@click.argument("task_id", required=False)
+@click.option("--all", "forget_all", is_flag=True, help="Forget every dead task.")
+@click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation (with --all).")
+@json_option
+@click.pass_context
+@_guarded
+def forget(ctx: click.Context, task_id: Optional[str], forget_all: bool, yes: bool,
+           as_json: bool) -> None:
+    """Drop dead tasks from the dead-letter store.
+
+    TASK_ID drops one; --all drops every dead task, after asking (--yes skips the question).
+    """
+    if bool(task_id) == forget_all:
+        raise click.UsageError("give either a TASK_ID or --all")
+    t = _threads(ctx)
+    if task_id:
+        if not t.forget(task_id):
+            raise UnknownTask(f"{task_id!r} is not in the dead-letter store; "
+                              "`celery threads dead` lists it")
+        if as_json:
+            _echo_json({"forgotten": [task_id]})
+        else:
+            click.echo(f"Forgot dead task {task_id}.")
+        return
+    ids = [r.task_id for r in t.gate.dead_records()]
+    if ids and not yes:
+        click.confirm(f"Forget all {len(ids)} dead task{'s' if len(ids) != 1 else ''}? "
+                      "This cannot be undone.", abort=True, err=True)
+    forgotten = [i for i in ids if t.forget(i)]
+    if as_json:
+        _echo_json({"forgotten": forgotten})
+    else:
+        click.echo(f"Forgot {len(forgotten)} dead task{'s' if len(forgotten) != 1 else ''}.")
+
+
+@threads.command()
+@click.option("--stuck-after", type=click.FloatRange(min=0), default=None, metavar="SECONDS",
+              help="How late counts as stuck (default: 3 dispatcher ticks).")
+@json_option
+@click.pass_context
+@_guarded
+def stats(ctx: click.Context, stuck_after: Optional[float], as_json: bool) -> None:
+    """Counts and stuck threads; exit status 3 when one is stuck.
+
+    A thread is stuck when an active member's lease or release deadline lapsed, or an idle
+    head has been due, for longer than --stuck-after without the dispatcher acting on it: no
+    dispatcher is running.  Use it as a health check.
+    """
+    t = _threads(ctx)
+    numbers = t.stats(grace=stuck_after)
+    stuck = t.stuck(grace=stuck_after)
+    if as_json:
+        _echo_json({**_jsonable(numbers), "stuck_threads": stuck, "healthy": not stuck})
+    else:
+        head = numbers.oldest_waiting_head
+        oldest = ("none" if head is None else
+                  f"{head.task_id or '?'} of thread {head.thread_id}, due "
+                  f"{_relative(-head.age)}")
+        click.echo("\n".join(_pairs([
+            ("threads", numbers.threads),
+            ("members", sum(numbers.members.values())),
+            ("  waiting", numbers.members["WAITING"]),
+            ("  released", numbers.members["RELEASED"]),
+            ("  running", numbers.members["RUNNING"]),
+            ("dead letters", numbers.dead),
+            ("oldest waiting head", oldest),
+            ("stuck", max(numbers.stuck, len(stuck)) if stuck else 0),
+        ], indent=0)))
+        if stuck:
+            _echo_stuck(stuck)
+    if stuck:
+        ctx.exit(EX_STUCK)
+
+
+def _echo_stuck(stuck: Sequence[StuckThread]) -> None:
+    click.echo("")
+    click.echo("Stuck threads, most overdue first")
+    labels = {"lease": "lease lapsed", "release": "release lapsed", "head": "head not released"}
+    _echo_lines(_table(
+        [Column("THREAD", shrink=True), Column("PROBLEM"), Column("TASK ID", shrink=True),
+         Column("OVERDUE", right=True), Column("WORKER", shrink=True)],
+        [(s.thread_id, labels.get(s.kind, s.kind), s.task_id or "?",
+          _duration(s.overdue_for), s.worker) for s in stuck]))
+    click.echo("")
+    click.echo(f"These threads did not move on: {DISPATCHER_HINT}.")

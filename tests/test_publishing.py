@@ -1,0 +1,153 @@
+"""Every publication path goes through the gate; bad input leaves nothing behind."""
+from __future__ import annotations
+
+from datetime import datetime, timedelta, timezone
+
+import pytest
+from celery import chain, chord, group
+from kombu.exceptions import EncodeError
+
+from celery_threads import InvalidThreadId, Threads, ThreadsError
+from celery_threads.errors import UnknownTask
+from tests.helpers import assert_serial, gate_keys, starts, tid, wait_for
+
+
+@pytest.fixture
+def r(proj):
+    return proj.history()
+
+
+def _broker_depth(proj) -> int:
+    with proj.app.connection_for_write() as conn:
+        return conn.default_channel.client.llen(proj.app.conf.task_default_queue)
+
+
+def test_signature_with_thread_id_option(proj, worker, r):
+    thread = tid()
+    sig = proj.free.s("sig").set(thread_id=thread)
+    assert sig.apply_async().get(timeout=30) == "sig"
+    assert starts(r, thread) == ["sig"]
+
+
+def test_int_thread_id_is_its_decimal_string(proj, worker, r):
+    n = int(tid("").replace("-", "")[:8], 16)
+    assert proj.free.apply_async(("int",), thread_id=n).get(timeout=30) == "int"
+    assert starts(r, str(n)) == ["int"]
+
+
+def test_chain_steps_are_published_through_the_gate(proj, worker, r):
+    thread = tid()
+    blocker = proj.record.delay(thread, "blocker", sleep=1.0)
+    wait_for(lambda: starts(r, thread) == ["blocker"], what="blocker")
+    # Each step joins the thread when the worker publishes it, behind what is already waiting.
+    c = chain(proj.record.si(thread, "c1"), proj.record.si(thread, "c2"))
+    waiting = proj.record.delay(thread, "waiting")
+    res = c.apply_async()
+    assert res.get(timeout=30) == "c2"
+    assert starts(r, thread) == ["blocker", "waiting", "c1", "c2"]
+    assert_serial(r, thread)
+    blocker.get(timeout=10)
+
+
+def test_group_members_join_their_threads(proj, worker, r):
+    a, b = tid(), tid()
+    g = group(proj.record.si(a, "a1", sleep=0.1), proj.record.si(b, "b1"),
+              proj.record.si(a, "a2"), proj.record.si(b, "b2"))
+    assert g.apply_async().get(timeout=30) == ["a1", "b1", "a2", "b2"]
+    assert starts(r, a) == ["a1", "a2"] and starts(r, b) == ["b1", "b2"]
+    assert_serial(r, a)
+
+
+def test_chord_body_goes_through_the_gate(proj, worker, r):
+    thread = tid()
+    header = [proj.record.si(thread, f"h{i}") for i in range(3)]
+    res = chord(header)(proj.free.si("body").set(thread_id=thread))
+    assert res.get(timeout=30) == "body"
+    assert starts(r, thread) == ["h0", "h1", "h2", "body"]
+
+
+@pytest.mark.parametrize("bad", [None, "", "x" * 1025, 3.5, b"bytes", ["a"], True])
+def test_invalid_thread_id_stores_and_sends_nothing(proj, bad):
+    before = _broker_depth(proj)
+    with pytest.raises(InvalidThreadId) as info:
+        proj.free.apply_async(("x",), thread_id=bad)
+    assert isinstance(info.value, ValueError) and isinstance(info.value, ThreadsError)
+    assert "thread" in str(info.value)
+    assert _broker_depth(proj) == before
+
+
+def test_missing_thread_key_argument(proj):
+    with pytest.raises(InvalidThreadId, match="argument 'thread'"):
+        proj.record.apply_async(kwargs={"label": "x"})
+
+
+def test_thread_id_of_1024_bytes_is_accepted(proj, worker, r):
+    thread = "é" * 512
+    assert proj.free.apply_async(("long",), thread_id=thread).get(timeout=30) == "long"
+
+
+def test_unencodable_arguments_store_and_send_nothing(proj, r):
+    thread = tid()
+    before = _broker_depth(proj)
+    with pytest.raises(EncodeError):
+        proj.record.delay(thread, object())
+    assert gate_keys(r, thread) == []
+    assert Threads(proj.app).get(thread) is None
+    assert _broker_depth(proj) == before
+
+
+def test_eager_mode_runs_inline(proj, r):
+    thread = tid()
+    proj.app.conf.task_always_eager = True
+    try:
+        assert proj.record.delay(thread, "eager").get() == "eager"
+    finally:
+        proj.app.conf.task_always_eager = False
+    assert starts(r, thread) == ["eager"]
+    assert gate_keys(r, thread) == []
+
+
+def test_send_task_by_name_enters_the_gate_at_the_worker(proj, worker, r):
+    thread = tid()
+    blocker = proj.record.delay(thread, "blocker", sleep=1.0)
+    wait_for(lambda: starts(r, thread) == ["blocker"], what="blocker")
+    res = proj.app.send_task("tests.proj.record", (thread, "by-name"))
+    assert res.get(timeout=30) == "by-name"
+    assert starts(r, thread) == ["blocker", "by-name"]
+    assert_serial(r, thread)
+    blocker.get(timeout=10)
+
+
+def test_same_task_id_is_not_enqueued_twice(proj, r):
+    thread = tid()
+    first = proj.record.apply_async((thread, "a"), countdown=30)
+    proj.record.apply_async((thread, "a"), countdown=30, task_id=first.id)
+    info = Threads(proj.app).get(thread)
+    assert [m.task_id for m in info.waiting] == [first.id]
+    assert Threads(proj.app).delete(first.id)
+    assert Threads(proj.app).get(thread) is None
+
+
+def test_restart_and_forget_of_unknown_task(proj):
+    threads = Threads(proj.app)
+    with pytest.raises(UnknownTask):
+        threads.restart("no-such-task")
+    assert threads.forget("no-such-task") is False
+    assert threads.delete("no-such-task") is False
+
+
+def test_dead_letter_queue_receives_the_dead_members_message(proj, make_deployment, r):
+    d = make_deployment(CT_DLQ="threads-dead")
+    d.worker("w", concurrency=1)
+    thread = tid()
+    dying = proj.boom.delay(thread, "dlq")
+    with pytest.raises(ValueError):
+        dying.get(timeout=30)
+    with proj.app.connection_for_read() as conn:
+        queue = conn.SimpleQueue("threads-dead", no_ack=True)
+        message = queue.get(timeout=10)
+        queue.close()
+    assert message.headers["id"] == dying.id
+    assert message.headers["thread_id"] == thread
+    assert "ValueError" in message.headers["thread_exception"]
+    assert [d.task_id for d in Threads(proj.app).dead() if d.thread_id == thread] == [dying.id]
