@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import json
 import shutil
+import textwrap
 from datetime import datetime
 from typing import Any, Callable, NamedTuple, Optional, Sequence, TypeVar, cast
 
@@ -214,12 +215,12 @@ def threads() -> None:
     """Inspect and steer celery-threads: threads, members, dead letters, health."""
 
 
-_SORTS = {
-    "id": (lambda s: s.thread_id, False),
-    "members": (lambda s: (s.members, s.thread_id), True),
-    # Longest active first; idle threads after, the longest-waiting head first.
-    "age": (lambda s: (s.active_for is not None,
-                       s.active_for if s.active_for is not None else s.head_age or 0.0), True),
+_SORTS: dict[str, Callable[[ThreadSummary], Any]] = {
+    "id": lambda s: s.thread_id,
+    "members": lambda s: (-s.members, s.thread_id),
+    # Longest active first; then idle threads, the longest-eligible head first.
+    "age": lambda s: ((0, -s.active_for, s.thread_id) if s.active_for is not None
+                      else (1, -(s.head_age or 0.0), s.thread_id)),
 }
 
 
@@ -233,8 +234,7 @@ _SORTS = {
 @_guarded
 def ls(ctx: click.Context, sort: str, limit: Optional[int], as_json: bool) -> None:
     """List threads: members, active member, when the head is eligible."""
-    key, reverse = _SORTS[sort]
-    summaries: list[ThreadSummary] = sorted(_threads(ctx).summaries(), key=key, reverse=reverse)
+    summaries = sorted(_threads(ctx).summaries(), key=_SORTS[sort])
     total = len(summaries)
     shown = summaries[:limit] if limit else summaries
     if as_json:
@@ -261,7 +261,7 @@ def ls(ctx: click.Context, sort: str, limit: Optional[int], as_json: bool) -> No
 @click.pass_context
 @_guarded
 def show(ctx: click.Context, thread_id: str, as_json: bool) -> None:
-    """Show a thread: its active member, its waiting members in release order."""
+    """Show a thread: active member, waiting members in release order."""
     status = _threads(ctx).status(thread_id)
     if status is None:
         raise click.ClickException(
@@ -354,7 +354,7 @@ def dead(ctx: click.Context, as_json: bool) -> None:
     click.echo(lines[0])
     for line, d in zip(lines[1:], tasks):
         click.echo(line)
-        exception = (d.exception.strip().splitlines() or ["?"])[-1]
+        exception = (d.exception.strip().splitlines() or ["?"])[0]
         retries = f"{d.retries} retr{'y' if d.retries == 1 else 'ies'}"
         click.echo(_fit(f"    {d.name or '?'}, {retries}: {exception}", width))
     click.echo(f"{len(tasks)} dead task{'s' if len(tasks) != 1 else ''}; "
@@ -475,4 +475,4 @@ def _echo_stuck(stuck: Sequence[StuckThread]) -> None:
         [(s.thread_id, labels.get(s.kind, s.kind), s.task_id or "?",
           _duration(s.overdue_for), s.worker) for s in stuck]))
     click.echo("")
-    click.echo(f"These threads did not move on: {DISPATCHER_HINT}.")
+    click.echo(textwrap.fill(f"These threads did not move on: {DISPATCHER_HINT}.", _width()))
