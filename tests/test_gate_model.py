@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections import Counter
 from typing import Any, Optional
 
 import pytest
@@ -44,6 +45,11 @@ STEPS = int(os.environ.get("CT_MODEL_STEPS", "60" if "CT_MODEL_EXAMPLES" not in 
 
 # Counters for reporting how much a run exercised (printed with -s).
 STATS: dict[str, int] = {"examples": 0, "steps": 0}
+OUTCOMES: Counter[str] = Counter()
+
+
+def note(what: str) -> None:
+    OUTCOMES[what] += 1
 
 
 class GateMachine(RuleBasedStateMachine):
@@ -80,6 +86,8 @@ class GateMachine(RuleBasedStateMachine):
         self.issued.append((thread_id, task_id, mtok, rtok))
 
     def same_outcome(self, real: gate_module.Outcome, expected: M.Outcome, what: str) -> None:
+        note(f"{what.split()[0]} -> {expected.status} {expected.info}"
+             f"{' +release' if expected.release else ''}")
         assert (real.status, real.info) == (expected.status, expected.info), (
             f"{what}: gate {real.status, real.info}, model {expected.status, expected.info}")
         if expected.release is None or real.release is None:
@@ -189,7 +197,9 @@ class GateMachine(RuleBasedStateMachine):
             return
         thread_id, task_id, mtok, rtok = target
         got = self.gate.claim(thread_id, task_id, rtok, keepalive, worker)
-        assert got == self.model.claim(thread_id, task_id, mtok, keepalive, worker), "claim"
+        expected = self.model.claim(thread_id, task_id, mtok, keepalive, worker)
+        assert got == expected, f"claim: gate {got}, model {expected}"
+        note(f"claim -> {expected}")
         STATS["steps"] += 1
 
     @rule(pick=st.integers(0, 999), kind=st.integers(0, 9),
@@ -394,7 +404,11 @@ def gate_url(redis_server) -> str:
 def test_gate_matches_model(gate_url: str) -> None:
     GateMachine.url = gate_url
     STATS.update(examples=0, steps=0)
+    OUTCOMES.clear()
     run_state_machine_as_test(GateMachine, settings=settings(
         max_examples=EXAMPLES, stateful_step_count=STEPS, deadline=None,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much]))
     print(f"\ngate model: {STATS['examples']} examples, {STATS['steps']} steps")
+    if os.environ.get("CT_MODEL_VERBOSE"):
+        for what, n in sorted(OUTCOMES.items()):
+            print(f"  {n:6d}  {what}")
