@@ -169,7 +169,7 @@ def _fit(text: str, width: int) -> str:
 class Column(NamedTuple):
     header: str
     right: bool = False      # align right (numbers)
-    shrink: bool = False     # may be cut, with "…", to fit the width
+    shrink: int = 0          # may be cut, with "…", to fit the width: 1 first, then 2, ...
 
 
 def _table(columns: Sequence[Column], rows: Sequence[Sequence[Any]],
@@ -184,7 +184,9 @@ def _table(columns: Sequence[Column], rows: Sequence[Sequence[Any]],
                       if c.shrink and widths[i] > max(len(c.header), 8)]
         if not shrinkable:
             break
-        widest = max(shrinkable, key=lambda i: widths[i])
+        first = min(columns[i].shrink for i in shrinkable)
+        widest = max((i for i in shrinkable if columns[i].shrink == first),
+                     key=lambda i: widths[i])
         widths[widest] -= 1
         excess -= 1
 
@@ -243,8 +245,8 @@ def ls(ctx: click.Context, sort: str, limit: Optional[int], as_json: bool) -> No
     if not shown:
         click.echo("No threads.")
         return
-    columns = [Column("THREAD", shrink=True), Column("MEMBERS", right=True),
-               Column("ACTIVE TASK", shrink=True), Column("STATE"),
+    columns = [Column("THREAD", shrink=2), Column("MEMBERS", right=True),
+               Column("ACTIVE TASK", shrink=1), Column("STATE"),
                Column("ACTIVE FOR", right=True), Column("NEXT ELIGIBLE")]
     _echo_lines(_table(columns, [
         (s.thread_id, s.members, s.active_task, s.active_state,
@@ -305,7 +307,7 @@ def show(ctx: click.Context, thread_id: str, as_json: bool) -> None:
         click.echo("Waiting members: none.")
         return
     click.echo("Waiting members, in release order")
-    columns = [Column("#", right=True), Column("TASK ID", shrink=True), Column("SCHEDULED AT"),
+    columns = [Column("#", right=True), Column("TASK ID", shrink=1), Column("SCHEDULED AT"),
                Column("ARRIVAL", right=True), Column("RETRIES", right=True)]
     _echo_lines(_table(columns, [(i, m.task_id, _when(m.scheduled_at), m.arrival, m.retries)
                                  for i, m in enumerate(status.waiting, start=1)]))
@@ -349,7 +351,7 @@ def dead(ctx: click.Context, as_json: bool) -> None:
         click.echo("The dead-letter store is empty.")
         return
     width = _width()
-    lines = _table([Column("DIED AT"), Column("TASK ID"), Column("THREAD", shrink=True)],
+    lines = _table([Column("DIED AT"), Column("TASK ID", shrink=2), Column("THREAD", shrink=1)],
                    [(_when(d.died_at), d.task_id, d.thread_id) for d in tasks], width)
     click.echo(lines[0])
     for line, d in zip(lines[1:], tasks):
@@ -447,8 +449,8 @@ def stats(ctx: click.Context, stuck_after: Optional[float], as_json: bool) -> No
     else:
         head = numbers.oldest_waiting_head
         oldest = ("none" if head is None else
-                  f"{head.task_id or '?'} of thread {head.thread_id}, due "
-                  f"{_relative(-head.age)}")
+                  _fit(f"due {_relative(-head.age)}: {head.task_id or '?'} of thread "
+                       f"{head.thread_id}", _width() - 21))
         click.echo("\n".join(_pairs([
             ("threads", numbers.threads),
             ("members", sum(numbers.members.values())),
@@ -470,8 +472,8 @@ def _echo_stuck(stuck: Sequence[StuckThread]) -> None:
     click.echo("Stuck threads, most overdue first")
     labels = {"lease": "lease lapsed", "release": "release lapsed", "head": "head not released"}
     _echo_lines(_table(
-        [Column("THREAD", shrink=True), Column("PROBLEM"), Column("TASK ID", shrink=True),
-         Column("OVERDUE", right=True), Column("WORKER", shrink=True)],
+        [Column("THREAD", shrink=2), Column("PROBLEM"), Column("TASK ID", shrink=1),
+         Column("OVERDUE", right=True), Column("WORKER", shrink=1)],
         [(s.thread_id, labels.get(s.kind, s.kind), s.task_id or "?",
           _duration(s.overdue_for), s.worker) for s in stuck]))
     click.echo("")

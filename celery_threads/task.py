@@ -3,14 +3,17 @@ from __future__ import annotations
 
 import inspect
 import logging
+from contextlib import contextmanager
 from datetime import datetime, timezone
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Iterator, Optional, Union
+
+import redis
 
 from celery import Task
 from celery.exceptions import Ignore, Reject, Retry
 from celery.utils import uuid
 
-from .errors import InvalidThreadId
+from .errors import GateUnavailable, InvalidThreadId
 from .publish import OUR_HEADERS, THREAD_HEADER, TOKEN_HEADER, CapturingProducer
 from .runtime import get_runtime
 
@@ -110,7 +113,7 @@ class ThreadedTask(Task):
         eta = options.pop("eta", None)
         task_id = task_id or uuid()
         runtime = get_runtime(app)
-        with app.producer_or_acquire(producer) as real:
+        with app.producer_or_acquire(producer) as real, gate_errors(runtime, task_id):
             capture = CapturingProducer(real)
             result = super().apply_async(args, kwargs, task_id=task_id, producer=capture,
                                          link=link, link_error=link_error, shadow=shadow,
@@ -151,33 +154,58 @@ class ThreadedTask(Task):
         task_id = request.id
         runtime = get_runtime(self._get_app())
         gate = runtime.gate
+        retries = int(request.retries or 0)
         try:
             result = super().__call__(*args, **kwargs)
         except Retry:
             if (task_id, token) not in _requeued:
                 # Retry raised by hand, without self.retry() publishing: re-enter now.
-                gate_outcome = gate.requeue(thread_id, task_id, token,
-                                            retries=int(request.retries or 0) + 1)
-                runtime.apply(gate_outcome)
+                _record_end(runtime, lambda: runtime.apply(
+                    gate.requeue(thread_id, task_id, token, retries=retries + 1)))
             _requeued.discard((task_id, token))
             raise
         except Ignore:
-            runtime.apply(gate.finish(thread_id, task_id, token))
+            _record_end(runtime, lambda: runtime.apply(gate.finish(thread_id, task_id, token)))
             raise
         except Reject as exc:
             if exc.requeue:
-                runtime.apply(gate.requeue(thread_id, task_id, token,
-                                           retries=int(request.retries or 0)))
+                _record_end(runtime, lambda: runtime.apply(
+                    gate.requeue(thread_id, task_id, token, retries=retries)))
             else:
-                runtime.kill(thread_id, task_id, token, exc=exc, retries=int(request.retries or 0),
-                             keep=self.dead_letter, reason=f"Rejected: {exc.reason!r}")
+                _record_end(runtime, lambda: runtime.kill(
+                    thread_id, task_id, token, exc=exc, retries=retries, keep=self.dead_letter,
+                    reason=f"Rejected: {exc.reason!r}"))
             raise
         except Exception as exc:
-            runtime.kill(thread_id, task_id, token, exc=exc, retries=int(request.retries or 0),
-                         keep=self.dead_letter)
+            _record_end(runtime, lambda: runtime.kill(thread_id, task_id, token, exc=exc,
+                                                      retries=retries, keep=self.dead_letter))
             raise
-        runtime.apply(gate.finish(thread_id, task_id, token))
+        _record_end(runtime, lambda: runtime.apply(gate.finish(thread_id, task_id, token)))
         return result
+
+
+def _record_end(runtime: Any, end: Callable[[], Any]) -> None:
+    """Apply a member's ending to the gate.  The client already rides out a short Redis outage;
+    past that the task's own outcome must not change: its lease lapses and the gate treats the
+    attempt as failed (it runs again if retries remain)."""
+    try:
+        end()
+    except redis.RedisError:
+        logger.exception("celery-threads: could not record the end of a member in the gate at "
+                         "%s; its lease will lapse and the attempt will count as failed",
+                         runtime.config.redis_url)
+
+
+@contextmanager
+def gate_errors(runtime: Any, task_id: str) -> Iterator[None]:
+    try:
+        yield
+    except redis.RedisError as exc:
+        raise GateUnavailable(
+            f"could not reach the gate's Redis at {runtime.config.redis_url} "
+            f"(threads_redis_url) to publish task {task_id}: {exc}. Nothing was sent to the "
+            "broker; calling again with the same task_id is safe (a member is never stored twice)."
+        ) from exc
 
 
 # (task id, token) pairs whose self.retry() re-entered the gate in this process.

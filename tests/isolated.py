@@ -1,0 +1,113 @@
+"""A gate no dispatcher touches: the tests' app pointed at private databases of the test Redis.
+
+The health and CLI tests write stale state on purpose (lapsed leases, unreleased heads) and count
+members exactly.  The session's shared worker dispatches on database 0, so it would repair that
+state, and other tests' threads would skew the counts; these tests use databases of their own,
+flushed for each test, with no worker and no beat running on them.
+"""
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Optional
+
+import redis
+
+from celery_threads.config import forget_config
+from celery_threads.gate import Gate
+from celery_threads.publish import encode_envelope
+from celery_threads.runtime import get_runtime
+
+GATE_DB, BROKER_DB, BACKEND_DB = 13, 14, 15
+_SETTINGS = ("threads_redis_url", "broker_url", "result_backend")
+
+
+def isolated_env(server: Any) -> dict[str, str]:
+    """The CT_* environment of tests/proj.py for the private databases."""
+    return {
+        "CT_REDIS_URL": server.url(GATE_DB),
+        "CT_BROKER_URL": server.url(BROKER_DB),
+        "CT_BACKEND_URL": server.url(BACKEND_DB),
+        "CT_KEEPALIVE": "30",
+        "CT_DISPATCH_INTERVAL": "0.5",
+    }
+
+
+def _apply(app: Any, settings: dict[str, Any]) -> None:
+    app.conf.update(settings)
+    forget_config(app)
+    if hasattr(app, "_celery_threads_runtime"):
+        delattr(app, "_celery_threads_runtime")
+    # Drop pooled broker connections and the cached backend so the new URLs take effect.
+    app._pool = None
+    app.amqp._producer_pool = None
+    app.__dict__.pop("backend", None)
+
+
+@contextmanager
+def pointed_at(app: Any, **settings: Any) -> Iterator[Any]:
+    """``app`` with these ``app.conf`` settings for the duration, then as it was."""
+    saved = {name: app.conf.get(name) for name in settings}
+    _apply(app, settings)
+    try:
+        yield app
+    finally:
+        _apply(app, saved)
+
+
+@contextmanager
+def isolated(app: Any, server: Any) -> Iterator[Any]:
+    """``app`` on freshly flushed private databases of ``server``."""
+    for db in (GATE_DB, BROKER_DB, BACKEND_DB):
+        redis.Redis(port=server.port, db=db).flushdb()
+    env = isolated_env(server)
+    with pointed_at(app, threads_redis_url=env["CT_REDIS_URL"], broker_url=env["CT_BROKER_URL"],
+                    result_backend=env["CT_BACKEND_URL"]):
+        yield app
+
+
+def gate_in_the_past(app: Any, seconds: float) -> Gate:
+    """A Gate on the app's Redis whose clock runs ``seconds`` behind the server's: what it writes
+    (release times, deadlines, schedules) is that old as soon as it is written."""
+    runtime = get_runtime(app)
+    behind_ms = int(seconds * 1000)
+    clock: Callable[[], int] = lambda: runtime.gate.now_ms() - behind_ms  # noqa: E731
+    return Gate(runtime.client, runtime.keys, release_timeout_ms=runtime.config.release_timeout_ms,
+                keepalive_ms=runtime.config.keepalive_ms, clock=clock)
+
+
+def envelope(task_id: str, thread: str, label: str = "x",
+             name: str = "tests.proj.record") -> bytes:
+    """A stored task message, as ``apply_async`` would have captured it."""
+    body = [[thread, label], {}, {"callbacks": None, "errbacks": None, "chain": None,
+                                  "chord": None}]
+    return encode_envelope(body, {"headers": {"task": name, "id": task_id, "lang": "py"},
+                                  "serializer": "json", "exchange": "", "routing_key": "celery"})
+
+
+def kill_member(gate: Gate, thread: str, task_id: str, exception: str = "ValueError: boom",
+                retries: int = 0, worker: str = "w-test@host") -> None:
+    """Put ``task_id`` in the dead-letter store the way a worker would: enqueue, claim, kill."""
+    outcome = gate.enqueue(thread, task_id, envelope(task_id, thread))
+    assert outcome.release is not None, f"thread {thread} was not idle"
+    assert gate.claim(thread, task_id, outcome.release.token, 30_000, worker) == 1
+    died = gate.kill(thread, task_id, outcome.release.token,
+                     {"retries": retries, "exception": exception, "traceback": ""})
+    assert died.done
+
+
+def server_ms(app: Any) -> int:
+    return get_runtime(app).gate.now_ms()
+
+
+def wait_ms(ms: float) -> None:
+    time.sleep(ms / 1000.0)
+
+
+def redis_for(app: Any) -> "redis.Redis[bytes]":
+    return get_runtime(app).client
+
+
+def optional(value: Optional[Any]) -> Any:
+    assert value is not None
+    return value

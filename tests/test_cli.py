@@ -1,0 +1,469 @@
+"""``celery -A tests.proj threads ...``: through click's CliRunner, and as a real subprocess.
+
+No worker runs: the first member of each thread is released to the broker and stays RELEASED, the
+others wait.  Dead letters and stuck threads are written through the Gate.  Everything runs on
+private databases (see tests/isolated.py).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+
+import pytest
+from celery.bin.celery import celery as celery_command
+from click.testing import CliRunner, Result
+
+from celery_threads import Threads
+from tests.helpers import tid
+from tests.isolated import (envelope, gate_in_the_past, isolated, isolated_env, kill_member,
+                            pointed_at)
+
+ROOT = Path(__file__).resolve().parent.parent
+HOUR = 3600.0
+
+
+@pytest.fixture
+def app(proj, redis_server):
+    with isolated(proj.app, redis_server) as app:
+        yield app
+
+
+@pytest.fixture
+def env(redis_server):
+    return {**isolated_env(redis_server), "COLUMNS": "80"}
+
+
+@pytest.fixture
+def cli(app, env):
+    """Run ``celery -A tests.proj threads ARGS`` in this process."""
+
+    def run(*args: str, input: str | None = None) -> Result:
+        result = CliRunner().invoke(celery_command, ["-A", "tests.proj", "threads", *args],
+                                    env=env, input=input)
+        if result.exception is not None and not isinstance(result.exception, SystemExit):
+            raise result.exception
+        assert "Traceback" not in result.output
+        return result
+
+    return run
+
+
+def ok(result: Result) -> str:
+    assert result.exit_code == 0, result.output
+    return result.stdout
+
+
+def as_json(result: Result):
+    return json.loads(ok(result))
+
+
+def fits(text: str, width: int = 80) -> None:
+    too_wide = [line for line in text.splitlines() if len(line) > width]
+    assert not too_wide, "\n".join(too_wide)
+
+
+def running(app, thread: str, worker: str = "w1@box") -> str:
+    """Claim the thread's released member as a worker would; returns its task id."""
+    gate = Threads(app).gate
+    active = gate.snapshot(thread).active
+    assert gate.claim(thread, active["task"], active["token"], 30_000, worker) == 1
+    return active["task"]
+
+
+# -- ls -------------------------------------------------------------------------------------
+
+def test_ls_lists_threads_with_members_active_member_and_next_head(proj, cli):
+    busy, idle = tid("cli-busy"), tid("cli-idle")
+    first = proj.record.delay(busy, "m0").id
+    proj.record.delay(busy, "m1")
+    proj.record.apply_async((idle, "later"), countdown=60)
+
+    out = ok(cli("ls"))
+    lines = out.splitlines()
+    assert lines[0].split() == ["THREAD", "MEMBERS", "ACTIVE", "TASK", "STATE", "ACTIVE",
+                                "FOR", "NEXT", "ELIGIBLE"]
+    rows = {line.split()[0]: line.split() for line in lines[1:-1]}
+    assert rows[busy][1:4] == ["2", first, "RELEASED"]
+    assert rows[idle][1:5] == ["1", "-", "-", "-"]
+    assert " ".join(rows[idle][5:]).startswith("in ")
+    assert lines[-1] == "2 threads"
+
+    data = {row["thread_id"]: row for row in as_json(cli("ls", "--json"))}
+    assert (data[busy]["members"], data[busy]["active_task"], data[busy]["active_state"]) == (
+        2, first, "RELEASED")
+    assert data[idle]["active_task"] is None and 55 < -data[idle]["head_age"] <= 60
+    datetime.fromisoformat(data[idle]["next_eligible_at"])
+
+
+def test_ls_sorts_and_limits(proj, cli):
+    small, big, middle = tid("cli-a"), tid("cli-b"), tid("cli-c")
+    for thread, n in ((small, 1), (big, 3), (middle, 2)):
+        for i in range(n):
+            proj.record.delay(thread, f"m{i}")
+
+    by_members = as_json(cli("ls", "--sort", "members", "--json"))
+    assert [row["thread_id"] for row in by_members] == [big, middle, small]
+    by_id = as_json(cli("ls", "--sort", "id", "--limit", "2", "--json"))
+    assert [row["thread_id"] for row in by_id] == sorted([small, big, middle])[:2]
+    out = ok(cli("ls", "--sort", "members", "--limit", "1"))
+    assert big in out and small not in out
+    assert out.splitlines()[-1] == "3 threads (first 1 shown)"
+    assert cli("ls", "--sort", "size").exit_code == 2
+
+
+def test_ls_sorts_by_how_long_the_active_member_has_been_active(app, cli):
+    young, old = tid("cli-young"), tid("cli-old")
+    for thread, seconds in ((young, 60), (old, 600)):
+        gate_in_the_past(app, seconds).enqueue(thread, f"t-{thread}", envelope("x", thread))
+    rows = as_json(cli("ls", "--sort", "age", "--json"))
+    assert [row["thread_id"] for row in rows] == [old, young]
+    assert rows[0]["active_for"] >= 600
+
+
+def test_ls_without_threads(cli):
+    assert ok(cli("ls")) == "No threads.\n"
+    assert as_json(cli("ls", "--json")) == []
+
+
+# -- show -----------------------------------------------------------------------------------
+
+def test_show_lists_the_active_member_then_waiting_ones_in_release_order(proj, cli):
+    thread = tid("cli-show")
+    now = datetime.now(timezone.utc)
+    first = proj.record.delay(thread, "first").id
+    late = proj.record.apply_async((thread, "late"), eta=now + timedelta(seconds=60)).id
+    early = proj.record.apply_async((thread, "early"), eta=now + timedelta(seconds=30)).id
+
+    out = ok(cli("show", thread))
+    assert out.startswith(f"Thread {thread}: 3 members")
+    assert f"task id           {first}" in out
+    assert "tests.proj.record" in out and "RELEASED" in out and "release deadline" in out
+    table = out[out.index("Waiting members"):].splitlines()
+    assert table[1].split() == ["#", "TASK", "ID", "SCHEDULED", "AT", "ARRIVAL", "RETRIES"]
+    assert [line.split()[:2] for line in table[2:]] == [["1", early], ["2", late]]
+    assert [line.split()[-2:] for line in table[2:]] == [["3", "0"], ["2", "0"]]
+
+    data = as_json(cli("show", thread, "--json"))
+    assert (data["thread_id"], data["members"]) == (thread, 3)
+    assert data["active"]["task_id"] == first and data["active"]["state"] == "RELEASED"
+    assert [(m["task_id"], m["arrival"], m["retries"]) for m in data["waiting"]] == [
+        (early, 3, 0), (late, 2, 0)]
+    assert datetime.fromisoformat(data["waiting"][0]["scheduled_at"]) < datetime.fromisoformat(
+        data["waiting"][1]["scheduled_at"])
+
+
+def test_show_a_running_member_names_its_worker_and_lease_expiry(proj, app, cli):
+    thread = tid("cli-run")
+    proj.record.delay(thread, "a")
+    task = running(app, thread, "w42@box")
+
+    out = ok(cli("show", thread))
+    assert "RUNNING" in out and "w42@box" in out and "lease expires" in out
+    active = as_json(cli("show", thread, "--json"))["active"]
+    assert (active["task_id"], active["state"], active["worker"]) == (task, "RUNNING", "w42@box")
+    assert 25 < active["expires_in"] <= 30
+    lease_end = datetime.fromisoformat(active["deadline"])
+    assert lease_end - datetime.fromisoformat(active["claimed_at"]) == timedelta(seconds=30)
+
+
+def test_show_a_lapsed_lease(app, cli):
+    thread = tid("cli-lapsed")
+    past = gate_in_the_past(app, HOUR)
+    token = past.enqueue(thread, "lapsed", envelope("lapsed", thread)).release.token
+    past.claim(thread, "lapsed", token, 30_000, "gone@box")
+    assert "LAPSED" in ok(cli("show", thread))
+
+
+def test_show_an_unknown_thread_says_what_to_do(cli):
+    result = cli("show", "no-such-thread")
+    assert result.exit_code == 1
+    assert "no thread 'no-such-thread'" in result.stderr and "threads ls" in result.stderr
+    assert result.stdout == ""
+
+
+# -- delete ---------------------------------------------------------------------------------
+
+def test_delete_a_waiting_member(proj, app, cli):
+    thread = tid("cli-del")
+    proj.record.delay(thread, "a")
+    waiting = proj.record.delay(thread, "b").id
+    assert ok(cli("delete", waiting)) == f"Deleted member {waiting} of thread {thread}.\n"
+    assert Threads(app).get(thread).waiting == []
+    result = cli("delete", waiting)
+    assert result.exit_code == 1 and "no thread has a member" in result.stderr
+
+
+def test_delete_the_active_member_promotes_the_next(proj, app, cli):
+    thread = tid("cli-del")
+    first = proj.record.delay(thread, "a").id
+    second = proj.record.delay(thread, "b").id
+    assert as_json(cli("delete", first, "--json")) == {
+        "task_id": first, "thread_id": thread, "deleted": True}
+    info = Threads(app).get(thread)
+    assert (info.active.task_id, info.active.state) == (second, "RELEASED")
+
+
+def test_delete_an_unknown_task_says_what_to_do(cli, app):
+    result = cli("delete", "no-such-task")
+    assert result.exit_code == 1
+    assert "no-such-task" in result.stderr and "threads show" in result.stderr
+    kill_member(Threads(app).gate, tid("cli-dead"), "dead-one")
+    result = cli("delete", "dead-one")
+    assert result.exit_code == 1 and "dead-letter store" in result.stderr
+
+
+# -- dead, restart, forget ------------------------------------------------------------------
+
+def test_dead_lists_the_store_newest_last_with_exceptions(app, cli):
+    gate = Threads(app).gate
+    first, second = tid("cli-dead"), tid("cli-dead")
+    kill_member(gate, first, "dead-older", "ValueError: older exploded", retries=2)
+    kill_member(gate, second, "dead-newer", "KeyError: 'newer'\nmore text")
+
+    out = ok(cli("dead"))
+    lines = out.splitlines()
+    assert lines[0].split() == ["DIED", "AT", "TASK", "ID", "THREAD"]
+    assert lines[1].split()[1:] == ["dead-older", first]
+    assert lines[2] == "    tests.proj.record, 2 retries: ValueError: older exploded"
+    assert lines[3].split()[1:] == ["dead-newer", second]
+    assert lines[4] == "    tests.proj.record, 0 retries: KeyError: 'newer'"
+    assert lines[5].startswith("2 dead tasks")
+
+    data = as_json(cli("dead", "--json"))
+    assert [d["task_id"] for d in data] == ["dead-older", "dead-newer"]
+    assert data[0] | {"died_at": None} == {
+        "task_id": "dead-older", "thread_id": first, "name": "tests.proj.record",
+        "args": [first, "x"], "kwargs": {}, "retries": 2,
+        "exception": "ValueError: older exploded", "died_at": None}
+
+
+def test_dead_when_empty(cli):
+    assert ok(cli("dead")) == "The dead-letter store is empty.\n"
+    assert as_json(cli("dead", "--json")) == []
+
+
+def test_restart_a_dead_task_as_a_new_arrival(proj, app, cli):
+    thread = tid("cli-restart")
+    kill_member(Threads(app).gate, thread, "to-restart")
+    assert ok(cli("restart", "to-restart")) == (
+        f"Restarted to-restart in thread {thread} as a new arrival.\n")
+    info = Threads(app).get(thread)
+    assert (info.active.task_id, info.active.state, info.active.retries) == (
+        "to-restart", "RELEASED", 0)
+    assert as_json(cli("dead", "--json")) == []
+    result = cli("restart", "to-restart")
+    assert result.exit_code == 1
+    assert "not in the dead-letter store" in result.stderr and "threads dead" in result.stderr
+
+
+def test_restart_json(app, cli):
+    thread = tid("cli-restart")
+    kill_member(Threads(app).gate, thread, "to-restart-json")
+    assert as_json(cli("restart", "to-restart-json", "--json")) == {
+        "task_id": "to-restart-json", "thread_id": thread, "restarted": True}
+
+
+def test_forget_one_dead_task(app, cli):
+    gate = Threads(app).gate
+    kill_member(gate, tid("cli-forget"), "forget-me")
+    kill_member(gate, tid("cli-forget"), "keep-me")
+    assert ok(cli("forget", "forget-me")) == "Forgot dead task forget-me.\n"
+    assert [d.task_id for d in Threads(app).dead()] == ["keep-me"]
+    assert as_json(cli("forget", "keep-me", "--json")) == {"forgotten": ["keep-me"]}
+    result = cli("forget", "forget-me")
+    assert result.exit_code == 1 and "not in the dead-letter store" in result.stderr
+
+
+def test_forget_all_asks_first(app, cli):
+    gate = Threads(app).gate
+    for i in range(3):
+        kill_member(gate, tid("cli-forget"), f"dead-{i}")
+
+    declined = cli("forget", "--all", input="n\n")
+    assert declined.exit_code == 1 and "Forget all 3 dead tasks?" in declined.stderr
+    assert len(Threads(app).dead()) == 3
+
+    accepted = cli("forget", "--all", input="y\n")
+    assert ok(accepted) == "Forgot 3 dead tasks.\n"
+    assert Threads(app).dead() == []
+
+
+def test_forget_all_yes_skips_the_question(app, cli):
+    gate = Threads(app).gate
+    kill_member(gate, tid("cli-forget"), "dead-a")
+    kill_member(gate, tid("cli-forget"), "dead-b")
+    result = cli("forget", "--all", "--yes", "--json")
+    assert result.stderr == ""
+    assert sorted(as_json(result)["forgotten"]) == ["dead-a", "dead-b"]
+    assert Threads(app).dead() == []
+
+
+def test_forget_needs_a_task_id_or_all(cli):
+    for args in ((), ("some-id", "--all")):
+        result = cli("forget", *args)
+        assert result.exit_code == 2 and "TASK_ID or --all" in result.stderr
+
+
+# -- stats ----------------------------------------------------------------------------------
+
+def test_stats_of_a_healthy_gate(proj, app, cli):
+    busy, other = tid("cli-stats"), tid("cli-stats")
+    for i in range(3):
+        proj.record.delay(busy, f"m{i}")
+    proj.record.delay(other, "x")
+    running(app, other)
+    kill_member(Threads(app).gate, tid("cli-stats"), "stats-dead")
+
+    out = ok(cli("stats"))
+    pairs = dict(line.rsplit(None, 1) for line in out.splitlines() if line.strip())
+    assert {k.strip(): v for k, v in pairs.items()} == {
+        "threads": "2", "members": "4", "waiting": "2", "released": "1", "running": "1",
+        "dead letters": "1", "oldest waiting head": "none", "stuck": "0"}
+
+    data = as_json(cli("stats", "--json"))
+    assert (data["threads"], data["members"], data["dead"], data["stuck"]) == (
+        2, {"WAITING": 2, "RELEASED": 1, "RUNNING": 1}, 1, 0)
+    assert (data["healthy"], data["stuck_threads"], data["oldest_waiting_head"]) == (
+        True, [], None)
+
+
+def test_stats_exits_3_and_lists_what_is_stuck(app, cli):
+    lease, head = tid("cli-stuck"), tid("cli-stuck")
+    past = gate_in_the_past(app, HOUR)
+    token = past.enqueue(lease, "lost-lease", envelope("lost-lease", lease)).release.token
+    past.claim(lease, "lost-lease", token, 30_000, "gone@box")
+    gate_in_the_past(app, 120).enqueue(head, "late-head", envelope("late-head", head),
+                                       delay_ms=1)
+
+    result = cli("stats")
+    assert result.exit_code == 3
+    out = result.stdout
+    assert "late-head of thread" in out and "due 2m00s ago" in out
+    stuck_rows = out[out.index("Stuck threads"):].splitlines()[2:4]
+    assert [row.split()[0] for row in stuck_rows] == [lease, head]
+    assert "lease lapsed" in stuck_rows[0] and "gone@box" in stuck_rows[0]
+    assert "head not released" in stuck_rows[1]
+    assert "dispatcher" in out
+
+    result = cli("stats", "--json")
+    assert result.exit_code == 3
+    data = json.loads(result.stdout)
+    assert (data["healthy"], data["stuck"]) == (False, 2)
+    assert [(s["thread_id"], s["kind"], s["task_id"]) for s in data["stuck_threads"]] == [
+        (lease, "lease", "lost-lease"), (head, "head", "late-head")]
+    assert data["oldest_waiting_head"]["task_id"] == "late-head"
+
+    assert cli("stats", "--stuck-after", str(2 * HOUR)).exit_code == 0
+
+
+# -- presentation and errors ----------------------------------------------------------------
+
+def test_tables_fit_in_80_columns(proj, app, cli):
+    long_id = "account-" + "x" * 120
+    for i in range(3):
+        proj.record.delay(long_id, f"m{i}")
+    gate = Threads(app).gate
+    kill_member(gate, "dead-" + "y" * 120, "a-dead-task-with-a-long-id-" + "z" * 20,
+                "RuntimeError: " + "a long message " * 20)
+    past = gate_in_the_past(app, HOUR)
+    stuck = "stuck-" + "s" * 120
+    past.enqueue(stuck, "stuck-task", envelope("stuck-task", stuck), delay_ms=1)
+
+    for args in (("ls",), ("show", long_id), ("dead",), ("stats",)):
+        result = cli(*args)
+        assert result.exit_code in (0, 3), result.output
+        fits(result.stdout)
+    assert "…" in ok(cli("ls"))
+
+
+def test_every_command_takes_json(proj, app, cli):
+    thread = tid("cli-json")
+    proj.record.delay(thread, "a")
+    waiting = proj.record.delay(thread, "b").id
+    kill_member(Threads(app).gate, tid("cli-json"), "json-dead")
+    kill_member(Threads(app).gate, tid("cli-json"), "json-dead-2")
+    for args in (("ls",), ("show", thread), ("dead",), ("stats",), ("delete", waiting),
+                 ("restart", "json-dead"), ("forget", "json-dead-2"), ("forget", "--all", "-y")):
+        result = cli(*args, "--json")
+        assert result.exit_code == 0, (args, result.output)
+        json.loads(result.stdout)
+
+
+def test_unreachable_redis_names_the_url_and_the_setting(app, env, free_redis_url):
+    with pointed_at(app, threads_redis_url=free_redis_url):
+        result = CliRunner().invoke(celery_command, ["-A", "tests.proj", "threads", "ls"],
+                                    env=env)
+    assert result.exit_code == 69
+    assert free_redis_url in result.stderr and "threads_redis_url" in result.stderr
+    assert "Traceback" not in result.output
+
+
+def test_missing_gate_setting_says_which_to_set(app, env):
+    with pointed_at(app, threads_redis_url=None, broker_url="amqp://guest@127.0.0.1:1//"):
+        result = CliRunner().invoke(celery_command, ["-A", "tests.proj", "threads", "stats"],
+                                    env=env)
+    assert result.exit_code == 78
+    assert "threads_redis_url" in result.stderr and "Traceback" not in result.output
+
+
+# -- a real `celery` process ------------------------------------------------------------------
+
+@pytest.fixture
+def free_redis_url():
+    from tests.conftest import free_port
+
+    return f"redis://127.0.0.1:{free_port()}/0"
+
+
+def celery_process(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    script = Path(sys.executable).with_name("celery")
+    command = [str(script)] if script.exists() else [sys.executable, "-m", "celery"]
+    return subprocess.run([*command, "-A", "tests.proj", "threads", *args],
+                          env={**os.environ, **env, "PYTHONPATH": str(ROOT)}, cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_the_celery_command_has_threads_subcommands(env):
+    done = celery_process(env, "--help")
+    assert done.returncode == 0, done.stderr
+    for command in ("ls", "show", "delete", "dead", "restart", "forget", "stats"):
+        assert f"  {command} " in done.stdout
+
+
+def test_a_celery_process_lists_and_shows_threads(proj, app, env):
+    thread = tid("cli-proc")
+    first = proj.record.delay(thread, "a").id
+    proj.record.delay(thread, "b")
+
+    done = celery_process(env, "ls", "--json")
+    assert done.returncode == 0, done.stderr
+    assert [(r["thread_id"], r["members"], r["active_task"]) for r in json.loads(done.stdout)] == [
+        (thread, 2, first)]
+    done = celery_process(env, "show", thread)
+    assert done.returncode == 0, done.stderr
+    assert first in done.stdout
+    fits(done.stdout)
+
+
+def test_a_celery_process_stats_is_a_health_check(app, env):
+    assert celery_process(env, "stats").returncode == 0
+    thread = tid("cli-proc")
+    gate_in_the_past(app, HOUR).enqueue(thread, "stuck", envelope("stuck", thread), delay_ms=1)
+    done = celery_process(env, "stats")
+    assert done.returncode == 3, done.stderr
+    assert thread in done.stdout
+
+
+def test_a_celery_process_reports_errors_without_tracebacks(app, env, free_redis_url):
+    done = celery_process(env, "show", "no-such-thread")
+    assert done.returncode == 1
+    assert "no thread 'no-such-thread'" in done.stderr and "Traceback" not in done.stderr
+
+    done = celery_process({**env, "CT_REDIS_URL": free_redis_url}, "stats")
+    assert done.returncode == 69
+    assert free_redis_url in done.stderr and "threads_redis_url" in done.stderr
+    assert "Traceback" not in done.stderr
