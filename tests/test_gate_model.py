@@ -181,8 +181,10 @@ class GateMachine(RuleBasedStateMachine):
         """One dispatcher tick, as Dispatcher._tick_shard does it."""
         scan = self.gate.scan_due(self.shard, limit)
         expected = self.model.scan_due(limit)
-        self.same((scan.now_ms, scan.due, scan.lapsed, scan.next_ms),
-                  (self.model.now, expected.due, expected.lapsed, expected.next_ms), "scan")
+        assert (scan.now_ms, scan.due, scan.lapsed, scan.next_ms) == (
+            self.model.now, expected.due, expected.lapsed, expected.next_ms), (
+            f"scan: gate {scan}, model {expected}")
+        note(f"scan     -> {len(scan.due)} due, {len(scan.lapsed)} lapsed")
         for thread_id, outcome in zip(scan.due, self.gate.release_many(scan.due)):
             self.same_outcome(outcome, self.model.release(thread_id), "release")
         for thread_id, outcome in zip(scan.lapsed, self.gate.expire_many(scan.lapsed)):
