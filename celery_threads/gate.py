@@ -286,6 +286,14 @@ class Gate:
         records.sort(key=lambda r: r.died_at_ms)
         return records
 
+    def note_deleted(self, thread_id: str, task_id: str, ttl: int = 600) -> None:
+        self.client.set(self.keys.thread(thread_id).shard.deleted_note(task_id), 1, ex=ttl)
+
+    def take_deleted_note(self, task_id: str) -> bool:
+        """True once per note: elects the one worker that announces a deleted member."""
+        return any(self.client.getdel(shard.deleted_note(task_id)) is not None
+                   for shard in self.keys.all_shards())
+
     def forget(self, task_id: str) -> bool:
         for shard in self.keys.all_shards():
             pipe = self.client.pipeline(transaction=True)

@@ -55,6 +55,11 @@ class ShardKeys:
         """Pub/sub channel told when a future head becomes the shard's earliest."""
         return f"{self.tag}:wake"
 
+    def deleted_note(self, task_id: str) -> str:
+        """STRING (short-lived): a member deleted by ``Threads.delete`` that a worker should
+        announce as revoked (the ``task-revoked`` event Flower shows)."""
+        return f"{self.tag}:deleted:{task_id}"
+
     def thread(self, thread_id: str) -> "ThreadKeys":
         return ThreadKeys(self, thread_id)
 

@@ -51,6 +51,34 @@ class Runtime:
         self.publish(outcome.release, producer)
         return outcome
 
+    def delete_member(self, task_id: str) -> Optional[str]:
+        """Detach a member whatever its state and promote the next; returns its previous state
+        (``None`` if it was not a member).
+
+        A running member is revoked with terminate, and its worker announces it.  For a waiting or
+        released one, the result backend is marked REVOKED here, and one worker (elected by a note
+        in the gate) sends the ``task-revoked`` event, so Flower shows it without a phantom worker.
+        """
+        thread_id = self.gate.thread_of(task_id)
+        if thread_id is None:
+            return None
+        outcome = self.apply(self.gate.delete(task_id))
+        if not outcome.done:
+            return None
+        running = outcome.info == "RUNNING"
+        if not running:
+            self.gate.note_deleted(thread_id, task_id)
+            self.mark_revoked(task_id)
+        self.app.control.revoke(task_id, terminate=running)
+        return outcome.info
+
+    def mark_revoked(self, task_id: str) -> None:
+        try:
+            self.app.backend.mark_as_revoked(task_id, "deleted from its thread")
+        except Exception:
+            logger.debug("celery-threads: no result backend to mark %s revoked", task_id,
+                         exc_info=True)
+
     def kill(self, thread_id: str, task_id: str, token: str, *, exc: BaseException,
              retries: int, keep: bool = True, einfo: Any = None,
              reason: Optional[str] = None) -> Outcome:

@@ -12,6 +12,7 @@ import redis
 from celery import Task
 from celery.exceptions import Ignore, Reject, Retry
 from celery.utils import uuid
+from celery.utils.saferepr import saferepr
 
 from .errors import GateUnavailable, InvalidThreadId
 from .publish import OUR_HEADERS, THREAD_HEADER, TOKEN_HEADER, CapturingProducer
@@ -109,6 +110,9 @@ class ThreadedTask(Task):
         for key in OUR_HEADERS:
             headers.pop(key, None)
         thread_id = self.resolve_thread_id(args, kwargs, explicit)
+        if options.get("kwargsrepr") is None:
+            # Flower shows kwargsrepr: the thread id is visible on every member there.
+            options["kwargsrepr"] = f"{saferepr(kwargs or {}, 1024)} thread={thread_id!r}"
         countdown = options.pop("countdown", None)
         eta = options.pop("eta", None)
         task_id = task_id or uuid()

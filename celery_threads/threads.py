@@ -85,12 +85,7 @@ class Threads:
 
         Returns ``True`` if ``task_id`` was a member.
         """
-        outcome = self.runtime.apply(self.gate.delete(task_id))
-        if not outcome.done:
-            return False
-        if outcome.info in ("RUNNING", "RELEASED"):
-            self.app.control.revoke(task_id, terminate=outcome.info == "RUNNING")
-        return True
+        return self.runtime.delete_member(task_id) is not None
 
     def dead(self) -> list[DeadTask]:
         """The dead-letter store, oldest first."""

@@ -157,6 +157,19 @@ def on_task_revoked(sender: Any = None, request: Any = None, terminated: bool = 
     runtime.apply(runtime.gate.delete(request.id, token=token))
 
 
+def _end_revoked_member(runtime: Any, consumer: Any, task_id: str) -> None:
+    """A waiting member revoked by a plain ``revoke`` leaves its thread here; one deleted by
+    ``Threads.delete`` is announced here.  Either way this worker sends ``task-revoked``."""
+    deleted = runtime.apply(runtime.gate.delete(task_id, only_waiting=True)).done
+    if deleted:
+        runtime.mark_revoked(task_id)
+    if deleted or runtime.gate.take_deleted_note(task_id):
+        dispatcher = consumer.event_dispatcher
+        if dispatcher is not None and dispatcher.enabled:
+            dispatcher.send("task-revoked", uuid=task_id, terminated=False, signum=None,
+                            expired=False)
+
+
 def wrap_revoke_command() -> None:
     """``app.control.revoke(id)`` of a member still waiting in the gate deletes it (a worker is the
     only place that sees a plain revoke).  A released or running member ends as usual when a
@@ -171,14 +184,14 @@ def wrap_revoke_command() -> None:
     def revoke(state: Any, task_id: Any, terminate: bool = False, signal: Any = None,
                **kwargs: Any) -> Any:
         reply = original(state, task_id, terminate=terminate, signal=signal, **kwargs)
-        app = state.consumer.app
-        if getattr(app, "_celery_threads_installed", False):
-            runtime = get_runtime(app)
+        consumer = state.consumer
+        if getattr(consumer.app, "_celery_threads_installed", False):
+            runtime = get_runtime(consumer.app)
             for one in maybe_list(task_id) or []:
                 try:
-                    runtime.apply(runtime.gate.delete(one, only_waiting=True))
+                    _end_revoked_member(runtime, consumer, one)
                 except Exception:
-                    logger.exception("celery-threads: could not delete revoked member %s", one)
+                    logger.exception("celery-threads: could not end revoked member %s", one)
         return reply
 
     revoke._celery_threads = True  # type: ignore[attr-defined]
