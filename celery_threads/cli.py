@@ -55,9 +55,11 @@ def _redis_url(ctx: click.Context) -> str:
 
 
 def _unreachable(url: str, exc: BaseException) -> GateUnreachable:
+    reason = str(exc).rstrip(".") or type(exc).__name__
     return GateUnreachable(
-        f"cannot reach the gate's Redis at {maybe_sanitize_url(url)} ({exc}). Start that server, or set "
-        "threads_redis_url in the app's configuration to the Redis the workers use.")
+        f"cannot reach the gate's Redis at {maybe_sanitize_url(url)}: {reason}.\n"
+        "Start that server, or set threads_redis_url in the app's configuration to the Redis "
+        "the workers use.")
 
 
 def _threads(ctx: click.Context) -> Threads:
@@ -67,8 +69,8 @@ def _threads(ctx: click.Context) -> Threads:
     try:
         probe = redis.Redis.from_url(url, socket_connect_timeout=3, socket_timeout=5)
     except ValueError as exc:
-        raise BadSettings(f"threads_redis_url {maybe_sanitize_url(url)!r} is not a Redis URL: {exc}"
-                          ) from None
+        raise BadSettings(f"threads_redis_url {maybe_sanitize_url(url)!r} is not a Redis URL "
+                          f"({exc}); fix that setting") from None
     try:
         probe.ping()
     except redis.RedisError as exc:
@@ -281,12 +283,10 @@ def show(ctx: click.Context, thread_id: str, as_json: bool) -> None:
         click.echo(f"Active member: none; the head is eligible "
                    f"{_relative(None if status.head_age is None else -status.head_age)}.")
     else:
-        if a.state == "RUNNING":
-            lease_label, lease = "lease expires", _relative(a.expires_in)
-        else:
-            lease_label, lease = "release deadline", _relative(a.expires_in)
-        if a.expires_in < 0:
-            lease = f"LAPSED {_relative(a.expires_in)}"
+        # A RELEASED member's deadline is the release timeout: unclaimed by then, it is republished.
+        lease_label = "lease expires" if a.state == "RUNNING" else "release deadline"
+        lease = (_relative(a.expires_in) if a.expires_in >= 0
+                 else f"LAPSED {_relative(a.expires_in)}")
         scheduled_ahead = (a.scheduled_at - status.now).total_seconds()
         pairs: list[tuple[str, Any]] = [
             ("task id", a.task_id),

@@ -7,9 +7,8 @@ flushed for each test, with no worker and no beat running on them.
 """
 from __future__ import annotations
 
-import time
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator
 
 import redis
 
@@ -97,17 +96,5 @@ def kill_member(gate: Gate, thread: str, task_id: str, exception: str = "ValueEr
 
 
 def server_ms(app: Any) -> int:
+    """The Redis server's clock, in milliseconds."""
     return get_runtime(app).gate.now_ms()
-
-
-def wait_ms(ms: float) -> None:
-    time.sleep(ms / 1000.0)
-
-
-def redis_for(app: Any) -> "redis.Redis[bytes]":
-    return get_runtime(app).client
-
-
-def optional(value: Optional[Any]) -> Any:
-    assert value is not None
-    return value

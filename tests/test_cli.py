@@ -11,6 +11,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
@@ -224,6 +225,7 @@ def test_dead_lists_the_store_newest_last_with_exceptions(app, cli):
     gate = Threads(app).gate
     first, second = tid("cli-dead"), tid("cli-dead")
     kill_member(gate, first, "dead-older", "ValueError: older exploded", retries=2)
+    time.sleep(0.01)  # died_at has millisecond resolution; ties are ordered by task id
     kill_member(gate, second, "dead-newer", "KeyError: 'newer'\nmore text")
 
     out = ok(cli("dead"))
