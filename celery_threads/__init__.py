@@ -2,15 +2,22 @@
 from . import install as _install  # noqa: F401  (connects the app-finalize and worker hooks)
 from .errors import InvalidThreadId, ThreadsError
 from .task import ThreadedTask
-from .threads import DeadTask, MemberInfo, ThreadInfo, Threads
+from .threads import (ActiveStatus, DeadTask, MemberInfo, Stats, StuckThread, ThreadInfo, Threads,
+                      ThreadStatus, ThreadSummary, WaitingStatus)
 
 __all__ = [
+    "ActiveStatus",
     "DeadTask",
     "InvalidThreadId",
     "MemberInfo",
+    "Stats",
+    "StuckThread",
     "ThreadInfo",
+    "ThreadStatus",
+    "ThreadSummary",
     "ThreadedTask",
     "Threads",
     "ThreadsError",
+    "WaitingStatus",
 ]
 __version__ = "0.1.0"

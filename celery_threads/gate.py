@@ -63,6 +63,14 @@ class Outcome:
         return self.status == DONE
 
 
+SEQ_WIDTH = 16  # digits of the arrival number in a queue member "<seq>:<task id>" (as in Lua)
+
+
+def queued_task(member: Any) -> str:
+    """The task id of a thread queue's member ``<seq, SEQ_WIDTH digits>:<task id>``."""
+    return _text(member)[SEQ_WIDTH + 1:]
+
+
 def parse_record(record: bytes) -> tuple[int, int, int, int, bytes]:
     """Split a member record into (seq, retries, max_retries, retry_delay_ms, envelope)."""
     header, _, envelope = record.partition(b"\n")
@@ -252,17 +260,25 @@ class Gate:
         return ThreadSnapshot(
             thread_id=thread_id,
             active={_text(k): _text(v) for k, v in active.items()},
-            waiting=[(_text(m)[17:], int(score)) for m, score in queue],
+            waiting=[(queued_task(m), int(score)) for m, score in queue],
             records={_text(k): v for k, v in members.items()},
             due_at=None if due_at is None else int(due_at),
         )
 
     def thread_ids(self) -> Iterator[str]:
-        """Every existing thread: each is in exactly one of the due and leases indexes."""
+        """Every existing thread: each is in exactly one of the due and leases indexes.
+
+        A thread that moves between the two during the scan is yielded once (or, when it moves
+        from the index not yet read to the one already read, missed, as with any SCAN).
+        """
+        seen: set[str] = set()
         for shard in self.keys.all_shards():
             for index in (shard.due, shard.leases):
                 for member, _ in self.client.zscan_iter(index):
-                    yield _text(member)
+                    thread_id = _text(member)
+                    if thread_id not in seen:
+                        seen.add(thread_id)
+                        yield thread_id
 
     def dead_record(self, task_id: str) -> Optional["DeadRecord"]:
         for shard in self.keys.all_shards():
@@ -321,7 +337,7 @@ class Gate:
         for i in range(len(thread_ids)):
             active, waiting, head = replies[3 * i:3 * i + 3]
             rows.append(({_text(k): _text(v) for k, v in active.items()}, int(waiting),
-                         (_text(head[0][0])[17:], int(head[0][1])) if head else None))
+                         (queued_task(head[0][0]), int(head[0][1])) if head else None))
         return rows
 
     def overdue(self, shard: ShardKeys, before_ms: int, limit: int

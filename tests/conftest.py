@@ -225,27 +225,18 @@ def proj(redis_server: RedisServer):
 
 def configure_client(app, **env: str) -> None:
     """Point the in-test client app at a deployment's Redis, broker and settings."""
-    from celery_threads.config import forget_config
+    from tests.isolated import point_app
 
-    app.conf.update(
-        threads_redis_url=env["CT_REDIS_URL"],
-        broker_url=env["CT_BROKER_URL"],
-        result_backend=env["CT_BACKEND_URL"],
-        threads_release_timeout=float(env.get("CT_RELEASE_TIMEOUT", "60")),
-        threads_keepalive=float(env.get("CT_KEEPALIVE", "30")),
-        threads_key_prefix=env.get("CT_KEY_PREFIX", "celery_threads"),
-        task_default_queue=env.get("CT_QUEUE", "celery"),
-        task_acks_late=env.get("CT_ACKS_LATE") == "1",
-    )
-    forget_config(app)
-    for attr in ("_celery_threads_runtime",):
-        if hasattr(app, attr):
-            delattr(app, attr)
-    # Drop pooled broker connections and the cached backend so the new URLs take effect.
-    app._pool = None
-    app.amqp._producer_pool = None
-    app._local.__dict__.pop("backend", None) if hasattr(app, "_local") else None
-    app.__dict__.pop("backend", None)
+    point_app(app, {
+        "threads_redis_url": env["CT_REDIS_URL"],
+        "broker_url": env["CT_BROKER_URL"],
+        "result_backend": env["CT_BACKEND_URL"],
+        "threads_release_timeout": float(env.get("CT_RELEASE_TIMEOUT", "60")),
+        "threads_keepalive": float(env.get("CT_KEEPALIVE", "30")),
+        "threads_key_prefix": env.get("CT_KEY_PREFIX", "celery_threads"),
+        "task_default_queue": env.get("CT_QUEUE", "celery"),
+        "task_acks_late": env.get("CT_ACKS_LATE") == "1",
+    })
 
 
 @pytest.fixture(scope="session")

@@ -32,7 +32,8 @@ def isolated_env(server: Any) -> dict[str, str]:
     }
 
 
-def _apply(app: Any, settings: dict[str, Any]) -> None:
+def point_app(app: Any, settings: dict[str, Any]) -> None:
+    """Apply ``app.conf`` settings so that the gate, broker and backend clients use them."""
     app.conf.update(settings)
     forget_config(app)
     if hasattr(app, "_celery_threads_runtime"):
@@ -41,17 +42,19 @@ def _apply(app: Any, settings: dict[str, Any]) -> None:
     app._pool = None
     app.amqp._producer_pool = None
     app.__dict__.pop("backend", None)
+    if hasattr(app, "_local"):
+        app._local.__dict__.pop("backend", None)
 
 
 @contextmanager
 def pointed_at(app: Any, **settings: Any) -> Iterator[Any]:
     """``app`` with these ``app.conf`` settings for the duration, then as it was."""
     saved = {name: app.conf.get(name) for name in settings}
-    _apply(app, settings)
+    point_app(app, settings)
     try:
         yield app
     finally:
-        _apply(app, saved)
+        point_app(app, saved)
 
 
 @contextmanager
