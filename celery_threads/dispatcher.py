@@ -123,7 +123,8 @@ class DispatchLoop:
         while not self._stop.is_set():
             try:
                 if pubsub is None:
-                    pubsub = self.runtime.client.pubsub(ignore_subscribe_messages=True)
+                    pubsub = self.runtime.client.pubsub(  # type: ignore[no-untyped-call]
+                        ignore_subscribe_messages=True)
                     pubsub.subscribe(*[s.wake_channel for s in self.runtime.keys.all_shards()])
                 report = self.dispatcher.tick()
                 wait = 0.0 if report.more else interval

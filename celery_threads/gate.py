@@ -78,7 +78,7 @@ def parse_record(record: bytes) -> tuple[int, int, int, int, bytes]:
     return seq, retries, max_retries, delay, envelope
 
 
-def make_client(url: str) -> "redis.Redis[bytes]":
+def make_client(url: str) -> "redis.Redis":
     """A client that rides out short Redis outages: each command is retried with backoff for ~10 s.
 
     Every script is idempotent under its fencing token, so replaying one whose reply was lost is safe.
@@ -99,7 +99,7 @@ class Gate:
     the model-based test sets it.
     """
 
-    def __init__(self, client: "redis.Redis[bytes]", keys: Keys, *, release_timeout_ms: int,
+    def __init__(self, client: "redis.Redis", keys: Keys, *, release_timeout_ms: int,
                  keepalive_ms: int = 30_000, clock: Optional[Callable[[], int]] = None) -> None:
         self.client = client
         self._keepalive_text = f"{keepalive_ms / 1000:g}s"
@@ -293,10 +293,10 @@ class Gate:
     def dead_records(self) -> list["DeadRecord"]:
         records: list[DeadRecord] = []
         for shard in self.keys.all_shards():
-            rows = self.client.zrange(shard.dead, 0, -1, withscores=True)
+            rows: list[Any] = self.client.zrange(shard.dead, 0, -1, withscores=True)
             if not rows:
                 continue
-            raws = self.client.hmget(shard.dead_records, [m for m, _ in rows])
+            raws: list[Any] = self.client.hmget(shard.dead_records, [m for m, _ in rows])
             records.extend(DeadRecord.parse(_text(m), raw, score)
                            for (m, score), raw in zip(rows, raws) if raw is not None)
         records.sort(key=lambda r: r.died_at_ms)

@@ -13,7 +13,8 @@ from typing import Any, Optional
 
 from celery import Celery
 from kombu import Exchange, Queue
-from kombu.serialization import dumps
+from kombu.serialization import dumps as _kombu_dumps
+from kombu.serialization import loads as _kombu_loads
 
 from .gate import Release
 
@@ -65,7 +66,7 @@ def encode_envelope(body: Any, kwargs: dict[str, Any]) -> bytes:
     serializer = kwargs.get("serializer")
     content_type = kwargs.get("content_type")
     if content_type is None:
-        content_type, content_encoding, payload = dumps(body, serializer=serializer)
+        content_type, content_encoding, payload = _dumps(body, serializer)
     else:
         content_encoding = kwargs.get("content_encoding") or "utf-8"
         payload = body
@@ -86,7 +87,19 @@ def encode_envelope(body: Any, kwargs: dict[str, Any]) -> bytes:
         "headers": headers,
         "properties": {k: kwargs[k] for k in _PROPERTY_KEYS if kwargs.get(k) is not None},
     }
-    return json.dumps(header, default=repr).encode() + b"\n" + payload
+    return json.dumps(header, default=repr).encode() + b"\n" + bytes(payload)
+
+
+def _dumps(body: Any, serializer: Optional[str]) -> tuple[str, str, Any]:
+    """kombu's ``dumps`` (untyped): the serializer's error propagates, nothing is stored."""
+    content_type, content_encoding, payload = _kombu_dumps(  # type: ignore[no-untyped-call]
+        body, serializer=serializer)
+    return str(content_type), str(content_encoding), payload
+
+
+def _loads(body: bytes, content_type: str, content_encoding: str, accept: set[str]) -> Any:
+    return _kombu_loads(body, content_type, content_encoding,  # type: ignore[no-untyped-call]
+                        accept=accept)
 
 
 def decode_envelope(envelope: bytes) -> tuple[dict[str, Any], bytes]:
@@ -101,11 +114,9 @@ def task_name(envelope: bytes) -> str:
 
 def decode_arguments(app: Celery, envelope: bytes) -> tuple[list[Any], dict[str, Any]]:
     """The ``(args, kwargs)`` of a stored task message (protocol 2)."""
-    from kombu.serialization import loads
-
     header, body = decode_envelope(envelope)
-    payload = loads(body, header["content_type"], header["content_encoding"],
-                    accept={*app.conf.accept_content, header["content_type"]})
+    payload = _loads(body, header["content_type"], header["content_encoding"],
+                     {*app.conf.accept_content, header["content_type"]})
     if isinstance(payload, (list, tuple)) and len(payload) == 3:
         return list(payload[0]), dict(payload[1])
     return list(payload.get("args", [])), dict(payload.get("kwargs", {}))

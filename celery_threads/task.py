@@ -22,7 +22,7 @@ logger = logging.getLogger(__name__)
 
 MAX_THREAD_ID_BYTES = 1024
 
-ThreadKey = Union[str, Callable[[tuple, dict], Any], None]
+ThreadKey = Union[str, Callable[[tuple[Any, ...], dict[str, Any]], Any], None]
 
 
 def normalize_thread_id(value: Any) -> str:

@@ -46,7 +46,7 @@ def threaded_strategy(task: Any, app: Any, consumer: Any, **kwargs: Any) -> Any:
             return _enter_gate_from_worker(task, runtime, message,
                                            lambda: drop(ack),
                                            lambda: reject(logger, connection_errors, False))
-        thread_id, task_id = headers.get(THREAD_HEADER), headers.get("id")
+        thread_id, task_id = str(headers.get(THREAD_HEADER)), str(headers.get("id"))
         status = runtime.gate.claim(thread_id, task_id, token, keepalive_ms, hostname)
         if status != CLAIMED:
             why = "a duplicate delivery" if status == ALREADY_CLAIMED else "a stale release"
@@ -94,9 +94,10 @@ def _enter_gate_from_worker(task: Any, runtime: Any, message: Any, ack: Any, rej
     ack()
 
 
-def _thread_headers(request: Any) -> tuple[Optional[str], Optional[str]]:
+def _thread_headers(request: Any) -> tuple[str, str]:
+    """The (thread id, token) of a released member's request; ``("", "")`` for any other."""
     headers = request.request_dict
-    return headers.get(THREAD_HEADER), headers.get(TOKEN_HEADER)
+    return str(headers.get(THREAD_HEADER) or ""), str(headers.get(TOKEN_HEADER) or "")
 
 
 class ThreadedRequest(Request):
