@@ -145,6 +145,17 @@ class Gate:
               worker: str) -> int:
         return int(self._run("claim", thread_id, task_id, token, keepalive_ms, worker)[0])
 
+    def peek(self, thread_id: str, task_id: str, token: str) -> Optional[str]:
+        """The state of (task, token) when it is the thread's active member, else ``None``.
+
+        A plain read (no script): a worker's cheap filter of stale deliveries on receipt.
+        """
+        task, current, state = self.client.hmget(self.keys.thread(thread_id).active,
+                                                  ["task", "token", "state"])
+        if task is None or _text(task) != task_id or _text(current) != token:
+            return None
+        return _text(state)
+
     def renew(self, thread_id: str, task_id: str, token: str, keepalive_ms: int) -> bool:
         return int(self._run("renew", thread_id, task_id, token, keepalive_ms)[0]) == 1
 

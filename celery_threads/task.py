@@ -15,6 +15,7 @@ from celery.utils import uuid
 from celery.utils.saferepr import saferepr
 
 from .errors import GateUnavailable, InvalidThreadId
+from .gate import ALREADY_CLAIMED, CLAIMED
 from .publish import OUR_HEADERS, THREAD_HEADER, TOKEN_HEADER, CapturingProducer
 from .runtime import get_runtime
 
@@ -158,6 +159,14 @@ class ThreadedTask(Task):
         task_id = request.id
         runtime = get_runtime(self._get_app())
         gate = runtime.gate
+        hostname = request.hostname or ""
+        status = gate.claim(thread_id, task_id, token, runtime.config.keepalive_ms, hostname)
+        if status != CLAIMED:
+            # Another delivery of this release started first (or it went stale in between).
+            logger.info("celery-threads: not running %s[%s] of thread %s: %s", self.name, task_id,
+                        thread_id, "claimed by another delivery" if status == ALREADY_CLAIMED
+                        else "stale release")
+            raise Ignore()
         retries = int(request.retries or 0)
         try:
             result = super().__call__(*args, **kwargs)

@@ -1,8 +1,10 @@
 """The worker side: claim on receipt, lease renewal, and the endings only the main process sees.
 
-* :func:`threaded_strategy` claims each released member with its fencing token before Celery even
-  logs it as received, so a stale or duplicate delivery is acked and dropped without a
-  ``task-received`` event or a result-backend write for the live task.
+* :func:`threaded_strategy` checks each delivery's fencing token before Celery even logs it as
+  received, so a stale delivery, or a redelivery of a member already started, is acked and dropped
+  without a ``task-received`` event or a result-backend write for the live task.  The claim itself
+  happens when the task starts (``ThreadedTask.__call__``): a member prefetched by a worker that
+  shuts down before starting it stays RELEASED, so its redelivery runs elsewhere.
 * :class:`ThreadedRequest` ends members whose pool child could not: a killed child
   (``WorkerLostError``) and a hard time limit.
 * :class:`ThreadsWorkerStep` renews the leases of the members this worker holds (in its own
@@ -21,7 +23,7 @@ from celery.worker import state as worker_state
 from celery.worker.request import Request
 from celery.worker.strategy import default as default_strategy
 
-from .gate import CLAIMED, ALREADY_CLAIMED, RETRIED
+from .gate import RETRIED
 from .publish import THREAD_HEADER, TOKEN_HEADER
 from .runtime import get_runtime
 
@@ -31,8 +33,6 @@ logger = logging.getLogger(__name__)
 def threaded_strategy(task: Any, app: Any, consumer: Any, **kwargs: Any) -> Any:
     handle = default_strategy(task, app, consumer, **kwargs)
     runtime = get_runtime(app)
-    keepalive_ms = runtime.config.keepalive_ms
-    hostname = consumer.hostname
     connection_errors = consumer.connection_errors
 
     def drop(ack: Any) -> None:
@@ -47,9 +47,11 @@ def threaded_strategy(task: Any, app: Any, consumer: Any, **kwargs: Any) -> Any:
                                            lambda: drop(ack),
                                            lambda: reject(logger, connection_errors, False))
         thread_id, task_id = str(headers.get(THREAD_HEADER)), str(headers.get("id"))
-        status = runtime.gate.claim(thread_id, task_id, token, keepalive_ms, hostname)
-        if status != CLAIMED:
-            why = "a duplicate delivery" if status == ALREADY_CLAIMED else "a stale release"
+        state = runtime.gate.peek(thread_id, task_id, token)
+        if state != "RELEASED":
+            # RUNNING under this token: a redelivery of a member another attempt has started;
+            # anything else: a stale release.  Either way the live task is not touched.
+            why = "a duplicate delivery" if state == "RUNNING" else "a stale release"
             logger.info("celery-threads: dropped %s[%s] of thread %s: %s (token %s)",
                         task.name, task_id, thread_id, why, token)
             drop(ack)
@@ -201,7 +203,8 @@ def wrap_revoke_command() -> None:
 
 
 class LeaseRenewer:
-    """Renews the lease of every threaded member this worker process holds, every keepalive/3."""
+    """Every keepalive/3, renews the lease of each threaded member this worker holds: running, or
+    waiting in its prefetch buffer (whose release deadline it extends)."""
 
     def __init__(self, runtime: Any) -> None:
         self.runtime = runtime

@@ -93,3 +93,25 @@ def test_redelivered_message_never_runs_twice_at_once(proj, make_deployment, r):
     assert_serial(r, thread)
     logs = "".join(p.output() for p in d.processes)
     assert "a duplicate delivery" in logs
+
+
+def test_member_prefetched_by_a_worker_shutting_down_runs_elsewhere(proj, make_deployment, r):
+    """A warm shutdown hands back prefetched messages; the gate still holds them RELEASED (the
+    claim happens when a task starts), so the redelivery runs at once and burns no retry."""
+    d = make_deployment(CT_PREFETCH="4")
+    leaving = d.worker("leaving", concurrency=1)
+    busy, waiting = tid("busy"), tid("prefetched")
+    proj.record.delay(busy, "busy", sleep=2)
+    wait_for(lambda: starts(r, busy) == ["busy"], what="busy to start")
+    prefetched = proj.record.delay(waiting, "prefetched")
+    wait_for(lambda: f"{prefetched.id}] received" in leaving.output(), what="the prefetch")
+    info = Threads(proj.app).get(waiting)
+    assert info is not None, (starts(r, waiting), leaving.output()[-2000:])
+    assert info.active.state == "RELEASED"
+    leaving.proc.send_signal(signal.SIGTERM)   # warm shutdown: finishes busy, returns the rest
+    d.worker("staying", concurrency=1)
+    leaving.proc.wait(30)
+    assert f"{prefetched.id}] succeeded" not in leaving.output()
+    assert prefetched.get(timeout=20) == "prefetched"
+    assert starts(r, waiting) == ["prefetched"]
+    assert starts(r, busy) == ["busy"]       # finished by the leaving worker, once
