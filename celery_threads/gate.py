@@ -293,24 +293,22 @@ class Gate:
 
     def dead_record(self, task_id: str) -> Optional["DeadRecord"]:
         for shard in self.keys.all_shards():
-            pipe = self.client.pipeline(transaction=True)
-            pipe.hget(shard.dead_records, task_id)
-            pipe.zscore(shard.dead, task_id)
-            raw, died_at = pipe.execute()
+            raw: Optional[bytes] = self.client.hget(shard.dead_records, task_id)  # type: ignore[assignment]
             if raw is not None:
-                return DeadRecord.parse(task_id, raw, died_at)
+                return DeadRecord.parse(task_id, raw)
         return None
 
     def dead_records(self) -> list["DeadRecord"]:
         records: list[DeadRecord] = []
         for shard in self.keys.all_shards():
-            rows: list[Any] = self.client.zrange(shard.dead, 0, -1, withscores=True)
-            if not rows:
+            ids: list[Any] = self.client.zrange(shard.dead, 0, -1)
+            if not ids:
                 continue
-            raws: list[Any] = self.client.hmget(shard.dead_records, [m for m, _ in rows])
-            records.extend(DeadRecord.parse(_text(m), raw, score)
-                           for (m, score), raw in zip(rows, raws) if raw is not None)
-        records.sort(key=lambda r: r.died_at_ms)
+            raws: list[Any] = self.client.hmget(shard.dead_records, ids)
+            records.extend(DeadRecord.parse(_text(task_id), raw)
+                           for task_id, raw in zip(ids, raws) if raw is not None)
+        if self.keys.shards > 1:   # each shard is in death order; merge them by time
+            records.sort(key=lambda r: r.died_at_ms)
         return records
 
     def note_deleted(self, thread_id: str, task_id: str, ttl: int = 600) -> None:
@@ -440,9 +438,9 @@ class DeadRecord:
     died_at_ms: int
 
     @classmethod
-    def parse(cls, task_id: str, raw: bytes, died_at: Any) -> "DeadRecord":
-        meta, _, envelope = raw.partition(b"\n")
-        return cls(task_id, json.loads(meta), envelope, int(died_at or 0))
+    def parse(cls, task_id: str, raw: bytes) -> "DeadRecord":
+        died_at, meta, envelope = raw.split(b"\n", 2)
+        return cls(task_id, json.loads(meta), envelope, int(died_at))
 
 
 def _max_retries(value: Optional[int]) -> int:

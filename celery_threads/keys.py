@@ -42,12 +42,12 @@ class ShardKeys:
 
     @property
     def dead(self) -> str:
-        """ZSET task id -> died_at (ms): the dead-letter store's order."""
+        """ZSET task id -> death order (a shard counter value): the dead-letter store's order."""
         return f"{self.tag}:dead"
 
     @property
     def dead_records(self) -> str:
-        """HASH task id -> ``meta_json \\n envelope`` of each dead task."""
+        """HASH task id -> ``died_at_ms \\n meta_json \\n envelope`` of each dead task."""
         return f"{self.tag}:dead:records"
 
     @property

@@ -5,8 +5,8 @@
 --   KEYS[2] due      ZSET    thread id -> head scheduled_at (ms); threads with no active member
 --   KEYS[3] leases   ZSET    thread id -> deadline (ms) of the active member (release or lease)
 --   KEYS[4] tasks    HASH    task id -> thread id, every member
---   KEYS[5] dead     ZSET    task id -> died_at (ms)
---   KEYS[6] deadrec  HASH    task id -> meta_json "\n" envelope
+--   KEYS[5] dead     ZSET    task id -> death order (a value of the shard counter)
+--   KEYS[6] deadrec  HASH    task id -> died_at_ms "\n" meta_json "\n" envelope
 --   KEYS[7] queue    ZSET    this thread's waiting members "<seq16>:<task id>" -> scheduled_at (ms)
 --   KEYS[8] members  HASH    this thread's members: task id -> "seq|retries|max_retries|delay_ms\n" envelope
 --   KEYS[9] active   HASH    this thread's active member: task, token, state, since, deadline, worker, n
@@ -135,8 +135,10 @@ local function kill_active(task, keep, meta_json)
   if keep then
     local rec = redis.call('HGET', K_M, task)
     local p = parse_record(rec)
-    redis.call('ZADD', K_DEAD, NOW, task)
-    redis.call('HSET', K_DEADREC, task, meta_json .. '\n' .. string.sub(rec, p.body_at))
+    -- Scored by the shard counter, so deaths in one millisecond keep their order.
+    redis.call('ZADD', K_DEAD, next_seq(), task)
+    redis.call('HSET', K_DEADREC, task, string.format('%d', NOW) .. '\n' .. meta_json .. '\n' ..
+      string.sub(rec, p.body_at))
   end
   drop_active(task)
 end
