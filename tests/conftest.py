@@ -263,3 +263,12 @@ def worker(redis_server: RedisServer, proj) -> Iterator[CeleryProcess]:
     proc = d.worker("shared", concurrency=3)
     yield proc
     d.stop()
+
+
+@pytest.fixture
+def isolated_app(proj, redis_server):
+    """The tests' app on private, freshly flushed databases no worker or beat touches."""
+    from tests.isolated import isolated
+
+    with isolated(proj.app, redis_server) as app:
+        yield app

@@ -21,7 +21,7 @@ from click.testing import CliRunner, Result
 
 from celery_threads import Threads
 from tests.helpers import tid
-from tests.isolated import (envelope, gate_in_the_past, isolated, isolated_env, kill_member,
+from tests.isolated import (envelope, gate_in_the_past, isolated_env, kill_member,
                             pointed_at)
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -29,9 +29,8 @@ HOUR = 3600.0
 
 
 @pytest.fixture
-def app(proj, redis_server):
-    with isolated(proj.app, redis_server) as app:
-        yield app
+def app(isolated_app):
+    return isolated_app
 
 
 @pytest.fixture

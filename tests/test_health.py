@@ -14,15 +14,14 @@ import redis
 from celery_threads import Threads
 from celery_threads.gate import Gate
 from tests.helpers import tid
-from tests.isolated import envelope, gate_in_the_past, isolated, kill_member, server_ms
+from tests.isolated import envelope, gate_in_the_past, kill_member, server_ms
 
 HOUR = 3600.0
 
 
 @pytest.fixture
-def app(proj, redis_server):
-    with isolated(proj.app, redis_server) as app:
-        yield app
+def app(isolated_app):
+    return isolated_app
 
 
 @pytest.fixture
