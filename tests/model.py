@@ -97,7 +97,7 @@ class Model:
         self.now = now
         self.threads: dict[str, Thread] = {}
         self.tasks: dict[str, str] = {}          # task id -> thread id, every member
-        self.dead: dict[str, Dead] = {}
+        self.dead: dict[str, Dead] = {}          # in death order
         self._arrivals = itertools.count(1)
         self._tokens = itertools.count(1)
 
@@ -165,7 +165,8 @@ class Model:
     def _kill_active(self, thread: Thread, keep: bool, meta: dict[str, Any]) -> None:
         assert thread.active is not None
         m = thread.members[thread.active.task_id]
-        if keep:
+        if keep:   # a task id that died before goes to the end of the death order
+            self.dead.pop(m.task_id, None)
             self.dead[m.task_id] = Dead(m.task_id, meta, m.envelope, self.now)
         self._drop_active(thread)
 
@@ -205,11 +206,21 @@ class Model:
         return CLAIMED
 
     def renew(self, thread_id: str, task_id: str, token: str, keepalive_ms: int) -> bool:
+        """The worker holding (task, token) vouches for it: a RUNNING member's lease, or the
+        release deadline of a RELEASED one sitting in its prefetch buffer, is now + keepalive."""
         active = self._active(thread_id, task_id, token)
-        if active is None or active.state != RUNNING:
+        if active is None:
             return False
         active.deadline = self.now + keepalive_ms
         return True
+
+    def peek(self, thread_id: str, task_id: str, token: str) -> Optional[str]:
+        """The state of (task, token) when it is the active member (exact token), else None."""
+        thread = self.threads.get(thread_id)
+        active = thread.active if thread is not None else None
+        if active is None or active.task_id != task_id or active.token != token:
+            return None
+        return active.state
 
     def finish(self, thread_id: str, task_id: str, token: str) -> Outcome:
         if self._active(thread_id, task_id, token) is None:
@@ -318,3 +329,31 @@ class Model:
 
     def thread_of(self, task_id: str) -> Optional[str]:
         return self.tasks.get(task_id)
+
+    # -- health reads -------------------------------------------------------------------------
+    def overdue(self, before_ms: int, limit: int
+                ) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
+        """(lapsed, due): threads whose deadline / idle head's scheduled_at is at or before
+        ``before_ms``, at most ``limit`` of each, in index order."""
+        def upto(index: dict[str, int]) -> list[tuple[str, int]]:
+            rows = sorted(index.items(), key=lambda kv: (kv[1], kv[0].encode()))
+            return [(t, score) for t, score in rows if score <= before_ms][:limit]
+
+        return upto(self.lease_index()), upto(self.due_index())
+
+    def index_counts(self, now_ms: int, overdue_before_ms: int) -> dict[str, Any]:
+        lapsed, _ = self.overdue(overdue_before_ms, len(self.threads))
+        _, overdue_heads = self.overdue(overdue_before_ms, len(self.threads))
+        _, due_now = self.overdue(now_ms, 1)
+        return {
+            "idle": len(self.due_index()), "active": len(self.lease_index()),
+            "members": len(self.tasks), "dead": len(self.dead), "lapsed": len(lapsed),
+            "overdue_heads": len(overdue_heads), "oldest_due": due_now[0] if due_now else None,
+        }
+
+    def active_states(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for thread in self.threads.values():
+            if thread.active is not None:
+                counts[thread.active.state] = counts.get(thread.active.state, 0) + 1
+        return counts

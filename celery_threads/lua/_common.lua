@@ -105,11 +105,17 @@ local function reply(status, info, released)
   return { status, info, released[1], released[2], released[3] }
 end
 
--- Is the active member (task, token)?  token '' matches any token.
+-- The state of the active member when it is `task`, whatever its token, else nil.
+local function active_state(task)
+  local a = redis.call('HMGET', K_A, 'task', 'state')
+  if a[1] ~= task then return nil end
+  return a[2]
+end
+
+-- The state of the active member when it is (task, token), else nil: the fencing check.
 local function is_active(task, token)
   local a = redis.call('HMGET', K_A, 'task', 'token', 'state')
-  if a[1] ~= task then return nil end
-  if token ~= '' and a[2] ~= token then return nil end
+  if a[1] ~= task or a[2] ~= token then return nil end
   return a[3]
 end
 

@@ -4,7 +4,7 @@
 -- Returns {1, previous state} plus the release, or {0, ''} when nothing was deleted.
 local task, token = ARGV[5], ARGV[6]
 if redis.call('HGET', K_TASKS, task) ~= TID then return reply(0, '') end
-local state = is_active(task, '')
+local state = active_state(task)
 if state then
   if ARGV[7] == '1' then return reply(0, state) end
   if token ~= '' and not is_active(task, token) then return reply(0, state) end

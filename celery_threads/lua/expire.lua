@@ -7,8 +7,8 @@
 -- {3, task} retried, {4, task} died; 3 and 4 carry the next release, if any.
 local a = redis.call('HMGET', K_A, 'task', 'token', 'state', 'deadline', 'n')
 if a[1] == false then
-  release_head()
-  return reply(0, '')
+  -- Another dispatcher handled this thread since our scan; its head may be due by now.
+  return reply(0, '', release_head())
 end
 local task, token, state, deadline = a[1], a[2], a[3], tonumber(a[4])
 if deadline > NOW then
