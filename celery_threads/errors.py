@@ -21,7 +21,9 @@ class ConfigurationError(ThreadsError):
 class GateUnavailable(ThreadsError):
     """The gate's Redis could not be reached; the message says which URL was tried.
 
-    A publish that raises this stored nothing and sent nothing: it is safe to call again.
+    A publish that raises this sent nothing to the broker.  Unless the connection broke after
+    Redis had received the call, it stored nothing either; calling again with the same task id is
+    safe in every case, since a member is never stored twice.
     """
 
 

@@ -63,3 +63,17 @@ def _on_task_revoked(sender: Any = None, **kwargs: Any) -> None:
     from .worker import on_task_revoked
 
     on_task_revoked(sender=sender, **kwargs)
+
+
+@signals.task_unknown.connect
+def _on_task_unknown(sender: Any = None, **kwargs: Any) -> None:
+    from .worker import on_unrunnable_message
+
+    on_unrunnable_message(sender=sender, **kwargs)
+
+
+@signals.task_rejected.connect
+def _on_task_rejected(sender: Any = None, **kwargs: Any) -> None:
+    from .worker import on_unrunnable_message
+
+    on_unrunnable_message(sender=sender, **kwargs)

@@ -102,13 +102,27 @@ def _loads(body: bytes, content_type: str, content_encoding: str, accept: set[st
                         accept=accept)
 
 
+class UndecodableEnvelope(ValueError):
+    """A stored envelope is not ``header_json \\n body``: it can never be published."""
+
+
 def decode_envelope(envelope: bytes) -> tuple[dict[str, Any], bytes]:
     header, _, body = envelope.partition(b"\n")
-    return json.loads(header), body
+    try:
+        decoded = json.loads(header)
+        if not isinstance(decoded, dict) or not isinstance(decoded.get("headers"), dict):
+            raise ValueError("no message headers")
+    except ValueError as exc:
+        raise UndecodableEnvelope(f"stored message envelope cannot be decoded: {exc}") from exc
+    return decoded, body
 
 
 def task_name(envelope: bytes) -> str:
-    header, _ = decode_envelope(envelope)
+    """The task name a stored message names ("" when the envelope cannot be decoded)."""
+    try:
+        header, _ = decode_envelope(envelope)
+    except UndecodableEnvelope:
+        return ""
     return str(header["headers"].get("task", ""))
 
 

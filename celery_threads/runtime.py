@@ -12,7 +12,7 @@ from celery import Celery
 from .config import ThreadsConfig, read_config
 from .gate import Gate, Outcome, Release, make_client
 from .keys import Keys
-from .publish import THREAD_HEADER, publish_release, task_name
+from .publish import THREAD_HEADER, UndecodableEnvelope, publish_release, task_name
 from .signals import member_dead
 
 logger = logging.getLogger(__name__)
@@ -41,6 +41,10 @@ class Runtime:
             return
         try:
             publish_release(self.app, release, producer)
+        except UndecodableEnvelope as exc:
+            # Republishing could never help: the member dies and its thread moves on.
+            self.kill(release.thread_id, release.task_id, release.token, exc=exc, retries=0,
+                      reason=f"UndecodableEnvelope: {exc}")
         except Exception:
             logger.exception(
                 "celery-threads: could not publish member %s of thread %s; the dispatcher "
@@ -97,7 +101,7 @@ class Runtime:
         name = task_name(record.envelope) if record else ""
         logger.warning("celery-threads: member %s (%s) of thread %s died: %s",
                        task_id, name, thread_id, exception)
-        if record is not None and self.config.dead_letter_queue:
+        if record is not None and name and self.config.dead_letter_queue:
             self._send_dead_letter(thread_id, task_id, exception, record.envelope)
         member_dead.send(sender=self.app.tasks.get(name, name), task_id=task_id,
                          thread_id=thread_id, name=name, exception=exception, retries=retries)

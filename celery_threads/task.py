@@ -217,7 +217,9 @@ def gate_errors(runtime: Any, task_id: str) -> Iterator[None]:
         raise GateUnavailable(
             f"could not reach the gate's Redis at {runtime.config.redis_url} "
             f"(threads_redis_url) to publish task {task_id}: {exc}. Nothing was sent to the "
-            "broker; calling again with the same task_id is safe (a member is never stored twice)."
+            "broker. If the connection broke after Redis received the call, the member may be "
+            "stored whole and will run; calling again with the same task_id is safe either way "
+            "(a member is never stored twice)."
         ) from exc
 
 

@@ -17,7 +17,8 @@ import threading
 from typing import Any, Optional
 
 from celery import bootsteps
-from celery.exceptions import TimeLimitExceeded, WorkerLostError
+from celery.exceptions import (Ignore, NotRegistered, Reject, Retry, Terminated, TimeLimitExceeded,
+                               WorkerLostError)
 from celery.utils.serialization import get_pickled_exception
 from celery.worker import state as worker_state
 from celery.worker.request import Request
@@ -56,9 +57,43 @@ def threaded_strategy(task: Any, app: Any, consumer: Any, **kwargs: Any) -> Any:
                         task.name, task_id, thread_id, why, token)
             drop(ack)
             return None
-        return handle(message, body, ack, reject, callbacks, **kw)
+        try:
+            return handle(message, body, ack, reject, callbacks, **kw)
+        except Exception as exc:   # undecodable body, refused content type, invalid message
+            kill_unrunnable(runtime, headers, exc)
+            raise                   # Celery rejects and logs the message as usual
 
     return task_message_handler
+
+
+def kill_unrunnable(runtime: Any, headers: dict[str, Any], exc: BaseException) -> None:
+    """A released member whose message no worker can run dies now, instead of being republished
+    forever: it goes to the dead letters with the reason, and its thread moves on."""
+    token = headers.get(TOKEN_HEADER)
+    if not token:
+        return
+    try:
+        runtime.kill(str(headers.get(THREAD_HEADER)), str(headers.get("id")), str(token), exc=exc,
+                     retries=int(headers.get("retries") or 0),
+                     reason=f"{type(exc).__name__}: the worker cannot run this message: {exc}")
+    except Exception:
+        logger.exception("celery-threads: could not dead-letter unrunnable member %s",
+                         headers.get("id"))
+
+
+def on_unrunnable_message(sender: Any = None, message: Any = None, exc: Any = None,
+                          **kwargs: Any) -> None:
+    """``task_unknown`` / ``task_rejected``: a released member Celery refused before any strategy
+    ran (a task name this worker does not know, an invalid message)."""
+    headers = getattr(message, "headers", None) or {}
+    if not headers.get(TOKEN_HEADER):
+        return
+    app = getattr(sender, "app", None)
+    if app is None or not getattr(app, "_celery_threads_installed", False):
+        return
+    if kwargs.get("name"):
+        exc = NotRegistered(kwargs["name"])
+    kill_unrunnable(get_runtime(app), headers, exc or RuntimeError("message refused"))
 
 
 def _enter_gate_from_worker(task: Any, runtime: Any, message: Any, ack: Any, reject: Any) -> None:
@@ -131,6 +166,11 @@ class ThreadedRequest(Request):
             if outcome.status == 4:
                 runtime.announce_death(thread_id, self.id, f"WorkerLostError: {exc}",
                                        int(self.request_dict.get("retries") or 0))
+        elif token and not lost and not isinstance(exc, (Retry, Ignore, Reject, Terminated)):
+            # The pool child reports every failure of a task body it ran; one it never reported
+            # (the message could not be decoded, the task never started) would hold the thread.
+            # Fenced by the token: a no-op when the child did report it.
+            kill_unrunnable(get_runtime(self.task.app), self.request_dict, exc)
         super().on_failure(exc_info, send_failed_event=send_failed_event, return_ok=return_ok)
 
     def _announce_lost_retry(self, exc: BaseException, exc_info: Any) -> None:

@@ -1,0 +1,642 @@
+"""Chaos run: a realistic deployment on this machine under faults, then the history checker.
+
+    python -m tests.chaos --minutes 5                  # Redis broker
+    python -m tests.chaos --minutes 2 --broker amqp    # RabbitMQ on 127.0.0.1:5672 (guest/guest)
+
+What runs: a redis-server with append-only persistence holding the gate (and, with the Redis broker,
+the broker in database 1), restarted during the run; a second redis-server, never restarted, holding
+the history (same host, so the same clock for both); ``--workers`` prefork ``celery worker``
+processes and ``celery beat`` of :mod:`tests.chaos_tasks`; a producer enqueuing members into
+``--threads`` threads (a few hot ones) with random countdowns, sleeps, retries with random
+countdowns, deaths and a few members longer than the keepalive; a deleter deleting random
+waiting or active members.  Faults: a worker SIGKILLed (whole process group) and replaced every
+``--kill-every`` seconds, a pool child SIGKILLed in the middle of a task every
+``--child-kill-every`` seconds, broker redeliveries (``acks_late`` with a short visibility timeout
+on Redis; requeue of a dead consumer's messages on RabbitMQ), and ``--redis-restarts`` restarts
+of the gate's Redis (SIGTERM, down for ``--outage`` seconds, started again on the same port
+with its append-only file).
+
+The run is also the deployment's supervisor: a worker that exits, or whose consumer crashes (kombu's
+Redis transport does so when the broker restarts), is replaced at once, and how many healthy
+workers there are is written to the history, so that the checker can tell an outage from a slow
+gate.  After the load phase the faults stop, the workers are brought back to full strength, and the
+run waits until the gate is empty; then :func:`tests.checker.check` reads the history and the
+gate and the report is printed (and written as JSON with ``--json``).  Exit status 0 when the
+checker found no violation.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import redis
+
+from tests.checker import (DeadLetter, Deletion, Enqueue, Event, GateState, Limits, Report,
+                           check)
+from tests.conftest import CeleryProcess, RedisServer
+
+AMQP_URL = "amqp://guest:guest@127.0.0.1:5672//"
+
+
+@dataclass
+class Options:
+    minutes: float = 1.0
+    broker: str = "redis"             # "redis" (on the gate's server), "redis-apart", "amqp"
+    workers: int = 3
+    concurrency: int = 2
+    threads: int = 16
+    rate: float = 8.0                 # members enqueued per second
+    seed: int = 0
+    keepalive: float = 8.0
+    dispatch_interval: float = 0.5
+    release_timeout: float = 5.0
+    visibility: float = 3.0
+    retry_delay: float = 0.3
+    kill_every: float = 8.0
+    child_kill_every: float = 5.0
+    delete_every: float = 2.5
+    redis_restarts: int = 2
+    outage: float = 1.5
+    quiesce_timeout: float = 90.0
+    json_path: Optional[str] = None
+    workdir: Optional[str] = None
+    keep: bool = False
+    quiet: bool = False
+    beat: bool = True
+    backend: bool = False             # a result backend (each process's memory)
+
+
+class ChaosProcess(CeleryProcess):
+    """A ``celery -A tests.chaos_tasks worker|beat`` subprocess, logging into the run's directory."""
+
+    def __init__(self, kind: str, env: dict[str, str], args: list[str], name: str,
+                 logdir: Path) -> None:
+        super().__init__(kind, env, args, name)
+        shutil.rmtree(self.log.parent, ignore_errors=True)
+        self.log = logdir / f"{name}.log"
+        self.cmd = [sys.executable, "-m", "celery", "-A", "tests.chaos_tasks", kind, *args]
+
+    _read = 0
+    is_ready = False
+    crashed = False                 # its consumer hit an unrecoverable error (it winds down)
+
+    def poll_log(self) -> None:
+        """Read what the log gained since the last call: ready yet?  crashed?"""
+        if not self.log.exists():
+            return
+        with open(self.log, "rb") as f:
+            f.seek(max(0, self._read - 64))
+            data = f.read()
+        self._read += max(0, len(data) - min(64, self._read))
+        needle = b"ready." if self.kind == "worker" else b"beat: Starting"
+        self.is_ready = self.is_ready or needle in data
+        self.crashed = self.crashed or b"Unrecoverable error" in data
+
+    def ready(self) -> bool:
+        self.poll_log()
+        return self.is_ready
+
+    def healthy(self) -> bool:
+        self.poll_log()
+        return self.alive() and self.is_ready and not self.crashed
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def group(self) -> list[int]:
+        """Every process of the worker's process group (main process and pool children)."""
+        if self.proc is None:
+            return []
+        out = subprocess.run(["pgrep", "-g", str(self.proc.pid)], capture_output=True, text=True)
+        return [int(p) for p in out.stdout.split()]
+
+
+class Cluster:
+    """The run's servers and processes; :meth:`close` stops every one of them."""
+
+    def __init__(self, opts: Options, workdir: Path) -> None:
+        self.opts = opts
+        self.workdir = workdir
+        self.logdir = workdir / "logs"
+        self.logdir.mkdir(parents=True, exist_ok=True)
+        self.run_id = uuid.uuid4().hex[:8]
+        self.history_server = RedisServer()
+        self.gate_server = RedisServer(appendonly=True)
+        self.workers: list[ChaosProcess] = []
+        self.retired: list[ChaosProcess] = []
+        self.beat: Optional[ChaosProcess] = None
+        self.env: dict[str, str] = {}
+        self._count = 0
+        self._healthy = -1
+
+    # -- set-up ---------------------------------------------------------------------------
+    def start(self) -> None:
+        self.history_server.start()
+        self._note(self.history_server.proc)
+        self.gate_server.start()
+        self._note(self.gate_server.proc)
+        broker = {"redis": self.gate_server.url(1), "redis-apart": self.history_server.url(1),
+                  "amqp": AMQP_URL}[self.opts.broker]
+        self.env = {
+            "CHAOS_RUN": self.run_id,
+            "CHAOS_GATE_URL": self.gate_server.url(0),
+            "CHAOS_BROKER_URL": broker,
+            "CHAOS_HISTORY_URL": self.history_server.url(0),
+            "CHAOS_KEY_PREFIX": f"chaos-{self.run_id}",
+            "CHAOS_QUEUE": f"chaos-{self.run_id}",
+            "CHAOS_CONTROL_EXCHANGE": f"chaos-{self.run_id}-control",
+            "CHAOS_KEEPALIVE": str(self.opts.keepalive),
+            "CHAOS_DISPATCH_INTERVAL": str(self.opts.dispatch_interval),
+            "CHAOS_RELEASE_TIMEOUT": str(self.opts.release_timeout),
+            "CHAOS_RETRY_DELAY": str(self.opts.retry_delay),
+            "CHAOS_ACKS_LATE": "1",
+            "CHAOS_VISIBILITY": str(self.opts.visibility),
+            "CHAOS_PREFETCH": "2",
+        }
+        if self.opts.backend:
+            # Each process's own memory: enough for Celery to mark a task it cannot run (an
+            # unregistered name) as failed, without a store the test process subscribes to.
+            self.env["CHAOS_BACKEND_URL"] = "cache+memory://"
+        os.environ.update(self.env)
+        from tests import chaos_tasks
+
+        chaos_tasks.configure(self.env)
+        for _ in range(self.opts.workers):
+            self.add_worker()
+        if self.opts.beat:
+            self.beat = ChaosProcess(
+                "beat", self.env, ["--loglevel", "INFO", "-s", str(self.workdir / "beat-schedule")],
+                "beat", self.logdir)
+            self.beat.start()
+            self._note(self.beat.proc)
+        for w in self.workers:
+            w.wait_ready(60)
+        if self.beat is not None:
+            self.beat.wait_ready(60)
+
+    def _note(self, proc: Any) -> None:
+        """Remember every pid, so that an outside cleanup can find what a killed run left."""
+        with open(self.workdir / "pids", "a") as f:
+            f.write(f"{proc.pid}\n")
+
+    def add_worker(self) -> ChaosProcess:
+        self._count += 1
+        name = f"w{self._count}"
+        args = ["--loglevel", "INFO", "-P", "prefork", "-c", str(self.opts.concurrency),
+                "-n", f"chaos-{name}-{self.run_id}@%h", "--without-gossip", "--without-mingle",
+                "--without-heartbeat"]
+        proc = ChaosProcess("worker", self.env, args, name, self.logdir)
+        proc.start()
+        self._note(proc.proc)
+        self.workers.append(proc)
+        return proc
+
+    # -- faults ---------------------------------------------------------------------------
+    def kill_worker(self, rng: random.Random, busy_pids: set[int]) -> Optional[dict[str, Any]]:
+        """SIGKILL a worker's process group, preferring one that is running a member."""
+        candidates = [w for w in self.workers if w.healthy()]
+        if len(candidates) < 2:
+            return None                     # keep one worker standing
+        busy = [w for w in candidates if set(w.children()) & busy_pids]
+        victim = rng.choice(busy or candidates)
+        pids = victim.group()
+        from tests.chaos_tasks import now_us, record
+
+        lo = now_us()
+        victim.kill(signal.SIGKILL)
+        record("kill", what="worker", pids=pids, lo=lo, name=victim.name)
+        self.workers.remove(victim)
+        self.retired.append(victim)
+        self.add_worker()
+        return {"name": victim.name, "pids": pids}
+
+    def supervise(self) -> list[str]:
+        """A supervisor's job: replace each worker that exited, or whose consumer crashed (it
+        finishes what it runs, then exits); note how many healthy workers there are."""
+        from tests.chaos_tasks import record
+
+        gone = []
+        for w in list(self.workers):
+            w.poll_log()
+            if not w.alive() or w.crashed:
+                code = w.proc.returncode if w.proc is not None else None
+                what = "crashed" if w.crashed else f"exit {code}"
+                record("worker_exit", name=w.name, what=what)
+                self.workers.remove(w)
+                self.retired.append(w)
+                self.add_worker()
+                gone.append(f"{w.name} ({what})")
+        healthy = sum(1 for w in self.workers if w.healthy())
+        if healthy != self._healthy:
+            self._healthy = healthy
+            record("healthy", n=healthy)
+        return gone
+
+    def children(self) -> set[int]:
+        pids: set[int] = set()
+        for w in self.workers:
+            if w.alive():
+                pids.update(w.children())
+        return pids
+
+    def kill_child(self, rng: random.Random, history: "redis.Redis", key: str,
+                   deadline: float) -> Optional[int]:
+        """SIGKILL a pool child in the middle of user code (at least 150 ms of sleep left)."""
+        from tests.chaos_tasks import now_us, record
+
+        while time.time() < deadline:
+            now = now_us()
+            children = self.children()
+            ready = [r for r in open_spans(history, key) if r["pid"] in children
+                     and r["t"] + r.get("sleep", 0) * 1e6 - now > 150_000]
+            if ready:
+                pid = int(rng.choice(ready)["pid"])
+                lo = now_us()
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    continue
+                record("kill", what="child", pids=[pid], lo=lo)
+                return pid
+            time.sleep(0.2)
+        return None
+
+    def restart_redis(self, outage: float) -> None:
+        from tests.chaos_tasks import record
+
+        record("redis_down")
+        self.gate_server.stop()             # SIGTERM: Redis flushes its append-only file
+        time.sleep(outage)
+        self.gate_server.start()
+        self._note(self.gate_server.proc)
+        record("redis_up")
+
+    # -- reading --------------------------------------------------------------------------
+    def gate_client(self) -> "redis.Redis":
+        return redis.Redis.from_url(self.env["CHAOS_GATE_URL"])
+
+    def gate_busy(self) -> int:
+        from celery_threads.keys import Keys
+
+        shard = Keys(self.env["CHAOS_KEY_PREFIX"]).shard(0)
+        client = self.gate_client()
+        try:
+            return int(client.zcard(shard.due)) + int(client.zcard(shard.leases))
+        finally:
+            client.close()
+
+    def gate_state(self) -> GateState:
+        from celery_threads.gate import Gate
+        from celery_threads.keys import Keys
+
+        keys = Keys(self.env["CHAOS_KEY_PREFIX"])
+        shard = keys.shard(0)
+        client = self.gate_client()
+        try:
+            due = {k.decode(): int(v) for k, v in client.zrange(shard.due, 0, -1, withscores=True)}
+            leases = {k.decode(): int(v)
+                      for k, v in client.zrange(shard.leases, 0, -1, withscores=True)}
+            members = {k.decode(): v.decode() for k, v in client.hgetall(shard.tasks).items()}
+            gate = Gate(client, keys, release_timeout_ms=1000)
+            dead = {r.task_id: DeadLetter(str(r.meta.get("thread_id", "")),
+                                          str(r.meta.get("exception", "")), r.died_at_ms)
+                    for r in gate.dead_records()}
+            thread_keys: dict[str, list[str]] = {}
+            head = f"{shard.tag}:t:"
+            for raw in client.scan_iter(match=f"{head}*", count=1000):
+                key = raw.decode()
+                thread_keys.setdefault(key[len(head):-2], []).append(key)
+            active = {t: {k.decode(): v.decode()
+                          for k, v in client.hgetall(keys.thread(t).active).items()}
+                      for t in set(due) | set(leases)}
+            return GateState(due, leases, members, dead, thread_keys, active)
+        finally:
+            client.close()
+
+    def logs_summary(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for proc in [*self.workers, *self.retired, *([self.beat] if self.beat else [])]:
+            if not proc.log.exists():
+                continue
+            for line in proc.log.read_text(errors="replace").splitlines():
+                for needle in ("Unrecoverable error", "CRITICAL/", "ERROR/"):
+                    if needle in line:
+                        counts[needle] = counts.get(needle, 0) + 1
+        return counts
+
+    # -- tear-down ------------------------------------------------------------------------
+    def close(self) -> None:
+        for proc in [*self.workers, *self.retired, *([self.beat] if self.beat else [])]:
+            try:
+                proc.stop()
+            except Exception:
+                if proc.proc is not None and proc.proc.poll() is None:
+                    os.killpg(proc.proc.pid, signal.SIGKILL)
+        for server in (self.gate_server, self.history_server):
+            try:
+                server.stop()
+            except Exception:
+                server.stop(kill=True)
+        if self.opts.broker == "amqp" and self.env:
+            _drop_amqp(self.env["CHAOS_QUEUE"], self.env["CHAOS_CONTROL_EXCHANGE"])
+
+
+def _drop_amqp(queue: str, exchange: str) -> None:
+    from kombu import Connection
+
+    try:
+        with Connection(AMQP_URL, connect_timeout=5) as conn:
+            channel = conn.channel()
+            channel.queue_delete(queue)
+            for name in (queue, f"{exchange}.pidbox", f"reply.{exchange}.pidbox"):
+                channel.exchange_delete(name)
+    except Exception as exc:  # the queue is the run's own; a leftover is harmless
+        print(f"could not delete RabbitMQ queue {queue}: {exc}", file=sys.stderr)
+
+
+def open_spans(client: "redis.Redis", key: str, n: int = 400) -> list[dict[str, Any]]:
+    """The ``start`` rows among the last ``n`` history rows that have no ``end`` yet."""
+    spans: dict[tuple[str, str, int], dict[str, Any]] = {}
+    for raw in client.lrange(key, -n, -1):
+        stamp, _, body = raw.decode().partition(" ")
+        row = {"t": int(stamp), **json.loads(body)}
+        span = (row.get("task", ""), row.get("tok", ""), row.get("pid", 0))
+        if row["k"] == "start":
+            spans[span] = row
+        elif row["k"] == "end":
+            spans.pop(span, None)
+    return list(spans.values())
+
+
+# -- the workload -----------------------------------------------------------------------------
+
+class Workload:
+    """The producer and the deleter, each in its own thread, until :attr:`stop` is set."""
+
+    def __init__(self, opts: Options, cluster: Cluster) -> None:
+        self.opts = opts
+        self.cluster = cluster
+        self.stop = threading.Event()
+        self.threads = [f"th{i:02d}-{cluster.run_id}" for i in range(opts.threads)]
+        hot = max(1, opts.threads // 5)
+        self.weights = [4.0 if i < hot else 1.0 for i in range(opts.threads)]
+        self.enqueued = 0
+        self.failed_enqueues: list[str] = []
+        self.deleted = 0
+        self.errors: list[str] = []
+        self.long_until = 0.0
+
+    def producer(self, until: float, long_until: float) -> None:
+        from tests.chaos_tasks import now_us, record, work
+
+        rng = random.Random(self.opts.seed)
+        period = 1.0 / self.opts.rate
+        n = 0
+        while not self.stop.is_set() and time.time() < until:
+            n += 1
+            thread = rng.choices(self.threads, self.weights)[0]
+            countdown_ms = 0 if rng.random() < 0.6 else rng.randint(100, 3000)
+            roll = rng.random()
+            if roll < 0.02 and time.time() < long_until:
+                sleep = round(self.opts.keepalive * 1.5, 2)         # outlives several renewals
+            else:
+                sleep = round(rng.uniform(0.02, 0.3), 3)
+            fails = rng.choices([0, 1, 2, 5], [65, 20, 10, 5])[0]   # 5: exhausts max_retries=3
+            die = rng.random() < 0.05
+            kwargs = {"sleep": sleep, "fails": fails, "die": die,
+                      "retry_ms": rng.randint(0, 1000)}
+            lo = now_us()
+            try:
+                result = work.apply_async((thread, f"m{n}"), kwargs,
+                                          countdown=countdown_ms / 1000.0 if countdown_ms else None)
+            except Exception as exc:
+                self.failed_enqueues.append(f"{type(exc).__name__}: {exc}")
+                record("enq_failed", thread=thread, error=repr(exc)[:300], lo=lo)
+            else:
+                record("enq", task=result.id, thread=thread, n=0, cd=countdown_ms * 1000, lo=lo)
+                self.enqueued += 1
+            self.stop.wait(period * rng.uniform(0.5, 1.5))
+
+    def deleter(self, until: float) -> None:
+        from celery_threads import Threads
+        from tests.chaos_tasks import app, now_us, record
+
+        rng = random.Random(self.opts.seed + 1)
+        threads = Threads(app)
+        while not self.stop.wait(self.opts.delete_every * rng.uniform(0.5, 1.5)):
+            if time.time() >= until:
+                return
+            try:
+                info = threads.get(rng.choice(self.threads))
+                if info is None:
+                    continue
+                pool = ([info.active] if info.active else []) + list(info.waiting)
+                if info.active and rng.random() < 0.5:
+                    victim = info.active
+                else:
+                    victim = rng.choice(pool)
+                lo = now_us()
+                if threads.delete(victim.task_id):
+                    record("del", task=victim.task_id, state=victim.state, lo=lo)
+                    self.deleted += 1
+            except Exception as exc:
+                self.errors.append(f"delete: {type(exc).__name__}: {exc}")
+
+
+# -- the run ----------------------------------------------------------------------------------
+
+def parse_history(rows: list[dict[str, Any]]) -> tuple[list[Event], list[Enqueue],
+                                                        list[Deletion]]:
+    events: list[Event] = []
+    enqueues: list[Enqueue] = []
+    deletions: list[Deletion] = []
+    for row in rows:
+        k = row["k"]
+        if k in ("recv", "start", "end", "fin"):
+            events.append(Event(k, row["t"], row["task"], row["thread"], int(row["n"]),
+                                str(row["tok"]), int(row["pid"]), row.get("outcome", "")))
+        elif k == "kill":
+            events.append(Event("kill", int(row["lo"]), pids=tuple(row["pids"]),
+                                what=row["what"]))
+        elif k == "enq":
+            enqueues.append(Enqueue(row["task"], row["thread"], int(row["n"]), int(row["lo"]),
+                                    row["t"], int(row["cd"])))
+        elif k == "del":
+            deletions.append(Deletion(row["task"], int(row["lo"]), row["t"]))
+        elif k in ("redis_down", "redis_up"):
+            events.append(Event(k, row["t"]))
+        elif k == "healthy":
+            events.append(Event(k, row["t"], count=int(row["n"])))
+    return events, enqueues, deletions
+
+
+def run(opts: Options) -> Report:
+    own_workdir = opts.workdir is None
+    workdir = Path(opts.workdir or tempfile.mkdtemp(prefix="ct-chaos-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    say = (lambda *a: None) if opts.quiet else (lambda *a: print(*a, flush=True))
+    cluster = Cluster(opts, workdir)
+    workload: Optional[Workload] = None
+    pool: list[threading.Thread] = []
+    ok = False
+    try:
+        t_setup = time.time()
+        cluster.start()
+        say(f"chaos run {cluster.run_id}: {opts.broker} broker, {opts.workers} workers x "
+            f"{opts.concurrency}, {opts.threads} threads, {opts.minutes:g} min, seed {opts.seed}, "
+            f"keepalive {opts.keepalive:g}s, logs in {cluster.logdir} "
+            f"(set-up {time.time() - t_setup:.1f}s)")
+        from tests.chaos_tasks import HISTORY_KEY, read_history
+
+        history = redis.Redis.from_url(cluster.env["CHAOS_HISTORY_URL"])
+        rng = random.Random(opts.seed + 2)
+        load = opts.minutes * 60.0
+        t0 = time.time()
+        workload = Workload(opts, cluster)
+        pool = [threading.Thread(target=workload.producer, args=(t0 + 0.85 * load,
+                                                                 t0 + 0.6 * load), daemon=True),
+                threading.Thread(target=workload.deleter, args=(t0 + 0.9 * load,), daemon=True)]
+        for th in pool:
+            th.start()
+
+        faults = {"worker": 0, "child": 0, "redis": 0}
+        exits: list[str] = []
+        next_kill = t0 + min(6.0, opts.kill_every)
+        next_child = t0 + min(3.0, opts.child_kill_every)
+        restarts = [t0 + load * (i + 1) / (opts.redis_restarts + 1.5)
+                    for i in range(opts.redis_restarts)]
+        next_report = t0 + 10
+        while time.time() < t0 + load:
+            now = time.time()
+            if opts.kill_every > 0 and now >= next_kill:
+                killed = cluster.kill_worker(
+                    rng, {int(r["pid"]) for r in open_spans(history, HISTORY_KEY)})
+                next_kill = now + opts.kill_every * rng.uniform(0.7, 1.3)
+                if killed:
+                    faults["worker"] += 1
+                    say(f"  {now - t0:5.1f}s SIGKILL worker {killed['name']} "
+                        f"(pids {killed['pids']}); replacement started")
+            if opts.child_kill_every > 0 and now >= next_child:
+                pid = cluster.kill_child(rng, history, HISTORY_KEY, now + 2.0)
+                next_child = time.time() + opts.child_kill_every * rng.uniform(0.7, 1.3)
+                if pid:
+                    faults["child"] += 1
+                    say(f"  {now - t0:5.1f}s SIGKILL pool child {pid} in the middle of a task")
+            if restarts and now >= restarts[0]:
+                restarts.pop(0)
+                say(f"  {now - t0:5.1f}s gate Redis down for {opts.outage:g}s (SIGTERM, AOF)")
+                cluster.restart_redis(opts.outage)
+                faults["redis"] += 1
+            for name in cluster.supervise():
+                exits.append(name)
+                say(f"  {now - t0:5.1f}s worker {name}; replacement started")
+            if now >= next_report:
+                next_report = now + 10
+                say(f"  {now - t0:5.1f}s enqueued {workload.enqueued}, deleted "
+                    f"{workload.deleted}, history {history.llen(HISTORY_KEY)} rows, "
+                    f"threads in the gate {cluster.gate_busy()}")
+            time.sleep(0.1)
+
+        workload.stop.set()
+        for th in pool:
+            th.join(30)
+        say(f"  {time.time() - t0:5.1f}s load over: {workload.enqueued} members enqueued, "
+            f"{workload.deleted} deleted; faults {faults}; waiting for the gate to empty")
+        exits += cluster.supervise()
+        for w in cluster.workers:
+            w.wait_ready(60)
+        t_quiet = time.time()
+        while time.time() < t_quiet + opts.quiesce_timeout and cluster.gate_busy():
+            exits += cluster.supervise()
+            time.sleep(0.5)
+        busy = cluster.gate_busy()
+        say(f"  quiesced in {time.time() - t_quiet:.1f}s ({busy} threads left in the gate)")
+        time.sleep(1.0)                      # the last fin rows follow the last finishes
+        gate = cluster.gate_state()
+        logs = cluster.logs_summary()
+        rows = read_history(history, HISTORY_KEY)
+        (workdir / "history.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        (workdir / "gate.json").write_text(json.dumps(asdict(gate), indent=1))
+        events, enqueues, deletions = parse_history(rows)
+        report = check(events, gate, deletions, enqueues,
+                       Limits(opts.keepalive, opts.dispatch_interval, opts.retry_delay))
+        report.info.append(f"faults: {faults['worker']} worker SIGKILLs, {faults['child']} "
+                           f"pool-child SIGKILLs, {faults['redis']} gate Redis restarts "
+                           f"({opts.outage:g}s each), acks_late"
+                           + (f", visibility timeout {opts.visibility:g}s"
+                              if opts.broker == "redis" else ""))
+        report.info.append(f"worker and beat logs: {logs or 'no errors'}")
+        if exits:
+            report.info.append(f"{len(exits)} worker(s) crashed or exited on their own and were "
+                               f"replaced: {exits}")
+        if workload.failed_enqueues:
+            report.info.append(f"{len(workload.failed_enqueues)} apply_async call(s) raised: "
+                               f"{workload.failed_enqueues[:3]}")
+        if workload.errors:
+            report.info.append(f"deleter errors: {workload.errors[:3]}")
+        say(report.format())
+        if opts.json_path:
+            data = report.as_dict()
+            data.update({"faults": faults, "logs": logs, "exits": exits, "options": vars(opts),
+                         "run_id": cluster.run_id, "enqueued": workload.enqueued})
+            Path(opts.json_path).write_text(json.dumps(data, indent=2))
+        ok = report.ok
+        return report
+    finally:
+        if workload is not None:
+            workload.stop.set()
+        cluster.close()
+        if own_workdir and ok and not opts.keep:
+            shutil.rmtree(workdir, ignore_errors=True)
+        elif not ok:
+            say(f"logs kept in {workdir}")
+        for d in (cluster.gate_server.dir, cluster.history_server.dir):
+            shutil.rmtree(d, ignore_errors=True)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    defaults = Options()
+    parser = argparse.ArgumentParser(prog="python -m tests.chaos", description=__doc__.split("\n")[0])
+    parser.add_argument("--minutes", type=float, default=defaults.minutes,
+                        help="length of the load phase (the quiesce and the check come after)")
+    parser.add_argument("--broker", choices=["redis", "redis-apart", "amqp"],
+                        default=defaults.broker,
+                        help="redis: the broker is database 1 of the gate's Redis, restarted with "
+                             "it; redis-apart: on the history server, never restarted")
+    for name in ("workers", "concurrency", "threads", "seed", "redis_restarts"):
+        parser.add_argument("--" + name.replace("_", "-"), type=int,
+                            default=getattr(defaults, name))
+    for name in ("rate", "keepalive", "dispatch_interval", "release_timeout", "visibility",
+                 "retry_delay", "kill_every", "child_kill_every", "delete_every", "outage",
+                 "quiesce_timeout"):
+        parser.add_argument("--" + name.replace("_", "-"), type=float,
+                            default=getattr(defaults, name))
+    parser.add_argument("--json", dest="json_path")
+    parser.add_argument("--workdir")
+    parser.add_argument("--keep", action="store_true", help="keep the logs of a clean run too")
+    parser.add_argument("--quiet", action="store_true")
+    opts = Options(**vars(parser.parse_args(argv)))
+
+    def terminate(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)       # unwinds through run()'s clean-up
+
+    signal.signal(signal.SIGTERM, terminate)
+    report = run(opts)
+    return 0 if report.ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

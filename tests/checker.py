@@ -1,0 +1,560 @@
+"""The chaos run's history checker: a pure function over what the run recorded and what the gate holds.
+
+Inputs (all times in microseconds of the history server's clock, which is the gate's clock too: both
+redis-servers run on the same host and ``TIME`` reads the system clock):
+
+* ``history``: :class:`Event` rows the tasks, the workers and the fault injector appended:
+  ``recv`` (a worker's main process received a delivery that the gate still had RELEASED under
+  its token, so active: the ``task_received`` signal, after the strategy's token check),
+  ``start`` / ``end`` (the task's user code, in the pool child; ``end`` carries the outcome
+  ``success``, ``retry`` or ``die``), ``fin`` (the task's ``__call__`` returned after the gate
+  recorded the success), ``kill`` (a worker or a pool child was SIGKILLed: the pids and the time
+  read just before the signal).  Every row names the task id, the thread, the attempt
+  (``request.retries``) and the release token (``headers['thread_token']``).
+* ``gate``: :class:`GateState`, read after the run quiesced.
+* ``deleted``: :class:`Deletion` of each member a ``Threads.delete`` call detached (it returned
+  ``True``), with the times read around the call.
+* ``enqueues``: :class:`Enqueue` of each member attempt the run itself put into the gate: the
+  producer's ``apply_async`` (attempt 0) and each ``self.retry`` (attempt n + 1), with the time
+  read before the call and after it returned, and the countdown.
+
+The gate never reads any of this; only the last step (the gate state) comes from the gate.
+
+What is checked, and the approximations it rests on:
+
+* **Overlaps.**  An attempt is *active* from its ``recv`` (or its ``start`` when no ``recv`` was
+  recorded) to its ``end``, or to the ``kill`` of its process, or forever when neither came.  Two
+  active intervals of one thread that intersect are an overlap.  The ``end`` row is written
+  before the gate is told (``finish``, ``kill``, ``requeue``), so a correct gate never releases
+  the next member before it; a ``recv`` is written after the worker saw the member RELEASED
+  under its token, which needs the release.  A start is matched with the latest ``recv`` of its
+  release.  Attempts that were received but never started (a prefetched request a consumer
+  restart dropped, one in a killed worker, a duplicate delivery that lost the claim) have no
+  known end and are left out.  An attempt of a deleted member that had not ended when the
+  delete began is exempt ("deletion is authoritative; the thread does not wait for the worker").
+* **Endings.**  Per member: successes (``end`` with ``success``), the dead-letter store, the
+  deletions, and whether it is still a member.  It must end exactly once.  A success whose
+  process was killed before ``fin`` was written may or may not have reached the gate (the
+  at-least-once window between user code returning and the gate's ``finish``); it counts only
+  when nothing else ended the member, and a re-run after it is reported as information, not as
+  a violation.  A deleted member may also have one success (the delete raced the finish).
+* **Order.**  Exact release times and ``scheduled_at`` values live only inside the gate's
+  scripts, so the check works with bounds and reports only *certain* violations.  Each attempt
+  the run enqueued has ``scheduled_at`` in ``[before + countdown, after + countdown]`` (less
+  2 ms for the gate's millisecond clock and countdown rounding).  Attempts the gate re-entered by
+  itself (a killed pool child, a lapsed lease) are scheduled at ``failure + retry delay``; their
+  lower bound is the last thing seen of the previous attempt plus the retry delay, and they are
+  never used as witnesses.  Each release has a token from one counter, so tokens order
+  releases.  A release X (token tx) is a violation when some other member's attempt Y with a
+  known schedule was certainly waiting and certainly scheduled earlier:
+  Y was enqueued before X's earliest possible release time (the later of X's schedule, X's
+  enqueue, and the end of any attempt of the thread released before X), Y's own release has a
+  token above tx (so Y was still waiting), and Y's latest possible ``scheduled_at`` is before X's
+  earliest.  Ties of ``scheduled_at`` (arrival order) are not checked.
+* **Stuck threads and orphan keys.**  The run ends every member, so any thread still in the
+  gate's ``due`` or ``leases`` index after it quiesced is stuck; a thread key, a ``tasks`` entry
+  or an index entry for a thread that is not in both places consistently is an orphan.
+* **Recovery.**  For each SIGKILL, each attempt its processes held (started and not ended, or
+  received by that worker's main process and not started, with no later release of the thread
+  before the kill): the time from the kill to the thread's next activity seen by a worker (a
+  ``recv`` or ``start``, including a redelivery of the same release), less the part of that
+  wait that the next member's schedule explains (the retry delay for the killed member's own
+  re-entry), or to the killed member's death in the dead-letter store.  This bounds, from
+  above, the time the gate took to notice the death.  A pool child whose whole worker is killed
+  before the thread moved on is measured from the worker's kill (the worker never got to report
+  its child's death).  A window that overlaps a time when the deployment could not move any
+  thread on (the gate's Redis down: ``redis_down`` to ``redis_up``; no healthy worker: a
+  ``healthy`` row with count 0 until the next one) is kept apart as *confounded*: it measures
+  the outage, not the gate.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+from typing import Any, Iterable, Optional, Sequence
+
+INF = float("inf")
+SLACK_US = 2_000        # the gate's clock is in ms, and countdowns are truncated to ms
+
+
+@dataclass(frozen=True)
+class Event:
+    kind: str                       # "recv", "start", "end", "fin", "kill", "redis_down",
+                                    # "redis_up", "healthy"
+    t: int                          # µs; a kill's time is the one read just before the signal
+    task: str = ""
+    thread: str = ""
+    attempt: int = 0                # request.retries
+    token: str = ""
+    pid: int = 0
+    outcome: str = ""               # end: "success", "retry" or "die"
+    pids: tuple[int, ...] = ()      # kill: every process that was killed
+    what: str = ""                  # kill: "worker" or "child"
+    count: int = 0                  # healthy: how many workers could take work from then on
+
+
+@dataclass(frozen=True)
+class Enqueue:
+    task: str
+    thread: str
+    attempt: int
+    at_lo: int                      # µs, read before the call
+    at_hi: int                      # µs, read after it returned
+    countdown: int = 0              # µs
+
+    @property
+    def sched_lo(self) -> int:
+        return self.at_lo + self.countdown - SLACK_US
+
+    @property
+    def sched_hi(self) -> int:
+        return self.at_hi + self.countdown + SLACK_US
+
+
+@dataclass(frozen=True)
+class Deletion:
+    task: str
+    lo: int
+    hi: int
+
+
+@dataclass(frozen=True)
+class DeadLetter:
+    thread: str
+    reason: str
+    died_at_ms: int
+
+
+@dataclass(frozen=True)
+class GateState:
+    due: dict[str, int] = field(default_factory=dict)          # thread -> head scheduled_at (ms)
+    leases: dict[str, int] = field(default_factory=dict)       # thread -> deadline (ms)
+    members: dict[str, str] = field(default_factory=dict)      # the tasks hash: task -> thread
+    dead: dict[str, DeadLetter] = field(default_factory=dict)  # the dead-letter store
+    thread_keys: dict[str, list[str]] = field(default_factory=dict)  # thread -> its key names
+    active: dict[str, dict[str, str]] = field(default_factory=dict)  # thread -> its active hash
+
+
+@dataclass(frozen=True)
+class Limits:
+    keepalive: float                # s
+    dispatch_interval: float        # s
+    retry_delay: float              # s: default_retry_delay, used by the gate's own re-entries
+
+
+@dataclass
+class Attempt:
+    task: str
+    thread: str
+    attempt: int
+    token: str
+    recv: Optional[int] = None
+    recv_pid: int = 0
+    start: Optional[int] = None
+    pid: int = 0
+    end: Optional[int] = None
+    outcome: str = ""
+    fin: Optional[int] = None
+    killed: Optional[int] = None
+    exempt: bool = False
+
+    @property
+    def lo(self) -> int:
+        times = [t for t in (self.recv, self.start) if t is not None]
+        return min(times)
+
+    @property
+    def hi(self) -> float:
+        if self.end is not None:
+            return self.end
+        if self.killed is not None:
+            return self.killed
+        return INF
+
+    @property
+    def tok(self) -> int:
+        try:
+            return int(self.token)
+        except ValueError:
+            return -1
+
+    def describe(self) -> str:
+        hi = "open" if self.hi == INF else _s(self.hi)
+        how = self.outcome or ("killed" if self.killed is not None else "no end")
+        return (f"{self.task}#{self.attempt} token {self.token} pid {self.pid or self.recv_pid} "
+                f"[{_s(self.lo)} .. {hi}] {how}")
+
+
+@dataclass
+class Report:
+    members: int = 0
+    attempts: int = 0
+    succeeded: int = 0
+    dead_lettered: int = 0
+    deleted: int = 0
+    overlaps: list[str] = field(default_factory=list)
+    bad_endings: list[str] = field(default_factory=list)
+    order_violations: list[str] = field(default_factory=list)
+    releases_checked: int = 0
+    waiting_compared: int = 0
+    stuck: list[str] = field(default_factory=list)
+    orphans: list[str] = field(default_factory=list)
+    recoveries: dict[str, list[float]] = field(default_factory=dict)   # kind -> seconds
+    worst_recovery: dict[str, float] = field(default_factory=dict)     # kind -> seconds
+    confounded: dict[str, list[float]] = field(default_factory=dict)   # kind -> seconds
+    keepalive: float = 0.0
+    dispatch_interval: float = 0.0
+    info: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not (self.overlaps or self.bad_endings or self.order_violations or self.stuck
+                    or self.orphans)
+
+    def counts(self) -> dict[str, int]:
+        return {"overlaps": len(self.overlaps), "bad_endings": len(self.bad_endings),
+                "order_violations": len(self.order_violations), "stuck": len(self.stuck),
+                "orphans": len(self.orphans)}
+
+    def as_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["counts"] = self.counts()
+        data["ok"] = self.ok
+        return data
+
+    def format(self, limit: int = 10) -> str:
+        lines = [
+            f"members {self.members} (attempts {self.attempts}): succeeded {self.succeeded}, "
+            f"dead-lettered {self.dead_lettered}, deleted {self.deleted}",
+            f"overlaps: {len(self.overlaps)}",
+            *_first(self.overlaps, limit),
+            f"members not ended exactly once: {len(self.bad_endings)}",
+            *_first(self.bad_endings, limit),
+            f"order violations: {len(self.order_violations)} "
+            f"({self.releases_checked} releases checked against {self.waiting_compared} "
+            "siblings certainly waiting at the time)",
+            *_first(self.order_violations, limit),
+            f"stuck threads: {len(self.stuck)}",
+            *_first(self.stuck, limit),
+            f"gate keys of threads that no longer exist: {len(self.orphans)}",
+            *_first(self.orphans, limit),
+        ]
+        bound = self.keepalive + self.dispatch_interval
+        for kind in ("worker", "child"):
+            values = self.recoveries.get(kind, [])
+            if values:
+                lines.append(f"recovery after a {kind} kill: worst {max(values):.2f}s, median "
+                             f"{sorted(values)[len(values) // 2]:.2f}s over {len(values)} held "
+                             f"members (keepalive {self.keepalive:g}s + tick "
+                             f"{self.dispatch_interval:g}s = {bound:g}s)")
+            else:
+                lines.append(f"recovery after a {kind} kill: nothing measured")
+            apart = self.confounded.get(kind, [])
+            if apart:
+                lines.append(f"  and {len(apart)} more whose window overlapped an outage (gate "
+                             f"Redis down, or no healthy worker): worst {max(apart):.2f}s")
+        lines += [f"info: {x}" for x in self.info]
+        lines.append("RESULT: " + ("OK" if self.ok else "VIOLATIONS"))
+        return "\n".join(lines)
+
+
+def _first(items: list[str], limit: int) -> list[str]:
+    shown = [f"  - {x}" for x in items[:limit]]
+    if len(items) > limit:
+        shown.append(f"  ... and {len(items) - limit} more")
+    return shown
+
+
+def _s(us: float) -> str:
+    return f"{us / 1e6:.3f}"
+
+
+# -- building attempts ------------------------------------------------------------------------
+
+def build_attempts(history: Sequence[Event]) -> tuple[list[Attempt], list[Event]]:
+    """Attempts (one per release seen by a worker, or per start) and the kill events."""
+    attempts: list[Attempt] = []
+    by_release: dict[tuple[str, str], list[Attempt]] = defaultdict(list)
+    kills: list[Event] = []
+    latest: dict[int, Attempt] = {}             # pid -> the attempt it started last
+    for e in sorted(history, key=lambda e: e.t):
+        key = (e.task, e.token)
+        if e.kind == "recv":
+            a = Attempt(e.task, e.thread, e.attempt, e.token, recv=e.t, recv_pid=e.pid)
+            attempts.append(a)
+            by_release[key].append(a)
+        elif e.kind == "start":
+            waiting = [a for a in by_release[key] if a.start is None]
+            if waiting:
+                a = waiting[-1]
+            else:
+                a = Attempt(e.task, e.thread, e.attempt, e.token)
+                attempts.append(a)
+                by_release[key].append(a)
+            a.start, a.pid = e.t, e.pid
+            latest[e.pid] = a
+        elif e.kind in ("end", "fin"):
+            mine = [a for a in by_release[key] if a.start is not None and a.pid == e.pid
+                    and (a.end is None if e.kind == "end" else a.end is not None and a.fin is None)]
+            if mine:
+                if e.kind == "end":
+                    mine[0].end, mine[0].outcome = e.t, e.outcome
+                else:
+                    mine[0].fin = e.t
+        elif e.kind == "kill":
+            kills.append(e)
+            pids = set(e.pids)
+            for pid in pids:
+                # A pool child runs one attempt at a time: its latest one was cut short if it had
+                # not ended, or had ended in success without reaching ``fin``.
+                cut = latest.pop(pid) if pid in latest else None
+                if cut is not None and cut.killed is None and (
+                        cut.end is None or (cut.outcome == "success" and cut.fin is None)):
+                    cut.killed = e.t
+            for held in attempts:
+                if held.killed is None and held.start is None and held.recv_pid in pids \
+                        and held.recv is not None and held.recv <= e.t:
+                    held.killed = e.t       # received by a killed main process, never started
+    return attempts, kills
+
+
+# -- the check --------------------------------------------------------------------------------
+
+def check(history: Sequence[Event], gate: GateState, deleted: Sequence[Deletion],
+          enqueues: Sequence[Enqueue], limits: Limits) -> Report:
+    report = Report(keepalive=limits.keepalive, dispatch_interval=limits.dispatch_interval)
+    attempts, kills = build_attempts(history)
+    deletions = {d.task: d for d in deleted}
+    known = {(e.task, e.attempt): e for e in enqueues}
+
+    thread_of: dict[str, str] = {}
+    for e in enqueues:
+        thread_of.setdefault(e.task, e.thread)
+    for a in attempts:
+        thread_of.setdefault(a.task, a.thread)
+    for task, dead in gate.dead.items():
+        thread_of.setdefault(task, dead.thread)
+    for task, thread in gate.members.items():
+        thread_of.setdefault(task, thread)
+    for task in deletions:
+        thread_of.setdefault(task, "?")
+
+    for a in attempts:
+        d = deletions.get(a.task)
+        if d is not None and a.hi > d.lo:
+            a.exempt = True
+
+    report.members = len(thread_of)
+    report.attempts = sum(1 for a in attempts if a.start is not None)
+    unended = [a for a in attempts if a.start is not None and a.hi == INF and not a.exempt]
+    if unended:
+        report.info.append(f"{len(unended)} attempt(s) started and neither ended nor were killed: "
+                           + "; ".join(a.describe() for a in unended[:5]))
+    _check_overlaps(attempts, report)
+    _check_endings(thread_of, attempts, gate, deletions, report)
+    _check_order(attempts, known, limits, report)
+    _check_gate(gate, report)
+    _measure_recovery(history, attempts, kills, gate, deletions, known, limits, report)
+    return report
+
+
+def _by_thread(attempts: Iterable[Attempt]) -> dict[str, list[Attempt]]:
+    threads: dict[str, list[Attempt]] = defaultdict(list)
+    for a in attempts:
+        threads[a.thread].append(a)
+    return threads
+
+
+def _check_overlaps(attempts: list[Attempt], report: Report) -> None:
+    started = [a for a in attempts if a.start is not None]
+    for thread, spans in sorted(_by_thread(started).items()):
+        spans.sort(key=lambda a: a.lo)
+        for i, a in enumerate(spans):
+            for b in spans[i + 1:]:
+                if b.lo >= a.hi:
+                    break
+                if a.exempt or b.exempt:
+                    continue
+                report.overlaps.append(f"thread {thread}: {a.describe()} overlaps "
+                                       f"{b.describe()}")
+
+
+def _check_endings(thread_of: dict[str, str], attempts: list[Attempt], gate: GateState,
+                   deletions: dict[str, Deletion], report: Report) -> None:
+    completed: dict[str, int] = defaultdict(int)
+    interrupted: dict[str, int] = defaultdict(int)
+    for a in attempts:
+        if a.outcome != "success":
+            continue
+        if a.fin is None and a.killed is not None:
+            interrupted[a.task] += 1
+        else:
+            completed[a.task] += 1
+    reruns = 0
+    for task, thread in sorted(thread_of.items()):
+        c, i = completed[task], interrupted[task]
+        dead, gone = task in gate.dead, task in deletions
+        where = f"member {task} of thread {thread}"
+        if task in gate.members:
+            report.bad_endings.append(f"{where} is still a member after the run quiesced")
+            continue
+        if gone:
+            report.deleted += 1
+            if dead:
+                report.bad_endings.append(f"{where} was deleted and is also dead-lettered")
+            elif c > 1:
+                report.bad_endings.append(f"{where} was deleted and also succeeded {c} times")
+            continue
+        if c + (1 if dead else 0) == 0:
+            if i:
+                report.succeeded += 1      # killed after user code returned; the gate had it
+                continue
+            report.bad_endings.append(f"{where} was lost: it never succeeded, is not "
+                                      "dead-lettered and was not deleted")
+        elif c + (1 if dead else 0) > 1:
+            what = f"succeeded {c} times" + (" and is dead-lettered" if dead else "")
+            report.bad_endings.append(f"{where} {what}")
+        else:
+            if dead:
+                report.dead_lettered += 1
+            else:
+                report.succeeded += 1
+            reruns += 1 if i else 0
+    if reruns:
+        report.info.append(f"{reruns} member(s) ran again after their process was killed between "
+                           "the end of user code and the gate's finish (at-least-once window)")
+
+
+def _check_order(attempts: list[Attempt], known: dict[tuple[str, int], Enqueue],
+                 limits: Limits, report: Report) -> None:
+    retry_delay_us = int(limits.retry_delay * 1e6)
+    for thread, rows in sorted(_by_thread(attempts).items()):
+        released = sorted((a for a in rows if a.tok >= 0), key=lambda a: a.tok)
+        # The release token of each (member, attempt) that a worker saw.
+        token_of: dict[tuple[str, int], int] = {}
+        for a in released:
+            token_of.setdefault((a.task, a.attempt), a.tok)
+        witnesses = [(known[key], tok) for key, tok in token_of.items() if key in known]
+        last_seen: dict[str, list[tuple[int, int]]] = defaultdict(list)  # task -> (attempt, t)
+        for a in rows:
+            for t in (a.recv, a.start, a.end, a.killed):
+                if t is not None:
+                    last_seen[a.task].append((a.attempt, t))
+        for x in released:
+            enq = known.get((x.task, x.attempt))
+            if enq is not None:
+                sched_lo = enq.sched_lo
+                floor = max(enq.sched_lo, enq.at_lo)
+            else:
+                before = [t for n, t in last_seen[x.task] if n < x.attempt]
+                if not before:
+                    continue
+                sched_lo = max(before) + retry_delay_us - SLACK_US
+                floor = sched_lo
+            upper = x.lo
+            for p in released:
+                if p.tok >= x.tok:
+                    break
+                if p.start is not None and not p.exempt and p.hi != INF and p.hi <= upper:
+                    floor = max(floor, int(p.hi) - SLACK_US)
+            report.releases_checked += 1
+            for y, y_tok in witnesses:
+                if y.task == x.task or y_tok <= x.tok or y.at_hi >= floor:
+                    continue
+                report.waiting_compared += 1      # y certainly waited while x was released
+                if y.sched_hi < sched_lo:
+                    report.order_violations.append(
+                        f"thread {thread}: {x.task}#{x.attempt} (token {x.tok}, scheduled at or "
+                        f"after {_s(sched_lo)}, released after {_s(floor)}) went before "
+                        f"{y.task}#{y.attempt} (token {y_tok}, enqueued by {_s(y.at_hi)}, "
+                        f"scheduled by {_s(y.sched_hi)})")
+                    break
+
+
+def _check_gate(gate: GateState, report: Report) -> None:
+    indexed = set(gate.due) | set(gate.leases)
+    for thread in sorted(set(gate.due) & set(gate.leases)):
+        report.orphans.append(f"thread {thread} is in both the due and the leases index")
+    for thread in sorted(indexed):
+        active = gate.active.get(thread) or {}
+        if active:
+            what = (f"active member {active.get('task')} {active.get('state')} "
+                    f"(worker {active.get('worker') or '-'}), deadline {active.get('deadline')}")
+        else:
+            what = f"idle, head due at {gate.due.get(thread)}"
+        waiting = sum(1 for t in gate.members.values() if t == thread) - (1 if active else 0)
+        report.stuck.append(f"thread {thread}: {what}; {waiting} waiting")
+        if not gate.thread_keys.get(thread):
+            report.orphans.append(f"thread {thread} is indexed but has no keys")
+    for thread, keys in sorted(gate.thread_keys.items()):
+        if thread not in indexed:
+            report.orphans.append(f"thread {thread} has keys {sorted(keys)} but is in no index")
+    for task, thread in sorted(gate.members.items()):
+        if thread not in indexed:
+            report.orphans.append(f"tasks entry {task} -> {thread}, a thread in no index")
+
+
+def _impaired(history: Sequence[Event]) -> list[tuple[float, float]]:
+    """Intervals when nothing could move a thread on: the gate's Redis down, or no healthy
+    worker (an open interval runs to the end)."""
+    spans: list[tuple[float, float]] = []
+    down: Optional[float] = None
+    idle: Optional[float] = None
+    for e in sorted(history, key=lambda e: e.t):
+        if e.kind == "redis_down" and down is None:
+            down = e.t
+        elif e.kind == "redis_up" and down is not None:
+            spans.append((down, e.t))
+            down = None
+        elif e.kind == "healthy":
+            if e.count == 0 and idle is None:
+                idle = e.t
+            elif e.count > 0 and idle is not None:
+                spans.append((idle, e.t))
+                idle = None
+    spans += [(t, INF) for t in (down, idle) if t is not None]
+    return spans
+
+
+def _measure_recovery(history: Sequence[Event], attempts: list[Attempt], kills: list[Event],
+                      gate: GateState, deletions: dict[str, Deletion],
+                      known: dict[tuple[str, int], Enqueue], limits: Limits,
+                      report: Report) -> None:
+    retry_delay_us = int(limits.retry_delay * 1e6)
+    impaired = _impaired(history)
+    threads = _by_thread(a for a in attempts if a.tok >= 0)
+    for rows in threads.values():
+        rows.sort(key=lambda a: a.lo)
+    for first in kills:
+        held = [a for a in attempts if a.killed == first.t and a.task not in deletions]
+        for a in held:
+            rows = threads.get(a.thread, [])
+            if any(b is not a and b.tok >= a.tok and b.lo <= first.t for b in rows
+                   if b.start is not None or b.tok > a.tok):
+                continue            # the thread had moved on already (a dropped prefetch)
+            nxt = next((b for b in rows if b.lo > first.t), None)
+            kill = first
+            if first.what == "child" and a.recv_pid:
+                # The worker whose child it was died too before the thread moved on: the worker's
+                # death is the one the gate had to notice.
+                kill = next((k for k in kills if k.t > first.t and a.recv_pid in k.pids
+                             and (nxt is None or k.t < nxt.lo)), first)
+            candidates: list[float] = []
+            if nxt is not None:
+                enq = known.get((nxt.task, nxt.attempt))
+                if enq is not None:
+                    candidates.append(nxt.lo - max(kill.t, enq.sched_hi))
+                elif nxt.task == a.task:
+                    candidates.append(nxt.lo - kill.t - retry_delay_us)
+                else:
+                    candidates.append(nxt.lo - kill.t)
+            dead = gate.dead.get(a.task)
+            if dead is not None and dead.died_at_ms * 1000 > kill.t:
+                candidates.append(dead.died_at_ms * 1000 - kill.t)
+            if candidates:
+                took = max(0.0, min(candidates))
+                end = kill.t + took
+                apart = any(lo <= end and kill.t <= hi for lo, hi in impaired)
+                (report.confounded if apart else report.recoveries).setdefault(
+                    kill.what, []).append(round(took / 1e6, 3))
+    report.worst_recovery = {k: max(v) for k, v in report.recoveries.items() if v}

@@ -1,0 +1,371 @@
+"""The chaos checker catches each kind of violation in synthetic histories, and passes a clean one."""
+from __future__ import annotations
+
+from typing import Optional
+
+import pytest
+
+from tests.checker import (DeadLetter, Deletion, Enqueue, Event, GateState, Limits, Report,
+                           check)
+
+LIMITS = Limits(keepalive=8.0, dispatch_interval=0.5, retry_delay=0.3)
+MS = 1000      # the checker works in µs; the histories below are written in ms
+
+
+class History:
+    """A synthetic run: enqueues, attempts (recv, start, end, fin), kills and deletions."""
+
+    def __init__(self) -> None:
+        self.events: list[Event] = []
+        self.enqueues: list[Enqueue] = []
+        self.deletions: list[Deletion] = []
+        self.dead: dict[str, DeadLetter] = {}
+        self.token = 0
+        self.pid = 100
+
+    def enqueue(self, task: str, thread: str, at: int, countdown: int = 0,
+                attempt: int = 0) -> None:
+        self.enqueues.append(Enqueue(task, thread, attempt, at * MS, (at + 1) * MS,
+                                     countdown * MS))
+
+    def attempt(self, task: str, thread: str, start: int, end: Optional[int],
+                outcome: str = "success", attempt: int = 0, recv: Optional[int] = None,
+                fin: bool = True, pid: Optional[int] = None, main_pid: int = 1) -> int:
+        """One release of ``task``; returns the pool child's pid."""
+        self.token += 1
+        token = str(self.token)
+        if pid is None:
+            self.pid += 1
+            pid = self.pid
+        if recv is not None:
+            self.events.append(Event("recv", recv * MS, task, thread, attempt, token, main_pid))
+        self.events.append(Event("start", start * MS, task, thread, attempt, token, pid))
+        if end is not None:
+            self.events.append(Event("end", end * MS, task, thread, attempt, token, pid, outcome))
+            if outcome == "success" and fin:
+                self.events.append(Event("fin", end * MS + 500, task, thread, attempt, token, pid))
+        return pid
+
+    def kill(self, at: int, *pids: int, what: str = "worker") -> None:
+        self.events.append(Event("kill", at * MS, pids=pids, what=what))
+
+    def delete(self, task: str, at: int) -> None:
+        self.deletions.append(Deletion(task, at * MS, (at + 1) * MS))
+
+    def die(self, task: str, thread: str, at: int) -> None:
+        self.dead[task] = DeadLetter(thread, "ValueError: dies", at)
+
+    def check(self, gate: Optional[GateState] = None) -> Report:
+        gate = gate or GateState(dead=self.dead)
+        return check(self.events, gate, self.deletions, self.enqueues, LIMITS)
+
+
+def serial_thread(h: History, thread: str, start: int = 0) -> None:
+    """Three members, FIFO, one retry re-entering behind its sibling, each ending once."""
+    h.enqueue(f"{thread}-a", thread, start)
+    h.enqueue(f"{thread}-b", thread, start + 2)
+    h.enqueue(f"{thread}-c", thread, start + 4, countdown=5000)
+    h.attempt(f"{thread}-a", thread, start + 10, start + 100, "retry", recv=start + 9)
+    h.enqueue(f"{thread}-a", thread, start + 101, countdown=300, attempt=1)
+    h.attempt(f"{thread}-b", thread, start + 110, start + 200, "die", recv=start + 105)
+    h.die(f"{thread}-b", thread, start + 201)
+    h.attempt(f"{thread}-a", thread, start + 410, start + 500, attempt=1, recv=start + 405)
+    h.attempt(f"{thread}-c", thread, start + 5010, start + 5100, recv=start + 5006)
+
+
+def test_a_clean_history_passes() -> None:
+    h = History()
+    serial_thread(h, "t1")
+    serial_thread(h, "t2", start=50)
+    # A worker killed while its member ran: the gate re-entered it after the keepalive.
+    h.enqueue("k", "t3", 0)
+    h.enqueue("k2", "t3", 1)
+    victim = h.attempt("k", "t3", 10, None, recv=5)
+    h.kill(1000, victim, 1)
+    h.attempt("k2", "t3", 8_900, 9_000, recv=8_890)
+    h.attempt("k", "t3", 9_200, 9_300, attempt=1, recv=9_190)
+    # A running member deleted: the next one starts at once, while the deleted one winds down.
+    h.enqueue("d", "t4", 0)
+    h.enqueue("d2", "t4", 1)
+    h.attempt("d", "t4", 10, 2_000, recv=5)
+    h.delete("d", 500)
+    h.attempt("d2", "t4", 510, 600, recv=505)
+    report = h.check()
+    assert report.ok, report.format()
+    assert (report.members, report.succeeded, report.dead_lettered, report.deleted) == \
+        (10, 7, 2, 1)
+    assert report.releases_checked > 0 and report.waiting_compared > 0
+    assert report.worst_recovery["worker"] == pytest.approx(7.89, abs=0.01)
+    assert "RESULT: OK" in report.format()
+
+
+def test_overlapping_user_code_is_caught() -> None:
+    h = History()
+    h.enqueue("a", "t", 0)
+    h.enqueue("b", "t", 1)
+    h.attempt("a", "t", 10, 300)
+    h.attempt("b", "t", 200, 400)
+    report = h.check()
+    assert len(report.overlaps) == 1 and not report.ok
+    assert "a#0" in report.overlaps[0] and "b#0" in report.overlaps[0]
+
+
+def test_a_receipt_while_a_sibling_runs_is_an_overlap() -> None:
+    h = History()
+    h.enqueue("a", "t", 0)
+    h.enqueue("b", "t", 1)
+    h.attempt("a", "t", 10, 300)
+    h.attempt("b", "t", 310, 400, recv=250)        # received (released) before a ended
+    assert len(h.check().overlaps) == 1
+
+
+def test_the_same_member_running_twice_at_once_is_an_overlap() -> None:
+    h = History()
+    h.enqueue("a", "t", 0)
+    h.attempt("a", "t", 10, 300, fin=False)
+    h.attempt("a", "t", 100, 400)
+    report = h.check()
+    assert len(report.overlaps) == 1
+    assert report.bad_endings == ["member a of thread t succeeded 2 times"]
+
+
+def test_an_attempt_that_never_ended_overlaps_what_follows() -> None:
+    h = History()
+    h.enqueue("a", "t", 0)
+    h.enqueue("b", "t", 1)
+    h.attempt("a", "t", 10, None)                  # no end, no kill: still running
+    h.attempt("b", "t", 9_000, 9_100)
+    report = h.check()
+    assert len(report.overlaps) == 1 and "open" in report.overlaps[0]
+    assert any("neither ended nor were killed" in x for x in report.info)
+
+
+def test_a_killed_attempt_does_not_overlap_what_follows() -> None:
+    h = History()
+    h.enqueue("a", "t", 0)
+    h.enqueue("b", "t", 1)
+    pid = h.attempt("a", "t", 10, None)
+    h.kill(100, pid, what="child")
+    h.attempt("b", "t", 2_000, 2_100)
+    h.attempt("a", "t", 2_200, 2_300, attempt=1)
+    report = h.check()
+    assert report.ok, report.format()
+    assert report.worst_recovery["child"] == pytest.approx(1.9, abs=0.01)
+
+
+def test_a_deleted_member_is_exempt_from_its_own_overlap_only() -> None:
+    h = History()
+    for task, at in (("a", 0), ("b", 1), ("c", 2)):
+        h.enqueue(task, "t", at)
+    h.attempt("a", "t", 10, 1_000)
+    h.delete("a", 200)
+    h.attempt("b", "t", 210, 600)
+    h.attempt("c", "t", 500, 700)                  # overlaps b, which was not deleted
+    report = h.check()
+    assert len(report.overlaps) == 1
+    assert "b#0" in report.overlaps[0] and "c#0" in report.overlaps[0]
+
+
+def test_an_attempt_that_ended_before_its_member_was_deleted_is_not_exempt() -> None:
+    h = History()
+    h.enqueue("a", "t", 0)
+    h.enqueue("b", "t", 1)
+    h.attempt("a", "t", 10, 300, "retry")
+    h.enqueue("a", "t", 301, countdown=5_000, attempt=1)
+    h.attempt("b", "t", 200, 400)                  # overlaps a's first attempt
+    h.delete("a", 1_000)                           # a deleted later, while waiting
+    assert len(h.check().overlaps) == 1
+
+
+@pytest.mark.parametrize("case, expected", [
+    ("lost", "was lost"),
+    ("twice", "succeeded 2 times"),
+    ("success-and-dead", "succeeded 1 times and is dead-lettered"),
+    ("still-member", "still a member"),
+    ("deleted-and-dead", "deleted and is also dead-lettered"),
+    ("deleted-and-twice", "deleted and also succeeded 2 times"),
+])
+def test_a_member_that_did_not_end_exactly_once_is_caught(case: str, expected: str) -> None:
+    h = History()
+    h.enqueue("a", "t", 0)
+    gate = None
+    if case == "twice":
+        h.attempt("a", "t", 10, 100)
+        h.attempt("a", "t", 200, 300, attempt=1)
+    elif case == "success-and-dead":
+        h.attempt("a", "t", 10, 100)
+        h.die("a", "t", 400)
+    elif case == "still-member":
+        gate = GateState(due={"t": 5}, members={"a": "t"}, thread_keys={"t": ["x:t:t:q"]})
+    elif case == "deleted-and-dead":
+        h.delete("a", 5)
+        h.die("a", "t", 400)
+    elif case == "deleted-and-twice":
+        h.attempt("a", "t", 10, 100)
+        h.attempt("a", "t", 200, 300, attempt=1)
+        h.delete("a", 250)
+    report = h.check(gate)
+    assert any(expected in x for x in report.bad_endings), report.bad_endings
+    assert not report.ok
+
+
+def test_a_rerun_after_a_kill_in_the_ending_window_is_information() -> None:
+    h = History()
+    h.enqueue("a", "t", 0)
+    pid = h.attempt("a", "t", 10, 100, fin=False)
+    h.kill(101, pid, what="child")                 # after user code returned, before finish
+    h.attempt("a", "t", 2_000, 2_100, attempt=1)
+    report = h.check()
+    assert report.ok, report.format()
+    assert report.succeeded == 1
+    assert any("at-least-once window" in x for x in report.info)
+
+
+def test_a_success_killed_before_fin_counts_when_nothing_else_ended_it() -> None:
+    h = History()
+    h.enqueue("a", "t", 0)
+    pid = h.attempt("a", "t", 10, 100, fin=False)
+    h.kill(101, pid, what="child")
+    report = h.check()
+    assert report.ok and report.succeeded == 1
+
+
+def test_a_release_that_skips_an_earlier_due_sibling_is_an_order_violation() -> None:
+    h = History()
+    h.enqueue("blocker", "t", 0)
+    h.enqueue("early", "t", 10)                    # scheduled at 10
+    h.enqueue("late", "t", 20)                     # scheduled at 20
+    h.attempt("blocker", "t", 5, 100)
+    h.attempt("late", "t", 110, 200, recv=105)     # released first although "early" waited
+    h.attempt("early", "t", 210, 300, recv=205)
+    report = h.check()
+    assert len(report.order_violations) == 1, report.format()
+    assert "late#0" in report.order_violations[0] and "early#0" in report.order_violations[0]
+
+
+def test_a_countdown_lets_a_later_arrival_go_first() -> None:
+    h = History()
+    h.enqueue("blocker", "t", 0)
+    h.enqueue("later", "t", 10, countdown=1_000)   # scheduled at 1010
+    h.enqueue("now", "t", 20)                      # scheduled at 20
+    h.attempt("blocker", "t", 5, 100)
+    h.attempt("now", "t", 110, 200, recv=105)
+    h.attempt("later", "t", 1_020, 1_100, recv=1_015)
+    report = h.check()
+    assert report.ok, report.format()
+    assert report.waiting_compared == 1
+
+
+def test_a_retry_that_overtakes_an_earlier_scheduled_sibling_is_an_order_violation() -> None:
+    h = History()
+    h.enqueue("a", "t", 0)
+    h.enqueue("b", "t", 10, countdown=100)         # scheduled at 110
+    h.attempt("a", "t", 5, 200, "retry")
+    h.enqueue("a", "t", 201, countdown=500, attempt=1)    # re-enters at 701
+    h.attempt("a", "t", 710, 800, attempt=1)       # released before b, which was due at 110
+    h.attempt("b", "t", 810, 900)
+    assert len(h.check().order_violations) == 1
+
+
+def test_a_member_reentered_by_the_gate_is_bounded_by_the_retry_delay() -> None:
+    h = History()
+    h.enqueue("a", "t", 0)
+    h.enqueue("b", "t", 10, countdown=2_000)       # scheduled at 2010
+    pid = h.attempt("a", "t", 5, None)
+    h.kill(50, pid, what="child")
+    # a re-entered at (failure) + 300 ms > 55 + 300: it rightly went before b.
+    h.attempt("a", "t", 1_000, 1_100, attempt=1)
+    h.attempt("b", "t", 2_020, 2_100)
+    assert h.check().ok
+    # ... but b going first, while a (re-entered by 400 at the latest) waited, is fine too:
+    # the gate's own re-entries are never used as witnesses (their schedule is not known).
+    h2 = History()
+    h2.enqueue("a", "t", 0)
+    h2.enqueue("b", "t", 10)
+    pid = h2.attempt("a", "t", 5, None)
+    h2.kill(50, pid, what="child")
+    h2.attempt("b", "t", 400, 500)
+    h2.attempt("a", "t", 600, 700, attempt=1)
+    assert h2.check().ok
+
+
+def test_stuck_threads_and_orphan_keys_are_caught() -> None:
+    h = History()
+    h.enqueue("a", "t1", 0)
+    h.attempt("a", "t1", 10, 100)
+    gate = GateState(
+        due={"t2": 1_000}, leases={"t3": 2_000}, members={"x": "t2", "y": "t3", "z": "t9"},
+        thread_keys={"t2": ["p:{0}:t:t2:q"], "t3": ["p:{0}:t:t3:a"], "t8": ["p:{0}:t:t8:m"]},
+        active={"t3": {"task": "y", "state": "RUNNING", "worker": "w1", "deadline": "2000"}})
+    report = h.check(gate)
+    assert len(report.stuck) == 2
+    assert any("t3" in x and "RUNNING" in x for x in report.stuck)
+    assert any("t8" in x for x in report.orphans)
+    assert any("z -> t9" in x for x in report.orphans)
+    assert not report.ok
+
+
+def test_a_thread_in_both_indexes_is_an_orphan() -> None:
+    gate = GateState(due={"t": 1}, leases={"t": 2}, thread_keys={"t": ["k"]})
+    report = check([], gate, [], [], LIMITS)
+    assert any("both" in x for x in report.orphans)
+
+
+def test_recovery_after_a_worker_kill_is_measured_from_the_kill() -> None:
+    h = History()
+    h.enqueue("a", "t", 0)
+    h.enqueue("b", "t", 1)
+    h.enqueue("p", "u", 0)
+    running = h.attempt("a", "t", 10, None, recv=5, main_pid=7)
+    h.events.append(Event("recv", 20 * MS, "p", "u", 0, "99", 7))    # prefetched, not started
+    h.kill(1_000, running, 7)
+    h.attempt("b", "t", 10_400, 10_500)            # 9.4 s after the kill
+    h.die("p", "u", 9_000)                          # the prefetched one died 8 s after
+    report = h.check()
+    assert sorted(report.recoveries["worker"]) == [8.0, 9.4]
+    assert report.worst_recovery["worker"] == 9.4
+
+
+def test_a_prefetched_release_redelivered_after_a_worker_kill_counts_as_recovery() -> None:
+    h = History()
+    h.enqueue("a", "t", 0)
+    h.events.append(Event("recv", 20 * MS, "a", "t", 0, "7", 3))     # prefetched by worker 3
+    h.kill(1_000, 3)
+    h.events.append(Event("recv", 4_000 * MS, "a", "t", 0, "7", 4))  # the broker hands it back
+    h.events.append(Event("start", 4_001 * MS, "a", "t", 0, "7", 40))
+    h.events.append(Event("end", 4_100 * MS, "a", "t", 0, "7", 40, "success"))
+    h.events.append(Event("fin", 4_101 * MS, "a", "t", 0, "7", 40))
+    report = h.check()
+    assert report.ok, report.format()
+    assert report.recoveries["worker"] == [3.0]
+
+
+def test_a_recovery_across_an_outage_is_kept_apart() -> None:
+    h = History()
+    for task, thread, at in (("a", "t", 0), ("b", "t", 1), ("c", "u", 0), ("d", "u", 1)):
+        h.enqueue(task, thread, at)
+    one = h.attempt("a", "t", 10, None)
+    two = h.attempt("c", "u", 10, None)
+    h.kill(1_000, one, two)
+    h.events.append(Event("redis_down", 5_000 * MS))
+    h.events.append(Event("redis_up", 6_500 * MS))
+    h.events.append(Event("healthy", 7_000 * MS, count=0))
+    h.events.append(Event("healthy", 12_000 * MS, count=2))
+    h.attempt("b", "t", 4_000, 4_100)              # moved on before the outage: measured
+    h.attempt("d", "u", 13_000, 13_100)            # waited for a worker: kept apart
+    report = h.check()
+    assert report.recoveries["worker"] == [3.0]
+    assert report.confounded["worker"] == [12.0]
+    assert "overlapped an outage" in report.format()
+
+
+def test_a_child_kill_followed_by_its_workers_kill_counts_from_the_worker() -> None:
+    h = History()
+    h.enqueue("a", "t", 0)
+    h.enqueue("b", "t", 1)
+    child = h.attempt("a", "t", 10, None, recv=5, main_pid=7)
+    h.kill(100, child, what="child")
+    h.kill(2_000, 7, 8)                            # before the worker noticed its child's death
+    h.attempt("b", "t", 10_000, 10_100)
+    report = h.check()
+    assert report.recoveries == {"worker": [8.0]}
