@@ -1,0 +1,37 @@
+"""``python -m bench <name> [--quick] [--repeats N] [...]``: run one benchmark, print its table."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+BENCHMARKS = {
+    "throughput": "no-op threaded vs plain tasks through a prefork worker (2 processes)",
+    "handoff": "end of one member -> start of the next, vs plain publish-to-start latency",
+    "lockretry": "Redis lock + self.retry(countdown=0.5) vs threaded tasks, 4 processes",
+    "scale": "gate cost of a member's life with 1,000 vs 1,000,000 waiting members",
+    "dispatch": "dispatcher tick cost, and countdown lateness vs plain Celery",
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
+    sub = parser.add_subparsers(dest="name", required=True, metavar="name")
+    for name, summary in BENCHMARKS.items():
+        module = importlib.import_module(f"bench.{name}")
+        p = sub.add_parser(name, help=summary, description=module.__doc__,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        p.add_argument("--quick", action="store_true",
+                       help="shrink the run to seconds (CI: checks that it runs and prints)")
+        p.add_argument("--repeats", type=int, default=None,
+                       help="repeats of each side (default: 3, or 1 with --quick)")
+        module.add_arguments(p)
+    args = parser.parse_args(argv)
+    if args.repeats is None:
+        args.repeats = 1 if args.quick else 3
+    module = importlib.import_module(f"bench.{args.name}")
+    return int(module.run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,299 @@
+"""scale: what a member costs the gate when the gate is big.
+
+Drives the gate directly (``celery_threads.gate.Gate`` on a ``make_client`` client, as workers do),
+on two private redis-servers filled side by side:
+
+* small: 1,000 waiting members over 100 threads; large: 1,000,000 waiting members over 100,000
+  threads.  Every thread has 10 waiting members; half the threads also have an active (released,
+  never claimed) member, the other half are idle with heads scheduled a day ahead, so both indexes
+  (due, leases) hold half the threads and the tasks hash holds every member.  Each member stores a
+  real task message (an envelope captured from ``bench.noop_threaded``).
+
+Then, alternating between the two servers, three kinds of member life on fresh threads:
+
+* idle thread: ``enqueue`` (released at once) -> ``claim`` -> ``finish``;
+* busy thread: ``enqueue`` behind the active member -> released by its predecessor's ``finish``
+  -> ``claim``; per member, one of each script;
+* dispatcher: ``enqueue`` with a short countdown -> (due) ``scan_due`` + ``release_many`` of the
+  batch -> ``claim`` -> ``finish``, in batches of 100 members.
+
+Reported: the client's wall time per life (p50 over lives; for the dispatcher, the batch's time
+over its members), the Redis server's execution time per life (sum of the ``SLOWLOG`` durations of
+the top-level commands, logged with ``slowlog-log-slower-than 0`` during the probes only), Redis
+memory per waiting member beyond its message bytes (``used_memory`` before/after adding the waiting
+members, minus the stored envelope), and Redis commands per life (``INFO commandstats``: script
+calls, every command including those run inside scripts).
+Targets: large within 1.2x of small; at most 200 bytes of gate overhead per waiting member; at most
+three script calls per member life on the hot path (idle and busy threads).
+"""
+from __future__ import annotations
+
+import argparse
+import time
+import uuid
+from typing import Any, Callable
+
+from bench import harness as h
+
+DAY_MS = 86_400_000
+FAR_MS = 10 * DAY_MS              # release timeout / keepalive: nothing lapses during the run
+PER_THREAD = 10                    # waiting members per thread, both cases
+CHUNK = 100                        # lives per turn when alternating between the servers
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--small", type=int, default=None, help="waiting members, small case (1,000)")
+    p.add_argument("--large", type=int, default=None,
+                   help="waiting members, large case (1,000,000)")
+    p.add_argument("--lives", type=int, default=None, help="member lives per kind and repeat (2,000)")
+
+
+def _gate(server: h.RedisServer, prefix: str) -> Any:
+    from celery_threads.gate import Gate, make_client
+    from celery_threads.keys import Keys
+
+    return Gate(make_client(server.url()), Keys(prefix), release_timeout_ms=FAR_MS,
+                keepalive_ms=FAR_MS)
+
+
+def _fill(gate: Any, client: Any, waiting: int, envelope: bytes, label: str) -> dict[str, float]:
+    threads = max(1, waiting // PER_THREAD)
+    client.config_set("slowlog-log-slower-than", 10_000)
+    m0 = int(client.info("memory")["used_memory"])
+    h.progress(f"{label}: {threads:,} threads, active members for half of them")
+    busy = [f"bg-{i}" for i in range(0, threads, 2)]
+    h.enqueue_many(gate, [(t, f"a-{t}", 0) for t in busy], envelope)
+    m1 = int(client.info("memory")["used_memory"])
+    h.progress(f"{label}: {threads * PER_THREAD:,} waiting members")
+    rows = []
+    for i in range(threads):
+        t = f"bg-{i}"
+        delay = 0 if i % 2 == 0 else DAY_MS     # behind the active member / a future head
+        rows += [(t, f"w-{t}-{j}-{uuid.uuid4().hex[:12]}", delay) for j in range(PER_THREAD)]
+    # uuid-like task ids, as Celery's (36 characters)
+    rows = [(t, str(uuid.uuid5(uuid.NAMESPACE_OID, task)), d) for t, task, d in rows]
+    t0 = time.monotonic()
+    h.enqueue_many(gate, rows, envelope)
+    fill_s = time.monotonic() - t0
+    m2 = int(client.info("memory")["used_memory"])
+    shard = gate.keys.shard(0)
+    counts = (client.zcard(shard.due), client.zcard(shard.leases), client.hlen(shard.tasks))
+    assert counts == (threads - len(busy), len(busy), len(busy) + len(rows)), counts
+    return {"threads": threads, "waiting": len(rows), "m0": m0, "m1": m1, "m2": m2,
+            "per_waiting": (m2 - m1) / len(rows), "fill_s": fill_s}
+
+
+RECORD_HEADER_BYTES = len("0000000000000001|0|-1|0\n")   # the gate's "seq|retries|max|delay"
+SDS16_OVERHEAD = 6                                        # sdshdr16 (5 bytes) + NUL
+
+
+def _jemalloc_class(size: int) -> int:
+    """jemalloc's size class for an allocation of ``size`` bytes (4 classes per doubling)."""
+    if size <= 8:
+        return 8
+    if size <= 128:
+        return (size + 15) // 16 * 16
+    delta = 1 << ((size - 1).bit_length() - 3)
+    return (size + delta - 1) // delta * delta
+
+
+def _memory_breakdown(client: Any, gate: Any, threads: int) -> dict[str, float]:
+    """Bytes per waiting member by key (``MEMORY USAGE``, sampled threads of the large case)."""
+    sample = range(0, threads, max(1, threads // 200))
+    out = {"queue": 0.0, "records": 0.0}
+    n = 0
+    for i in sample:
+        keys = gate.keys.thread(f"bg-{i}")
+        out["queue"] += int(client.memory_usage(keys.queue) or 0)
+        out["records"] += int(client.memory_usage(keys.members) or 0)
+        n += PER_THREAD + (1 if i % 2 == 0 else 0)
+    out = {k: v / n for k, v in out.items()}
+    shard = gate.keys.shard(0)
+    members = client.hlen(shard.tasks)
+    out["tasks index"] = int(client.memory_usage(shard.tasks, samples=1000) or 0) / members
+    out["due + leases index"] = (int(client.memory_usage(shard.due, samples=1000) or 0)
+                                 + int(client.memory_usage(shard.leases, samples=1000) or 0)
+                                 ) / members
+    return out
+
+
+def _idle_lives(gate: Any, n: int, tag: str) -> tuple[list[float], int]:
+    times = []
+    for i in range(n):
+        thread, task = f"p-{tag}-{i}", str(uuid.uuid4())
+        t0 = time.perf_counter()
+        rel = gate.enqueue(thread, task, ENVELOPE[0]).release
+        assert gate.claim(thread, task, rel.token, 30_000, "bench@host") == 1
+        assert gate.finish(thread, task, rel.token).done
+        times.append((time.perf_counter() - t0) * 1e6)
+    return times, n
+
+
+def _busy_lives(gate: Any, n: int, tag: str) -> tuple[list[float], int]:
+    thread = f"b-{tag}"
+    first = str(uuid.uuid4())
+    rel = gate.enqueue(thread, first, ENVELOPE[0]).release
+    assert gate.claim(thread, first, rel.token, 30_000, "bench@host") == 1
+    current, token = first, rel.token
+    times = []
+    for _ in range(n):
+        task = str(uuid.uuid4())
+        t0 = time.perf_counter()
+        assert gate.enqueue(thread, task, ENVELOPE[0]).release is None   # waits behind current
+        nxt = gate.finish(thread, current, token).release                # releases it
+        assert nxt is not None and nxt.task_id == task
+        assert gate.claim(thread, task, nxt.token, 30_000, "bench@host") == 1
+        times.append((time.perf_counter() - t0) * 1e6)
+        current, token = task, nxt.token
+    assert gate.finish(thread, current, token).done
+    # one more member lived in this block: the first one's enqueue and claim came before the
+    # timed loop, the last one's finish after it
+    return times, n + 1
+
+
+def _dispatched_lives(gate: Any, n: int, tag: str, batch: int = 100
+                      ) -> tuple[list[float], int]:
+    shard = gate.keys.shard(0)
+    per_member = []
+    for b in range(0, n, batch):
+        size = min(batch, n - b)
+        members = [(f"d-{tag}-{b + i}", str(uuid.uuid4())) for i in range(size)]
+        spent = 0.0
+        for thread, task in members:
+            t0 = time.perf_counter()
+            assert gate.enqueue(thread, task, ENVELOPE[0], delay_ms=20).release is None
+            spent += time.perf_counter() - t0
+        time.sleep(0.03)                                   # they fall due
+        t0 = time.perf_counter()
+        scan = gate.scan_due(shard, size)
+        outcomes = gate.release_many(scan.due)
+        for thread, outcome in zip(scan.due, outcomes):
+            rel = outcome.release
+            assert gate.claim(thread, rel.task_id, rel.token, 30_000, "bench@host") == 1
+            assert gate.finish(thread, rel.task_id, rel.token).done
+        spent += time.perf_counter() - t0
+        assert len(scan.due) == size, (len(scan.due), size)
+        per_member.append(spent / size * 1e6)
+    return per_member, n
+
+
+ENVELOPE: list[bytes] = []
+KINDS: dict[str, Callable[[Any, int, str], tuple[list[float], int]]] = {
+    "idle thread": _idle_lives, "busy thread": _busy_lives, "dispatcher": _dispatched_lives}
+
+
+def run(args: argparse.Namespace) -> int:
+    small = args.small or 1_000
+    large = args.large or (10_000 if args.quick else 1_000_000)
+    lives = args.lives or (200 if args.quick else 2_000)
+    from bench import tasks
+    cases = {"small": small, "large": large}
+    fills: dict[str, dict[str, float]] = {}
+    results: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    with h.Stack("scale") as stack:
+        servers = {name: stack.redis(f"redis-{name}") for name in cases}
+        tasks.configure(h.celery_env(servers["small"]))
+        ENVELOPE[:] = [h.captured_envelope(tasks.noop_threaded)]
+        where = h.machine(servers["small"])
+        gates = {name: _gate(servers[name], "bench-scale") for name in cases}
+        for name, waiting in cases.items():
+            fills[name] = _fill(gates[name], servers[name].client(), waiting, ENVELOPE[0], name)
+            for fn in KINDS.values():          # warm up: scripts loaded, connections open
+                fn(gates[name], 5, "warm")
+        for rep in range(args.repeats):
+            for kind, fn in KINDS.items():
+                h.progress(f"repeat {rep + 1}/{args.repeats}: {lives:,} lives per server, {kind}")
+                times: dict[str, list[float]] = {name: [] for name in cases}
+                members = dict.fromkeys(cases, 0)
+                probes = {name: h.Probe(servers[name].client()) for name in cases}
+                for probe in probes.values():
+                    probe.__enter__()
+                try:
+                    # chunks of CHUNK lives, alternating between the servers, so that the noise of
+                    # a shared machine falls on both alike
+                    for c, start in enumerate(range(0, lives, CHUNK)):
+                        size = min(CHUNK, lives - start)
+                        for name in (list(cases) if c % 2 == 0 else list(reversed(cases))):
+                            got, lived = fn(gates[name], size, f"{rep}-{c}")
+                            times[name] += got
+                            members[name] += lived
+                finally:
+                    for probe in probes.values():
+                        probe.__exit__(None, None, None)
+                for name in cases:
+                    probe, count = probes[name], members[name]
+                    results.setdefault((name, kind), []).append({
+                        "p50": h.pct(times[name], 50), "p99": h.pct(times[name], 99),
+                        "server_us": probe.server_us / count,
+                        "scripts": sum(v for k, v in probe.top.items()
+                                       if k.startswith("script")) / count,
+                        "top": sum(probe.top.values()) / count,
+                        "all": probe.all_calls / count,
+                        "breakdown": {k: v / count for k, v in sorted(probe.top.items())},
+                        "breakdown_us": {k: probe.top_us[k] / max(1, probe.top[k])
+                                         for k in sorted(probe.top)},
+                    })
+        breakdown_mem = _memory_breakdown(servers["large"].client(), gates["large"],
+                                          int(fills["large"]["threads"]))
+    envelope_bytes = len(ENVELOPE[0])
+
+    def med(name: str, kind: str, what: str) -> float:
+        return h.median(r[what] for r in results[(name, kind)])
+
+    rows = []
+    for kind in KINDS:
+        for what, label in (("p50", "client wall time per life, p50 (µs)"),
+                            ("server_us", "Redis execution time per life (µs)")):
+            s, l = med("small", kind, what), med("large", kind, what)
+            r = h.ratio(l, s)
+            rows.append([f"{kind}: {label}", s, l, r, "<= 1.2x", h.verdict(r <= 1.2)])
+    for kind in KINDS:
+        s, l = med("small", kind, "scripts"), med("large", kind, "scripts")
+        hot = kind != "dispatcher"
+        rows.append([f"{kind}: script calls per life", s, l, "-", "<= 3" if hot else "-",
+                     h.verdict(max(s, l) <= 3) if hot else "-"])
+        rows.append([f"{kind}: top-level commands / all commands per life",
+                     f"{med('small', kind, 'top'):.2f} / {med('small', kind, 'all'):.1f}",
+                     f"{med('large', kind, 'top'):.2f} / {med('large', kind, 'all'):.1f}",
+                     "-", "-", "-"])
+    over = {n: fills[n]["per_waiting"] - envelope_bytes for n in cases}
+    rows.append(["Redis memory per waiting member (bytes)", fills["small"]["per_waiting"],
+                 fills["large"]["per_waiting"], "-", "-", "-"])
+    rows.append(["  of which gate overhead beyond the message (bytes)", over["small"],
+                 over["large"], "-", "<= 200", h.verdict(over["large"] <= 200)])
+    record = RECORD_HEADER_BYTES + envelope_bytes + SDS16_OVERHEAD
+    rounding = _jemalloc_class(record) - record
+    rows.append(["    of which the allocator's rounding of the stored record (bytes)",
+                 rounding, rounding, "-", "-", "-"])
+    def per_call(name: str, kind: str, command: str) -> float:
+        return h.median(r["breakdown_us"].get(command, float("nan")) for r in results[(name, kind)])
+
+    breakdown = "; ".join(
+        f"{kind}: " + ", ".join(
+            f"{k} {v:.2f} x ({per_call('small', kind, k):.0f} / {per_call('large', kind, k):.0f} µs)"
+            for k, v in results[("large", kind)][0]["breakdown"].items()) for kind in KINDS)
+    notes = [
+        f"small = {fills['small']['waiting']:,} waiting members over {fills['small']['threads']:,} "
+        f"threads, large = {fills['large']['waiting']:,} over {fills['large']['threads']:,} "
+        f"(filled in {fills['large']['fill_s']:.0f} s); {lives:,} lives per kind, server and "
+        f"repeat; medians over {args.repeats} repeat(s); ratio = large / small.",
+        f"stored message (envelope) = {envelope_bytes} bytes per member; memory = (used_memory "
+        "after the waiting members - before) / waiting members, so per-thread keys (a queue per "
+        "thread, the idle half's entry in the due index) are spread over its 10 members.",
+        "top-level commands per life (large, first repeat), and their Redis execution time per "
+        f"call (median over repeats, small / large): {breakdown}.",
+        "memory by key, bytes per member (MEMORY USAGE of sampled threads, large case; the "
+        "records hold the message): " + ", ".join(f"{k} {v:.0f}" for k, v in breakdown_mem.items())
+        + ".",
+        "the dispatcher kind's client time is per member of a 100-member batch (its scan and "
+        "release are one pipelined round trip each for the whole batch).",
+    ]
+    print(h.table(
+        "scale (gate only)",
+        [f"command: `python -m bench scale{' --quick' if args.quick else ''}`",
+         f"machine: {where}",
+         "load: Gate driven directly (enqueue, claim, finish, scan_due + release_many) on two "
+         "private redis-servers, one small, one large; client = this Python process"],
+        ["measure", f"{small:,} waiting", f"{large:,} waiting", "ratio", "target", "verdict"],
+        rows, notes))
+    return 0

@@ -1,0 +1,161 @@
+"""throughput: 20,000 no-op threaded tasks spread over 2,000 threads against 20,000 no-op plain tasks.
+
+One prefork worker with 2 processes and beat, Redis broker (``--broker amqp``: RabbitMQ on
+127.0.0.1:5672, a queue of the run's own, deleted afterwards).  Each repeat runs both sides (their
+order alternating) in three ways:
+
+* drain: the worker's consumer is cancelled, the tasks are published, the consumer is added back;
+  throughput = tasks / (first task's completion -> last task's completion).  For threaded tasks
+  the queue then holds each thread's first member only; every other member is released by its
+  predecessor's ending, inside the measured window.  CPU time of the worker's main process, its
+  pool processes and redis-server during the drain, per task, from /proc.
+* end-to-end: the worker consumes while the tasks are published (one producer, one at a time);
+  throughput = tasks / (first publish -> last task's end).
+* publish: the producer alone (the publishing of the drain run): tasks / publishing time.
+
+Every task body is one Lua call counting its completion; times are the Redis server's clock.
+Target: threaded throughput at least 0.9x plain Celery.
+"""
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from bench import harness as h
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--broker", choices=("redis", "amqp"), default="redis")
+    p.add_argument("--tasks", type=int, default=None, help="tasks per side (default 20,000)")
+    p.add_argument("--threads", type=int, default=None, help="threads (default 2,000)")
+    p.add_argument("--concurrency", type=int, default=2)
+
+
+def _publish(task: Any, tag: str, n: int, threads: int, key: str) -> None:
+    for i in range(n):
+        task.apply_async((f"{tag}-{i % threads}", key, n))
+
+
+def _calls(client: Any) -> dict[str, int]:
+    """Commands the Redis server has run so far (INFO commandstats, scripts' inner ones included)."""
+    stats = client.info("commandstats")
+    return {"evalsha": int(stats.get("cmdstat_evalsha", {}).get("calls", 0)),
+            "all": sum(int(v["calls"]) for v in stats.values())}
+
+
+def _control(app: Any, worker: Any, queue: str, consume: bool) -> None:
+    call = app.control.add_consumer if consume else app.control.cancel_consumer
+    replies = call(queue, destination=[worker.hostname], reply=True, timeout=10)
+    if not replies:
+        raise RuntimeError(f"worker did not answer {'add' if consume else 'cancel'}_consumer")
+
+
+def run(args: argparse.Namespace) -> int:
+    n = args.tasks or (400 if args.quick else 20_000)
+    threads = args.threads or (40 if args.quick else 2_000)
+    if args.broker == "amqp" and not h.rabbitmq_available():
+        raise SystemExit("RabbitMQ is not reachable on 127.0.0.1:5672")
+    from bench import tasks
+
+    sides = {"threaded": tasks.noop_threaded, "plain": tasks.noop_plain}
+    results: dict[tuple[str, str], list[float]] = {}
+    with h.Stack("throughput") as stack:
+        server = stack.redis()
+        client = server.client()
+        env = h.celery_env(server, broker=args.broker)
+        app = tasks.configure(env)
+        queue = env["BENCH_QUEUE"]
+        where = h.machine(server)
+        worker = stack.worker(env, concurrency=args.concurrency, ready_client=client)
+        stack.beat(env, ready_client=client)
+        rec = tasks.recorder()
+        timeout = 120 + n / 20
+        for rep in range(args.repeats):
+            order = list(sides) if rep % 2 == 0 else list(reversed(sides))
+            for side in order:
+                task, tag = sides[side], f"{side[0]}{rep}"
+                # drain (and the publish rate of its producer)
+                _control(app, worker, queue, consume=False)
+                key = f"bench:{stack.run_id}:{tag}:drain"
+                h.progress(f"repeat {rep + 1}/{args.repeats} {side}: publishing {n:,}")
+                before = _calls(client)
+                p0 = rec.now_us()
+                _publish(task, f"{tag}d", n, threads, key)
+                p1 = rec.now_us()
+                cpu0 = h.cpu_snapshot(worker, server)
+                _control(app, worker, queue, consume=True)
+                h.progress(f"repeat {rep + 1}/{args.repeats} {side}: draining")
+                h.wait_until(lambda: int(client.get(key) or 0) >= n, timeout,
+                             f"{side} drain of {n} tasks", stack=stack)
+                after = _calls(client)
+                cpu1 = h.cpu_snapshot(worker, server)
+                for proc in cpu0:
+                    results.setdefault((side, f"cpu_{proc}"), []).append(
+                        (cpu1[proc] - cpu0[proc]) * 1000 / n)
+                # the benchmark's own probe is one EVALSHA (INCR, TIME, SET inside) per task
+                results.setdefault((side, "scripts"), []).append(
+                    (after["evalsha"] - before["evalsha"]) / n - 1)
+                results.setdefault((side, "commands"), []).append(
+                    (after["all"] - before["all"]) / n)
+                first, last = (int(client.get(f"{key}:{x}") or 0) for x in ("first", "last"))
+                results.setdefault((side, "publish"), []).append(n / ((p1 - p0) / 1e6))
+                results.setdefault((side, "drain"), []).append(n / ((last - first) / 1e6))
+                # end-to-end
+                key = f"bench:{stack.run_id}:{tag}:e2e"
+                h.progress(f"repeat {rep + 1}/{args.repeats} {side}: end-to-end")
+                p0 = rec.now_us()
+                _publish(task, f"{tag}e", n, threads, key)
+                h.wait_until(lambda: int(client.get(key) or 0) >= n, timeout,
+                             f"{side} end-to-end run of {n} tasks", stack=stack)
+                last = int(client.get(f"{key}:last") or 0)
+                results.setdefault((side, "e2e"), []).append(n / ((last - p0) / 1e6))
+        leftover = sum(client.zcard(f"{env['BENCH_KEY_PREFIX']}:{{0}}:{x}")
+                       for x in ("due", "leases"))
+        problems = stack.celery_problems()
+
+    rows = []
+    verdicts = []
+    labels = {"drain": "drain (worker alone, full queue)",
+              "e2e": "end-to-end (publishing while the worker runs)",
+              "publish": "publish (producer alone)"}
+    for what in ("drain", "e2e", "publish"):
+        t, p = h.median(results[("threaded", what)]), h.median(results[("plain", what)])
+        r = h.ratio(t, p)
+        target = what in ("drain", "e2e")
+        verdicts.append(r >= 0.9 if target else None)
+        rows.append([labels[what], t, p, r, ">= 0.90" if target else "-",
+                     h.verdict(r >= 0.9) if target else "-"])
+    if args.broker == "redis":
+        t, p = h.median(results[("threaded", "commands")]), h.median(results[("plain", "commands")])
+        rows.append(["Redis commands per task (broker + gate, during the drain)", t, p,
+                     h.ratio(t, p), "-", "-"])
+    for proc, label in (("main", "worker main process"), ("pool", "pool processes"),
+                        ("redis", "redis-server")):
+        t, p = (h.median(results[(side, f"cpu_{proc}")]) for side in ("threaded", "plain"))
+        rows.append([f"CPU ms per task during the drain: {label}", t, p, h.ratio(t, p), "-", "-"])
+    rows.append(["gate script calls per task (during the drain)",
+                 h.median(results[("threaded", "scripts")]),
+                 h.median(results[("plain", "scripts")]), "-", "-", "-"])
+    per_rep = {what: ", ".join(
+        f"{t / p:.2f}" for t, p in zip(results[("threaded", what)], results[("plain", what)]))
+        for what in ("drain", "e2e", "publish")}
+    notes = [f"throughput in tasks/s, median of {args.repeats} repeat(s); ratio = threaded / plain "
+             "of the medians.",
+             "commands per task: INFO commandstats deltas over the publish and drain of a side, "
+             "including those run inside scripts and the benchmark's own probe (one script per "
+             "task, not counted among the gate's script calls); beat's dispatch entry and the "
+             "workers' dispatch loops included.",
+             "per-repeat ratios: " + "; ".join(f"{k} {v}" for k, v in per_rep.items()) + ".",
+             f"gate left with {leftover} thread(s) after the run (expected 0)."]
+    if problems:
+        notes.append("worker/beat log problems: " + " / ".join(problems[:5]))
+    print(h.table(
+        f"throughput ({args.broker} broker)",
+        [f"command: `python -m bench throughput{' --quick' if args.quick else ''}"
+         f"{' --broker amqp' if args.broker == 'amqp' else ''}`",
+         f"machine: {where}",
+         f"load: {n:,} no-op tasks per side, threaded ones over {threads:,} threads; one prefork "
+         f"worker -c {args.concurrency} (prefetch 4), beat; {args.repeats} repeat(s)"],
+        ["measure", "threaded", "plain", "ratio", "target", "verdict"], rows, notes))
+    return 0
+
