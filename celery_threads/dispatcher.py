@@ -126,10 +126,14 @@ class DispatchLoop:
                     pubsub = self.runtime.client.pubsub(  # type: ignore[no-untyped-call]
                         ignore_subscribe_messages=True)
                     pubsub.subscribe(*[s.wake_channel for s in self.runtime.keys.all_shards()])
+                started = time.monotonic()
                 report = self.dispatcher.tick()
                 wait = 0.0 if report.more else interval
                 if report.next_ms is not None and not report.more:
-                    wait = min(wait, max(0.0, (report.next_ms - report.now_ms) / 1000.0))
+                    # next_ms is on the server's clock as of the tick's scan: take off the time
+                    # the tick itself took, so the loop wakes when the head is due, not after.
+                    until_next = (report.next_ms - report.now_ms) / 1000.0
+                    wait = min(wait, max(0.0, until_next - (time.monotonic() - started)))
                 self._sleep(pubsub, wait)
             except Exception as exc:
                 # One line per failure: a Redis outage must not flood the worker's log.

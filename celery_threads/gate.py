@@ -109,6 +109,7 @@ class Gate:
         self._scripts: dict[str, Script] = {
             name: client.register_script(source) for name, source in script_sources().items()
         }
+        self._scan = client.register_script(_load_lua("scan.lua"))
 
     # -- plumbing ---------------------------------------------------------------------------
     def _now_arg(self) -> str:
@@ -210,30 +211,14 @@ class Gate:
         return int(seconds) * 1000 + int(micros) // 1000
 
     def scan_due(self, shard: ShardKeys, limit: int) -> "Scan":
-        """The earliest ``limit`` entries of the due and leases indexes, and the server's time.
-
-        One round trip, O(log n + limit).  Entries at or before now are work; the first later one
-        tells a dispatcher how long it may sleep.
-        """
-        pipe = self.client.pipeline(transaction=False)
-        if self.clock is None:
-            pipe.time()
-        pipe.zrange(shard.due, 0, limit - 1, withscores=True)
-        pipe.zrange(shard.leases, 0, limit - 1, withscores=True)
-        replies = pipe.execute()
-        if self.clock is None:
-            seconds, micros = replies.pop(0)
-            now = int(seconds) * 1000 + int(micros) // 1000
-        else:
-            now = int(self.clock())
-        due_rows, lease_rows = replies
-        return Scan(
-            now_ms=now,
-            due=[_text(m) for m, score in due_rows if score <= now],
-            lapsed=[_text(m) for m, score in lease_rows if score <= now],
-            next_ms=min((int(score) for _, score in (*due_rows, *lease_rows) if score > now),
-                        default=None),
-        )
+        """Threads with a due head and threads with a lapsed deadline (at most ``limit`` of each),
+        the earliest future entry of either index, and the server's time: one read-only script,
+        O(log n + limit)."""
+        now, due, lapsed, next_due, next_lease = self._scan(
+            keys=[shard.due, shard.leases], args=[self._now_arg(), limit])
+        future = [int(float(x)) for x in (next_due, next_lease) if x not in (b"", "")]
+        return Scan(now_ms=int(now), due=[_text(t) for t in due],
+                    lapsed=[_text(t) for t in lapsed], next_ms=min(future, default=None))
 
     def release_many(self, thread_ids: Sequence[str]) -> list[Outcome]:
         return self._pipelined("release", thread_ids)
@@ -418,7 +403,7 @@ class Scan:
     now_ms: int
     due: list[str]
     lapsed: list[str]
-    next_ms: Optional[int]    # earliest future entry among those read; None when none was read
+    next_ms: Optional[int]    # earliest future entry of either index; None when there is none
 
 
 @dataclass(frozen=True)

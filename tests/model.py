@@ -316,16 +316,15 @@ class Model:
                 if t.active is not None}
 
     def scan_due(self, limit: int) -> Scan:
-        """What Gate.scan_due reads: the earliest ``limit`` entries of each index (ZSET order:
-        score, then member bytes)."""
-        def first(index: dict[str, int]) -> list[tuple[str, int]]:
-            rows = sorted(index.items(), key=lambda kv: (kv[1], kv[0].encode()))
-            return rows[:limit]
+        """What Gate.scan_due reads: at most ``limit`` due entries of each index (ZSET order:
+        score, then member bytes), and the earliest future entry of either."""
+        def order(index: dict[str, int]) -> list[tuple[str, int]]:
+            return sorted(index.items(), key=lambda kv: (kv[1], kv[0].encode()))
 
-        due, leases = first(self.due_index()), first(self.lease_index())
+        due, leases = order(self.due_index()), order(self.lease_index())
         later = [score for _, score in (*due, *leases) if score > self.now]
-        return Scan([t for t, s in due if s <= self.now], [t for t, s in leases if s <= self.now],
-                    min(later, default=None))
+        return Scan([t for t, s in due if s <= self.now][:limit],
+                    [t for t, s in leases if s <= self.now][:limit], min(later, default=None))
 
     def thread_of(self, task_id: str) -> Optional[str]:
         return self.tasks.get(task_id)
