@@ -46,14 +46,9 @@ def configure(env: Optional[dict[str, str]] = None) -> Celery:
         worker_hijack_root_logger=True,
     )
     # Drop what was built from earlier settings (gate runtime, broker pools).
-    from celery_threads.config import forget_config
+    from celery_threads.runtime import reset
 
-    forget_config(app)
-    for attr in ("_celery_threads_runtime",):
-        if hasattr(app, attr):
-            delattr(app, attr)
-    app._pool = None
-    app.amqp._producer_pool = None
+    reset(app)
     _state.pop("recorder", None)
     _state.pop("locks", None)
     return app

@@ -131,3 +131,20 @@ def get_runtime(app: Celery) -> Runtime:
             runtime = Runtime(app)
             setattr(app, _ATTR, runtime)
         return runtime
+
+
+def reset(app: Celery) -> None:
+    """Forget what was built from ``app.conf``: the threads settings and gate client, and Celery's
+    pooled broker connections and result backend.  For tools and tests that point one app at
+    another Redis or broker after it has been used; the next use reads ``app.conf`` again."""
+    from .config import forget_config
+
+    forget_config(app)
+    if hasattr(app, _ATTR):
+        delattr(app, _ATTR)
+    app._pool = None
+    app.amqp._producer_pool = None
+    app.__dict__.pop("backend", None)
+    local = getattr(app, "_local", None)
+    if local is not None:
+        local.__dict__.pop("backend", None)

@@ -21,7 +21,7 @@ from celery import Celery, signals
 from celery.exceptions import Retry
 
 from celery_threads import ThreadedTask
-from celery_threads.config import forget_config
+from celery_threads.runtime import reset
 
 UNREACHABLE = "redis://127.0.0.1:1/0"     # never the shared Redis: a run must say where to go
 
@@ -57,13 +57,7 @@ def settings(env: Any = os.environ) -> dict[str, Any]:
 def configure(env: Any = os.environ) -> None:
     """Point the app at a run (in a test process that talks to several runs in turn)."""
     app.conf.update(settings(env))
-    forget_config(app)
-    for attr in ("_celery_threads_runtime",):
-        if hasattr(app, attr):
-            delattr(app, attr)
-    app._pool = None
-    app.amqp._producer_pool = None
-    app.__dict__.pop("backend", None)
+    reset(app)
     global HISTORY_URL, HISTORY_KEY, RETRY_DELAY, _client
     HISTORY_URL = env.get("CHAOS_HISTORY_URL", UNREACHABLE)
     HISTORY_KEY = f"chaos:{env.get('CHAOS_RUN', 'run')}:history"

@@ -12,10 +12,9 @@ from typing import Any, Callable, Iterator
 
 import redis
 
-from celery_threads.config import forget_config
 from celery_threads.gate import Gate
 from celery_threads.publish import encode_envelope
-from celery_threads.runtime import get_runtime
+from celery_threads.runtime import get_runtime, reset
 
 GATE_DB, BROKER_DB, BACKEND_DB = 13, 14, 15
 _SETTINGS = ("threads_redis_url", "broker_url", "result_backend")
@@ -35,15 +34,7 @@ def isolated_env(server: Any) -> dict[str, str]:
 def point_app(app: Any, settings: dict[str, Any]) -> None:
     """Apply ``app.conf`` settings so that the gate, broker and backend clients use them."""
     app.conf.update(settings)
-    forget_config(app)
-    if hasattr(app, "_celery_threads_runtime"):
-        delattr(app, "_celery_threads_runtime")
-    # Drop pooled broker connections and the cached backend so the new URLs take effect.
-    app._pool = None
-    app.amqp._producer_pool = None
-    app.__dict__.pop("backend", None)
-    if hasattr(app, "_local"):
-        app._local.__dict__.pop("backend", None)
+    reset(app)
 
 
 @contextmanager
