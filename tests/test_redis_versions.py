@@ -14,10 +14,11 @@ from tests.conftest import RedisServer, redis_binaries
 BINARIES = redis_binaries()
 
 
-@pytest.fixture(params=sorted(BINARIES), ids=lambda name: f"{name}-redis")
+@pytest.fixture(params=sorted(BINARIES), ids=lambda version: f"redis-{version}")
 def gate(request):
     binary = BINARIES[request.param]
     version = subprocess.run([binary, "--version"], capture_output=True, text=True).stdout
+    assert f"v={request.param}" in version
     server = RedisServer(binary=binary)
     server.start()
     try:
