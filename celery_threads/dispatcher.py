@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional
 
 from .gate import DIED, REPUBLISH, RETRIED, Outcome
@@ -28,7 +28,6 @@ class TickReport:
     next_ms: Optional[int] = None       # earliest known future work (server clock, ms)
     now_ms: int = 0
     more: bool = False                  # a batch was full: run again at once
-    dead: list[tuple[str, str]] = field(default_factory=list)
 
 
 class Dispatcher:
@@ -76,12 +75,12 @@ class Dispatcher:
                            "lost?); it will run again", outcome.info, thread_id)
         elif outcome.status == DIED:
             report.died += 1
-            report.dead.append((thread_id, outcome.info))
             record = self.runtime.gate.dead_record(outcome.info)
             exception = record.meta.get("exception", "") if record else "LeaseExpired"
             self._mark_failed(outcome.info, exception)
             self.runtime.announce_death(thread_id, outcome.info, exception,
-                                        int(record.meta.get("retries", 0)) if record else 0)
+                                        int(record.meta.get("retries", 0)) if record else 0,
+                                        record)
         self.runtime.publish(outcome.release)
 
     def _mark_failed(self, task_id: str, exception: str) -> None:

@@ -36,8 +36,8 @@ def _load_lua(name: str) -> str:
 
 
 def script_sources() -> dict[str, str]:
-    """Each script's full source: the shared prelude followed by its own body."""
-    common = _load_lua("_common.lua")
+    """Each transition's full source: the clock, the shared prelude, then its own body."""
+    common = _load_lua("_clock.lua") + "\n" + _load_lua("_common.lua")
     return {name: common + "\n" + _load_lua(f"{name}.lua") for name in SCRIPT_NAMES}
 
 
@@ -109,7 +109,7 @@ class Gate:
         self._scripts: dict[str, Script] = {
             name: client.register_script(source) for name, source in script_sources().items()
         }
-        self._scan = client.register_script(_load_lua("scan.lua"))
+        self._scan = client.register_script(_load_lua("_clock.lua") + "\n" + _load_lua("scan.lua"))
 
     # -- plumbing ---------------------------------------------------------------------------
     def _now_arg(self) -> str:
@@ -182,8 +182,10 @@ class Gate:
         return self._call("kill", thread_id, task_id, token, "1" if keep else "0",
                           json.dumps(meta, default=repr))
 
-    def delete(self, task_id: str, *, token: str = "", only_waiting: bool = False) -> Outcome:
-        thread_id = self.thread_of(task_id)
+    def delete(self, task_id: str, *, token: str = "", only_waiting: bool = False,
+               thread_id: Optional[str] = None) -> Outcome:
+        """Detach a member; pass ``thread_id`` when it is known, to save looking it up."""
+        thread_id = thread_id or self.thread_of(task_id)
         if thread_id is None:
             return Outcome(NOOP, "", None)
         return self._call("delete", thread_id, task_id, token, "1" if only_waiting else "0")
@@ -196,11 +198,14 @@ class Gate:
         return self._call("fail", thread_id, task_id, token, reason)
 
     def restart(self, task_id: str, *, max_retries: Optional[int] = None,
-                retry_delay_ms: int = 0) -> Outcome:
-        record = self.dead_record(task_id)
-        if record is None:
-            return Outcome(NOOP, "", None)
-        return self._call("restart", record.meta["thread_id"], task_id, _max_retries(max_retries),
+                retry_delay_ms: int = 0, thread_id: Optional[str] = None) -> Outcome:
+        """Re-enter a dead task; pass ``thread_id`` (its dead record's) when it is known."""
+        if thread_id is None:
+            record = self.dead_record(task_id)
+            if record is None:
+                return Outcome(NOOP, "", None)
+            thread_id = str(record.meta["thread_id"])
+        return self._call("restart", thread_id, task_id, _max_retries(max_retries),
                           retry_delay_ms)
 
     # -- dispatcher reads ---------------------------------------------------------------------

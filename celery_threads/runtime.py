@@ -10,7 +10,7 @@ from typing import Any, Optional
 from celery import Celery
 
 from .config import ThreadsConfig, read_config
-from .gate import Gate, Outcome, Release, make_client
+from .gate import DeadRecord, Gate, Outcome, Release, make_client
 from .keys import Keys
 from .publish import THREAD_HEADER, UndecodableEnvelope, publish_release, task_name
 from .signals import member_dead
@@ -66,7 +66,7 @@ class Runtime:
         thread_id = self.gate.thread_of(task_id)
         if thread_id is None:
             return None
-        outcome = self.apply(self.gate.delete(task_id))
+        outcome = self.apply(self.gate.delete(task_id, thread_id=thread_id))
         if not outcome.done:
             return None
         running = outcome.info == "RUNNING"
@@ -96,8 +96,9 @@ class Runtime:
             self.announce_death(thread_id, task_id, exception, retries)
         return outcome
 
-    def announce_death(self, thread_id: str, task_id: str, exception: str, retries: int) -> None:
-        record = self.gate.dead_record(task_id)
+    def announce_death(self, thread_id: str, task_id: str, exception: str, retries: int,
+                       record: Optional[DeadRecord] = None) -> None:
+        record = record or self.gate.dead_record(task_id)
         name = task_name(record.envelope) if record else ""
         logger.warning("celery-threads: member %s (%s) of thread %s died: %s",
                        task_id, name, thread_id, exception)

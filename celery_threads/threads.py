@@ -121,7 +121,8 @@ class Threads:
         task = self.app.tasks.get(task_name(record.envelope))
         outcome = self.gate.restart(
             task_id, max_retries=getattr(task, "max_retries", 3),
-            retry_delay_ms=int(float(getattr(task, "default_retry_delay", 0) or 0) * 1000))
+            retry_delay_ms=int(float(getattr(task, "default_retry_delay", 0) or 0) * 1000),
+            thread_id=str(record.meta["thread_id"]))
         if outcome.status == 2:
             raise UnknownTask(f"{task_id} is a live member again; it cannot be restarted twice")
         self.runtime.apply(outcome)

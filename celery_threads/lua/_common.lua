@@ -23,13 +23,7 @@ if redis.replicate_commands then pcall(redis.replicate_commands) end  -- Redis 6
 local K_SEQ, K_DUE, K_LEASES, K_TASKS = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local K_DEAD, K_DEADREC, K_Q, K_M, K_A = KEYS[5], KEYS[6], KEYS[7], KEYS[8], KEYS[9]
 
-local NOW
-if ARGV[1] ~= '' then
-  NOW = tonumber(ARGV[1])
-else
-  local t = redis.call('TIME')
-  NOW = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-end
+local NOW = server_now_ms(ARGV[1])
 local TID = ARGV[2]
 local RELEASE_TIMEOUT = tonumber(ARGV[3])
 local WAKE = ARGV[4]

@@ -5,13 +5,7 @@
 --   ARGV[1] now      "" to use the Redis server's TIME, else milliseconds (tests only)
 --   ARGV[2] limit    most thread ids returned from each index
 -- Returns {now, due thread ids, lapsed thread ids, next due score or "", next deadline or ""}.
-local now
-if ARGV[1] ~= '' then
-  now = tonumber(ARGV[1])
-else
-  local t = redis.call('TIME')
-  now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-end
+local now = server_now_ms(ARGV[1])
 local limit = tonumber(ARGV[2])
 local bound = string.format('%d', now)
 local due = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', bound, 'LIMIT', 0, limit)
