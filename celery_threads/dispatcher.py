@@ -81,7 +81,7 @@ class Dispatcher:
             self.runtime.announce_death(thread_id, outcome.info, exception,
                                         int(record.meta.get("retries", 0)) if record else 0,
                                         record)
-        self.runtime.publish(outcome.release)
+        self.runtime.publish(outcome.release, republish=outcome.status == REPUBLISH)
 
     def _mark_failed(self, task_id: str, exception: str) -> None:
         """The worker that ran it is gone, so nobody else records the failure in the backend."""

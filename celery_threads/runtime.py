@@ -12,7 +12,8 @@ from celery import Celery
 from .config import ThreadsConfig, read_config
 from .gate import DeadRecord, Gate, Outcome, Release, make_client
 from .keys import Keys
-from .publish import THREAD_HEADER, UndecodableEnvelope, publish_release, task_name
+from .publish import (THREAD_HEADER, ReleasePublisher, UndecodableEnvelope, publish_release,
+                      task_name)
 from .signals import member_dead
 
 logger = logging.getLogger(__name__)
@@ -32,15 +33,19 @@ class Runtime:
         self.gate = Gate(self.client, self.keys,
                          release_timeout_ms=self.config.release_timeout_ms,
                          keepalive_ms=self.config.keepalive_ms)
+        self.publisher = ReleasePublisher(app)
         self.pid = os.getpid()
 
-    def publish(self, release: Optional[Release], producer: Any = None) -> None:
+    def publish(self, release: Optional[Release], producer: Any = None,
+                republish: bool = False) -> None:
         """Publish a release.  A failure is logged, not raised: the member is safely RELEASED in
-        the gate, and the dispatcher republishes it after ``threads_release_timeout``."""
+        the gate, and the dispatcher republishes it after ``threads_release_timeout``.
+        ``republish`` marks a release that was published before (the receiving worker then checks
+        that it is not a duplicate)."""
         if release is None:
             return
         try:
-            publish_release(self.app, release, producer)
+            self.publisher.publish(release, producer, republish=republish)
         except UndecodableEnvelope as exc:
             # Republishing could never help: the member dies and its thread moves on.
             self.kill(release.thread_id, release.task_id, release.token, exc=exc, retries=0,
@@ -141,7 +146,10 @@ def reset(app: Celery) -> None:
     from .config import forget_config
 
     forget_config(app)
-    if hasattr(app, _ATTR):
+    runtime = getattr(app, _ATTR, None)
+    if runtime is not None:
+        if runtime.pid == os.getpid():
+            runtime.publisher.close()
         delattr(app, _ATTR)
     app._pool = None
     app.amqp._producer_pool = None

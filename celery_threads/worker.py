@@ -1,8 +1,9 @@
 """The worker side: claim on receipt, lease renewal, and the endings only the main process sees.
 
-* :func:`threaded_strategy` checks each delivery's fencing token before Celery even logs it as
-  received, so a stale delivery, or a redelivery of a member already started, is acked and dropped
-  without a ``task-received`` event or a result-backend write for the live task.  The claim itself
+* :func:`threaded_strategy` checks the fencing token of a delivery that may be a duplicate
+  (redelivered, or republished by the gate) before Celery even logs it as received, so a stale
+  delivery, or a redelivery of a member already started, is acked and dropped without a
+  ``task-received`` event or a result-backend write for the live task.  The claim itself
   happens when the task starts (``ThreadedTask.__call__``): a member prefetched by a worker that
   shuts down before starting it stays RELEASED, so its redelivery runs elsewhere.
 * :class:`ThreadedRequest` ends members whose pool child could not: a killed child
@@ -25,7 +26,7 @@ from celery.worker.request import Request
 from celery.worker.strategy import default as default_strategy
 
 from .gate import RETRIED
-from .publish import THREAD_HEADER, TOKEN_HEADER
+from .publish import REPUBLISHED_HEADER, THREAD_HEADER, TOKEN_HEADER
 from .runtime import get_runtime
 
 logger = logging.getLogger(__name__)
@@ -48,7 +49,8 @@ def threaded_strategy(task: Any, app: Any, consumer: Any, **kwargs: Any) -> Any:
                                            lambda: drop(ack),
                                            lambda: reject(logger, connection_errors, False))
         thread_id, task_id = str(headers.get(THREAD_HEADER)), str(headers.get("id"))
-        state = runtime.gate.peek(thread_id, task_id, token)
+        state = (runtime.gate.peek(thread_id, task_id, token) if may_be_duplicate(message)
+                 else "RELEASED")
         if state != "RELEASED":
             # RUNNING under this token: a redelivery of a member another attempt has started;
             # anything else: a stale release.  Either way the live task is not touched.
@@ -64,6 +66,22 @@ def threaded_strategy(task: Any, app: Any, consumer: Any, **kwargs: Any) -> Any:
             raise                   # Celery rejects and logs the message as usual
 
     return task_message_handler
+
+
+def may_be_duplicate(message: Any) -> bool:
+    """Whether a delivery may repeat one that was already received: the broker redelivered it
+    (RabbitMQ's flag; kombu's Redis transport marks restored messages), or the gate published
+    its release again (the dispatcher's republish of a lost release, a retried publish).
+
+    Only those are checked against the gate on receipt; a first delivery of a first publish is
+    the live release (or a stale one whose member was deleted, which the revoke that came with
+    the deletion drops).  Whatever slips through is still stopped by the claim when the task
+    starts: it ends as an ignored task instead of being dropped before Celery logs it.
+    """
+    headers = message.headers or {}
+    if headers.get(REPUBLISHED_HEADER) or headers.get("redelivered"):
+        return True
+    return bool((message.delivery_info or {}).get("redelivered"))
 
 
 def kill_unrunnable(runtime: Any, headers: dict[str, Any], exc: BaseException) -> None:

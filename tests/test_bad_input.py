@@ -388,3 +388,38 @@ def test_gate_down_while_workers_finish_members_loses_nothing(outage_cluster: Cl
     # Each thread ran its members once, in arrival order.
     for t in threads:
         assert [r["task"] for r in rows if r["k"] == "start" and r["thread"] == t] == members[t]
+
+
+# -- the broker connection breaks under a worker's kept producer ----------------------------------
+
+def test_releases_still_go_out_after_the_broker_connection_breaks(proj: Any, isolated_app: Any,
+                                                                  redis_server: Any) -> None:
+    """Releases are published through a producer the process keeps.  When its connection breaks,
+    the next release still reaches the broker, exactly once or marked as a possible duplicate
+    (``thread_republished``), which the receiving worker checks on receipt."""
+    from celery_threads.gate import Release
+    from tests.isolated import BROKER_DB
+
+    link = FlakyLink(redis_server.port)
+    broker = redis.Redis(port=redis_server.port, db=BROKER_DB)
+    try:
+        with pointed_at(isolated_app, broker_url=f"redis://127.0.0.1:{link.port}/{BROKER_DB}"):
+            with isolated_app.producer_or_acquire() as real:
+                capture = CapturingProducer(real)
+                Task.apply_async(proj.record, (_thread("kept"), "x"), producer=capture)
+            assert capture.envelope is not None
+            runtime = get_runtime(isolated_app)
+            queue = isolated_app.conf.task_default_queue
+            runtime.publish(Release("T", "first", "1", 0, capture.envelope))
+            link.cut()                        # every connection through the link is closed
+            runtime.publish(Release("T", "second", "2", 0, capture.envelope))
+            runtime.publish(Release("T", "third", "3", 0, capture.envelope))
+    finally:
+        link.close()
+    messages = [json.loads(raw) for raw in reversed(broker.lrange(queue, 0, -1))]
+    broker.delete(queue)
+    tokens = [m["headers"]["thread_token"] for m in messages]
+    unmarked = [m["headers"]["thread_token"] for m in messages
+                if not m["headers"].get("thread_republished")]
+    assert sorted(set(tokens)) == ["1", "2", "3"], tokens
+    assert sorted(unmarked) == sorted(set(unmarked)), f"an unmarked duplicate: {tokens}"

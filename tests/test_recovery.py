@@ -115,3 +115,53 @@ def test_member_prefetched_by_a_worker_shutting_down_runs_elsewhere(proj, make_d
     assert prefetched.get(timeout=20) == "prefetched"
     assert starts(r, waiting) == ["prefetched"]
     assert starts(r, busy) == ["busy"]       # finished by the leaving worker, once
+
+
+def _released_but_unpublished(proj, thread: str, label: str, sleep: float = 0.0):
+    """A member stored and released by the gate that nobody has published yet: (result, release)."""
+    from celery_threads.publish import CapturingProducer
+
+    runtime = get_runtime(proj.app)
+    with proj.app.producer_or_acquire() as real:
+        capture = CapturingProducer(real)
+        result = Task.apply_async(proj.record, (thread, label), {"sleep": sleep}, producer=capture)
+    outcome = runtime.gate.enqueue(thread, result.id, capture.envelope)
+    assert outcome.release is not None
+    return result, outcome.release
+
+
+def test_republished_copy_of_a_running_member_is_dropped_on_receipt(proj, make_deployment, r):
+    """A copy the gate published again (header thread_republished) is checked on receipt: while
+    the first copy runs, the second is acked and dropped before Celery logs it as received."""
+    d = make_deployment()
+    w = d.worker("w", concurrency=2)
+    thread = tid("republished")
+    runtime = get_runtime(proj.app)
+    result, release = _released_but_unpublished(proj, thread, "once", sleep=2)
+    runtime.publish(release)
+    wait_for(lambda: starts(r, thread) == ["once"], what="the first copy to start")
+    runtime.publish(release, republish=True)
+    wait_for(lambda: "a duplicate delivery" in w.output(), what="the copy to be dropped")
+    assert result.get(timeout=20) == "once"
+    assert starts(r, thread) == ["once"]
+    assert w.output().count(f"{result.id}] received") == 1
+
+
+def test_unmarked_duplicate_copy_is_stopped_by_the_claim(proj, make_deployment, r):
+    """A copy that carries no duplicate mark passes the receipt check unread; the claim at task
+    start stops it, its body never runs, and the thread moves on."""
+    d = make_deployment()
+    w = d.worker("w", concurrency=2)
+    thread = tid("unmarked")
+    runtime = get_runtime(proj.app)
+    result, release = _released_but_unpublished(proj, thread, "once", sleep=1)
+    runtime.publish(release)
+    wait_for(lambda: starts(r, thread) == ["once"], what="the first copy to start")
+    runtime.publish(release)                               # the same message, unmarked
+    nxt = proj.record.delay(thread, "next")
+    assert nxt.get(timeout=20) == "next"
+    assert result.get(timeout=20) == "once"
+    assert starts(r, thread) == ["once", "next"]
+    assert_serial(r, thread)
+    wait_for(lambda: "claimed by another delivery" in w.output() or "stale release" in w.output(),
+             what="the copy to lose its claim")

@@ -53,16 +53,18 @@ local function task_of(member)
 end
 
 -- Put TID in exactly one index (due when idle with members, leases when active), or delete its
--- keys when it has no member left.
-local function refresh_index()
-  if redis.call('EXISTS', K_A) == 1 then
+-- keys when it has no member left.  `detached`: the caller has just detached the active member, so
+-- the thread has none and sits in the leases index (not in due); `head` is the queue's head when
+-- the caller has read it.
+local function refresh_index(detached, head)
+  if not detached and redis.call('EXISTS', K_A) == 1 then
     redis.call('ZREM', K_DUE, TID)
     return
   end
   redis.call('ZREM', K_LEASES, TID)
-  local head = redis.call('ZRANGE', K_Q, 0, 0, 'WITHSCORES')
+  head = head or redis.call('ZRANGE', K_Q, 0, 0, 'WITHSCORES')
   if head[1] == nil then
-    redis.call('ZREM', K_DUE, TID)
+    if not detached then redis.call('ZREM', K_DUE, TID) end
     redis.call('DEL', K_Q, K_M)
     return
   end
@@ -74,12 +76,12 @@ local function refresh_index()
 end
 
 -- Release the head when it is due and nothing is active: it becomes RELEASED under a new token.
--- Returns {task, token, record} or nil.
-local function release_head()
-  if redis.call('EXISTS', K_A) == 1 then return nil end
+-- `detached` as for refresh_index.  Returns {task, token, record} or nil.
+local function release_head(detached)
+  if not detached and redis.call('EXISTS', K_A) == 1 then return nil end
   local head = redis.call('ZRANGE', K_Q, 0, 0, 'WITHSCORES')
   if head[1] == nil or tonumber(head[2]) > NOW then
-    refresh_index()
+    refresh_index(detached, head)
     return nil
   end
   local member = head[1]
@@ -89,7 +91,7 @@ local function release_head()
   local deadline = NOW + RELEASE_TIMEOUT
   redis.call('HSET', K_A, 'task', task, 'token', token, 'state', 'RELEASED', 'since', NOW,
     'deadline', deadline, 'sched', head[2], 'n', 0)
-  redis.call('ZREM', K_DUE, TID)
+  if not detached then redis.call('ZREM', K_DUE, TID) end
   redis.call('ZADD', K_LEASES, deadline, TID)
   return { task, token, redis.call('HGET', K_M, task) }
 end

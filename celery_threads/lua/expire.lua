@@ -25,4 +25,4 @@ if state == 'RELEASED' then
 end
 local status = fail_active(task, 'LeaseExpired: the worker running it sent no keepalive for ' ..
   ARGV[6] .. ' (worker lost?), and no retries were left')
-return reply(status, task, release_head())
+return reply(status, task, release_head(true))

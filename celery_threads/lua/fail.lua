@@ -5,4 +5,4 @@
 -- is not the active member.
 local task = ARGV[5]
 if is_active(task, ARGV[6]) ~= 'RUNNING' then return reply(0, '') end
-return reply(fail_active(task, ARGV[7]), task, release_head())
+return reply(fail_active(task, ARGV[7]), task, release_head(true))

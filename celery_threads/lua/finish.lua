@@ -4,4 +4,4 @@
 local task = ARGV[5]
 if not is_active(task, ARGV[6]) then return reply(0, '') end
 drop_active(task)
-return reply(1, '', release_head())
+return reply(1, '', release_head(true))

@@ -5,4 +5,4 @@
 local task = ARGV[5]
 if not is_active(task, ARGV[6]) then return reply(0, '') end
 kill_active(task, ARGV[7] == '1', ARGV[8])
-return reply(1, '', release_head())
+return reply(1, '', release_head(true))

@@ -5,4 +5,4 @@
 local task = ARGV[5]
 if not is_active(task, ARGV[6]) then return reply(0, '') end
 requeue_active(task, schedule(ARGV[7], ARGV[8]), ARGV[9], ARGV[10])
-return reply(1, '', release_head())
+return reply(1, '', release_head(true))
