@@ -130,16 +130,22 @@ def _released_but_unpublished(proj, thread: str, label: str, sleep: float = 0.0)
     return result, outcome.release
 
 
+def _first_copy_running(proj, make_deployment, r, prefix: str, sleep: float):
+    """A worker, and a member whose release this process published by hand, now running."""
+    w = make_deployment().worker("w", concurrency=2)
+    thread = tid(prefix)
+    runtime = get_runtime(proj.app)
+    result, release = _released_but_unpublished(proj, thread, "once", sleep=sleep)
+    runtime.publish(release)
+    wait_for(lambda: starts(r, thread) == ["once"], what="the first copy to start")
+    return w, thread, runtime, result, release
+
+
 def test_republished_copy_of_a_running_member_is_dropped_on_receipt(proj, make_deployment, r):
     """A copy the gate published again (header thread_republished) is checked on receipt: while
     the first copy runs, the second is acked and dropped before Celery logs it as received."""
-    d = make_deployment()
-    w = d.worker("w", concurrency=2)
-    thread = tid("republished")
-    runtime = get_runtime(proj.app)
-    result, release = _released_but_unpublished(proj, thread, "once", sleep=2)
-    runtime.publish(release)
-    wait_for(lambda: starts(r, thread) == ["once"], what="the first copy to start")
+    w, thread, runtime, result, release = _first_copy_running(proj, make_deployment, r,
+                                                              "republished", sleep=2)
     runtime.publish(release, republish=True)
     wait_for(lambda: "a duplicate delivery" in w.output(), what="the copy to be dropped")
     assert result.get(timeout=20) == "once"
@@ -150,13 +156,8 @@ def test_republished_copy_of_a_running_member_is_dropped_on_receipt(proj, make_d
 def test_unmarked_duplicate_copy_is_stopped_by_the_claim(proj, make_deployment, r):
     """A copy that carries no duplicate mark passes the receipt check unread; the claim at task
     start stops it, its body never runs, and the thread moves on."""
-    d = make_deployment()
-    w = d.worker("w", concurrency=2)
-    thread = tid("unmarked")
-    runtime = get_runtime(proj.app)
-    result, release = _released_but_unpublished(proj, thread, "once", sleep=1)
-    runtime.publish(release)
-    wait_for(lambda: starts(r, thread) == ["once"], what="the first copy to start")
+    w, thread, runtime, result, release = _first_copy_running(proj, make_deployment, r,
+                                                              "unmarked", sleep=1)
     runtime.publish(release)                               # the same message, unmarked
     nxt = proj.record.delay(thread, "next")
     assert nxt.get(timeout=20) == "next"
