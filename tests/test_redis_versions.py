@@ -66,3 +66,20 @@ def test_whole_lifecycle(gate):
     assert gate.enqueue("T", "c", env("c"), delay_ms=60_000).release is None
     assert gate.delete("c").info == "WAITING"
     assert [k for k in gate.client.keys("*") if b":t:" in k] == []
+
+
+def test_hot_path_rides_out_a_script_flush_and_killed_connections(gate):
+    """Transitions go over a connection each thread keeps; when the server forgot the scripts or
+    dropped that connection, the call goes the client's way (load, reconnect) and succeeds."""
+    admin = redis.Redis(connection_pool=gate.client.connection_pool)
+    release = gate.enqueue("H", "h0", env("h0")).release
+    for n in (1, 2):                                     # the kept connection is in use
+        assert gate.enqueue("H", f"h{n}", env(f"h{n}")).done
+    admin.script_flush()
+    release = gate.finish("H", "h0", release.token).release
+    assert release.task_id == "h1"
+    assert admin.client_kill_filter(_type="normal", skipme=True) >= 1   # the kept one among them
+    release = gate.finish("H", "h1", release.token).release
+    assert release.task_id == "h2"
+    assert gate.finish("H", "h2", release.token).release is None
+    assert gate.snapshot("H") is None
