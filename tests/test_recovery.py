@@ -166,3 +166,18 @@ def test_unmarked_duplicate_copy_is_stopped_by_the_claim(proj, make_deployment, 
     assert_serial(r, thread)
     wait_for(lambda: "claimed by another delivery" in w.output() or "stale release" in w.output(),
              what="the copy to lose its claim")
+
+
+def test_pool_processes_that_exit_after_each_member_still_release_the_next(proj, make_deployment,
+                                                                           r):
+    """The next member's release goes out from a background thread of the pool process that ended
+    its predecessor; a process that leaves right after (``--max-tasks-per-child 1``) publishes it
+    first, so the thread never waits for the release timeout (120 s here)."""
+    d = make_deployment(CT_RELEASE_TIMEOUT="120")
+    d.worker("recycler", concurrency=1, extra=["--max-tasks-per-child", "1"])
+    thread = tid("recycled")
+    labels = [f"m{i}" for i in range(4)]
+    results = [proj.record.delay(thread, label) for label in labels]
+    assert [x.get(timeout=40) for x in results] == labels
+    assert starts(r, thread) == labels
+    assert_serial(r, thread)
