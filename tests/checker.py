@@ -436,8 +436,12 @@ def _check_order(attempts: list[Attempt], known: dict[tuple[str, int], Enqueue],
             token_of.setdefault((a.task, a.attempt), a.tok)
         witnesses = [(known[key], tok) for key, tok in token_of.items() if key in known]
         last_seen: dict[str, list[tuple[int, int]]] = defaultdict(list)  # task -> (attempt, t)
+        # A copy received but never started while another copy of its release started lost the
+        # claim: the kill of the process that received it says nothing about the attempt.
+        started = {(a.task, a.tok) for a in rows if a.start is not None}
         for a in rows:
-            for t in (a.recv, a.start, a.end, a.killed):
+            lost_claim = a.start is None and (a.task, a.tok) in started
+            for t in (a.recv, a.start, a.end, None if lost_claim else a.killed):
                 if t is not None:
                     last_seen[a.task].append((a.attempt, t))
         for x in released:

@@ -289,6 +289,25 @@ def test_a_member_reentered_by_the_gate_is_bounded_by_the_retry_delay() -> None:
     assert h2.check().ok
 
 
+def test_a_copy_that_lost_the_claim_does_not_bound_the_reentry() -> None:
+    """A copy of a release received by one worker (w4) while another copy of the same release
+    runs elsewhere loses the claim; a later kill of w4 says nothing about when the member's
+    attempt ended, so it does not push back the bound of the member's re-entry."""
+    h = History()
+    h.enqueue("a", "t", 0)
+    h.events.append(Event("recv", 1 * MS, "a", "t", 0, "1", 4))          # w4's copy, never run
+    h.events.append(Event("recv", 3_000 * MS, "a", "t", 0, "1", 3))      # redelivered to w3
+    h.events.append(Event("start", 3_001 * MS, "a", "t", 0, "1", 31))
+    h.token = 1
+    h.kill(3_100, 3, 31)                                                 # w3 dies mid-attempt
+    h.enqueue("b", "t", 10_000, countdown=1_500)                         # scheduled at 11,500
+    h.attempt("a", "t", 11_200, 11_300, attempt=1, recv=11_190)          # lapsed at ~11,100
+    h.attempt("b", "t", 11_600, 11_700, recv=11_590)
+    h.kill(20_000, 4)                                                    # w4 dies much later
+    report = h.check()
+    assert report.order_violations == [], report.order_violations
+
+
 def test_stuck_threads_and_orphan_keys_are_caught() -> None:
     h = History()
     h.enqueue("a", "t1", 0)
