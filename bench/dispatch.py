@@ -192,14 +192,10 @@ def run(args: argparse.Namespace) -> int:
         f"over {args.repeats} repeat(s); the gate's scheduled_at is whole ms, so threaded "
         "lateness may read up to 1 ms high; ratio = threaded / plain.",
     ]
-    if problems:
-        notes.append("worker/beat log problems: " + " / ".join(problems[:5]))
-    print(h.table(
-        "dispatch (redis broker)",
-        [f"command: `python -m bench dispatch{' --quick' if args.quick else ''}`",
-         f"machine: {where}",
-         f"load: tick: {threads:,} existing threads (half active, half idle with a head a day "
-         f"ahead), then {due:,} due heads; lateness: one prefork worker -c 2 with its dispatch "
-         f"loop, beat (threads_dispatch_interval 1 s)"],
-        ["measure", "threaded", "plain", "ratio", "target", "verdict"], rows, notes))
+    h.report("dispatch (redis broker)", "dispatch", args.quick, where,
+             f"tick: {threads:,} existing threads (half active, half idle with a head a day "
+             f"ahead), then {due:,} due heads; lateness: one prefork worker -c 2 with its "
+             "dispatch loop, beat (threads_dispatch_interval 1 s)",
+             ["measure", "threaded", "plain", "ratio", "target", "verdict"], rows, notes,
+             problems)
     return 0

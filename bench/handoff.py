@@ -113,15 +113,11 @@ def run(args: argparse.Namespace) -> int:
     notes = [f"each figure: the percentile over {m:,} samples, median over {args.repeats} "
              "repeat(s); ratio = threaded / plain.",
              f"per-repeat ratios: {per_rep}."]
-    if problems:
-        notes.append("worker/beat log problems: " + " / ".join(problems[:5]))
-    print(h.table(
-        f"handoff ({args.broker} broker)",
-        [f"command: `python -m bench handoff{' --quick' if args.quick else ''}`",
-         f"machine: {where}",
-         f"load: one thread of {m:,} no-op members (threaded: member end -> next member start) vs "
-         f"{m:,} plain no-op tasks one at a time on an idle worker (publish -> start); one prefork "
-         f"worker -c {args.concurrency}, beat; {args.repeats} repeat(s); Redis server clock"],
-        ["measure", "threaded handoff", "plain publish->start", "ratio", "target", "verdict"],
-        rows, notes))
+    h.report(f"handoff ({args.broker} broker)", "handoff", args.quick, where,
+             f"one thread of {m:,} no-op members (threaded: member end -> next member start) vs "
+             f"{m:,} plain no-op tasks one at a time on an idle worker (publish -> start); one "
+             f"prefork worker -c {args.concurrency}, beat; {args.repeats} repeat(s); Redis server "
+             "clock",
+             ["measure", "threaded handoff", "plain publish->start", "ratio", "target", "verdict"],
+             rows, notes, problems)
     return 0

@@ -607,6 +607,20 @@ def _revision() -> str:
     return rev + (" + uncommitted changes" if dirty else "")
 
 
+def report(title: str, command: str, quick: bool, where: str, load: str,
+           header: Sequence[str], rows: Sequence[Sequence[Any]], notes: Sequence[str],
+           problems: Sequence[str] = (), options: str = "") -> None:
+    """Print a benchmark's table: the command that produced it (``python -m bench <command>``,
+    ``--quick`` and ``options`` appended), the machine, the load, and the worker/beat log problems
+    seen, if any."""
+    notes = list(notes)
+    if problems:
+        notes.append("worker/beat log problems: " + " / ".join(problems[:5]))
+    flags = (" --quick" if quick else "") + options
+    print(table(title, [f"command: `python -m bench {command}{flags}`", f"machine: {where}",
+                        f"load: {load}"], header, rows, notes))
+
+
 def table(title: str, context: Sequence[str], header: Sequence[str],
           rows: Sequence[Sequence[Any]], notes: Sequence[str] = ()) -> str:
     """A Markdown table (prints as is in a terminal and pastes as is into docs/benchmarks.md)."""

@@ -129,16 +129,11 @@ def run(args: argparse.Namespace) -> int:
         "per repeat (makespan s): " + "; ".join(
             f"{s} " + ", ".join(f"{r['makespan']:.2f}" for r in results[s]) for s in sides) + ".",
     ]
-    if problems:
-        notes.append("worker/beat log problems: " + " / ".join(problems[:5]))
-    print(h.table(
-        "lockretry (redis broker)",
-        [f"command: `python -m bench lockretry{' --quick' if args.quick else ''}`",
-         f"machine: {where}",
-         f"load: {keys} keys x {members} members of {args.work_ms:g} ms, each key's members in a "
-         f"burst; one prefork worker -c {args.concurrency} (prefetch 4), beat; {args.repeats} "
-         "repeat(s)"],
-        ["side", "makespan (s)", "x ideal", "work per member (ms)",
-         "process time per member outside its work (ms)", "executions", "wasted",
-         "out of order (keys)", "double runs", "verdict"], rows, notes))
+    h.report("lockretry (redis broker)", "lockretry", args.quick, where,
+             f"{keys} keys x {members} members of {args.work_ms:g} ms, each key's members in a "
+             f"burst; one prefork worker -c {args.concurrency} (prefetch 4), beat; "
+             f"{args.repeats} repeat(s)",
+             ["side", "makespan (s)", "x ideal", "work per member (ms)",
+              "process time per member outside its work (ms)", "executions", "wasted",
+              "out of order (keys)", "double runs", "verdict"], rows, notes, problems)
     return 0

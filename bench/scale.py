@@ -288,12 +288,9 @@ def run(args: argparse.Namespace) -> int:
         "the dispatcher kind's client time is per member of a 100-member batch (its scan and "
         "release are one pipelined round trip each for the whole batch).",
     ]
-    print(h.table(
-        "scale (gate only)",
-        [f"command: `python -m bench scale{' --quick' if args.quick else ''}`",
-         f"machine: {where}",
-         "load: Gate driven directly (enqueue, claim, finish, scan_due + release_many) on two "
-         "private redis-servers, one small, one large; client = this Python process"],
-        ["measure", f"{small:,} waiting", f"{large:,} waiting", "ratio", "target", "verdict"],
-        rows, notes))
+    h.report("scale (gate only)", "scale", args.quick, where,
+             "Gate driven directly (enqueue, claim, finish, scan_due + release_many) on two "
+             "private redis-servers, one small, one large; client = this Python process",
+             ["measure", f"{small:,} waiting", f"{large:,} waiting", "ratio", "target", "verdict"],
+             rows, notes)
     return 0

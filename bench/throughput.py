@@ -147,15 +147,10 @@ def run(args: argparse.Namespace) -> int:
              "workers' dispatch loops included.",
              "per-repeat ratios: " + "; ".join(f"{k} {v}" for k, v in per_rep.items()) + ".",
              f"gate left with {leftover} thread(s) after the run (expected 0)."]
-    if problems:
-        notes.append("worker/beat log problems: " + " / ".join(problems[:5]))
-    print(h.table(
-        f"throughput ({args.broker} broker)",
-        [f"command: `python -m bench throughput{' --quick' if args.quick else ''}"
-         f"{' --broker amqp' if args.broker == 'amqp' else ''}`",
-         f"machine: {where}",
-         f"load: {n:,} no-op tasks per side, threaded ones over {threads:,} threads; one prefork "
-         f"worker -c {args.concurrency} (prefetch 4), beat; {args.repeats} repeat(s)"],
-        ["measure", "threaded", "plain", "ratio", "target", "verdict"], rows, notes))
+    h.report(f"throughput ({args.broker} broker)", "throughput", args.quick, where,
+             f"{n:,} no-op tasks per side, threaded ones over {threads:,} threads; one prefork "
+             f"worker -c {args.concurrency} (prefetch 4), beat; {args.repeats} repeat(s)",
+             ["measure", "threaded", "plain", "ratio", "target", "verdict"], rows, notes,
+             problems, options=" --broker amqp" if args.broker == "amqp" else "")
     return 0
 

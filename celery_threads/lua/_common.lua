@@ -52,17 +52,12 @@ local function task_of(member)
   return string.sub(member, SEQ_WIDTH + 2)
 end
 
--- Put TID in exactly one index (due when idle with members, leases when active), or delete its
--- keys when it has no member left.  `detached`: the caller has just detached the active member, so
--- the thread has none and sits in the leases index (not in due); `head` is the queue's head when
--- the caller has read it.
-local function refresh_index(detached, head)
-  if not detached and redis.call('EXISTS', K_A) == 1 then
-    redis.call('ZREM', K_DUE, TID)
-    return
-  end
+-- Index a thread that has no active member: in due at its head's scheduled_at, or, when it has
+-- no member left, in neither index and with its keys deleted.  `detached`: the caller has just
+-- detached the active member, so the thread sits in the leases index (not in due).  `head`: the
+-- queue's head, as read by the caller.
+local function index_idle(detached, head)
   redis.call('ZREM', K_LEASES, TID)
-  head = head or redis.call('ZRANGE', K_Q, 0, 0, 'WITHSCORES')
   if head[1] == nil then
     if not detached then redis.call('ZREM', K_DUE, TID) end
     redis.call('DEL', K_Q, K_M)
@@ -76,12 +71,12 @@ local function refresh_index(detached, head)
 end
 
 -- Release the head when it is due and nothing is active: it becomes RELEASED under a new token.
--- `detached` as for refresh_index.  Returns {task, token, record} or nil.
+-- `detached` as for index_idle.  Returns {task, token, record} or nil.
 local function release_head(detached)
   if not detached and redis.call('EXISTS', K_A) == 1 then return nil end
   local head = redis.call('ZRANGE', K_Q, 0, 0, 'WITHSCORES')
   if head[1] == nil or tonumber(head[2]) > NOW then
-    refresh_index(detached, head)
+    index_idle(detached, head)
     return nil
   end
   local member = head[1]
