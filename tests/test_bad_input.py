@@ -396,7 +396,9 @@ def test_releases_still_go_out_after_the_broker_connection_breaks(proj: Any, iso
                                                                   redis_server: Any) -> None:
     """Releases are published through a producer the process keeps.  When its connection breaks,
     the next release still reaches the broker, exactly once or marked as a possible duplicate
-    (``thread_republished``), which the receiving worker checks on receipt."""
+    (``thread_republished``), which the receiving worker checks on receipt.  When the broker is
+    unreachable for a moment, the direct publish fails and Celery's way (with its retries) sends
+    the release, marked."""
     from celery_threads.gate import Release
     from tests.isolated import BROKER_DB
 
@@ -414,6 +416,10 @@ def test_releases_still_go_out_after_the_broker_connection_breaks(proj: Any, iso
             link.cut()                        # every connection through the link is closed
             runtime.publish(Release("T", "second", "2", 0, capture.envelope))
             runtime.publish(Release("T", "third", "3", 0, capture.envelope))
+            link.mode = "down"                # the broker refuses connections for 0.3 s
+            link.cut()
+            threading.Timer(0.3, lambda: setattr(link, "mode", "pass")).start()
+            runtime.publish(Release("T", "fourth", "4", 0, capture.envelope))
     finally:
         link.close()
     messages = [json.loads(raw) for raw in reversed(broker.lrange(queue, 0, -1))]
@@ -421,5 +427,7 @@ def test_releases_still_go_out_after_the_broker_connection_breaks(proj: Any, iso
     tokens = [m["headers"]["thread_token"] for m in messages]
     unmarked = [m["headers"]["thread_token"] for m in messages
                 if not m["headers"].get("thread_republished")]
-    assert sorted(set(tokens)) == ["1", "2", "3"], tokens
+    assert sorted(set(tokens)) == ["1", "2", "3", "4"], tokens
     assert sorted(unmarked) == sorted(set(unmarked)), f"an unmarked duplicate: {tokens}"
+    # The direct publish failed during the outage; Celery's way (with its retries) sent it, marked.
+    assert "4" not in unmarked, tokens
