@@ -83,7 +83,7 @@ def _fill(gate: Any, client: Any, waiting: int, envelope: bytes, label: str) -> 
             "per_waiting": (m2 - m1) / len(rows), "fill_s": fill_s}
 
 
-RECORD_HEADER_BYTES = len("0000000000000001|0|-1|0\n")   # the gate's "seq|retries|max|delay"
+RECORD_HEADER_BYTES = len("0000000000000001|0|-1|0|8\nbg-12345")  # "seq|retries|max|delay|len" + thread
 SDS16_OVERHEAD = 6                                        # sdshdr16 (5 bytes) + NUL
 
 
@@ -100,17 +100,14 @@ def _jemalloc_class(size: int) -> int:
 def _memory_breakdown(client: Any, gate: Any, threads: int) -> dict[str, float]:
     """Bytes per waiting member by key (``MEMORY USAGE``, sampled threads of the large case)."""
     sample = range(0, threads, max(1, threads // 200))
-    out = {"queue": 0.0, "records": 0.0}
-    n = 0
+    queue, n = 0.0, 0
     for i in sample:
-        keys = gate.keys.thread(f"bg-{i}")
-        out["queue"] += int(client.memory_usage(keys.queue) or 0)
-        out["records"] += int(client.memory_usage(keys.members) or 0)
-        n += PER_THREAD + (1 if i % 2 == 0 else 0)
-    out = {k: v / n for k, v in out.items()}
+        queue += int(client.memory_usage(gate.keys.thread(f"bg-{i}").queue) or 0)
+        n += PER_THREAD
+    out = {"queue": queue / n}
     shard = gate.keys.shard(0)
     members = client.hlen(shard.tasks)
-    out["tasks index"] = int(client.memory_usage(shard.tasks, samples=1000) or 0) / members
+    out["tasks hash (records)"] = int(client.memory_usage(shard.tasks, samples=1000) or 0) / members
     out["due + leases index"] = (int(client.memory_usage(shard.due, samples=1000) or 0)
                                  + int(client.memory_usage(shard.leases, samples=1000) or 0)
                                  ) / members
@@ -282,8 +279,8 @@ def run(args: argparse.Namespace) -> int:
         "thread, the idle half's entry in the due index) are spread over its 10 members.",
         "top-level commands per life (large, first repeat), and their Redis execution time per "
         f"call (median over repeats, small / large): {breakdown}.",
-        "memory by key, bytes per member (MEMORY USAGE of sampled threads, large case; the "
-        "records hold the message): " + ", ".join(f"{k} {v:.0f}" for k, v in breakdown_mem.items())
+        "memory by key, bytes per member (MEMORY USAGE, large case: sampled threads' queues, "
+        "the tasks hash whose records hold the message): " + ", ".join(f"{k} {v:.0f}" for k, v in breakdown_mem.items())
         + ".",
         "the dispatcher kind's client time is per member of a 100-member batch (its scan and "
         "release are one pipelined round trip each for the whole batch).",

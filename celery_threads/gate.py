@@ -12,7 +12,7 @@ import os
 import threading
 from dataclasses import dataclass
 from importlib import resources
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, NamedTuple, Optional, Sequence
 
 import redis
 from redis.backoff import ExponentialBackoff
@@ -73,11 +73,22 @@ def queued_task(member: Any) -> str:
     return _text(member)[SEQ_WIDTH + 1:]
 
 
-def parse_record(record: bytes) -> tuple[int, int, int, int, bytes]:
-    """Split a member record into (seq, retries, max_retries, retry_delay_ms, envelope)."""
-    header, _, envelope = record.partition(b"\n")
-    seq, retries, max_retries, delay = (int(x) for x in header.split(b"|"))
-    return seq, retries, max_retries, delay, envelope
+class Record(NamedTuple):
+    """A member's record: its value in the shard's tasks hash (see ``make_record`` in Lua)."""
+
+    seq: int                # arrival order (the shard counter)
+    retries: int
+    max_retries: int        # -1: unlimited
+    retry_delay_ms: int
+    thread_id: str
+    envelope: bytes
+
+
+def parse_record(record: bytes) -> Record:
+    """``seq|retries|max_retries|retry_delay_ms|<length of thread id>\\n<thread id><envelope>``."""
+    header, _, rest = record.partition(b"\n")
+    seq, retries, max_retries, delay, tlen = (int(x) for x in header.split(b"|"))
+    return Record(seq, retries, max_retries, delay, rest[:tlen].decode(), rest[tlen:])
 
 
 def make_client(url: str) -> "redis.Redis":
@@ -149,6 +160,7 @@ class Gate:
         }
         self._direct = DirectLine(client)
         self._scan = client.register_script(_load_lua("_clock.lua") + "\n" + _load_lua("scan.lua"))
+        self._snapshot = client.register_script(_load_lua("snapshot.lua"))
 
     # -- plumbing ---------------------------------------------------------------------------
     def _now_arg(self) -> str:
@@ -170,8 +182,9 @@ class Gate:
         status, info = int(reply[0]), _text(reply[1])
         release = None
         if len(reply) > 2:
-            _, retries, _, _, envelope = parse_record(reply[4])
-            release = Release(thread_id, _text(reply[2]), _text(reply[3]), retries, envelope)
+            record = parse_record(reply[4])
+            release = Release(thread_id, _text(reply[2]), _text(reply[3]), record.retries,
+                              record.envelope)
         return Outcome(status, info, release)
 
     def _call(self, name: str, thread_id: str, *args: Any) -> Outcome:
@@ -290,26 +303,26 @@ class Gate:
         for shard in self.keys.all_shards():
             value = self.client.hget(shard.tasks, task_id)
             if value is not None:
-                return _text(value)
+                return parse_record(value).thread_id  # type: ignore[arg-type]
         return None
 
     def snapshot(self, thread_id: str) -> Optional["ThreadSnapshot"]:
-        """A consistent read of one thread (a MULTI/EXEC of plain reads)."""
+        """A consistent read of one thread (a read-only script: its members' records live in the
+        shard's tasks hash, under ids the thread's own keys name)."""
         keys = self.keys.thread(thread_id)
-        pipe = self.client.pipeline(transaction=True)
-        pipe.hgetall(keys.active)
-        pipe.zrange(keys.queue, 0, -1, withscores=True)
-        pipe.hgetall(keys.members)
-        pipe.zscore(keys.shard.due, thread_id)
-        active, queue, members, due_at = pipe.execute()
+        active, queue, records, due_at = self._snapshot(
+            keys=[keys.active, keys.queue, keys.shard.tasks, keys.shard.due], args=[thread_id])
         if not active and not queue:
             return None
+        active_map = {_text(k): _text(v) for k, v in zip(active[::2], active[1::2])}
+        waiting = [(queued_task(m), int(score)) for m, score in zip(queue[::2], queue[1::2])]
+        ids = ([active_map["task"]] if "task" in active_map else []) + [t for t, _ in waiting]
         return ThreadSnapshot(
             thread_id=thread_id,
-            active={_text(k): _text(v) for k, v in active.items()},
-            waiting=[(queued_task(m), int(score)) for m, score in queue],
-            records={_text(k): v for k, v in members.items()},
-            due_at=None if due_at is None else int(due_at),
+            active=active_map,
+            waiting=waiting,
+            records={t: r for t, r in zip(ids, records) if r},
+            due_at=None if due_at in (b"", "", None) else int(due_at),
         )
 
     def thread_ids(self) -> Iterator[str]:

@@ -37,7 +37,10 @@ class ShardKeys:
 
     @property
     def tasks(self) -> str:
-        """HASH task id -> thread id, for every member."""
+        """HASH task id -> record, for every member: ``seq|retries|max_retries|retry_delay_ms|
+        <length of thread id>\\n<thread id><envelope>`` (see :func:`celery_threads.gate.parse_record`).
+
+        One entry per member is both the index of task ids and the store of their messages."""
         return f"{self.tag}:tasks"
 
     @property
@@ -81,19 +84,13 @@ class ThreadKeys:
         return f"{self.base}:q"
 
     @property
-    def members(self) -> str:
-        """HASH task id -> ``seq|retries|max_retries|retry_delay_ms \\n envelope``."""
-        return f"{self.base}:m"
-
-    @property
     def active(self) -> str:
         """HASH describing the active member (task, token, state, since, deadline, worker, n)."""
         return f"{self.base}:a"
 
     def script_keys(self) -> list[str]:
         s = self.shard
-        return [s.seq, s.due, s.leases, s.tasks, s.dead, s.dead_records,
-                self.queue, self.members, self.active]
+        return [s.seq, s.due, s.leases, s.tasks, s.dead, s.dead_records, self.queue, self.active]
 
 
 @dataclass(frozen=True)

@@ -89,7 +89,8 @@ def encode_envelope(body: Any, kwargs: dict[str, Any]) -> bytes:
         "headers": headers,
         "properties": {k: kwargs[k] for k in _PROPERTY_KEYS if kwargs.get(k) is not None},
     }
-    return json.dumps(header, default=repr).encode() + b"\n" + bytes(payload)
+    # Compact separators: the gate holds this for every waiting member.
+    return json.dumps(header, separators=(",", ":"), default=repr).encode() + b"\n" + bytes(payload)
 
 
 def _dumps(body: Any, serializer: Optional[str]) -> tuple[str, str, Any]:

@@ -62,9 +62,10 @@ class Threads:
 
     def _member(self, snapshot: ThreadSnapshot, task_id: str, scheduled_ms: int,
                 state: str) -> MemberInfo:
-        record = snapshot.records.get(task_id, b"0|0|-1|0\n{}\n")
-        _, retries, _, _, envelope = parse_record(record)
-        name = task_name(envelope) if envelope.startswith(b"{\"") else ""
+        raw = snapshot.records.get(task_id)
+        record = parse_record(raw) if raw is not None else None
+        name = task_name(record.envelope) if record is not None else ""
+        retries = record.retries if record is not None else 0
         return MemberInfo(task_id, name, _utc(scheduled_ms), state, retries)  # type: ignore[arg-type]
 
     def _info(self, snapshot: ThreadSnapshot) -> ThreadInfo:
@@ -355,14 +356,13 @@ def _int(value: Optional[str]) -> Optional[int]:
 def _status(snapshot: ThreadSnapshot, now: int) -> ThreadStatus:
     parsed = {task_id: parse_record(record) for task_id, record in snapshot.records.items()}
     arrival = {task_id: rank for rank, task_id in
-               enumerate(sorted(parsed, key=lambda t: parsed[t][0]), start=1)}
+               enumerate(sorted(parsed, key=lambda t: parsed[t].seq), start=1)}
 
     def name_of(task_id: str) -> str:
-        envelope = parsed[task_id][4] if task_id in parsed else b""
-        return task_name(envelope) if envelope.startswith(b"{\"") else ""
+        return task_name(parsed[task_id].envelope) if task_id in parsed else ""
 
     def retries_of(task_id: str) -> int:
-        return parsed[task_id][1] if task_id in parsed else 0
+        return parsed[task_id].retries if task_id in parsed else 0
 
     active = None
     a = snapshot.active

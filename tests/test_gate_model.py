@@ -373,7 +373,6 @@ class GateMachine(RuleBasedStateMachine):
             k = s.thread(thread_id)
             pipe.hgetall(k.active)
             pipe.zrange(k.queue, 0, -1, withscores=True)
-            pipe.hgetall(k.members)
         due, leases, tasks, dead, dead_records, keys, *per_thread = pipe.execute()
 
         due = {m.decode(): int(score) for m, score in due}
@@ -383,22 +382,23 @@ class GateMachine(RuleBasedStateMachine):
         assert not set(due) & set(leases), "a thread in both indexes"
         assert set(due) | set(leases) == set(model.threads), "an existing thread in no index"
 
-        tasks = {k.decode(): v.decode() for k, v in tasks.items()}
-        assert tasks == model.tasks, f"tasks index {tasks} vs {model.tasks}"
+        records = {k.decode(): parse_record(v) for k, v in tasks.items()}
+        index = {task_id: r.thread_id for task_id, r in records.items()}
+        assert index == model.tasks, f"tasks index {index} vs {model.tasks}"
 
         order = [m.decode() for m, _ in dead]
         assert order == list(model.dead), f"dead letters in order {order} vs {list(model.dead)}"
         assert len({score for _, score in dead}) == len(dead), f"dead order has ties: {dead}"
-        records = {}
+        dead_parsed = {}
         for task_id, raw in dead_records.items():
             died_at, meta, body = raw.split(b"\n", 2)
-            records[task_id.decode()] = (int(died_at), json.loads(meta), body)
-        expected_records = {d.task_id: (d.died_at_ms, d.meta, d.envelope)
-                            for d in model.dead.values()}
-        assert records == expected_records, f"dead records {records} vs {expected_records}"
+            dead_parsed[task_id.decode()] = (int(died_at), json.loads(meta), body)
+        expected_dead = {d.task_id: (d.died_at_ms, d.meta, d.envelope) for d in model.dead.values()}
+        assert dead_parsed == expected_dead, f"dead records {dead_parsed} vs {expected_dead}"
 
         for i, thread_id in enumerate(threads):
-            active, queue, members = per_thread[3 * i: 3 * i + 3]
+            active, queue = per_thread[2 * i: 2 * i + 2]
+            members = {t: r for t, r in records.items() if r.thread_id == thread_id}
             self.check_thread(thread_id, model.threads.get(thread_id), active, queue, members)
         self.check_keys({k.decode() for k in keys})
         self.check_readers(threads)
@@ -426,10 +426,8 @@ class GateMachine(RuleBasedStateMachine):
         assert waiting == expected, f"{what}: waiting {waiting} vs model {expected}"
         seqs = [m.decode()[:16] for m, _ in queue]
         assert all(len(x) == 16 and x.isdigit() for x in seqs), f"{what}: queue members {queue}"
-        records = {}
-        for task_id, raw in members.items():
-            _, retries, max_retries, delay, body = parse_record(raw)
-            records[task_id.decode()] = (retries, max_retries, delay, body)
+        records = {task_id: (r.retries, r.max_retries, r.retry_delay_ms, r.envelope)
+                   for task_id, r in members.items()}
         expected_records = {m.task_id: (m.retries, m.max_retries, m.retry_delay_ms, m.envelope)
                             for m in thread.members.values()}
         assert records == expected_records, f"{what}: records {records} vs {expected_records}"
@@ -445,7 +443,6 @@ class GateMachine(RuleBasedStateMachine):
                 expected.add(key)
         for thread in model.threads.values():
             k = s.thread(thread.thread_id)
-            expected.add(k.members)
             if thread.waiting():
                 expected.add(k.queue)
             if thread.active is not None:

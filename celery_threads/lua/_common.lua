@@ -4,12 +4,11 @@
 --   KEYS[1] seq      STRING  shard counter: arrival order and fencing tokens
 --   KEYS[2] due      ZSET    thread id -> head scheduled_at (ms); threads with no active member
 --   KEYS[3] leases   ZSET    thread id -> deadline (ms) of the active member (release or lease)
---   KEYS[4] tasks    HASH    task id -> thread id, every member
+--   KEYS[4] tasks    HASH    task id -> record, every member (see make_record)
 --   KEYS[5] dead     ZSET    task id -> death order (a value of the shard counter)
 --   KEYS[6] deadrec  HASH    task id -> died_at_ms "\n" meta_json "\n" envelope
 --   KEYS[7] queue    ZSET    this thread's waiting members "<seq16>:<task id>" -> scheduled_at (ms)
---   KEYS[8] members  HASH    this thread's members: task id -> "seq|retries|max_retries|delay_ms\n" envelope
---   KEYS[9] active   HASH    this thread's active member: task, token, state, since, deadline, worker, n
+--   KEYS[8] active   HASH    this thread's active member: task, token, state, since, deadline, worker, n
 -- ARGV (common head):
 --   ARGV[1] now      "" to use the Redis server's TIME, else milliseconds (tests only)
 --   ARGV[2] thread   thread id
@@ -21,7 +20,7 @@
 if redis.replicate_commands then pcall(redis.replicate_commands) end  -- Redis 6.2: TIME before writes
 
 local K_SEQ, K_DUE, K_LEASES, K_TASKS = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
-local K_DEAD, K_DEADREC, K_Q, K_M, K_A = KEYS[5], KEYS[6], KEYS[7], KEYS[8], KEYS[9]
+local K_DEAD, K_DEADREC, K_Q, K_A = KEYS[5], KEYS[6], KEYS[7], KEYS[8]
 
 local NOW = server_now_ms(ARGV[1])
 local TID = ARGV[2]
@@ -33,15 +32,20 @@ local function next_seq()
   return redis.call('INCR', K_SEQ)
 end
 
--- record = "seq|retries|max_retries|delay_ms\n" .. envelope
+-- A member's record, the value of its field in the shard's tasks hash (one hash entry per member
+-- holds both the task id -> thread index and the stored message):
+--   "seq|retries|max_retries|delay_ms|<length of thread id>\n" .. thread id .. envelope
 local function parse_record(rec)
   local nl = string.find(rec, '\n', 1, true)
-  local seq, retries, maxr, delay = string.match(string.sub(rec, 1, nl - 1), '^(%d+)|(%d+)|(-?%d+)|(%d+)$')
-  return { seq = seq, retries = tonumber(retries), maxr = tonumber(maxr), delay = tonumber(delay), body_at = nl + 1 }
+  local seq, retries, maxr, delay, tlen = string.match(string.sub(rec, 1, nl - 1),
+    '^(%d+)|(%d+)|(-?%d+)|(%d+)|(%d+)$')
+  local body_at = nl + 1 + tonumber(tlen)
+  return { seq = seq, retries = tonumber(retries), maxr = tonumber(maxr), delay = tonumber(delay),
+           thread = string.sub(rec, nl + 1, body_at - 1), body_at = body_at }
 end
 
 local function make_record(seq, retries, maxr, delay, envelope)
-  return seq .. '|' .. retries .. '|' .. maxr .. '|' .. delay .. '\n' .. envelope
+  return seq .. '|' .. retries .. '|' .. maxr .. '|' .. delay .. '|' .. #TID .. '\n' .. TID .. envelope
 end
 
 local function queue_member(seq, task)
@@ -53,14 +57,13 @@ local function task_of(member)
 end
 
 -- Index a thread that has no active member: in due at its head's scheduled_at, or, when it has
--- no member left, in neither index and with its keys deleted.  `detached`: the caller has just
+-- no member left, in neither index (its queue, emptied, is gone already).  `detached`: the caller has just
 -- detached the active member, so the thread sits in the leases index (not in due).  `head`: the
 -- queue's head, as read by the caller.
 local function index_idle(detached, head)
   redis.call('ZREM', K_LEASES, TID)
   if head[1] == nil then
     if not detached then redis.call('ZREM', K_DUE, TID) end
-    redis.call('DEL', K_Q, K_M)
     return
   end
   redis.call('ZADD', K_DUE, head[2], TID)
@@ -88,7 +91,7 @@ local function release_head(detached)
     'deadline', deadline, 'sched', head[2], 'n', 0)
   if not detached then redis.call('ZREM', K_DUE, TID) end
   redis.call('ZADD', K_LEASES, deadline, TID)
-  return { task, token, redis.call('HGET', K_M, task) }
+  return { task, token, redis.call('HGET', K_TASKS, task) }
 end
 
 local function reply(status, info, released)
@@ -113,16 +116,15 @@ end
 -- Detach the active member for good (it ended) and forget it.
 local function drop_active(task)
   redis.call('DEL', K_A)
-  redis.call('HDEL', K_M, task)
   redis.call('HDEL', K_TASKS, task)
 end
 
 -- Waiting again: the active member goes back to the queue at `sched` with its arrival order.
 local function requeue_active(task, sched, retries, envelope)
-  local rec = redis.call('HGET', K_M, task)
+  local rec = redis.call('HGET', K_TASKS, task)
   local p = parse_record(rec)
   if envelope == '' then envelope = string.sub(rec, p.body_at) end
-  redis.call('HSET', K_M, task, make_record(p.seq, retries, p.maxr, p.delay, envelope))
+  redis.call('HSET', K_TASKS, task, make_record(p.seq, retries, p.maxr, p.delay, envelope))
   redis.call('ZADD', K_Q, sched, queue_member(p.seq, task))
   redis.call('DEL', K_A)
 end
@@ -130,7 +132,7 @@ end
 -- Move the active member to the dead-letter store (when keep is true) and detach it.
 local function kill_active(task, keep, meta_json)
   if keep then
-    local rec = redis.call('HGET', K_M, task)
+    local rec = redis.call('HGET', K_TASKS, task)
     local p = parse_record(rec)
     -- Scored by the shard counter, so deaths in one millisecond keep their order.
     redis.call('ZADD', K_DEAD, next_seq(), task)
@@ -145,8 +147,7 @@ local function add_member(task, sched, retries, maxr, delay, envelope)
   if redis.call('HEXISTS', K_TASKS, task) == 1 then return false end
   local seq = string.format('%016d', next_seq())
   redis.call('ZADD', K_Q, sched, queue_member(seq, task))
-  redis.call('HSET', K_M, task, make_record(seq, retries, maxr, delay, envelope))
-  redis.call('HSET', K_TASKS, task, TID)
+  redis.call('HSET', K_TASKS, task, make_record(seq, retries, maxr, delay, envelope))
   return true
 end
 
@@ -159,7 +160,7 @@ end
 -- after its retry delay while retries remain, else it dies with `reason`.
 -- Returns 3 (retried) or 4 (died).
 local function fail_active(task, reason)
-  local p = parse_record(redis.call('HGET', K_M, task))
+  local p = parse_record(redis.call('HGET', K_TASKS, task))
   if p.maxr < 0 or p.retries < p.maxr then
     requeue_active(task, NOW + p.delay, p.retries + 1, '')
     return 3

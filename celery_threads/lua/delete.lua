@@ -3,7 +3,10 @@
 --   ARGV[7] "1" to delete only a WAITING member (a plain revoke must not detach a running one)
 -- Returns {1, previous state} plus the release, or {0, ''} when nothing was deleted.
 local task, token = ARGV[5], ARGV[6]
-if redis.call('HGET', K_TASKS, task) ~= TID then return reply(0, '') end
+local rec = redis.call('HGET', K_TASKS, task)
+if rec == false then return reply(0, '') end
+local p = parse_record(rec)
+if p.thread ~= TID then return reply(0, '') end
 local state = active_state(task)
 if state then
   if ARGV[7] == '1' then return reply(0, state) end
@@ -12,9 +15,7 @@ if state then
 else
   if token ~= '' then return reply(0, 'WAITING') end
   state = 'WAITING'
-  local p = parse_record(redis.call('HGET', K_M, task))
   redis.call('ZREM', K_Q, queue_member(p.seq, task))
-  redis.call('HDEL', K_M, task)
   redis.call('HDEL', K_TASKS, task)
 end
 return reply(1, state, release_head())
