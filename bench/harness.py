@@ -17,6 +17,7 @@ import atexit
 import datetime as _dt
 import os
 import platform
+import re
 import shutil
 import signal
 import socket
@@ -51,6 +52,12 @@ def redis_binary() -> Optional[str]:
         if candidate and os.access(candidate, os.X_OK):
             return candidate
     return shutil.which("redis-server")
+
+
+def _redis_major(binary: str) -> int:
+    out = subprocess.run([binary, "--version"], capture_output=True, text=True).stdout
+    match = re.search(r"v=(\d+)\.", out)
+    return int(match.group(1)) if match else 0
 
 
 class Proc:
@@ -119,9 +126,12 @@ class RedisServer(Proc):
             raise SystemExit("redis-server is not installed (apt-get install redis-server)")
         self.port = free_port()
         self.dir = tempfile.mkdtemp(prefix="bench-redis-")
+        extra = []
+        if _redis_major(binary) >= 7:
+            extra = ["--enable-debug-command", "local"]      # DEBUG HTSTATS-KEY (bench scale)
         super().__init__(name, [binary, "--port", str(self.port), "--bind", "127.0.0.1",
                                 "--save", "", "--appendonly", "no", "--dir", self.dir,
-                                "--protected-mode", "no"], logdir=logdir)
+                                "--protected-mode", "no", *extra], logdir=logdir)
 
     def url(self, db: int = GATE_DB) -> str:
         return f"redis://127.0.0.1:{self.port}/{db}"

@@ -73,25 +73,37 @@ local function index_idle(detached, head)
   end
 end
 
--- Release the head when it is due and nothing is active: it becomes RELEASED under a new token.
--- `detached` as for index_idle.  Returns {task, token, record} or nil.
-local function release_head(detached)
-  if not detached and redis.call('EXISTS', K_A) == 1 then return nil end
+-- Make `task`, a member outside the queue, the thread's active member: RELEASED under a new token.
+-- `in_due`: the thread may sit in the due index (an idle thread with members).  `rec`: the
+-- member's record when the caller holds it, else it is read.  Returns {task, token, record}.
+local function activate(task, sched, in_due, rec)
+  local token = tostring(next_seq())
+  local deadline = NOW + RELEASE_TIMEOUT
+  redis.call('HSET', K_A, 'task', task, 'token', token, 'state', 'RELEASED', 'since', NOW,
+    'deadline', deadline, 'sched', sched, 'n', 0)
+  if in_due then redis.call('ZREM', K_DUE, TID) end
+  redis.call('ZADD', K_LEASES, deadline, TID)
+  return { task, token, rec or redis.call('HGET', K_TASKS, task) }
+end
+
+-- Release the queue's head when it is due; the thread has no active member (`detached`: the
+-- caller has just detached it).  `known`: {task id, record} of a member the caller holds, saving
+-- the read of its record when it is the head.  Returns {task, token, record} or nil.
+local function release_idle(detached, known)
   local head = redis.call('ZRANGE', K_Q, 0, 0, 'WITHSCORES')
   if head[1] == nil or tonumber(head[2]) > NOW then
     index_idle(detached, head)
     return nil
   end
-  local member = head[1]
-  local task = task_of(member)
-  redis.call('ZREM', K_Q, member)
-  local token = tostring(next_seq())
-  local deadline = NOW + RELEASE_TIMEOUT
-  redis.call('HSET', K_A, 'task', task, 'token', token, 'state', 'RELEASED', 'since', NOW,
-    'deadline', deadline, 'sched', head[2], 'n', 0)
-  if not detached then redis.call('ZREM', K_DUE, TID) end
-  redis.call('ZADD', K_LEASES, deadline, TID)
-  return { task, token, redis.call('HGET', K_TASKS, task) }
+  local task = task_of(head[1])
+  redis.call('ZREM', K_Q, head[1])
+  return activate(task, head[2], not detached, known and known[1] == task and known[2] or nil)
+end
+
+-- Release the head when it is due and nothing is active.  `detached` as for index_idle.
+local function release_head(detached)
+  if not detached and redis.call('EXISTS', K_A) == 1 then return nil end
+  return release_idle(detached)
 end
 
 local function reply(status, info, released)
@@ -142,13 +154,23 @@ local function kill_active(task, keep, meta_json)
   drop_active(task)
 end
 
--- Add a new arrival; returns false when the task id is already a member.
+-- A new arrival joins the thread, and is released at once when it is due and nothing is active.
+-- Returns false when the task id is already a member (a duplicate spends an arrival number, which
+-- only leaves a gap), else the release ({task, token, record}) or nil.
 local function add_member(task, sched, retries, maxr, delay, envelope)
-  if redis.call('HEXISTS', K_TASKS, task) == 1 then return false end
   local seq = string.format('%016d', next_seq())
+  local rec = make_record(seq, retries, maxr, delay, envelope)
+  if redis.call('HSETNX', K_TASKS, task, rec) == 0 then return false end
+  if redis.call('EXISTS', K_A) == 1 then
+    redis.call('ZADD', K_Q, sched, queue_member(seq, task))
+    return nil
+  end
+  if sched <= NOW and redis.call('EXISTS', K_Q) == 0 then
+    -- An empty thread (so in neither index): its only member is released without being queued.
+    return activate(task, sched, false, rec)
+  end
   redis.call('ZADD', K_Q, sched, queue_member(seq, task))
-  redis.call('HSET', K_TASKS, task, make_record(seq, retries, maxr, delay, envelope))
-  return true
+  return release_idle(false, { task, rec })
 end
 
 local function schedule(mode, value)

@@ -7,9 +7,8 @@ local rec = redis.call('HGET', K_DEADREC, task)
 if rec == false then return reply(0, '') end
 local after_time = string.find(rec, '\n', 1, true)
 local after_meta = string.find(rec, '\n', after_time + 1, true)
-if not add_member(task, NOW, 0, ARGV[6], ARGV[7], string.sub(rec, after_meta + 1)) then
-  return reply(2, '')
-end
+local released = add_member(task, NOW, 0, ARGV[6], ARGV[7], string.sub(rec, after_meta + 1))
+if released == false then return reply(2, '') end
 redis.call('ZREM', K_DEAD, task)
 redis.call('HDEL', K_DEADREC, task)
-return reply(1, '', release_head())
+return reply(1, '', released)
