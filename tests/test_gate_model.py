@@ -552,3 +552,42 @@ def test_expire_of_an_idle_thread_reports_its_release(gate_url: str) -> None:
         assert outcome.release is not None, f"... but not reported: {outcome}"  # ... silently
     finally:
         client.close()
+
+
+def test_enqueue_paths_release_the_member_they_admit(gate_url: str) -> None:
+    """The enqueue script's short cuts, each against what it skips: a due member of an empty thread
+    is released without its queue key ever being written, with its own record (the message as
+    given); a duplicate is a no-op; a member behind an active one waits; a due member that sorts
+    before an idle thread's future head is released with the record it was given."""
+    client = redis.Redis.from_url(gate_url)
+    client.flushdb()
+    now = [START]
+    gate = Gate(client, Keys(PREFIX), release_timeout_ms=RELEASE_TIMEOUT, clock=lambda: now[0])
+    shard = gate.keys.shard(0)
+    try:
+        first = gate.enqueue("a", "t1", b"first\nbody", max_retries=2)
+        assert first.status == 1 and first.release is not None
+        assert (first.release.task_id, first.release.envelope) == ("t1", b"first\nbody")
+        assert not client.exists(gate.keys.thread("a").queue)
+        assert client.zscore(shard.leases, "a") is not None and client.zscore(shard.due, "a") is None
+
+        dup = gate.enqueue("a", "t1", b"other")
+        assert (dup.status, dup.release) == (0, None)
+        assert parse_record(client.hget(shard.tasks, "t1")).envelope == b"first\nbody"
+
+        assert gate.enqueue("a", "t2", b"second").release is None          # behind t1
+        nxt = gate.finish("a", "t1", first.release.token).release
+        assert nxt is not None and (nxt.task_id, nxt.envelope) == ("t2", b"second")
+        assert nxt.token != first.release.token
+        assert gate.claim("a", "t2", nxt.token, 1000, "w") == 1
+        assert gate.finish("a", "t2", nxt.token).done
+        assert gate.snapshot("a") is None and not client.exists(shard.tasks)
+
+        assert gate.enqueue("b", "t3", b"later", delay_ms=5_000).release is None
+        assert client.zscore(shard.due, "b") == START + 5_000
+        early = gate.enqueue("b", "t4", b"now").release                   # sorts before t3
+        assert early is not None and (early.task_id, early.envelope) == ("t4", b"now")
+        assert client.zscore(shard.due, "b") is None and client.zscore(shard.leases, "b") is not None
+        assert [t for t, _ in gate.snapshot("b").waiting] == ["t3"]
+    finally:
+        client.close()
