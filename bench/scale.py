@@ -17,6 +17,11 @@ Then, alternating between the two servers, three kinds of member life on fresh t
 * dispatcher: ``enqueue`` with a short countdown -> (due) ``scan_due`` + ``release_many`` of the
   batch -> ``claim`` -> ``finish``, in batches of 100 members.
 
+When the fill leaves the large case's tasks hash mid-growth (its table doubled and being moved one
+bucket per operation on the hash, as ``DEBUG HTSTATS-KEY`` shows; 1,050,000 entries is just past
+2^20), the lives are measured in that state first, then again once as many lookups as the hash has
+entries have finished the growth; both are reported.
+
 Reported: the client's wall time per life (p50 over lives; for the dispatcher, the batch's time
 over its members), the Redis server's execution time per life (sum of the ``SLOWLOG`` durations of
 the top-level commands, logged with ``slowlog-log-slower-than 0`` during the probes only), Redis
