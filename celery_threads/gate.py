@@ -314,14 +314,11 @@ class Gate:
             keys=[keys.active, keys.queue, keys.shard.tasks, keys.shard.due], args=[thread_id])
         if not active and not queue:
             return None
-        active_map = {_text(k): _text(v) for k, v in zip(active[::2], active[1::2])}
-        waiting = [(queued_task(m), int(score)) for m, score in zip(queue[::2], queue[1::2])]
-        ids = ([active_map["task"]] if "task" in active_map else []) + [t for t, _ in waiting]
         return ThreadSnapshot(
             thread_id=thread_id,
-            active=active_map,
-            waiting=waiting,
-            records={t: r for t, r in zip(ids, records) if r},
+            active={_text(k): _text(v) for k, v in zip(active[::2], active[1::2])},
+            waiting=[(queued_task(m), int(score)) for m, score in zip(queue[::2], queue[1::2])],
+            records={_text(t): r for t, r in zip(records[::2], records[1::2])},
             due_at=None if due_at in (b"", "", None) else int(due_at),
         )
 

@@ -564,11 +564,19 @@ def test_enqueue_paths_release_the_member_they_admit(gate_url: str) -> None:
     now = [START]
     gate = Gate(client, Keys(PREFIX), release_timeout_ms=RELEASE_TIMEOUT, clock=lambda: now[0])
     shard = gate.keys.shard(0)
+
+    def calls() -> Counter[str]:     # commands run so far, those inside scripts included
+        return Counter({k: v["calls"] for k, v in client.info("commandstats").items()})
+
     try:
+        before = calls()
         first = gate.enqueue("a", "t1", b"first\nbody", max_retries=2)
+        ran = calls() - before
         assert first.status == 1 and first.release is not None
         assert (first.release.task_id, first.release.envelope) == ("t1", b"first\nbody")
         assert not client.exists(gate.keys.thread("a").queue)
+        # the short cut: no queue written (the one ZADD is the leases index), no record read back
+        assert (ran["cmdstat_zadd"], ran["cmdstat_zrem"], ran["cmdstat_hget"]) == (1, 0, 0), ran
         assert client.zscore(shard.leases, "a") is not None and client.zscore(shard.due, "a") is None
 
         dup = gate.enqueue("a", "t1", b"other")
@@ -585,7 +593,9 @@ def test_enqueue_paths_release_the_member_they_admit(gate_url: str) -> None:
 
         assert gate.enqueue("b", "t3", b"later", delay_ms=5_000).release is None
         assert client.zscore(shard.due, "b") == START + 5_000
+        before = calls()
         early = gate.enqueue("b", "t4", b"now").release                   # sorts before t3
+        assert (calls() - before)["cmdstat_hget"] == 0                     # its record, not re-read
         assert early is not None and (early.task_id, early.envelope) == ("t4", b"now")
         assert client.zscore(shard.due, "b") is None and client.zscore(shard.leases, "b") is not None
         assert [t for t, _ in gate.snapshot("b").waiting] == ["t3"]
