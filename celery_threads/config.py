@@ -20,6 +20,7 @@ DEFAULTS: dict[str, Any] = {
     "threads_dispatch_batch": 500,
     "threads_worker_dispatch": True,
     "threads_shards": 1,
+    "threads_direct_release": True,
 }
 
 
@@ -34,6 +35,7 @@ class ThreadsConfig:
     dispatch_batch: int
     worker_dispatch: bool
     shards: int
+    direct_release: bool = True
 
     @property
     def keepalive_ms(self) -> int:
@@ -84,6 +86,7 @@ def read_config(app: Celery) -> ThreadsConfig:
         dispatch_batch=int(_setting(app, "threads_dispatch_batch")),
         worker_dispatch=bool(_setting(app, "threads_worker_dispatch")),
         shards=int(_setting(app, "threads_shards")),
+        direct_release=bool(_setting(app, "threads_direct_release")),
     )
     if config.keepalive <= 0 or config.dispatch_interval <= 0 or config.release_timeout <= 0:
         raise ConfigurationError(

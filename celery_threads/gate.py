@@ -45,13 +45,15 @@ def script_sources() -> dict[str, str]:
 
 @dataclass(frozen=True)
 class Release:
-    """A member the gate has just released: publish its envelope with this fencing token."""
+    """A member the gate has just released: publish its envelope with this fencing token (unless
+    the script has already published it: then ``published`` is true and ``envelope`` empty)."""
 
     thread_id: str
     task_id: str
     token: str
     retries: int
     envelope: bytes
+    published: bool = False   # the gate published it itself (Gate(direct=...)); nothing to send
 
 
 @dataclass(frozen=True)
@@ -105,6 +107,22 @@ def make_client(url: str) -> "redis.Redis":
     )
 
 
+@dataclass(frozen=True)
+class DirectRelease:
+    """Where the scripts push a release's message: kombu's Redis transport on the gate's server.
+
+    ``broker_db`` is the broker's database, ``gate_db`` the gate client's (a script switches to the
+    first for the push and back), ``key_prefix`` kombu's ``global_keyprefix`` transport option.
+    """
+
+    gate_db: int
+    broker_db: int
+    key_prefix: str = ""
+
+    def argument(self) -> str:
+        return f"{self.gate_db}|{self.broker_db}|{self.key_prefix}"
+
+
 _MISSED = object()
 
 
@@ -145,12 +163,16 @@ class Gate:
     """Transitions of the gate for one Redis client and key prefix.
 
     ``clock`` returns the time in milliseconds to use instead of the Redis server's ``TIME``; only
-    the model-based test sets it.
+    the model-based test sets it.  ``direct`` (a :class:`DirectRelease`) lets the scripts publish
+    releases themselves when the broker is kombu's Redis transport on the gate's own server.
     """
 
     def __init__(self, client: "redis.Redis", keys: Keys, *, release_timeout_ms: int,
-                 keepalive_ms: int = 30_000, clock: Optional[Callable[[], int]] = None) -> None:
+                 keepalive_ms: int = 30_000, clock: Optional[Callable[[], int]] = None,
+                 direct: Optional["DirectRelease"] = None) -> None:
         self.client = client
+        self.direct = direct
+        self._direct_arg = direct.argument() if direct is not None else ""
         self._keepalive_text = f"{keepalive_ms / 1000:g}s"
         self.keys = keys
         self.release_timeout_ms = release_timeout_ms
@@ -168,7 +190,8 @@ class Gate:
 
     def _run(self, name: str, thread_id: str, *args: Any, client: Any = None) -> Any:
         keys = self.keys.thread(thread_id)
-        argv = [self._now_arg(), thread_id, self.release_timeout_ms, keys.shard.wake_channel, *args]
+        argv = [self._now_arg(), thread_id, self.release_timeout_ms, keys.shard.wake_channel,
+                self._direct_arg, *args]
         script_keys = keys.script_keys()
         script = self._scripts[name]
         if client is None:
@@ -181,7 +204,9 @@ class Gate:
     def _outcome(self, thread_id: str, reply: Sequence[Any]) -> Outcome:
         status, info = int(reply[0]), _text(reply[1])
         release = None
-        if len(reply) > 2:
+        if len(reply) > 5:
+            release = Release(thread_id, _text(reply[2]), _text(reply[3]), 0, b"", published=True)
+        elif len(reply) > 2:
             record = parse_record(reply[4])
             release = Release(thread_id, _text(reply[2]), _text(reply[3]), record.retries,
                               record.envelope)

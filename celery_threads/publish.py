@@ -28,6 +28,8 @@ OUR_HEADERS = (THREAD_HEADER, TOKEN_HEADER, REPUBLISHED_HEADER)
 
 _PROPERTY_KEYS = ("correlation_id", "reply_to", "priority", "delivery_mode", "expiration",
                   "message_id", "user_id", "app_id", "type", "timestamp")
+# Properties the gate's own publish copies as they are (strings and small integers).
+_DIRECT_PROPERTIES = {"correlation_id", "reply_to", "delivery_mode", "priority"}
 
 
 class CapturingProducer:
@@ -75,9 +77,10 @@ def encode_envelope(body: Any, kwargs: dict[str, Any]) -> bytes:
     if isinstance(payload, str):
         payload = payload.encode(content_encoding or "utf-8")
     headers = dict(kwargs.get("headers") or {})
-    for key in OUR_HEADERS:
+    # Set again on every release (release_message, and the gate's publish_direct).
+    for key in (*OUR_HEADERS, "retries", "eta"):
         headers.pop(key, None)
-    header = {
+    rest = {
         "exchange": _name(kwargs.get("exchange")) or "",
         "routing_key": kwargs.get("routing_key"),
         "declare": [_name(q) for q in (kwargs.get("declare") or []) if isinstance(q, Queue)],
@@ -86,11 +89,33 @@ def encode_envelope(body: Any, kwargs: dict[str, Any]) -> bytes:
         "compression": kwargs.get("compression"),
         "retry": kwargs.get("retry", True),
         "retry_policy": kwargs.get("retry_policy"),
-        "headers": headers,
         "properties": {k: kwargs[k] for k in _PROPERTY_KEYS if kwargs.get(k) is not None},
     }
     # Compact separators: the gate holds this for every waiting member.
-    return json.dumps(header, separators=(",", ":"), default=repr).encode() + b"\n" + bytes(payload)
+    headers_json = _compact(headers)
+    lead = f'{{"d":1,"hl":{len(headers_json)},' if _direct_ok(headers, rest) else "{"
+    header = f'{lead}"headers":{headers_json},{_compact(rest)[1:]}'
+    return header.encode() + b"\n" + bytes(payload)
+
+
+def _compact(value: Any) -> str:
+    # ASCII only (ensure_ascii), so the length of the text is its length in bytes.
+    return json.dumps(value, separators=(",", ":"), default=repr)
+
+
+def _direct_ok(headers: dict[str, Any], rest: dict[str, Any]) -> bool:
+    """Whether the gate may publish this message itself, on a Redis broker on its own server
+    (lua/_common.lua, publish_direct): it can build the message kombu would, without kombu's
+    routing tables, priority queues, compression or expiry."""
+    properties = rest["properties"]
+    return (rest["exchange"] == "" and isinstance(rest["routing_key"], str)
+            and bool(rest["routing_key"]) and rest["compression"] is None
+            and isinstance(rest["content_type"], str)
+            and isinstance(rest["content_encoding"], str)
+            and not headers.get("expires")
+            and properties.get("priority") in (None, 0)
+            and isinstance(properties.get("delivery_mode"), int)
+            and set(properties) <= _DIRECT_PROPERTIES)
 
 
 def _dumps(body: Any, serializer: Optional[str]) -> tuple[str, str, Any]:

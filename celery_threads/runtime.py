@@ -7,10 +7,11 @@ import threading
 import traceback as tb
 from typing import Any, Optional
 
+import redis
 from celery import Celery
 
 from .config import ThreadsConfig, read_config
-from .gate import DeadRecord, Gate, Outcome, Release, make_client
+from .gate import DeadRecord, DirectRelease, Gate, Outcome, Release, make_client
 from .keys import Keys
 from .publish import (THREAD_HEADER, ReleasePublisher, UndecodableEnvelope, publish_release,
                       task_name)
@@ -32,7 +33,9 @@ class Runtime:
         self.keys = Keys(self.config.key_prefix, self.config.shards)
         self.gate = Gate(self.client, self.keys,
                          release_timeout_ms=self.config.release_timeout_ms,
-                         keepalive_ms=self.config.keepalive_ms)
+                         keepalive_ms=self.config.keepalive_ms,
+                         direct=direct_release(app, self.client) if self.config.direct_release
+                         else None)
         self.publisher = ReleasePublisher(app)
         self.pid = os.getpid()
 
@@ -42,7 +45,7 @@ class Runtime:
         the gate, and the dispatcher republishes it after ``threads_release_timeout``.
         ``republish`` marks a release that was published before (the receiving worker then checks
         that it is not a duplicate)."""
-        if release is None:
+        if release is None or release.published:
             return
         try:
             self.publisher.publish(release, producer, republish=republish)
@@ -124,6 +127,33 @@ class Runtime:
             logger.exception("celery-threads: could not route dead member %s to queue %s; it "
                              "stays in the dead-letter store", task_id,
                              self.config.dead_letter_queue)
+
+
+def direct_release(app: Celery, client: Any) -> Optional[DirectRelease]:
+    """Where the gate's scripts may publish releases themselves: when the broker is kombu's Redis
+    transport on the gate's own server (same host and port, compared as written, and the same
+    credentials), else ``None`` and releases are published by Python through kombu."""
+    try:
+        conn = app.connection_for_write()
+    except Exception:  # an unusable broker_url: Celery says why where it is used
+        return None
+    options = client.connection_pool.connection_kwargs
+    if (conn.transport_cls != "redis"
+            or client.connection_pool.connection_class is not redis.Connection
+            or (conn.hostname or "localhost").lower() != str(options.get("host", "")).lower()
+            or int(conn.port or 6379) != int(options.get("port") or 6379)
+            or (conn.password or None) != (options.get("password") or None)
+            or (conn.userid or None) != (options.get("username") or None)):
+        return None
+    vhost = conn.virtual_host
+    if isinstance(vhost, int):
+        broker_db = vhost
+    else:
+        vhost = str(vhost or "").strip("/")
+        broker_db = int(vhost) if vhost else 0
+    prefix = (app.conf.broker_transport_options or {}).get("global_keyprefix") or ""
+    return DirectRelease(gate_db=int(options.get("db") or 0), broker_db=broker_db,
+                         key_prefix=str(prefix))
 
 
 def get_runtime(app: Celery) -> Runtime:

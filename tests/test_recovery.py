@@ -8,6 +8,7 @@ import pytest
 from celery import Task
 
 from celery_threads import Threads
+from celery_threads.gate import Gate
 from celery_threads.runtime import get_runtime
 from tests.conftest import configure_client
 from tests.helpers import assert_serial, events, starts, tid, wait_for
@@ -118,14 +119,16 @@ def test_member_prefetched_by_a_worker_shutting_down_runs_elsewhere(proj, make_d
 
 
 def _released_but_unpublished(proj, thread: str, label: str, sleep: float = 0.0):
-    """A member stored and released by the gate that nobody has published yet: (result, release)."""
+    """A member stored and released by the gate that nobody has published yet: (result, release).
+    (The runtime's gate would publish the release itself on this Redis broker: this one does not.)"""
     from celery_threads.publish import CapturingProducer
 
     runtime = get_runtime(proj.app)
+    gate = Gate(runtime.client, runtime.keys, release_timeout_ms=runtime.config.release_timeout_ms)
     with proj.app.producer_or_acquire() as real:
         capture = CapturingProducer(real)
         result = Task.apply_async(proj.record, (thread, label), {"sleep": sleep}, producer=capture)
-    outcome = runtime.gate.enqueue(thread, result.id, capture.envelope)
+    outcome = gate.enqueue(thread, result.id, capture.envelope)
     assert outcome.release is not None
     return result, outcome.release
 

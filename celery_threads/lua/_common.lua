@@ -14,8 +14,13 @@
 --   ARGV[2] thread   thread id
 --   ARGV[3] release_timeout_ms   how long a release may stay unclaimed before it is republished
 --   ARGV[4] wake     pub/sub channel told when a future head becomes the shard's earliest
--- Script-specific ARGV start at ARGV[5].
--- Every reply is {status, info, [released_task, released_token, released_record]}.
+--   ARGV[5] direct   "" when the caller publishes releases, else "<gate db>|<broker db>|<broker
+--                    key prefix>": the broker is kombu's Redis transport on this server, and a
+--                    release whose message allows it is pushed onto its queue here (see
+--                    publish_direct)
+-- Script-specific ARGV start at ARGV[6].
+-- Every reply is {status, info, [released_task, released_token, released_record]}, or, for a
+-- release this script has published, {status, info, released_task, released_token, '', 1}.
 
 if redis.replicate_commands then pcall(redis.replicate_commands) end  -- Redis 6.2: TIME before writes
 
@@ -26,6 +31,7 @@ local NOW = server_now_ms(ARGV[1])
 local TID = ARGV[2]
 local RELEASE_TIMEOUT = tonumber(ARGV[3])
 local WAKE = ARGV[4]
+local DIRECT = ARGV[5]
 local SEQ_WIDTH = 16
 
 local function next_seq()
@@ -106,8 +112,75 @@ local function release_head(detached)
   return release_idle(detached)
 end
 
+local B64 = 'ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/'
+
+local function base64(s)
+  local chars, out, n = {}, {}, #s
+  for i = 1, 64 do chars[i - 1] = string.sub(B64, i, i) end
+  local full = n - n % 3
+  for i = 1, full, 3 do
+    local a, b, c = string.byte(s, i, i + 2)
+    local v = a * 65536 + b * 256 + c
+    out[#out + 1] = chars[math.floor(v / 262144)] .. chars[math.floor(v / 4096) % 64] ..
+      chars[math.floor(v / 64) % 64] .. chars[v % 64]
+  end
+  if n - full == 1 then
+    local v = string.byte(s, n) * 65536
+    out[#out + 1] = chars[math.floor(v / 262144)] .. chars[math.floor(v / 4096) % 64] .. '=='
+  elseif n - full == 2 then
+    local a, b = string.byte(s, n - 1, n)
+    local v = a * 65536 + b * 256
+    out[#out + 1] = chars[math.floor(v / 262144)] .. chars[math.floor(v / 4096) % 64] ..
+      chars[math.floor(v / 64) % 64] .. '='
+  end
+  return table.concat(out)
+end
+
+-- Publish a release here, as kombu's Redis transport would (Producer.publish -> basic_publish
+-- -> LPUSH of the JSON message onto the queue's list), when DIRECT names the broker and the
+-- stored message allows it: the publisher marked it '{"d":1,"hl":<length of its headers>,...'
+-- (default exchange, priority 0, no expiry, no compression; see publish.encode_envelope).  The
+-- headers are spliced as stored, not decoded and encoded again.  Returns true when published.
+local function publish_direct(token, rec)
+  if DIRECT == '' then return false end
+  local gate_db, broker_db, prefix = string.match(DIRECT, '^(%d+)|(%d+)|(.*)$')
+  local p = parse_record(rec)
+  local hl = string.match(rec, '^{"d":1,"hl":(%d+),"headers":', p.body_at)
+  local nl = hl and string.find(rec, '\n', p.body_at, true)
+  if not nl then return false end
+  local hs = p.body_at + 23 + #hl   -- where the headers' JSON object starts
+  -- The rest of the header (after the headers, which are never decoded here).
+  local ok, h = pcall(cjson.decode, '{' .. string.sub(rec, hs + tonumber(hl) + 1, nl - 1))
+  if not ok or type(h.routing_key) ~= 'string' or type(h.properties) ~= 'table' then return false end
+  local inner = string.sub(rec, hs + 1, hs + tonumber(hl) - 2)
+  if inner ~= '' then inner = inner .. ',' end
+  local props = h.properties
+  props.delivery_info = { exchange = '', routing_key = h.routing_key }
+  props.priority = 0
+  props.body_encoding = 'base64'
+  -- kombu's Redis transport keys its unacked messages by this tag: unique across gates and time.
+  props.delivery_tag = K_SEQ .. ':' .. token .. ':' .. NOW
+  local message = '{"body":"' .. base64(string.sub(rec, nl + 1)) .. '","content-encoding":' ..
+    cjson.encode(h.content_encoding) .. ',"content-type":' .. cjson.encode(h.content_type) ..
+    ',"headers":{' .. inner .. '"retries":' .. p.retries .. ',"eta":null,"thread_id":' ..
+    cjson.encode(TID) .. ',"thread_token":"' .. token .. '"},"properties":' ..
+    cjson.encode(props) .. '}'
+  -- pcall: a refused push (ACLs, a key of another type) leaves the publish to the caller.
+  local switch = broker_db ~= gate_db
+  if switch then
+    local selected = redis.pcall('SELECT', broker_db)
+    if type(selected) == 'table' and selected.err then return false end
+  end
+  local pushed = redis.pcall('LPUSH', prefix .. h.routing_key, message)
+  if switch then redis.call('SELECT', gate_db) end
+  return not (type(pushed) == 'table' and pushed.err)
+end
+
 local function reply(status, info, released)
   if released == nil then return { status, info } end
+  if publish_direct(released[2], released[3]) then
+    return { status, info, released[1], released[2], '', 1 }
+  end
   return { status, info, released[1], released[2], released[3] }
 end
 

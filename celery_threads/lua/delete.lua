@@ -1,15 +1,15 @@
 -- delete: detach a member whatever its state and promote the next member at once.
---   ARGV[5] task id   ARGV[6] token required when the member is active ("" = any)
---   ARGV[7] "1" to delete only a WAITING member (a plain revoke must not detach a running one)
+--   ARGV[6] task id   ARGV[7] token required when the member is active ("" = any)
+--   ARGV[8] "1" to delete only a WAITING member (a plain revoke must not detach a running one)
 -- Returns {1, previous state} plus the release, or {0, ''} when nothing was deleted.
-local task, token = ARGV[5], ARGV[6]
+local task, token = ARGV[6], ARGV[7]
 local rec = redis.call('HGET', K_TASKS, task)
 if rec == false then return reply(0, '') end
 local p = parse_record(rec)
 if p.thread ~= TID then return reply(0, '') end
 local state = active_state(task)
 if state then
-  if ARGV[7] == '1' then return reply(0, state) end
+  if ARGV[8] == '1' then return reply(0, state) end
   if token ~= '' and not is_active(task, token) then return reply(0, state) end
   drop_active(task)
 else

@@ -1,5 +1,5 @@
 -- expire: the dispatcher's lease sweep for one thread whose deadline has passed.
---   ARGV[5] max republish backoff exponent   ARGV[6] keepalive, for the death reason
+--   ARGV[6] max republish backoff exponent   ARGV[7] keepalive, for the death reason
 -- A RELEASED member nobody claimed is republished under the same token (the first delivery to
 -- arrive wins the claim), its deadline backing off.  A RUNNING member whose lease lapsed counts as a
 -- failed attempt: it re-enters after its retry delay while retries remain, else it dies.
@@ -17,12 +17,12 @@ if deadline > NOW then
 end
 if state == 'RELEASED' then
   local n = tonumber(a[5]) + 1
-  local backoff = math.min(n, tonumber(ARGV[5]))
+  local backoff = math.min(n, tonumber(ARGV[6]))
   local new_deadline = NOW + RELEASE_TIMEOUT * (2 ^ backoff)
   redis.call('HSET', K_A, 'deadline', new_deadline, 'n', n)
   redis.call('ZADD', K_LEASES, new_deadline, TID)
   return { 2, 'republish', task, token, redis.call('HGET', K_TASKS, task) }
 end
 local status = fail_active(task, 'LeaseExpired: the worker running it sent no keepalive for ' ..
-  ARGV[6] .. ' (worker lost?), and no retries were left')
+  ARGV[7] .. ' (worker lost?), and no retries were left')
 return reply(status, task, release_head(true))

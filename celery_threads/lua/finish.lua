@@ -1,7 +1,7 @@
 -- finish: the active member succeeded (or ended without a result); it leaves and the next is released.
---   ARGV[5] task id   ARGV[6] token
+--   ARGV[6] task id   ARGV[7] token
 -- Returns {1, ''} plus the release, or {0, ''} when (task, token) is not the active member.
-local task = ARGV[5]
-if not is_active(task, ARGV[6]) then return reply(0, '') end
+local task = ARGV[6]
+if not is_active(task, ARGV[7]) then return reply(0, '') end
 drop_active(task)
 return reply(1, '', release_head(true))
