@@ -149,7 +149,7 @@ class DirectLine:
             self._local.conn, self._local.pid = self._connect(), os.getpid()
             return _MISSED          # this call goes the client's way; the next ones come here
         try:
-            conn.send_command("EVALSHA", sha, len(keys), *keys, *argv)
+            conn.send_packed_command([_pack(("EVALSHA", sha, len(keys), *keys, *argv))])
             return conn.read_response()
         except redis.exceptions.NoScriptError:
             return _MISSED
@@ -157,6 +157,23 @@ class DirectLine:
             self._local.conn = None
             conn.disconnect()
             return _MISSED
+
+
+def _pack(args: Sequence[Any]) -> bytes:
+    """One command in RESP, as redis-py's ``Connection.pack_command`` writes it for these argument
+    types, in a third of its time (the hot path sends some twenty arguments per script call)."""
+    parts = [b"*%d\r\n" % len(args)]
+    for arg in args:
+        if isinstance(arg, bytes):
+            data = arg
+        elif isinstance(arg, str):
+            data = arg.encode()
+        elif isinstance(arg, (int, float)) and not isinstance(arg, bool):
+            data = repr(arg).encode()
+        else:
+            raise redis.DataError(f"invalid script argument {arg!r}: use bytes, str, int or float")
+        parts.append(b"$%d\r\n%b\r\n" % (len(data), data))
+    return b"".join(parts)
 
 
 class Gate:

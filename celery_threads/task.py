@@ -5,7 +5,7 @@ import inspect
 import logging
 from contextlib import contextmanager
 from datetime import datetime, timezone
-from typing import Any, Callable, Iterator, Optional, Union
+from typing import Any, Callable, Iterator, NamedTuple, Optional, Union
 
 import redis
 
@@ -126,16 +126,17 @@ class ThreadedTask(Task):
             assert capture.envelope is not None, "Celery published no task message"
             at_ms = _eta_ms(eta) if eta is not None else None
             delay_ms = int(float(countdown or 0) * 1000)
+            release = None
             if token is not None:
-                outcome = runtime.gate.requeue(
-                    thread_id, task_id, token, retries=int(options.get("retries") or 0),
-                    delay_ms=delay_ms, at_ms=at_ms, envelope=capture.envelope)
-                if not outcome.done:
-                    logger.warning(
-                        "celery-threads: retry of %s[%s] ignored: it no longer holds thread %s "
-                        "(deleted, or its lease lapsed)", self.name, task_id, thread_id)
+                reentry = Reentry(int(options.get("retries") or 0), delay_ms, at_ms,
+                                  capture.envelope)
+                if (task_id, token) in _retrying:
+                    # self.retry() inside the running member: it re-enters once its body has
+                    # unwound (ThreadedTask.__call__), so that nothing the body still runs on
+                    # the way out (finally blocks, context managers) overlaps the next member.
+                    _retrying[(task_id, token)] = reentry
                 else:
-                    _requeued.add((task_id, token))
+                    release = self._reenter(runtime, thread_id, task_id, token, reentry)
             else:
                 outcome = runtime.gate.enqueue(
                     thread_id, task_id, capture.envelope, delay_ms=delay_ms, at_ms=at_ms,
@@ -144,9 +145,23 @@ class ThreadedTask(Task):
                 if not outcome.done:
                     logger.info("celery-threads: %s[%s] is already a member of thread %s; "
                                 "not enqueued twice", self.name, task_id, thread_id)
+                release = outcome.release
             capture.flush()
-            runtime.publish(outcome.release, real)
+            runtime.publish(release, real)
         return result
+
+    def _reenter(self, runtime: Any, thread_id: str, task_id: str, token: str,
+                 reentry: "Reentry") -> Any:
+        """The member (task, token) goes back to waiting with a retry's new message; returns the
+        release of the next member, for the caller to publish."""
+        outcome = runtime.gate.requeue(thread_id, task_id, token, retries=reentry.retries,
+                                       delay_ms=reentry.delay_ms, at_ms=reentry.at_ms,
+                                       envelope=reentry.envelope)
+        if not outcome.done:
+            logger.warning(
+                "celery-threads: retry of %s[%s] ignored: it no longer holds thread %s "
+                "(deleted, or its lease lapsed)", self.name, task_id, thread_id)
+        return outcome.release
 
     # -- running ------------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -168,33 +183,42 @@ class ThreadedTask(Task):
                         else "stale release")
             raise Ignore()
         retries = int(request.retries or 0)
+        key = (task_id, token)
+        _retrying[key] = None
         try:
             result = super().__call__(*args, **kwargs)
-        except Retry:
-            if (task_id, token) not in _requeued:
-                # Retry raised by hand, without self.retry() publishing: re-enter now.
-                _record_end(runtime, lambda: runtime.apply(
-                    gate.requeue(thread_id, task_id, token, retries=retries + 1)))
-            _requeued.discard((task_id, token))
+        except BaseException as exc:
+            reentry = _retrying.pop(key, None)
+            _record_end(runtime, lambda: self._ended(runtime, thread_id, task_id, token, retries,
+                                                     exc, reentry))
             raise
-        except Ignore:
-            _record_end(runtime, lambda: runtime.apply(gate.finish(thread_id, task_id, token)))
-            raise
-        except Reject as exc:
-            if exc.requeue:
-                _record_end(runtime, lambda: runtime.apply(
-                    gate.requeue(thread_id, task_id, token, retries=retries)))
-            else:
-                _record_end(runtime, lambda: runtime.kill(
-                    thread_id, task_id, token, exc=exc, retries=retries, keep=self.dead_letter,
-                    reason=f"Rejected: {exc.reason!r}"))
-            raise
-        except Exception as exc:
-            _record_end(runtime, lambda: runtime.kill(thread_id, task_id, token, exc=exc,
-                                                      retries=retries, keep=self.dead_letter))
-            raise
-        _record_end(runtime, lambda: runtime.apply(gate.finish(thread_id, task_id, token)))
+        reentry = _retrying.pop(key, None)
+        _record_end(runtime, lambda: self._ended(runtime, thread_id, task_id, token, retries,
+                                                 None, reentry))
         return result
+
+    def _ended(self, runtime: Any, thread_id: str, task_id: str, token: str, retries: int,
+               exc: Optional[BaseException], reentry: Optional["Reentry"]) -> None:
+        """Apply the member's ending to the gate, once its body has fully unwound."""
+        gate = runtime.gate
+        if reentry is not None:
+            # self.retry() was called (also with throw=False): it wins however the body ended.
+            runtime.publish(self._reenter(runtime, thread_id, task_id, token, reentry))
+        elif exc is None or isinstance(exc, Ignore):
+            runtime.apply(gate.finish(thread_id, task_id, token))
+        elif isinstance(exc, Retry):
+            # Retry raised by hand, without self.retry() publishing: re-enter now.
+            runtime.apply(gate.requeue(thread_id, task_id, token, retries=retries + 1))
+        elif isinstance(exc, Reject) and exc.requeue:
+            runtime.apply(gate.requeue(thread_id, task_id, token, retries=retries))
+        elif isinstance(exc, Reject):
+            runtime.kill(thread_id, task_id, token, exc=exc, retries=retries,
+                         keep=self.dead_letter, reason=f"Rejected: {exc.reason!r}")
+        elif isinstance(exc, Exception):
+            runtime.kill(thread_id, task_id, token, exc=exc, retries=retries,
+                         keep=self.dead_letter)
+        # Anything else (SystemExit, ...): the process is going away; the lease lapses and the
+        # gate counts a failed attempt.
 
 
 def _record_end(runtime: Any, end: Callable[[], Any]) -> None:
@@ -223,5 +247,15 @@ def gate_errors(runtime: Any, task_id: str) -> Iterator[None]:
         ) from exc
 
 
-# (task id, token) pairs whose self.retry() re-entered the gate in this process.
-_requeued: set[tuple[str, str]] = set()
+class Reentry(NamedTuple):
+    """A retry's re-entry into the thread, held until the member's body has unwound."""
+
+    retries: int
+    delay_ms: int
+    at_ms: Optional[int]
+    envelope: Optional[bytes]
+
+
+# (task id, token) of each member running in this process -> its pending re-entry, if
+# self.retry() was called (a dict: a thread pool runs several members at once).
+_retrying: dict[tuple[str, str], Optional[Reentry]] = {}

@@ -88,6 +88,16 @@ def record(self, thread, label, sleep=0.0, fail_times=0, countdown=0.2):
     return label
 
 
+@app.task(base=ThreadedTask, bind=True, thread_key="thread", max_retries=3)
+def retry_then_linger(self, thread, label, linger=0.3):
+    """First attempt: self.retry(throw=False), then keeps running for `linger` seconds."""
+    with _Span(self, thread, label):
+        if self.request.retries == 0:
+            self.retry(countdown=0, throw=False)
+            time.sleep(linger)
+    return label
+
+
 @app.task(base=ThreadedTask, bind=True, thread_key="thread", autoretry_for=(KeyError,),
           max_retries=2, retry_backoff=0.1, retry_jitter=False)
 def autoretry(self, thread, label, fail_times=0):

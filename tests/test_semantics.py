@@ -78,6 +78,19 @@ def test_failed_head_with_retries_left_is_outprioritized_by_earlier_sibling(proj
     assert_serial(r, thread)
 
 
+def test_a_retry_takes_effect_when_the_body_has_unwound(proj, worker, r):
+    """self.retry(throw=False) and the body goes on: the next member waits for the body to end
+    (it would be released by the retry itself otherwise); the retried member, due when its body
+    ended, runs again after it."""
+    thread = tid()
+    proj.retry_then_linger.delay(thread, "lingers")
+    second = proj.record.delay(thread, "next")
+    assert second.get(timeout=30) == "next"
+    wait_for(lambda: len(starts(r, thread)) == 3, what="the retried member's second run")
+    assert starts(r, thread) == ["lingers", "next", "lingers"]
+    assert_serial(r, thread)
+
+
 def test_failed_head_competes_again_and_wins_when_it_is_earliest(proj, worker, r):
     thread = tid()
     first = proj.record.delay(thread, "flaky", fail_times=2, countdown=0.1)
