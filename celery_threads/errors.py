@@ -23,7 +23,8 @@ class GateUnavailable(ThreadsError):
 
     A publish that raises this sent nothing to the broker.  Unless the connection broke after
     Redis had received the call, it stored nothing either; calling again with the same task id is
-    safe in every case, since a member is never stored twice.
+    safe in every case, since a member is never stored twice, nor stored again within a minute of
+    its end.
     """
 
 

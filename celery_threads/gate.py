@@ -245,7 +245,14 @@ class Gate:
 
     def claim(self, thread_id: str, task_id: str, token: str, keepalive_ms: int,
               worker: str) -> int:
-        return int(self._run("claim", thread_id, task_id, token, keepalive_ms, worker)[0])
+        return self.claim_at(thread_id, task_id, token, keepalive_ms, worker)[0]
+
+    def claim_at(self, thread_id: str, task_id: str, token: str, keepalive_ms: int,
+                 worker: str) -> tuple[int, int]:
+        """``claim``'s status, and the Redis server's time of the claim (ms; 0 unless claimed)."""
+        reply = self._run("claim", thread_id, task_id, token, keepalive_ms, worker)
+        status = int(reply[0])
+        return status, int(_text(reply[1])) if status == CLAIMED else 0
 
     def peek(self, thread_id: str, task_id: str, token: str) -> Optional[str]:
         """The state of (task, token) when it is the thread's active member, else ``None``.

@@ -54,6 +54,12 @@ class ShardKeys:
         return f"{self.tag}:dead:records"
 
     @property
+    def ended(self) -> str:
+        """ZSET task id -> ended_at (ms) of the members that left in the last minute: an enqueue
+        of one of them (a replay after a lost reply) is a duplicate, not a new member."""
+        return f"{self.tag}:ended"
+
+    @property
     def wake_channel(self) -> str:
         """Pub/sub channel told when a future head becomes the shard's earliest."""
         return f"{self.tag}:wake"
@@ -90,7 +96,8 @@ class ThreadKeys:
 
     def script_keys(self) -> list[str]:
         s = self.shard
-        return [s.seq, s.due, s.leases, s.tasks, s.dead, s.dead_records, self.queue, self.active]
+        return [s.seq, s.due, s.leases, s.tasks, s.dead, s.dead_records, self.queue, self.active,
+                s.ended]
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import time
 from contextlib import contextmanager
 from datetime import datetime, timezone
 from typing import Any, Callable, Iterator, NamedTuple, Optional, Union
@@ -130,11 +131,14 @@ class ThreadedTask(Task):
             if token is not None:
                 reentry = Reentry(int(options.get("retries") or 0), delay_ms, at_ms,
                                   capture.envelope)
-                if (task_id, token) in _retrying:
+                running = _running.get((task_id, token))
+                if running is not None:
                     # self.retry() inside the running member: it re-enters once its body has
                     # unwound (ThreadedTask.__call__), so that nothing the body still runs on
-                    # the way out (finally blocks, context managers) overlaps the next member.
-                    _retrying[(task_id, token)] = reentry
+                    # the way out (finally blocks, context managers) overlaps the next member;
+                    # its schedule is fixed now, on the Redis server's clock.
+                    running.reentry = reentry._replace(delay_ms=0, at_ms=at_ms or (
+                        running.server_now_ms() + delay_ms))
                 else:
                     release = self._reenter(runtime, thread_id, task_id, token, reentry)
             else:
@@ -143,8 +147,9 @@ class ThreadedTask(Task):
                     max_retries=self.max_retries,
                     retry_delay_ms=int(float(self.default_retry_delay or 0) * 1000))
                 if not outcome.done:
-                    logger.info("celery-threads: %s[%s] is already a member of thread %s; "
-                                "not enqueued twice", self.name, task_id, thread_id)
+                    logger.info("celery-threads: %s[%s] is already a member of thread %s, or "
+                                "ended less than a minute ago; not enqueued twice", self.name,
+                                task_id, thread_id)
                 release = outcome.release
             capture.flush()
             runtime.publish(release, real)
@@ -175,7 +180,8 @@ class ThreadedTask(Task):
         runtime = get_runtime(self._get_app())
         gate = runtime.gate
         hostname = request.hostname or ""
-        status = gate.claim(thread_id, task_id, token, runtime.config.keepalive_ms, hostname)
+        status, claimed_ms = gate.claim_at(thread_id, task_id, token,
+                                           runtime.config.keepalive_ms, hostname)
         if status != CLAIMED:
             # Another delivery of this release started first (or it went stale in between).
             logger.info("celery-threads: not running %s[%s] of thread %s: %s", self.name, task_id,
@@ -184,17 +190,17 @@ class ThreadedTask(Task):
             raise Ignore()
         retries = int(request.retries or 0)
         key = (task_id, token)
-        _retrying[key] = None
+        running = _running[key] = Running(claimed_ms, time.monotonic())
         try:
             result = super().__call__(*args, **kwargs)
         except BaseException as exc:
-            reentry = _retrying.pop(key, None)
+            _running.pop(key, None)
             _record_end(runtime, lambda: self._ended(runtime, thread_id, task_id, token, retries,
-                                                     exc, reentry))
+                                                     exc, running.reentry))
             raise
-        reentry = _retrying.pop(key, None)
+        _running.pop(key, None)
         _record_end(runtime, lambda: self._ended(runtime, thread_id, task_id, token, retries,
-                                                 None, reentry))
+                                                 None, running.reentry))
         return result
 
     def _ended(self, runtime: Any, thread_id: str, task_id: str, token: str, retries: int,
@@ -243,7 +249,7 @@ def gate_errors(runtime: Any, task_id: str) -> Iterator[None]:
             f"(threads_redis_url) to publish task {task_id}: {exc}. Nothing was sent to the "
             "broker. If the connection broke after Redis received the call, the member may be "
             "stored whole and will run; calling again with the same task_id is safe either way "
-            "(a member is never stored twice)."
+            "(a member is never stored twice, nor again within a minute of its end)."
         ) from exc
 
 
@@ -256,6 +262,21 @@ class Reentry(NamedTuple):
     envelope: Optional[bytes]
 
 
-# (task id, token) of each member running in this process -> its pending re-entry, if
-# self.retry() was called (a dict: a thread pool runs several members at once).
-_retrying: dict[tuple[str, str], Optional[Reentry]] = {}
+class Running:
+    """A member running in this process: when it was claimed (the Redis server's clock, and this
+    process's monotonic clock at the reply), and its re-entry once self.retry() was called."""
+
+    __slots__ = ("claimed_ms", "claimed_mono", "reentry")
+
+    def __init__(self, claimed_ms: int, claimed_mono: float) -> None:
+        self.claimed_ms = claimed_ms
+        self.claimed_mono = claimed_mono
+        self.reentry: Optional[Reentry] = None
+
+    def server_now_ms(self) -> int:
+        """The Redis server's time now, as the claim's plus the time elapsed here since."""
+        return self.claimed_ms + int((time.monotonic() - self.claimed_mono) * 1000)
+
+
+# (task id, token) of each member running in this process (a dict: a thread pool runs several).
+_running: dict[tuple[str, str], Running] = {}

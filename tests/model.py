@@ -21,6 +21,7 @@ DONE, NOOP = 1, 0
 CLAIMED, ALREADY_CLAIMED, STALE = 1, 2, 0
 REPUBLISH, RETRIED, DIED = 2, 3, 4
 RELEASED, RUNNING, WAITING = "RELEASED", "RUNNING", "WAITING"
+ENDED_WINDOW_MS = 60_000   # ENDED_WINDOW in lua/_common.lua
 
 
 @dataclass
@@ -98,6 +99,7 @@ class Model:
         self.threads: dict[str, Thread] = {}
         self.tasks: dict[str, str] = {}          # task id -> thread id, every member
         self.dead: dict[str, Dead] = {}          # in death order
+        self.ended: dict[str, int] = {}          # task id -> ended_at, the last ENDED_WINDOW_MS
         self._arrivals = itertools.count(1)
         self._tokens = itertools.count(1)
 
@@ -137,8 +139,10 @@ class Model:
         return self._release_of(thread)
 
     def _add_member(self, thread_id: str, task_id: str, sched: int, max_retries: int,
-                    retry_delay_ms: int, envelope: bytes) -> bool:
+                    retry_delay_ms: int, envelope: bytes, again: bool = False) -> bool:
         if task_id in self.tasks:
+            return False
+        if not again and self.ended.get(task_id, -ENDED_WINDOW_MS - 1) >= self.now - ENDED_WINDOW_MS:
             return False
         thread = self.threads.setdefault(thread_id, Thread(thread_id))
         thread.members[task_id] = Member(task_id, sched, next(self._arrivals), 0, max_retries,
@@ -152,7 +156,12 @@ class Model:
         thread.active = None
         del thread.members[task_id]
         del self.tasks[task_id]
+        self._mark_ended(task_id)
         return task_id
+
+    def _mark_ended(self, task_id: str) -> None:
+        self.ended[task_id] = self.now
+        self.ended = {t: at for t, at in self.ended.items() if at >= self.now - ENDED_WINDOW_MS}
 
     def _requeue_active(self, thread: Thread, sched: int, retries: int, envelope: bytes) -> None:
         assert thread.active is not None
@@ -260,6 +269,7 @@ class Model:
             state = WAITING
             del thread.members[task_id]
             del self.tasks[task_id]
+            self._mark_ended(task_id)
         return Outcome(DONE, state, self._release_head(thread_id))
 
     def expire(self, thread_id: str) -> Outcome:
@@ -296,7 +306,7 @@ class Model:
         thread_id = record.meta["thread_id"]
         maxr = -1 if max_retries is None else int(max_retries)
         if not self._add_member(thread_id, task_id, self.now, maxr, retry_delay_ms,
-                                record.envelope):
+                                record.envelope, again=True):
             return Outcome(2, "")
         del self.dead[task_id]
         return Outcome(DONE, "", self._release_head(thread_id))

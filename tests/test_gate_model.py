@@ -369,11 +369,14 @@ class GateMachine(RuleBasedStateMachine):
         pipe.zrange(s.dead, 0, -1, withscores=True)
         pipe.hgetall(s.dead_records)
         pipe.keys("*")
+        pipe.zrange(s.ended, 0, -1, withscores=True)
         for thread_id in threads:
             k = s.thread(thread_id)
             pipe.hgetall(k.active)
             pipe.zrange(k.queue, 0, -1, withscores=True)
-        due, leases, tasks, dead, dead_records, keys, *per_thread = pipe.execute()
+        due, leases, tasks, dead, dead_records, keys, ended, *per_thread = pipe.execute()
+        ended = {m.decode(): int(score) for m, score in ended}
+        assert ended == model.ended, f"ended {ended} vs model {model.ended}"
 
         due = {m.decode(): int(score) for m, score in due}
         leases = {m.decode(): int(score) for m, score in leases}
@@ -438,7 +441,7 @@ class GateMachine(RuleBasedStateMachine):
         expected = {s.seq}                   # the shard's counter lives on
         for key, present in ((s.due, model.due_index()), (s.leases, model.lease_index()),
                              (s.tasks, model.tasks), (s.dead, model.dead),
-                             (s.dead_records, model.dead)):
+                             (s.dead_records, model.dead), (s.ended, model.ended)):
             if present:
                 expected.add(key)
         for thread in model.threads.values():

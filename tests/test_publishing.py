@@ -128,6 +128,26 @@ def test_same_task_id_is_not_enqueued_twice(proj, r):
     assert Threads(proj.app).get(thread) is None
 
 
+def test_a_task_id_that_just_ended_is_not_enqueued_again(proj, worker, r):
+    """What the client does when a Redis restart loses the reply to an enqueue that ran: it
+    replays the call.  If the member has run and ended in between, the replay must not make it a
+    member again (it would run twice)."""
+    from celery_threads.runtime import get_runtime
+
+    thread = tid()
+    ran = proj.record.apply_async((thread, "once"))
+    assert ran.get(timeout=30) == "once"
+    wait_for(lambda: Threads(proj.app).get(thread) is None, what="the member to leave the gate")
+    gate = get_runtime(proj.app).gate
+    # The replay, as the gate sees it: the same task id and message, once more.
+    assert not gate.enqueue(thread, ran.id, b'{"headers":{}}\n[]').done
+    proj.record.apply_async((thread, "once"), task_id=ran.id)         # and through apply_async
+    after = proj.record.delay(thread, "after")
+    assert after.get(timeout=30) == "after"
+    assert starts(r, thread) == ["once", "after"]
+    assert gate.client.zscore(gate.keys.thread(thread).shard.ended, ran.id) is not None
+
+
 def test_restart_and_forget_of_unknown_task(proj):
     threads = Threads(proj.app)
     with pytest.raises(UnknownTask):

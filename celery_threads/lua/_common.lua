@@ -9,6 +9,7 @@
 --   KEYS[6] deadrec  HASH    task id -> died_at_ms "\n" meta_json "\n" envelope
 --   KEYS[7] queue    ZSET    this thread's waiting members "<seq16>:<task id>" -> scheduled_at (ms)
 --   KEYS[8] active   HASH    this thread's active member: task, token, state, since, deadline, worker, n
+--   KEYS[9] ended    ZSET    task id -> ended_at (ms) of members that ended in the last ENDED_WINDOW
 -- ARGV (common head):
 --   ARGV[1] now      "" to use the Redis server's TIME, else milliseconds (tests only)
 --   ARGV[2] thread   thread id
@@ -25,7 +26,7 @@
 if redis.replicate_commands then pcall(redis.replicate_commands) end  -- Redis 6.2: TIME before writes
 
 local K_SEQ, K_DUE, K_LEASES, K_TASKS = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
-local K_DEAD, K_DEADREC, K_Q, K_A = KEYS[5], KEYS[6], KEYS[7], KEYS[8]
+local K_DEAD, K_DEADREC, K_Q, K_A, K_ENDED = KEYS[5], KEYS[6], KEYS[7], KEYS[8], KEYS[9]
 
 local NOW = server_now_ms(ARGV[1])
 local TID = ARGV[2]
@@ -33,6 +34,10 @@ local RELEASE_TIMEOUT = tonumber(ARGV[3])
 local WAKE = ARGV[4]
 local DIRECT = ARGV[5]
 local SEQ_WIDTH = 16
+-- How long an ended member's task id is remembered, so that an enqueue replayed after a lost reply
+-- (the client retries through a Redis restart), or a redelivered token-less message, cannot make
+-- it a member again and run it twice.  Longer than the client's retries (about 20 s).
+local ENDED_WINDOW = 60000
 
 local function next_seq()
   return redis.call('INCR', K_SEQ)
@@ -198,10 +203,17 @@ local function is_active(task, token)
   return a[3]
 end
 
+-- A member left the gate for good: remember its task id for ENDED_WINDOW (and forget older ones).
+local function mark_ended(task)
+  redis.call('ZADD', K_ENDED, NOW, task)
+  redis.call('ZREMRANGEBYSCORE', K_ENDED, '-inf', '(' .. (NOW - ENDED_WINDOW))
+end
+
 -- Detach the active member for good (it ended) and forget it.
 local function drop_active(task)
   redis.call('DEL', K_A)
   redis.call('HDEL', K_TASKS, task)
+  mark_ended(task)
 end
 
 -- Waiting again: the active member goes back to the queue at `sched` with its arrival order.
@@ -229,8 +241,13 @@ end
 
 -- A new arrival joins the thread, and is released at once when it is due and nothing is active.
 -- Returns false when the task id is already a member (a duplicate spends an arrival number, which
--- only leaves a gap), else the release ({task, token, record}) or nil.
-local function add_member(task, sched, retries, maxr, delay, envelope)
+-- only leaves a gap) or, unless `again` (a restart), ended in the last ENDED_WINDOW; else the
+-- release ({task, token, record}) or nil.
+local function add_member(task, sched, retries, maxr, delay, envelope, again)
+  if not again then
+    local ended = redis.call('ZSCORE', K_ENDED, task)
+    if ended and tonumber(ended) >= NOW - ENDED_WINDOW then return false end
+  end
   local seq = string.format('%016d', next_seq())
   local rec = make_record(seq, retries, maxr, delay, envelope)
   if redis.call('HSETNX', K_TASKS, task, rec) == 0 then return false end

@@ -17,5 +17,6 @@ else
   state = 'WAITING'
   redis.call('ZREM', K_Q, queue_member(p.seq, task))
   redis.call('HDEL', K_TASKS, task)
+  mark_ended(task)
 end
 return reply(1, state, release_head())

@@ -7,7 +7,7 @@ local rec = redis.call('HGET', K_DEADREC, task)
 if rec == false then return reply(0, '') end
 local after_time = string.find(rec, '\n', 1, true)
 local after_meta = string.find(rec, '\n', after_time + 1, true)
-local released = add_member(task, NOW, 0, ARGV[7], ARGV[8], string.sub(rec, after_meta + 1))
+local released = add_member(task, NOW, 0, ARGV[7], ARGV[8], string.sub(rec, after_meta + 1), true)
 if released == false then return reply(2, '') end
 redis.call('ZREM', K_DEAD, task)
 redis.call('HDEL', K_DEADREC, task)
