@@ -161,7 +161,8 @@ class DirectLine:
 
 def _pack(args: Sequence[Any]) -> bytes:
     """One command in RESP, as redis-py's ``Connection.pack_command`` writes it for these argument
-    types, in a third of its time (the hot path sends some twenty arguments per script call)."""
+    types, in about half its time (cProfile of 10,000 script calls: 0.52 against 1.13 s; the hot
+    path sends some twenty arguments per call)."""
     parts = [b"*%d\r\n" % len(args)]
     for arg in args:
         if isinstance(arg, bytes):

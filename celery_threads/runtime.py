@@ -137,6 +137,7 @@ def direct_release(app: Celery, client: Any) -> Optional[DirectRelease]:
         conn = app.connection_for_write()
     except Exception:  # an unusable broker_url: Celery says why where it is used
         return None
+    conn.release()   # only its parsed URL is read: it never connects
     options = client.connection_pool.connection_kwargs
     if (conn.transport_cls != "redis"
             or client.connection_pool.connection_class is not redis.Connection

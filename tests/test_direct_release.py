@@ -157,7 +157,11 @@ def test_a_refused_push_leaves_the_publish_to_kombu(proj, isolated_app, redis_se
     assert snapshot is not None and snapshot.active["state"] == "RELEASED"
     assert snapshot.active["task"] == result.id
     assert broker.get(_queue(isolated_app)) == b"not a list"
-    # The release the gate hands back is the one to publish.
-    token = snapshot.active["token"]
-    outcome = gate.delete(result.id, thread_id=thread)
-    assert outcome.done and token
+    # The gate hands such a release back whole, for the caller to publish.
+    envelope = parse_record(gate.client.hget(gate.keys.thread(thread).shard.tasks,
+                                             result.id)).envelope
+    other = tid()
+    outcome = gate.enqueue(other, "refused-too", envelope)
+    assert outcome.release is not None and not outcome.release.published
+    assert outcome.release.envelope == envelope
+    assert gate.snapshot(other).active["state"] == "RELEASED"   # and the gate's db is back
