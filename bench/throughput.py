@@ -19,6 +19,7 @@ Target: threaded throughput at least 0.9x plain Celery.
 from __future__ import annotations
 
 import argparse
+import time
 from typing import Any
 
 from bench import harness as h
@@ -103,12 +104,19 @@ def run(args: argparse.Namespace) -> int:
                 # end-to-end
                 key = f"bench:{stack.run_id}:{tag}:e2e"
                 h.progress(f"repeat {rep + 1}/{args.repeats} {side}: end-to-end")
+                cpu0 = {**h.cpu_snapshot(worker, server), "producer": time.process_time()}
                 p0 = rec.now_us()
                 _publish(task, f"{tag}e", n, threads, key)
+                p1 = rec.now_us()
                 h.wait_until(lambda: int(client.get(key) or 0) >= n, timeout,
                              f"{side} end-to-end run of {n} tasks", stack=stack)
+                cpu1 = {**h.cpu_snapshot(worker, server), "producer": time.process_time()}
                 last = int(client.get(f"{key}:last") or 0)
                 results.setdefault((side, "e2e"), []).append(n / ((last - p0) / 1e6))
+                results.setdefault((side, "e2e_publishing"), []).append((p1 - p0) / (last - p0))
+                for proc in cpu0:
+                    results.setdefault((side, f"e2e_cpu_{proc}"), []).append(
+                        (cpu1[proc] - cpu0[proc]) * 1000 / n)
         leftover = sum(client.zcard(f"{env['BENCH_KEY_PREFIX']}:{{0}}:{x}")
                        for x in ("due", "leases"))
         problems = stack.celery_problems()
@@ -133,6 +141,11 @@ def run(args: argparse.Namespace) -> int:
                         ("redis", "redis-server")):
         t, p = (h.median(results[(side, f"cpu_{proc}")]) for side in ("threaded", "plain"))
         rows.append([f"CPU ms per task during the drain: {label}", t, p, h.ratio(t, p), "-", "-"])
+    e2e_cpu = {side: {proc: h.median(results[(side, f"e2e_cpu_{proc}")])
+                      for proc in ("producer", "main", "pool", "redis")} for side in sides}
+    t, p = (sum(e2e_cpu[side].values()) for side in ("threaded", "plain"))
+    rows.append(["CPU ms per task end-to-end (producer, worker, redis-server)", t, p,
+                 h.ratio(t, p), "-", "-"])
     rows.append(["gate script calls per task (during the drain)",
                  h.median(results[("threaded", "scripts")]),
                  h.median(results[("plain", "scripts")]), "-", "-", "-"])
@@ -145,6 +158,12 @@ def run(args: argparse.Namespace) -> int:
              "including those run inside scripts and the benchmark's own probe (one script per "
              "task, not counted among the gate's script calls); beat's dispatch entry and the "
              "workers' dispatch loops included.",
+             "end-to-end CPU ms per task, threaded / plain: " + ", ".join(
+                 f"{proc} {e2e_cpu['threaded'][proc]:.2f} / {e2e_cpu['plain'][proc]:.2f}"
+                 for proc in ("producer", "main", "pool", "redis"))
+             + "; the producer published for " + " / ".join(
+                 f"{h.median(results[(side, 'e2e_publishing')]):.0%}"
+                 for side in ("threaded", "plain")) + " of the end-to-end window.",
              "per-repeat ratios: " + "; ".join(f"{k} {v}" for k, v in per_rep.items()) + ".",
              f"gate left with {leftover} thread(s) after the run (expected 0)."]
     h.report(f"throughput ({args.broker} broker)", "throughput", args.quick, where,

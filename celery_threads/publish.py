@@ -93,9 +93,21 @@ def encode_envelope(body: Any, kwargs: dict[str, Any]) -> bytes:
     }
     # Compact separators: the gate holds this for every waiting member.
     headers_json = _compact(headers)
-    lead = f'{{"d":1,"hl":{len(headers_json)},' if _direct_ok(headers, rest) else "{"
+    if _direct_ok(headers, rest):
+        # 2: the body is UTF-8 text, which the gate can publish as a JSON string.
+        lead = f'{{"d":{2 if _is_utf8(payload) else 1},"hl":{len(headers_json)},'
+    else:
+        lead = "{"
     header = f'{lead}"headers":{headers_json},{_compact(rest)[1:]}'
     return header.encode() + b"\n" + bytes(payload)
+
+
+def _is_utf8(payload: Any) -> bool:
+    try:
+        bytes(payload).decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
 
 
 def _compact(value: Any) -> str:

@@ -7,6 +7,7 @@ expiry, other exchanges, compression) must still go out through kombu.
 """
 from __future__ import annotations
 
+import base64
 import json
 from typing import Any
 
@@ -36,9 +37,14 @@ def _through_kombu(app: Any, thread: str, task_id: str, token: str) -> None:
 
 
 def _without_tag(message: dict[str, Any]) -> dict[str, Any]:
+    """The message as kombu's consumer reads it, less the delivery tag: the body as bytes whether
+    it went as base64 (kombu's default) or as UTF-8 text (what the gate sends for a text body)."""
     properties = dict(message["properties"])
     properties.pop("delivery_tag")
-    return {**message, "properties": properties}
+    encoding = properties.pop("body_encoding")
+    body = (base64.b64decode(message["body"]) if encoding == "base64"
+            else message["body"].encode("utf-8"))
+    return {**message, "body": body, "properties": properties}
 
 
 def test_the_gate_publishes_what_kombu_would(proj, isolated_app, redis_server):
@@ -57,6 +63,22 @@ def test_the_gate_publishes_what_kombu_would(proj, isolated_app, redis_server):
     # kombu's Redis transport keys unacknowledged messages by the tag: it must be unique.
     assert direct["properties"]["delivery_tag"] != kombu_way["properties"]["delivery_tag"]
     assert token in direct["properties"]["delivery_tag"]
+
+
+def test_a_text_body_goes_as_text_and_a_binary_one_as_base64(proj, isolated_app, redis_server):
+    """kombu reads either body encoding back to the same bytes; the gate sends a UTF-8 body as a
+    JSON string (escaped by cjson) and anything else base64-encoded."""
+    for serializer, encoding in (("json", "utf-8"), ("pickle", "base64")):
+        thread = tid(serializer)
+        result = proj.record.apply_async((thread, "ü \x00 \u2028 \"/\\", b"\xff" * 7),
+                                         thread_id=thread, serializer=serializer)
+        [direct] = _messages(redis_server, _queue(isolated_app))
+        assert direct["properties"]["body_encoding"] == encoding
+        _through_kombu(isolated_app, thread, result.id, direct["headers"]["thread_token"])
+        kombu_way, _ = _messages(redis_server, _queue(isolated_app))
+        assert kombu_way["properties"]["body_encoding"] == "base64"
+        assert _without_tag(direct) == _without_tag(kombu_way)
+        redis.Redis(port=redis_server.port, db=BROKER_DB).delete(_queue(isolated_app))
 
 
 def test_a_release_published_by_the_gate_is_not_published_again(proj, isolated_app):

@@ -119,38 +119,55 @@ end
 
 local B64 = 'ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/'
 
+-- Standard base64 with padding.  Output codes are gathered in a table and turned into text
+-- by string.char 4,000 at a time (no string per input triple).
 local function base64(s)
-  local chars, out, n = {}, {}, #s
-  for i = 1, 64 do chars[i - 1] = string.sub(B64, i, i) end
+  local codes = { string.byte(B64, 1, 64) }
+  local byte, char, unpack = string.byte, string.char, unpack
+  local n = #s
   local full = n - n % 3
+  local parts, out, k = {}, {}, 0
   for i = 1, full, 3 do
-    local a, b, c = string.byte(s, i, i + 2)
-    local v = a * 65536 + b * 256 + c
-    out[#out + 1] = chars[math.floor(v / 262144)] .. chars[math.floor(v / 4096) % 64] ..
-      chars[math.floor(v / 64) % 64] .. chars[v % 64]
+    local a, b, c = byte(s, i, i + 2)
+    local a4, b16, c64 = a % 4, b % 16, c % 64
+    out[k + 1] = codes[(a - a4) / 4 + 1]
+    out[k + 2] = codes[a4 * 16 + (b - b16) / 16 + 1]
+    out[k + 3] = codes[b16 * 4 + (c - c64) / 64 + 1]
+    out[k + 4] = codes[c64 + 1]
+    k = k + 4
+    if k == 4000 then
+      parts[#parts + 1] = char(unpack(out, 1, k))
+      k = 0
+    end
   end
-  if n - full == 1 then
-    local v = string.byte(s, n) * 65536
-    out[#out + 1] = chars[math.floor(v / 262144)] .. chars[math.floor(v / 4096) % 64] .. '=='
-  elseif n - full == 2 then
-    local a, b = string.byte(s, n - 1, n)
-    local v = a * 65536 + b * 256
-    out[#out + 1] = chars[math.floor(v / 262144)] .. chars[math.floor(v / 4096) % 64] ..
-      chars[math.floor(v / 64) % 64] .. '='
+  local rest = n - full
+  if rest > 0 then
+    local a, b = byte(s, full + 1, n)
+    b = b or 0
+    local a4, b16 = a % 4, b % 16
+    out[k + 1] = codes[(a - a4) / 4 + 1]
+    out[k + 2] = codes[a4 * 16 + (b - b16) / 16 + 1]
+    out[k + 3] = rest == 2 and codes[b16 * 4 + 1] or 61   -- 61: '='
+    out[k + 4] = 61
+    k = k + 4
   end
-  return table.concat(out)
+  parts[#parts + 1] = char(unpack(out, 1, k))
+  return table.concat(parts)
 end
 
 -- Publish a release here, as kombu's Redis transport would (Producer.publish -> basic_publish
 -- -> LPUSH of the JSON message onto the queue's list), when DIRECT names the broker and the
--- stored message allows it: the publisher marked it '{"d":1,"hl":<length of its headers>,...'
+-- stored message allows it: the publisher marked it '{"d":<1|2>,"hl":<length of its headers>,...'
 -- (default exchange, priority 0, no expiry, no compression; see publish.encode_envelope).  The
--- headers are spliced as stored, not decoded and encoded again.  Returns true when published.
+-- headers are spliced as stored, not decoded and encoded again.  A body marked 2 is UTF-8 text:
+-- it goes in as a JSON string with body_encoding 'utf-8' (kombu's other body encoding, which its
+-- consumer turns back into the same bytes), escaped by cjson in C instead of base64-encoded here
+-- (a fifth of a release's time in Redis for a 300-byte body).  Returns true when published.
 local function publish_direct(token, rec)
   if DIRECT == '' then return false end
   local gate_db, broker_db, prefix = string.match(DIRECT, '^(%d+)|(%d+)|(.*)$')
   local p = parse_record(rec)
-  local hl = string.match(rec, '^{"d":1,"hl":(%d+),"headers":', p.body_at)
+  local mark, hl = string.match(rec, '^{"d":([12]),"hl":(%d+),"headers":', p.body_at)
   local nl = hl and string.find(rec, '\n', p.body_at, true)
   if not nl then return false end
   local hs = p.body_at + 23 + #hl   -- where the headers' JSON object starts
@@ -162,10 +179,17 @@ local function publish_direct(token, rec)
   local props = h.properties
   props.delivery_info = { exchange = '', routing_key = h.routing_key }
   props.priority = 0
-  props.body_encoding = 'base64'
   -- kombu's Redis transport keys its unacked messages by this tag: unique across gates and time.
   props.delivery_tag = K_SEQ .. ':' .. token .. ':' .. NOW
-  local message = '{"body":"' .. base64(string.sub(rec, nl + 1)) .. '","content-encoding":' ..
+  local body
+  if mark == '2' then
+    body = cjson.encode(string.sub(rec, nl + 1))
+    props.body_encoding = 'utf-8'
+  else
+    body = '"' .. base64(string.sub(rec, nl + 1)) .. '"'
+    props.body_encoding = 'base64'
+  end
+  local message = '{"body":' .. body .. ',"content-encoding":' ..
     cjson.encode(h.content_encoding) .. ',"content-type":' .. cjson.encode(h.content_type) ..
     ',"headers":{' .. inner .. '"retries":' .. p.retries .. ',"eta":null,"thread_id":' ..
     cjson.encode(TID) .. ',"thread_token":"' .. token .. '"},"properties":' ..
