@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import threading
+import uuid
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any, Callable, Iterator, NamedTuple, Optional, Sequence
@@ -39,7 +40,7 @@ def _load_lua(name: str) -> str:
 
 def script_sources() -> dict[str, str]:
     """Each transition's full source: the clock, the shared prelude, then its own body."""
-    common = _load_lua("_clock.lua") + "\n" + _load_lua("_common.lua")
+    common = "\n".join(_load_lua(f"{part}.lua") for part in ("_clock", "_member", "_common"))
     return {name: common + "\n" + _load_lua(f"{name}.lua") for name in SCRIPT_NAMES}
 
 
@@ -67,12 +68,14 @@ class Outcome:
         return self.status == DONE
 
 
-SEQ_WIDTH = 16  # digits of the arrival number in a queue member "<seq>:<task id>" (as in Lua)
-
-
 def queued_task(member: Any) -> str:
-    """The task id of a thread queue's member ``<seq, SEQ_WIDTH digits>:<task id>``."""
-    return _text(member)[SEQ_WIDTH + 1:]
+    """The task id of a thread queue's member (``queue_member`` in lua/_member.lua): a length byte,
+    the seq big-endian, then ``u`` and a UUID's 16 bytes, or ``:`` and the task id."""
+    raw = member if isinstance(member, bytes) else str(member).encode()
+    at = raw[0] + 1
+    if raw[at:at + 1] == b"u":
+        return str(uuid.UUID(bytes=raw[at + 1:at + 17]))
+    return raw[at + 1:].decode()
 
 
 class Record(NamedTuple):
@@ -246,7 +249,8 @@ class Gate:
         self._heads = {name: self._packers[0].head(script.sha)
                        for name, script in self._scripts.items()}
         self._scan = client.register_script(_load_lua("_clock.lua") + "\n" + _load_lua("scan.lua"))
-        self._snapshot = client.register_script(_load_lua("snapshot.lua"))
+        self._snapshot = client.register_script(_load_lua("_member.lua") + "\n"
+                                                + _load_lua("snapshot.lua"))
 
     # -- plumbing ---------------------------------------------------------------------------
     def _now_arg(self) -> str:

@@ -86,7 +86,7 @@ class ThreadKeys:
 
     @property
     def queue(self) -> str:
-        """ZSET of waiting members: ``<seq16>:<task id>`` scored by scheduled_at (ms)."""
+        """ZSET of waiting members scored by scheduled_at (ms): seq and task id (lua/_member.lua)."""
         return f"{self.base}:q"
 
     @property

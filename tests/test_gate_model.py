@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import uuid
 from collections import Counter
 from typing import Any, Optional
 
@@ -33,7 +34,7 @@ from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, p
                                  rule, run_state_machine_as_test)
 
 from celery_threads import gate as gate_module
-from celery_threads.gate import Gate, parse_record
+from celery_threads.gate import Gate, parse_record, queued_task
 from celery_threads.keys import Keys
 from tests import model as M
 
@@ -126,7 +127,9 @@ class GateMachine(RuleBasedStateMachine):
 
     def next_task_id(self) -> str:
         self.serial += 1
-        task_id = f"task-{self.serial}"
+        # Half of them Celery's kind (a UUID, which a queue member holds in 16 bytes).
+        task_id = (f"task-{self.serial}" if self.serial % 2
+                   else str(uuid.UUID(int=self.serial * 0x9E3779B97F4A7C15)))
         self.task_ids.append(task_id)
         return task_id
 
@@ -424,11 +427,14 @@ class GateMachine(RuleBasedStateMachine):
             if a.state == M.RUNNING:
                 assert active["worker"] == a.worker, f"{what}: worker {active} vs {a}"
             self.bind(thread_id, a.task_id, a.token, active["token"])
-        waiting = [(m.decode()[17:], int(score)) for m, score in queue]
+        waiting = [(queued_task(m), int(score)) for m, score in queue]
         expected = [(m.task_id, m.sched) for m in thread.waiting()]
         assert waiting == expected, f"{what}: waiting {waiting} vs model {expected}"
-        seqs = [m.decode()[:16] for m, _ in queue]
-        assert all(len(x) == 16 and x.isdigit() for x in seqs), f"{what}: queue members {queue}"
+        # A member is <n><seq, n bytes big-endian><task id> (lua/_member.lua): its record's seq.
+        for m, _ in queue:
+            record = members.get(queued_task(m))
+            assert record is not None and int.from_bytes(m[1:1 + m[0]], "big") == record.seq, (
+                f"{what}: queue member {m!r} vs record {record}")
         records = {task_id: (r.retries, r.max_retries, r.retry_delay_ms, r.envelope)
                    for task_id, r in members.items()}
         expected_records = {m.task_id: (m.retries, m.max_retries, m.retry_delay_ms, m.envelope)

@@ -7,7 +7,7 @@
 --   KEYS[4] tasks    HASH    task id -> record, every member (see make_record)
 --   KEYS[5] dead     ZSET    task id -> death order (a value of the shard counter)
 --   KEYS[6] deadrec  HASH    task id -> died_at_ms "\n" meta_json "\n" envelope
---   KEYS[7] queue    ZSET    this thread's waiting members "<seq16>:<task id>" -> scheduled_at (ms)
+--   KEYS[7] queue    ZSET    this thread's waiting members (seq and task id, _member.lua) -> scheduled_at (ms)
 --   KEYS[8] active   HASH    this thread's active member: task, token, state, since, deadline, worker, n
 --   KEYS[9] ended    ZSET    task id -> ended_at (ms) of members that ended in the last ENDED_WINDOW
 -- ARGV (common head):
@@ -33,7 +33,6 @@ local TID = ARGV[2]
 local RELEASE_TIMEOUT = tonumber(ARGV[3])
 local WAKE = ARGV[4]
 local DIRECT = ARGV[5]
-local SEQ_WIDTH = 16
 -- How long an ended member's task id is remembered, so that an enqueue replayed after a lost reply
 -- (the client retries through a Redis restart), or a redelivered token-less message, cannot make
 -- it a member again and run it twice.  Longer than the client's retries (about 20 s).
@@ -59,13 +58,6 @@ local function make_record(seq, retries, maxr, delay, envelope)
   return seq .. '|' .. retries .. '|' .. maxr .. '|' .. delay .. '|' .. #TID .. '\n' .. TID .. envelope
 end
 
-local function queue_member(seq, task)
-  return seq .. ':' .. task
-end
-
-local function task_of(member)
-  return string.sub(member, SEQ_WIDTH + 2)
-end
 
 -- Index a thread that has no active member: in due at its head's scheduled_at, or, when it has
 -- no member left, in neither index (its queue, emptied, is gone already).  `detached`: the caller has just
@@ -272,7 +264,7 @@ local function add_member(task, sched, retries, maxr, delay, envelope, again)
     local ended = redis.call('ZSCORE', K_ENDED, task)
     if ended and tonumber(ended) >= NOW - ENDED_WINDOW then return false end
   end
-  local seq = string.format('%016d', next_seq())
+  local seq = string.format('%d', next_seq())
   local rec = make_record(seq, retries, maxr, delay, envelope)
   if redis.call('HSETNX', K_TASKS, task, rec) == 0 then return false end
   if redis.call('EXISTS', K_A) == 1 then

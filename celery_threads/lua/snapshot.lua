@@ -10,8 +10,8 @@ local ids = {}
 for i = 1, #active, 2 do
   if active[i] == 'task' then ids[#ids + 1] = active[i + 1] end
 end
-for i = 1, #queue, 2 do    -- a member is "<seq>:<task id>"; the seq has no ':'
-  ids[#ids + 1] = string.sub(queue[i], string.find(queue[i], ':', 1, true) + 1)
+for i = 1, #queue, 2 do
+  ids[#ids + 1] = task_of(queue[i])
 end
 local records = {}
 for start = 1, #ids, 1000 do    -- in chunks: unpack() is bounded by Lua's stack
