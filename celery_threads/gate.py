@@ -68,14 +68,32 @@ class Outcome:
         return self.status == DONE
 
 
+def task_field(task_id: str) -> bytes:
+    """A member's field in the shard's tasks hash (``task_field`` in lua/_member.lua): a lowercase
+    UUID as its 16 bytes, another id as written when shorter than 16 bytes, else behind ``\\1``."""
+    if len(task_id) == 36 and task_id == task_id.lower():
+        try:
+            parsed = uuid.UUID(task_id)
+        except ValueError:
+            parsed = None
+        if parsed is not None and str(parsed) == task_id:
+            return parsed.bytes
+    raw = task_id.encode()
+    return raw if len(raw) < 16 else b"\x01" + raw
+
+
+def field_task(field: bytes) -> str:
+    """The task id a tasks-hash field (or the end of a queue member) names."""
+    if len(field) == 16:
+        return str(uuid.UUID(bytes=field))
+    return (field if len(field) < 16 else field[1:]).decode()
+
+
 def queued_task(member: Any) -> str:
     """The task id of a thread queue's member (``queue_member`` in lua/_member.lua): a length byte,
-    the seq big-endian, then ``u`` and a UUID's 16 bytes, or ``:`` and the task id."""
+    the seq big-endian, then the task's field."""
     raw = member if isinstance(member, bytes) else str(member).encode()
-    at = raw[0] + 1
-    if raw[at:at + 1] == b"u":
-        return str(uuid.UUID(bytes=raw[at + 1:at + 17]))
-    return raw[at + 1:].decode()
+    return field_task(raw[raw[0] + 1:])
 
 
 class Record(NamedTuple):
@@ -412,7 +430,7 @@ class Gate:
     # -- inspection ---------------------------------------------------------------------------
     def thread_of(self, task_id: str) -> Optional[str]:
         for shard in self.keys.all_shards():
-            value = self.client.hget(shard.tasks, task_id)
+            value = self.client.hget(shard.tasks, task_field(task_id))
             if value is not None:
                 return parse_record(value).thread_id  # type: ignore[arg-type]
         return None

@@ -34,7 +34,7 @@ from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, p
                                  rule, run_state_machine_as_test)
 
 from celery_threads import gate as gate_module
-from celery_threads.gate import Gate, parse_record, queued_task
+from celery_threads.gate import Gate, field_task, parse_record, queued_task, task_field
 from celery_threads.keys import Keys
 from tests import model as M
 
@@ -388,7 +388,7 @@ class GateMachine(RuleBasedStateMachine):
         assert not set(due) & set(leases), "a thread in both indexes"
         assert set(due) | set(leases) == set(model.threads), "an existing thread in no index"
 
-        records = {k.decode(): parse_record(v) for k, v in tasks.items()}
+        records = {field_task(k): parse_record(v) for k, v in tasks.items()}
         index = {task_id: r.thread_id for task_id, r in records.items()}
         assert index == model.tasks, f"tasks index {index} vs {model.tasks}"
 
@@ -590,7 +590,7 @@ def test_enqueue_paths_release_the_member_they_admit(gate_url: str) -> None:
 
         dup = gate.enqueue("a", "t1", b"other")
         assert (dup.status, dup.release) == (0, None)
-        assert parse_record(client.hget(shard.tasks, "t1")).envelope == b"first\nbody"
+        assert parse_record(client.hget(shard.tasks, task_field("t1"))).envelope == b"first\nbody"
 
         assert gate.enqueue("a", "t2", b"second").release is None          # behind t1
         nxt = gate.finish("a", "t1", first.release.token).release

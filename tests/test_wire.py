@@ -32,33 +32,41 @@ def test_the_model_clock_goes_the_generic_way():
         conn.pack_command("EVALSHA", gate._scripts["finish"].sha, len(keys), *keys, *argv))
 
 
-def test_queue_members_sort_by_arrival_and_name_their_task(redis_server):
-    """lua/_member.lua's members, ordered by Redis as a thread queue orders equal scores, are in
-    seq order and give back their task ids (UUIDs in 16 bytes, anything else as written)."""
-    from celery_threads.gate import _load_lua, queued_task
+def test_fields_and_queue_members(redis_server):
+    """lua/_member.lua: a task id's field in the tasks hash (16 bytes for a UUID) and its queue
+    member (a seq before the field), the same in Lua and Python; members ordered by Redis as a
+    thread queue orders equal scores are in seq order."""
+    from celery_threads.gate import _load_lua, field_task, queued_task, task_field
 
     client = redis.Redis(port=redis_server.port)
     encode = client.register_script(_load_lua("_member.lua") + """
         local out = {}
         for i = 1, #ARGV, 2 do
-          local m = queue_member(ARGV[i], ARGV[i + 1])
+          local f = task_field(ARGV[i + 1])
+          local m = queue_member(ARGV[i], f)
           redis.call('ZADD', KEYS[1], 0, m)
+          out[#out + 1] = f
           out[#out + 1] = m
-          out[#out + 1] = task_of(m)
+          out[#out + 1] = field_task(member_field(m))
         end
         return out""")
     ids = ["0b6f3c1e-9a2d-4c57-8e1f-2a3b4c5d6e7f", "0B6F3C1E-9A2D-4C57-8E1F-2A3B4C5D6E7F",
-           "not-a-uuid", "", "u", ":", "é\x00x", "0b6f3c1e9a2d4c578e1f2a3b4c5d6e7f",
-           "0b6f3c1e-9a2d-4c57-8e1f-2a3b4c5d6e7f-x"]
-    seqs = [1, 255, 256, 65_535, 65_536, 2**24, 2**40 + 7, 2**53 - 1, 9]
+           "not-a-uuid", "", "u", "x" * 15, "x" * 16, "\x01" * 16, "é" * 8, "é\x00x",
+           "0b6f3c1e9a2d4c578e1f2a3b4c5d6e7f", "00000000-0000-0000-0000-000000000000",
+           "ffffffff-ffff-ffff-ffff-ffffffffffff"]
+    seqs = [1, 255, 256, 65_535, 65_536, 2**24, 2**40 + 7, 2**53 - 1, 9, 10, 11, 12, 13]
     key = "test-wire:members"
     client.delete(key)
     argv = [x for seq, task in zip(seqs, ids) for x in (str(seq), task)]
     out = encode(keys=[key], args=argv)
-    members, decoded = out[::2], out[1::2]
+    fields, members, decoded = out[::3], out[1::3], out[2::3]
     assert [d.decode() for d in decoded] == ids
+    assert fields == [task_field(t) for t in ids]                 # Lua and Python agree
+    assert [field_task(f) for f in fields] == ids
+    assert len(set(fields)) == len(ids)
+    assert [len(f) for f in fields][:2] == [16, 37]               # only lowercase UUIDs shrink
     assert [queued_task(m) for m in members] == ids
-    assert len(members[0]) == 1 + 1 + 1 + 16          # a UUID and a one-byte seq: 19 bytes
+    assert len(members[0]) == 1 + 1 + 16                          # a one-byte seq and a UUID
     by_seq = [m for _, m in sorted(zip(seqs, members))]
     assert client.zrange(key, 0, -1) == by_seq
     client.delete(key)

@@ -86,7 +86,7 @@ local function activate(task, sched, in_due, rec)
     'deadline', deadline, 'sched', sched, 'n', 0)
   if in_due then redis.call('ZREM', K_DUE, TID) end
   redis.call('ZADD', K_LEASES, deadline, TID)
-  return { task, token, rec or redis.call('HGET', K_TASKS, task) }
+  return { task, token, rec or redis.call('HGET', K_TASKS, task_field(task)) }
 end
 
 -- Release the queue's head when it is due; the thread has no active member (`detached`: the
@@ -98,9 +98,11 @@ local function release_idle(detached, known)
     index_idle(detached, head)
     return nil
   end
-  local task = task_of(head[1])
+  local field = member_field(head[1])
+  local task = field_task(field)
   redis.call('ZREM', K_Q, head[1])
-  return activate(task, head[2], not detached, known and known[1] == task and known[2] or nil)
+  return activate(task, head[2], not detached,
+    known and known[1] == task and known[2] or redis.call('HGET', K_TASKS, field))
 end
 
 -- Release the head when it is due and nothing is active.  `detached` as for index_idle.
@@ -228,24 +230,25 @@ end
 -- Detach the active member for good (it ended) and forget it.
 local function drop_active(task)
   redis.call('DEL', K_A)
-  redis.call('HDEL', K_TASKS, task)
+  redis.call('HDEL', K_TASKS, task_field(task))
   mark_ended(task)
 end
 
 -- Waiting again: the active member goes back to the queue at `sched` with its arrival order.
 local function requeue_active(task, sched, retries, envelope)
-  local rec = redis.call('HGET', K_TASKS, task)
+  local field = task_field(task)
+  local rec = redis.call('HGET', K_TASKS, field)
   local p = parse_record(rec)
   if envelope == '' then envelope = string.sub(rec, p.body_at) end
-  redis.call('HSET', K_TASKS, task, make_record(p.seq, retries, p.maxr, p.delay, envelope))
-  redis.call('ZADD', K_Q, sched, queue_member(p.seq, task))
+  redis.call('HSET', K_TASKS, field, make_record(p.seq, retries, p.maxr, p.delay, envelope))
+  redis.call('ZADD', K_Q, sched, queue_member(p.seq, field))
   redis.call('DEL', K_A)
 end
 
 -- Move the active member to the dead-letter store (when keep is true) and detach it.
 local function kill_active(task, keep, meta_json)
   if keep then
-    local rec = redis.call('HGET', K_TASKS, task)
+    local rec = redis.call('HGET', K_TASKS, task_field(task))
     local p = parse_record(rec)
     -- Scored by the shard counter, so deaths in one millisecond keep their order.
     redis.call('ZADD', K_DEAD, next_seq(), task)
@@ -266,16 +269,17 @@ local function add_member(task, sched, retries, maxr, delay, envelope, again)
   end
   local seq = string.format('%d', next_seq())
   local rec = make_record(seq, retries, maxr, delay, envelope)
-  if redis.call('HSETNX', K_TASKS, task, rec) == 0 then return false end
+  local field = task_field(task)
+  if redis.call('HSETNX', K_TASKS, field, rec) == 0 then return false end
   if redis.call('EXISTS', K_A) == 1 then
-    redis.call('ZADD', K_Q, sched, queue_member(seq, task))
+    redis.call('ZADD', K_Q, sched, queue_member(seq, field))
     return nil
   end
   if sched <= NOW and redis.call('EXISTS', K_Q) == 0 then
     -- An empty thread (so in neither index): its only member is released without being queued.
     return activate(task, sched, false, rec)
   end
-  redis.call('ZADD', K_Q, sched, queue_member(seq, task))
+  redis.call('ZADD', K_Q, sched, queue_member(seq, field))
   return release_idle(false, { task, rec })
 end
 
@@ -288,7 +292,7 @@ end
 -- after its retry delay while retries remain, else it dies with `reason`.
 -- Returns 3 (retried) or 4 (died).
 local function fail_active(task, reason)
-  local p = parse_record(redis.call('HGET', K_TASKS, task))
+  local p = parse_record(redis.call('HGET', K_TASKS, task_field(task)))
   if p.maxr < 0 or p.retries < p.maxr then
     requeue_active(task, NOW + p.delay, p.retries + 1, '')
     return 3

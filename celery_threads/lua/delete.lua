@@ -3,7 +3,8 @@
 --   ARGV[8] "1" to delete only a WAITING member (a plain revoke must not detach a running one)
 -- Returns {1, previous state} plus the release, or {0, ''} when nothing was deleted.
 local task, token = ARGV[6], ARGV[7]
-local rec = redis.call('HGET', K_TASKS, task)
+local field = task_field(task)
+local rec = redis.call('HGET', K_TASKS, field)
 if rec == false then return reply(0, '') end
 local p = parse_record(rec)
 if p.thread ~= TID then return reply(0, '') end
@@ -15,8 +16,8 @@ if state then
 else
   if token ~= '' then return reply(0, 'WAITING') end
   state = 'WAITING'
-  redis.call('ZREM', K_Q, queue_member(p.seq, task))
-  redis.call('HDEL', K_TASKS, task)
+  redis.call('ZREM', K_Q, queue_member(p.seq, field))
+  redis.call('HDEL', K_TASKS, field)
   mark_ended(task)
 end
 return reply(1, state, release_head())
