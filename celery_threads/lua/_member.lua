@@ -11,18 +11,24 @@
 local UUID_FORM = '^%x%x%x%x%x%x%x%x%-%x%x%x%x%-%x%x%x%x%-%x%x%x%x%-%x%x%x%x%x%x%x%x%x%x%x%x$'
 local UUID_TEXT = '%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x'
 
+-- The four bytes of a 32-bit number, big-endian.
+local function split4(v)
+  local d = v % 256
+  v = (v - d) / 256
+  local c = v % 256
+  v = (v - c) / 256
+  local b = v % 256
+  return (v - b) / 256, b, c, d
+end
+
 local function task_field(task)
-  if #task == 36 and string.find(task, UUID_FORM) and task == string.lower(task) then
-    local hex = string.gsub(task, '%-', '')
-    local out = {}
-    for i = 1, 32, 8 do
-      local v = tonumber(string.sub(hex, i, i + 7), 16)
-      out[#out + 1] = (v - v % 16777216) / 16777216
-      out[#out + 1] = (v - v % 65536) / 65536 % 256
-      out[#out + 1] = (v - v % 256) / 256 % 256
-      out[#out + 1] = v % 256
-    end
-    return string.char(unpack(out))
+  if #task == 36 and string.find(task, UUID_FORM) and not string.find(task, '%u') then
+    local sub = string.sub
+    local a1, a2, a3, a4 = split4(tonumber(sub(task, 1, 8), 16))
+    local b1, b2, b3, b4 = split4(tonumber(sub(task, 10, 13) .. sub(task, 15, 18), 16))
+    local c1, c2, c3, c4 = split4(tonumber(sub(task, 20, 23) .. sub(task, 25, 28), 16))
+    local d1, d2, d3, d4 = split4(tonumber(sub(task, 29, 36), 16))
+    return string.char(a1, a2, a3, a4, b1, b2, b3, b4, c1, c2, c3, c4, d1, d2, d3, d4)
   end
   if #task < 16 then return task end
   return '\1' .. task
