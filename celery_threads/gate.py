@@ -280,22 +280,26 @@ class Gate:
                 self._direct_arg, *args]
         return keys.script_keys(), argv
 
-    def _command(self, name: str, thread_id: str, args: Sequence[Any]) -> bytes:
-        """The packed EVALSHA of a script call (what :meth:`_run` sends through the client)."""
+    def _command(self, name: str, thread_id: str, args: Sequence[Any],
+                 arguments: Optional[tuple[list[str], list[Any]]] = None) -> bytes:
+        """The packed EVALSHA of a script call: the call :meth:`_run` makes through the client.
+        With the model's clock, ``arguments`` (from :meth:`_arguments`) carry its reading."""
         if self.clock is not None:
-            script_keys, argv = self._arguments(thread_id, args)
+            script_keys, argv = arguments or self._arguments(thread_id, args)
             return _pack(("EVALSHA", self._scripts[name].sha, len(script_keys), *script_keys,
                           *argv))
         packer = self._packers[self.keys.shard_of(thread_id)]
         return packer.pack(self._heads[name], thread_id, args)
 
     def _run(self, name: str, thread_id: str, *args: Any, client: Any = None) -> Any:
+        # The clock is read once per call, whichever way the call goes.
+        arguments = self._arguments(thread_id, args) if self.clock is not None else None
         if client is None:
-            reply = self._direct.evalsha(self._command(name, thread_id, args))
+            reply = self._direct.evalsha(self._command(name, thread_id, args, arguments))
             if reply is not _MISSED:
                 return reply
         # Loads the script when the server does not have it; rides out outages with retries.
-        script_keys, argv = self._arguments(thread_id, args)
+        script_keys, argv = arguments or self._arguments(thread_id, args)
         return self._scripts[name](keys=script_keys, args=argv, client=client or self.client)
 
     def _outcome(self, thread_id: str, reply: Sequence[Any]) -> Outcome:

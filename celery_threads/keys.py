@@ -37,8 +37,9 @@ class ShardKeys:
 
     @property
     def tasks(self) -> str:
-        """HASH task id -> record, for every member: ``seq|retries|max_retries|retry_delay_ms|
-        <length of thread id>\\n<thread id><envelope>`` (see :func:`celery_threads.gate.parse_record`).
+        """HASH task id (its field: ``gate.task_field``) -> record, for every member:
+        ``seq|retries|max_retries|retry_delay_ms|<length of thread id>\\n<thread id><envelope>``
+        (see :func:`celery_threads.gate.parse_record`).
 
         One entry per member is both the index of task ids and the store of their messages."""
         return f"{self.tag}:tasks"

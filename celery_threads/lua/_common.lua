@@ -4,10 +4,10 @@
 --   KEYS[1] seq      STRING  shard counter: arrival order and fencing tokens
 --   KEYS[2] due      ZSET    thread id -> head scheduled_at (ms); threads with no active member
 --   KEYS[3] leases   ZSET    thread id -> deadline (ms) of the active member (release or lease)
---   KEYS[4] tasks    HASH    task id -> record, every member (see make_record)
+--   KEYS[4] tasks    HASH    task id's field (_member.lua) -> record, every member (make_record)
 --   KEYS[5] dead     ZSET    task id -> death order (a value of the shard counter)
 --   KEYS[6] deadrec  HASH    task id -> died_at_ms "\n" meta_json "\n" envelope
---   KEYS[7] queue    ZSET    this thread's waiting members (seq and task id, _member.lua) -> scheduled_at (ms)
+--   KEYS[7] queue    ZSET    this thread's waiting members (seq, field) -> scheduled_at (ms)
 --   KEYS[8] active   HASH    this thread's active member: task, token, state, since, deadline, worker, n
 --   KEYS[9] ended    ZSET    task id -> ended_at (ms) of members that ended in the last ENDED_WINDOW
 -- ARGV (common head):
@@ -57,7 +57,6 @@ end
 local function make_record(seq, retries, maxr, delay, envelope)
   return seq .. '|' .. retries .. '|' .. maxr .. '|' .. delay .. '|' .. #TID .. '\n' .. TID .. envelope
 end
-
 
 -- Index a thread that has no active member: in due at its head's scheduled_at, or, when it has
 -- no member left, in neither index (its queue, emptied, is gone already).  `detached`: the caller has just
