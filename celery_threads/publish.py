@@ -74,8 +74,8 @@ def encode_envelope(body: Any, kwargs: dict[str, Any]) -> bytes:
     else:
         content_encoding = kwargs.get("content_encoding") or "utf-8"
         payload = body
-    if isinstance(payload, str):
-        payload = payload.encode(content_encoding or "utf-8")
+    payload = (payload.encode(content_encoding or "utf-8") if isinstance(payload, str)
+               else bytes(payload))
     headers = dict(kwargs.get("headers") or {})
     # Set again on every release (release_message, and the gate's publish_direct).
     for key in (*OUR_HEADERS, "retries", "eta"):
@@ -99,12 +99,12 @@ def encode_envelope(body: Any, kwargs: dict[str, Any]) -> bytes:
     else:
         lead = "{"
     header = f'{lead}"headers":{headers_json},{_compact(rest)[1:]}'
-    return header.encode() + b"\n" + bytes(payload)
+    return header.encode() + b"\n" + payload
 
 
-def _is_utf8(payload: Any) -> bool:
+def _is_utf8(payload: bytes) -> bool:
     try:
-        bytes(payload).decode("utf-8")
+        payload.decode("utf-8")
     except UnicodeDecodeError:
         return False
     return True

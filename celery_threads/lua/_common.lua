@@ -155,7 +155,7 @@ end
 -- headers are spliced as stored, not decoded and encoded again.  A body marked 2 is UTF-8 text:
 -- it goes in as a JSON string with body_encoding 'utf-8' (kombu's other body encoding, which its
 -- consumer turns back into the same bytes), escaped by cjson in C instead of base64-encoded here
--- (a fifth of a release's time in Redis for a 300-byte body).  Returns true when published.
+-- (~30 µs of Redis CPU for a 300-byte body, measured).  Returns true when published.
 local function publish_direct(token, rec)
   if DIRECT == '' then return false end
   local gate_db, broker_db, prefix = string.match(DIRECT, '^(%d+)|(%d+)|(.*)$')
@@ -226,16 +226,17 @@ local function mark_ended(task)
   redis.call('ZREMRANGEBYSCORE', K_ENDED, '-inf', '(' .. (NOW - ENDED_WINDOW))
 end
 
--- Detach the active member for good (it ended) and forget it.
-local function drop_active(task)
+-- Detach the active member for good (it ended) and forget it.  `field`: its tasks-hash field
+-- when the caller has it (else derived from the task id), here and in the functions below.
+local function drop_active(task, field)
   redis.call('DEL', K_A)
-  redis.call('HDEL', K_TASKS, task_field(task))
+  redis.call('HDEL', K_TASKS, field or task_field(task))
   mark_ended(task)
 end
 
 -- Waiting again: the active member goes back to the queue at `sched` with its arrival order.
-local function requeue_active(task, sched, retries, envelope)
-  local field = task_field(task)
+local function requeue_active(task, sched, retries, envelope, field)
+  field = field or task_field(task)
   local rec = redis.call('HGET', K_TASKS, field)
   local p = parse_record(rec)
   if envelope == '' then envelope = string.sub(rec, p.body_at) end
@@ -245,16 +246,17 @@ local function requeue_active(task, sched, retries, envelope)
 end
 
 -- Move the active member to the dead-letter store (when keep is true) and detach it.
-local function kill_active(task, keep, meta_json)
+local function kill_active(task, keep, meta_json, field)
+  field = field or task_field(task)
   if keep then
-    local rec = redis.call('HGET', K_TASKS, task_field(task))
+    local rec = redis.call('HGET', K_TASKS, field)
     local p = parse_record(rec)
     -- Scored by the shard counter, so deaths in one millisecond keep their order.
     redis.call('ZADD', K_DEAD, next_seq(), task)
     redis.call('HSET', K_DEADREC, task, string.format('%d', NOW) .. '\n' .. meta_json .. '\n' ..
       string.sub(rec, p.body_at))
   end
-  drop_active(task)
+  drop_active(task, field)
 end
 
 -- A new arrival joins the thread, and is released at once when it is due and nothing is active.
@@ -291,12 +293,13 @@ end
 -- after its retry delay while retries remain, else it dies with `reason`.
 -- Returns 3 (retried) or 4 (died).
 local function fail_active(task, reason)
-  local p = parse_record(redis.call('HGET', K_TASKS, task_field(task)))
+  local field = task_field(task)
+  local p = parse_record(redis.call('HGET', K_TASKS, field))
   if p.maxr < 0 or p.retries < p.maxr then
-    requeue_active(task, NOW + p.delay, p.retries + 1, '')
+    requeue_active(task, NOW + p.delay, p.retries + 1, '', field)
     return 3
   end
   local meta = cjson.encode({ thread_id = TID, retries = p.retries, exception = reason, traceback = '' })
-  kill_active(task, true, meta)
+  kill_active(task, true, meta, field)
   return 4
 end

@@ -12,7 +12,7 @@ local state = active_state(task)
 if state then
   if ARGV[8] == '1' then return reply(0, state) end
   if token ~= '' and not is_active(task, token) then return reply(0, state) end
-  drop_active(task)
+  drop_active(task, field)
 else
   if token ~= '' then return reply(0, 'WAITING') end
   state = 'WAITING'
