@@ -68,32 +68,51 @@ class Outcome:
         return self.status == DONE
 
 
-def task_field(task_id: str) -> bytes:
-    """A member's field in the shard's tasks hash (``task_field`` in lua/_member.lua): a lowercase
-    UUID as its 16 bytes, another id as written when shorter than 16 bytes, else behind ``\\1``."""
+def task_field(task_id: str) -> tuple[bytes, Optional[bytes]]:
+    """A member's short field in the shard's tasks hash (``task_field`` in lua/_member.lua), and for
+    a UUID the two bytes its record keeps: a lowercase UUID as its first 14 bytes, another id as
+    written when shorter than 14 bytes, else behind ``\\1``."""
     if len(task_id) == 36 and task_id == task_id.lower():
         try:
             parsed = uuid.UUID(task_id)
         except ValueError:
             parsed = None
         if parsed is not None and str(parsed) == task_id:
-            return parsed.bytes
+            return parsed.bytes[:14], parsed.bytes[14:]
     raw = task_id.encode()
-    return raw if len(raw) < 16 else b"\x01" + raw
+    return (raw if len(raw) < 14 else b"\x01" + raw), None
 
 
-def field_task(field: bytes) -> str:
-    """The task id a tasks-hash field (or the end of a queue member) names."""
-    if len(field) == 16:
-        return str(uuid.UUID(bytes=field))
-    return (field if len(field) < 16 else field[1:]).decode()
+def task_fields(task_id: str) -> list[bytes]:
+    """The fields a member may be keyed by, in the order a lookup tries them (``find_member``): a
+    UUID whose first 14 bytes another member held when it arrived has its long form."""
+    field, tail = task_field(task_id)
+    return [field] if tail is None else [field, b"\x01" + task_id.encode()]
 
 
-def queued_task(member: Any) -> str:
-    """The task id of a thread queue's member (``queue_member`` in lua/_member.lua): a length byte,
-    the seq big-endian, then the task's field."""
+def find_record(client: Any, tasks_key: str, task_id: str) -> tuple[Optional[bytes], Optional[bytes]]:
+    """``(field, record)`` of a member, or ``(None, None)`` (``find_member`` in lua/_member.lua)."""
+    fields = task_fields(task_id)
+    found = client.hmget(tasks_key, fields)
+    tail = task_field(task_id)[1]
+    for field, record in zip(fields, found):
+        if record is not None and (len(field) != 14 or record[1:3] == tail):
+            return field, record
+    return None, None
+
+
+def record_task(field: bytes, record: bytes) -> str:
+    """The task id a tasks-hash field names (a 14-byte field's record holds the id's last bytes)."""
+    if len(field) == 14:
+        return str(uuid.UUID(bytes=field + record[1:3]))
+    return (field if len(field) < 14 else field[1:]).decode()
+
+
+def member_field(member: Any) -> bytes:
+    """The tasks-hash field in a thread queue's member (``queue_member`` in lua/_member.lua): a
+    length byte, the seq big-endian, then the field."""
     raw = member if isinstance(member, bytes) else str(member).encode()
-    return field_task(raw[raw[0] + 1:])
+    return raw[raw[0] + 1:]
 
 
 class Record(NamedTuple):
@@ -108,7 +127,10 @@ class Record(NamedTuple):
 
 
 def parse_record(record: bytes) -> Record:
-    """``seq|retries|max_retries|retry_delay_ms|<length of thread id>\\n<thread id><envelope>``."""
+    """``[\\2 <two bytes>]seq|retries|max_retries|retry_delay_ms|<length of thread id>\\n<thread id>
+    <envelope>`` (the two bytes: the end of a UUID keyed by its first 14, see ``task_field``)."""
+    if record[:1] == b"\x02":
+        record = record[3:]
     header, _, rest = record.partition(b"\n")
     seq, retries, max_retries, delay, tlen = (int(x) for x in header.split(b"|"))
     return Record(seq, retries, max_retries, delay, rest[:tlen].decode(), rest[tlen:])
@@ -269,6 +291,8 @@ class Gate:
         self._scan = client.register_script(_load_lua("_clock.lua") + "\n" + _load_lua("scan.lua"))
         self._snapshot = client.register_script(_load_lua("_member.lua") + "\n"
                                                 + _load_lua("snapshot.lua"))
+        self._summaries = client.register_script(_load_lua("_member.lua") + "\n"
+                                                 + _load_lua("summaries.lua"))
 
     # -- plumbing ---------------------------------------------------------------------------
     def _now_arg(self) -> str:
@@ -434,9 +458,9 @@ class Gate:
     # -- inspection ---------------------------------------------------------------------------
     def thread_of(self, task_id: str) -> Optional[str]:
         for shard in self.keys.all_shards():
-            value = self.client.hget(shard.tasks, task_field(task_id))
+            _, value = find_record(self.client, shard.tasks, task_id)
             if value is not None:
-                return parse_record(value).thread_id  # type: ignore[arg-type]
+                return parse_record(value).thread_id
         return None
 
     def snapshot(self, thread_id: str) -> Optional["ThreadSnapshot"]:
@@ -450,7 +474,7 @@ class Gate:
         return ThreadSnapshot(
             thread_id=thread_id,
             active={_text(k): _text(v) for k, v in zip(active[::2], active[1::2])},
-            waiting=[(queued_task(m), int(score)) for m, score in zip(queue[::2], queue[1::2])],
+            waiting=[(_text(t), int(score)) for t, score in zip(queue[::2], queue[1::2])],
             records={_text(t): r for t, r in zip(records[::2], records[1::2])},
             due_at=None if due_at in (b"", "", None) else int(due_at),
         )
@@ -511,21 +535,25 @@ class Gate:
     def thread_summaries(self, thread_ids: Sequence[str]
                          ) -> list[tuple[dict[str, str], int, Optional[tuple[str, int]]]]:
         """For each thread: its active hash, how many members wait, and its head as
-        ``(task id, scheduled_at ms)`` (``None`` when none waits); one MULTI/EXEC of plain reads."""
+        ``(task id, scheduled_at ms)`` (``None`` when none waits); a read-only script per shard
+        (a head's task id needs its record), pipelined."""
         if not thread_ids:
             return []
-        pipe = self.client.pipeline(transaction=True)
-        for thread_id in thread_ids:
-            keys = self.keys.thread(thread_id)
-            pipe.hgetall(keys.active)
-            pipe.zcard(keys.queue)
-            pipe.zrange(keys.queue, 0, 0, withscores=True)
-        replies = pipe.execute()
-        rows: list[tuple[dict[str, str], int, Optional[tuple[str, int]]]] = []
-        for i in range(len(thread_ids)):
-            active, waiting, head = replies[3 * i:3 * i + 3]
-            rows.append(({_text(k): _text(v) for k, v in active.items()}, int(waiting),
-                         (queued_task(head[0][0]), int(head[0][1])) if head else None))
+        by_shard: dict[int, list[int]] = {}
+        for i, thread_id in enumerate(thread_ids):
+            by_shard.setdefault(self.keys.shard_of(thread_id), []).append(i)
+        pipe = self.client.pipeline(transaction=False)
+        for shard, indexes in by_shard.items():
+            keys = [self.keys.shard(shard).tasks]
+            for i in indexes:
+                thread = self.keys.thread(thread_ids[i])
+                keys += [thread.active, thread.queue]
+            self._summaries(keys=keys, args=[], client=pipe)
+        rows: list[Any] = [None] * len(thread_ids)
+        for indexes, replies in zip(by_shard.values(), pipe.execute()):
+            for i, (active, waiting, head, at) in zip(indexes, replies):
+                rows[i] = ({_text(k): _text(v) for k, v in zip(active[::2], active[1::2])},
+                           int(waiting), (_text(head), int(at)) if at not in (b"", "") else None)
         return rows
 
     def overdue(self, shard: ShardKeys, before_ms: int, limit: int

@@ -38,8 +38,8 @@ class ShardKeys:
     @property
     def tasks(self) -> str:
         """HASH task id (its field: ``gate.task_field``) -> record, for every member:
-        ``seq|retries|max_retries|retry_delay_ms|<length of thread id>\\n<thread id><envelope>``
-        (see :func:`celery_threads.gate.parse_record`).
+        ``[\\2 <a UUID's last two bytes>]seq|retries|max_retries|retry_delay_ms|<length of thread
+        id>\\n<thread id><envelope>`` (see :func:`celery_threads.gate.parse_record`).
 
         One entry per member is both the index of task ids and the store of their messages."""
         return f"{self.tag}:tasks"

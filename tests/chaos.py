@@ -299,7 +299,7 @@ class Cluster:
             client.close()
 
     def gate_state(self) -> GateState:
-        from celery_threads.gate import Gate, field_task, parse_record
+        from celery_threads.gate import Gate, parse_record, record_task
         from celery_threads.keys import Keys
 
         keys = Keys(self.env["CHAOS_KEY_PREFIX"])
@@ -309,7 +309,7 @@ class Cluster:
             due = {k.decode(): int(v) for k, v in client.zrange(shard.due, 0, -1, withscores=True)}
             leases = {k.decode(): int(v)
                       for k, v in client.zrange(shard.leases, 0, -1, withscores=True)}
-            members = {field_task(k): parse_record(v).thread_id
+            members = {record_task(k, v): parse_record(v).thread_id
                        for k, v in client.hgetall(shard.tasks).items()}
             gate = Gate(client, keys, release_timeout_ms=1000)
             dead = {r.task_id: DeadLetter(str(r.meta.get("thread_id", "")),

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import redis
 
-from celery_threads.gate import DirectRelease, Release, parse_record, task_field
+from celery_threads.gate import DirectRelease, Release, find_record, parse_record
 from celery_threads.runtime import direct_release, get_runtime
 from tests.helpers import starts, tid, wait_for
 from tests.isolated import BROKER_DB, GATE_DB, pointed_at
@@ -32,8 +32,8 @@ def _messages(server: Any, key: str) -> list[dict[str, Any]]:
 def _through_kombu(app: Any, thread: str, task_id: str, token: str) -> None:
     """Publish the same release again, Python's way (kombu's Producer)."""
     runtime = get_runtime(app)
-    record = parse_record(runtime.client.hget(runtime.keys.thread(thread).shard.tasks,
-                                              task_field(task_id)))
+    record = parse_record(find_record(runtime.client, runtime.keys.thread(thread).shard.tasks,
+                                      task_id)[1])
     runtime.publisher.publish(Release(thread, task_id, token, record.retries, record.envelope))
 
 
@@ -183,8 +183,8 @@ def test_a_refused_push_leaves_the_publish_to_kombu(proj, isolated_app, redis_se
     assert snapshot.active["task"] == result.id
     assert broker.get(_queue(isolated_app)) == b"not a list"
     # The gate hands such a release back whole, for the caller to publish.
-    envelope = parse_record(gate.client.hget(gate.keys.thread(thread).shard.tasks,
-                                             task_field(result.id))).envelope
+    envelope = parse_record(find_record(gate.client, gate.keys.thread(thread).shard.tasks,
+                                        result.id)[1]).envelope
     other = tid()
     outcome = gate.enqueue(other, "refused-too", envelope)
     assert outcome.release is not None and not outcome.release.published

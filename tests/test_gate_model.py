@@ -34,7 +34,7 @@ from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, p
                                  rule, run_state_machine_as_test)
 
 from celery_threads import gate as gate_module
-from celery_threads.gate import Gate, field_task, parse_record, queued_task, task_field
+from celery_threads.gate import Gate, member_field, parse_record, record_task, task_field
 from celery_threads.keys import Keys
 from tests import model as M
 
@@ -127,9 +127,17 @@ class GateMachine(RuleBasedStateMachine):
 
     def next_task_id(self) -> str:
         self.serial += 1
-        # Half of them Celery's kind (a UUID, which a queue member holds in 16 bytes).
-        task_id = (f"task-{self.serial}" if self.serial % 2
-                   else str(uuid.UUID(int=self.serial * 0x9E3779B97F4A7C15)))
+        # Half of them Celery's kind (a UUID, keyed by its first 14 bytes), and half of those
+        # sharing their first 14 bytes with the UUID before them (keyed by their long form while
+        # that one is a member).
+        mix = 0x9E3779B97F4A7C15
+        if self.serial % 2:
+            task_id = f"task-{self.serial}"
+        elif self.serial % 4 == 0:
+            task_id = str(uuid.UUID(int=self.serial * mix))
+        else:
+            task_id = str(uuid.UUID(int=((self.serial - 2) * mix & ~0xFFFF)
+                                    | (self.serial * mix & 0xFFFF)))
         self.task_ids.append(task_id)
         return task_id
 
@@ -388,7 +396,9 @@ class GateMachine(RuleBasedStateMachine):
         assert not set(due) & set(leases), "a thread in both indexes"
         assert set(due) | set(leases) == set(model.threads), "an existing thread in no index"
 
-        records = {field_task(k): parse_record(v) for k, v in tasks.items()}
+        records = {record_task(k, v): parse_record(v) for k, v in tasks.items()}
+        named = {k: record_task(k, v) for k, v in tasks.items()}        # field -> task id
+        STATS["long UUID fields"] += sum(1 for k in tasks if len(k) == 37 and k[:1] == b"\x01")
         index = {task_id: r.thread_id for task_id, r in records.items()}
         assert index == model.tasks, f"tasks index {index} vs {model.tasks}"
 
@@ -405,12 +415,13 @@ class GateMachine(RuleBasedStateMachine):
         for i, thread_id in enumerate(threads):
             active, queue = per_thread[2 * i: 2 * i + 2]
             members = {t: r for t, r in records.items() if r.thread_id == thread_id}
-            self.check_thread(thread_id, model.threads.get(thread_id), active, queue, members)
+            self.check_thread(thread_id, model.threads.get(thread_id), active, queue, members,
+                              named)
         self.check_keys({k.decode() for k in keys})
         self.check_readers(threads)
 
     def check_thread(self, thread_id: str, thread: Optional[M.Thread], active: dict,
-                     queue: list, members: dict) -> None:
+                     queue: list, members: dict, named: dict) -> None:
         what = f"thread {thread_id}"
         if thread is None:
             assert not (active or queue or members), f"{what} exists in the gate only"
@@ -427,12 +438,12 @@ class GateMachine(RuleBasedStateMachine):
             if a.state == M.RUNNING:
                 assert active["worker"] == a.worker, f"{what}: worker {active} vs {a}"
             self.bind(thread_id, a.task_id, a.token, active["token"])
-        waiting = [(queued_task(m), int(score)) for m, score in queue]
+        waiting = [(named.get(member_field(m)), int(score)) for m, score in queue]
         expected = [(m.task_id, m.sched) for m in thread.waiting()]
         assert waiting == expected, f"{what}: waiting {waiting} vs model {expected}"
-        # A member is <n><seq, n bytes big-endian><task id> (lua/_member.lua): its record's seq.
+        # A member is <n><seq, n bytes big-endian><field> (lua/_member.lua): its record's seq.
         for m, _ in queue:
-            record = members.get(queued_task(m))
+            record = members.get(named.get(member_field(m)))
             assert record is not None and int.from_bytes(m[1:1 + m[0]], "big") == record.seq, (
                 f"{what}: queue member {m!r} vs record {record}")
         records = {task_id: (r.retries, r.max_retries, r.retry_delay_ms, r.envelope)
@@ -537,7 +548,9 @@ def test_gate_matches_model(gate_url: str) -> None:
         GateMachine.client.close()
     steps = STATS["checks"] - STATS["examples"]     # the invariant also runs once at the start
     print(f"\ngate model: {STATS['examples']} examples, {steps} steps, "
-          f"{STATS['calls']} gate calls compared")
+          f"{STATS['calls']} gate calls compared, {STATS['long UUID fields']} states with a UUID "
+          "keyed by its long form")
+    assert STATS["long UUID fields"] > 0, "no state had two members sharing a UUID's first bytes"
     if os.environ.get("CT_MODEL_VERBOSE"):
         for what, n in sorted(OUTCOMES.items()):
             print(f"  {n:6d}  {what}")
@@ -590,7 +603,7 @@ def test_enqueue_paths_release_the_member_they_admit(gate_url: str) -> None:
 
         dup = gate.enqueue("a", "t1", b"other")
         assert (dup.status, dup.release) == (0, None)
-        assert parse_record(client.hget(shard.tasks, task_field("t1"))).envelope == b"first\nbody"
+        assert parse_record(client.hget(shard.tasks, task_field("t1")[0])).envelope == b"first\nbody"
 
         assert gate.enqueue("a", "t2", b"second").release is None          # behind t1
         nxt = gate.finish("a", "t1", first.release.token).release
@@ -608,5 +621,55 @@ def test_enqueue_paths_release_the_member_they_admit(gate_url: str) -> None:
         assert early is not None and (early.task_id, early.envelope) == ("t4", b"now")
         assert client.zscore(shard.due, "b") is None and client.zscore(shard.leases, "b") is not None
         assert [t for t, _ in gate.snapshot("b").waiting] == ["t3"]
+    finally:
+        client.close()
+
+
+def test_uuid_prefix_collisions(gate_url: str) -> None:
+    """A UUID is keyed by its first 14 bytes, its record holding the last two; one arriving while
+    another member holds those 14 bytes is keyed by its long form.  Every lookup by task id finds
+    the right member, a duplicate of either is refused, and nothing is left behind."""
+    client = redis.Redis.from_url(gate_url)
+    client.flushdb()
+    now = [START]
+    gate = Gate(client, Keys(PREFIX), release_timeout_ms=RELEASE_TIMEOUT, clock=lambda: now[0])
+    tasks = gate.keys.shard(0).tasks
+    prefix = "0b6f3c1e-9a2d-4c57-8e1f-2a3b4c5d"
+    u1, u2, u3, u4 = (prefix + tail for tail in ("6e7f", "0000", "ffff", "1234"))
+    short = task_field(u1)[0]
+    assert all(task_field(u)[0] == short for u in (u2, u3, u4))
+    try:
+        r1 = gate.enqueue("a", u1, b"one").release
+        r2 = gate.enqueue("b", u2, b"two").release
+        assert r1 is not None and r2 is not None and (r2.task_id, r2.envelope) == (u2, b"two")
+        assert set(client.hkeys(tasks)) == {short, b"\x01" + u2.encode()}
+        assert gate.enqueue("c", u2, b"again").status == 0              # a duplicate of each
+        assert gate.enqueue("c", u1, b"again").status == 0
+        assert gate.enqueue("a", u3, b"three").release is None          # behind u1, long form
+        assert (gate.thread_of(u1), gate.thread_of(u2), gate.thread_of(u3)) == ("a", "b", "a")
+        assert gate.thread_of(u4) is None
+        snap = gate.snapshot("a")
+        assert snap is not None and snap.active["task"] == u1
+        assert snap.waiting == [(u3, START)] and set(snap.records) == {u1, u3}
+        assert [row[2] for row in gate.thread_summaries(["a", "b"])] == [(u3, START), None]
+
+        assert gate.claim("a", u1, r1.token, 1000, "w") == 1
+        r3 = gate.finish("a", u1, r1.token).release                   # frees the short field
+        assert r3 is not None and (r3.task_id, r3.envelope) == (u3, b"three")
+        assert client.hget(tasks, short) is None
+        assert gate.enqueue("c", u2, b"again").status == 0              # still a member
+        r4 = gate.enqueue("d", u4, b"four").release                    # takes the short field
+        assert r4 is not None and client.hget(tasks, short) is not None
+        assert gate.delete(u2).done and gate.thread_of(u2) is None     # by its long form
+        assert gate.thread_of(u4) == "d" and gate.thread_of(u3) == "a"
+
+        assert gate.claim("a", u3, r3.token, 1000, "w") == 1
+        assert gate.requeue("a", u3, r3.token, retries=1).done          # a retry keeps its key
+        r3 = gate.snapshot("a").active
+        assert r3["task"] == u3 and gate.thread_of(u3) == "a"
+        assert gate.kill("a", u3, r3["token"], keep=True, meta={"thread_id": "a"}).done
+        assert gate.claim("d", u4, r4.token, 1000, "w") == 1
+        assert gate.finish("d", u4, r4.token).done
+        assert not client.exists(tasks) and gate.snapshot("a") is None
     finally:
         client.close()

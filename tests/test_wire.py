@@ -33,40 +33,46 @@ def test_the_model_clock_goes_the_generic_way():
 
 
 def test_fields_and_queue_members(redis_server):
-    """lua/_member.lua: a task id's field in the tasks hash (16 bytes for a UUID) and its queue
-    member (a seq before the field), the same in Lua and Python; members ordered by Redis as a
-    thread queue orders equal scores are in seq order."""
-    from celery_threads.gate import _load_lua, field_task, queued_task, task_field
+    """lua/_member.lua: a task id's field in the tasks hash (14 bytes for a UUID, whose record keeps
+    the other two) and its queue member (a seq before the field), the same in Lua and Python;
+    members ordered by Redis as a thread queue orders equal scores are in seq order."""
+    from celery_threads.gate import _load_lua, member_field, record_task, task_field
 
     client = redis.Redis(port=redis_server.port)
     encode = client.register_script(_load_lua("_member.lua") + """
         local out = {}
         for i = 1, #ARGV, 2 do
-          local f = task_field(ARGV[i + 1])
+          local f, tail = task_field(ARGV[i + 1])
           local m = queue_member(ARGV[i], f)
+          local rec = tail and '\\2' .. tail .. '1|0|-1|0|1\\nt' or '1|0|-1|0|1\\nt'
           redis.call('ZADD', KEYS[1], 0, m)
           out[#out + 1] = f
           out[#out + 1] = m
-          out[#out + 1] = field_task(member_field(m))
+          out[#out + 1] = rec
+          out[#out + 1] = field_task(member_field(m), rec)
         end
         return out""")
     ids = ["0b6f3c1e-9a2d-4c57-8e1f-2a3b4c5d6e7f", "0B6F3C1E-9A2D-4C57-8E1F-2A3B4C5D6E7F",
-           "not-a-uuid", "", "u", "x" * 15, "x" * 16, "\x01" * 16, "é" * 8, "é\x00x",
+           "not-a-uuid", "", "u", "x" * 13, "x" * 14, "x" * 16, "\x01" * 14, "é" * 7, "é\x00x",
            "0b6f3c1e9a2d4c578e1f2a3b4c5d6e7f", "00000000-0000-0000-0000-000000000000",
-           "ffffffff-ffff-ffff-ffff-ffffffffffff"]
-    seqs = [1, 255, 256, 65_535, 65_536, 2**24, 2**40 + 7, 2**53 - 1, 9, 10, 11, 12, 13]
+           "ffffffff-ffff-ffff-ffff-ffffffffffff", "0b6f3c1e-9a2d-4c57-8e1f-2a3b4c5d0000"]
+    seqs = [1, 255, 256, 65_535, 65_536, 2**24, 2**40 + 7, 2**53 - 1, 9, 10, 11, 12, 13, 14, 15]
     key = "test-wire:members"
     client.delete(key)
     argv = [x for seq, task in zip(seqs, ids) for x in (str(seq), task)]
     out = encode(keys=[key], args=argv)
-    fields, members, decoded = out[::3], out[1::3], out[2::3]
+    fields, members, records, decoded = out[::4], out[1::4], out[2::4], out[3::4]
+    print(out)
     assert [d.decode() for d in decoded] == ids
-    assert fields == [task_field(t) for t in ids]                 # Lua and Python agree
-    assert [field_task(f) for f in fields] == ids
-    assert len(set(fields)) == len(ids)
-    assert [len(f) for f in fields][:2] == [16, 37]               # only lowercase UUIDs shrink
-    assert [queued_task(m) for m in members] == ids
-    assert len(members[0]) == 1 + 1 + 16                          # a one-byte seq and a UUID
+    assert fields == [task_field(t)[0] for t in ids]              # Lua and Python agree
+    assert [r[1:3] if r[:1] == b"\x02" else None for r in records] == [task_field(t)[1] for t in ids]
+    assert [record_task(f, r) for f, r in zip(fields, records)] == ids
+    assert [member_field(m) for m in members] == fields
+    # Only lowercase UUIDs shrink; two sharing their first 14 bytes share a short field (the gate
+    # keys the second one to arrive by its long form, see test_uuid_prefix_collisions).
+    assert [len(f) for f in fields][:2] == [14, 37]
+    assert fields[0] == fields[-1] and len(set(fields)) == len(ids) - 1
+    assert len(members[0]) == 1 + 1 + 14                          # a one-byte seq and a UUID
     by_seq = [m for _, m in sorted(zip(seqs, members))]
     assert client.zrange(key, 0, -1) == by_seq
     client.delete(key)

@@ -44,18 +44,23 @@ end
 
 -- A member's record, the value of its field in the shard's tasks hash (one hash entry per member
 -- holds both the task id -> thread index and the stored message):
---   "seq|retries|max_retries|delay_ms|<length of thread id>\n" .. thread id .. envelope
+--   ["\2" .. the last two bytes of a UUID keyed by its first 14 (_member.lua)]
+--   .. "seq|retries|max_retries|delay_ms|<length of thread id>\n" .. thread id .. envelope
+-- `tail` is nil for a record without those bytes.
 local function parse_record(rec)
-  local nl = string.find(rec, '\n', 1, true)
-  local seq, retries, maxr, delay, tlen = string.match(string.sub(rec, 1, nl - 1),
+  local from, tail = 1, nil
+  if string.byte(rec, 1) == 2 then from, tail = 4, string.sub(rec, 2, 3) end
+  local nl = string.find(rec, '\n', from, true)
+  local seq, retries, maxr, delay, tlen = string.match(string.sub(rec, from, nl - 1),
     '^(%d+)|(%d+)|(-?%d+)|(%d+)|(%d+)$')
   local body_at = nl + 1 + tonumber(tlen)
   return { seq = seq, retries = tonumber(retries), maxr = tonumber(maxr), delay = tonumber(delay),
-           thread = string.sub(rec, nl + 1, body_at - 1), body_at = body_at }
+           thread = string.sub(rec, nl + 1, body_at - 1), body_at = body_at, tail = tail }
 end
 
-local function make_record(seq, retries, maxr, delay, envelope)
-  return seq .. '|' .. retries .. '|' .. maxr .. '|' .. delay .. '|' .. #TID .. '\n' .. TID .. envelope
+local function make_record(seq, retries, maxr, delay, envelope, tail)
+  return (tail and '\2' .. tail or '') .. seq .. '|' .. retries .. '|' .. maxr .. '|' .. delay ..
+    '|' .. #TID .. '\n' .. TID .. envelope
 end
 
 -- Index a thread that has no active member: in due at its head's scheduled_at, or, when it has
@@ -77,7 +82,7 @@ end
 
 -- Make `task`, a member outside the queue, the thread's active member: RELEASED under a new token.
 -- `in_due`: the thread may sit in the due index (an idle thread with members).  `rec`: the
--- member's record when the caller holds it, else it is read.  Returns {task, token, record}.
+-- member's record.  Returns {task, token, record}.
 local function activate(task, sched, in_due, rec)
   local token = tostring(next_seq())
   local deadline = NOW + RELEASE_TIMEOUT
@@ -85,11 +90,11 @@ local function activate(task, sched, in_due, rec)
     'deadline', deadline, 'sched', sched, 'n', 0)
   if in_due then redis.call('ZREM', K_DUE, TID) end
   redis.call('ZADD', K_LEASES, deadline, TID)
-  return { task, token, rec or redis.call('HGET', K_TASKS, task_field(task)) }
+  return { task, token, rec }
 end
 
 -- Release the queue's head when it is due; the thread has no active member (`detached`: the
--- caller has just detached it).  `known`: {task id, record} of a member the caller holds, saving
+-- caller has just detached it).  `known`: {field, record} of a member the caller holds, saving
 -- the read of its record when it is the head.  Returns {task, token, record} or nil.
 local function release_idle(detached, known)
   local head = redis.call('ZRANGE', K_Q, 0, 0, 'WITHSCORES')
@@ -98,10 +103,9 @@ local function release_idle(detached, known)
     return nil
   end
   local field = member_field(head[1])
-  local task = field_task(field)
+  local rec = known and known[1] == field and known[2] or redis.call('HGET', K_TASKS, field)
   redis.call('ZREM', K_Q, head[1])
-  return activate(task, head[2], not detached,
-    known and known[1] == task and known[2] or redis.call('HGET', K_TASKS, field))
+  return activate(field_task(field, rec), head[2], not detached, rec)
 end
 
 -- Release the head when it is due and nothing is active.  `detached` as for index_idle.
@@ -227,29 +231,28 @@ local function mark_ended(task)
 end
 
 -- Detach the active member for good (it ended) and forget it.  `field`: its tasks-hash field
--- when the caller has it (else derived from the task id), here and in the functions below.
+-- when the caller has it (else found from the task id), here and in the functions below.
 local function drop_active(task, field)
   redis.call('DEL', K_A)
-  redis.call('HDEL', K_TASKS, field or task_field(task))
+  redis.call('HDEL', K_TASKS, field or find_member(K_TASKS, task))
   mark_ended(task)
 end
 
 -- Waiting again: the active member goes back to the queue at `sched` with its arrival order.
-local function requeue_active(task, sched, retries, envelope, field)
-  field = field or task_field(task)
-  local rec = redis.call('HGET', K_TASKS, field)
+-- `field`, `rec`: where it is and its record, when the caller has read them.
+local function requeue_active(task, sched, retries, envelope, field, rec)
+  if not rec then field, rec = find_member(K_TASKS, task) end
   local p = parse_record(rec)
   if envelope == '' then envelope = string.sub(rec, p.body_at) end
-  redis.call('HSET', K_TASKS, field, make_record(p.seq, retries, p.maxr, p.delay, envelope))
+  redis.call('HSET', K_TASKS, field, make_record(p.seq, retries, p.maxr, p.delay, envelope, p.tail))
   redis.call('ZADD', K_Q, sched, queue_member(p.seq, field))
   redis.call('DEL', K_A)
 end
 
 -- Move the active member to the dead-letter store (when keep is true) and detach it.
-local function kill_active(task, keep, meta_json, field)
-  field = field or task_field(task)
+local function kill_active(task, keep, meta_json, field, rec)
+  if not rec then field, rec = find_member(K_TASKS, task) end
   if keep then
-    local rec = redis.call('HGET', K_TASKS, field)
     local p = parse_record(rec)
     -- Scored by the shard counter, so deaths in one millisecond keep their order.
     redis.call('ZADD', K_DEAD, next_seq(), task)
@@ -268,10 +271,19 @@ local function add_member(task, sched, retries, maxr, delay, envelope, again)
     local ended = redis.call('ZSCORE', K_ENDED, task)
     if ended and tonumber(ended) >= NOW - ENDED_WINDOW then return false end
   end
+  local field, tail = task_field(task)
+  -- A UUID keyed by its long form (its short field was taken) stays there: not a second member.
+  if tail and redis.call('HEXISTS', K_TASKS, '\1' .. task) == 1 then return false end
   local seq = string.format('%d', next_seq())
-  local rec = make_record(seq, retries, maxr, delay, envelope)
-  local field = task_field(task)
-  if redis.call('HSETNX', K_TASKS, field, rec) == 0 then return false end
+  local rec = make_record(seq, retries, maxr, delay, envelope, tail)
+  if redis.call('HSETNX', K_TASKS, field, rec) == 0 then
+    if not tail or string.sub(redis.call('HGET', K_TASKS, field), 2, 3) == tail then
+      return false
+    end
+    -- Another UUID with the same first 14 bytes holds the field: this one takes its long form.
+    field, rec = '\1' .. task, make_record(seq, retries, maxr, delay, envelope)
+    redis.call('HSET', K_TASKS, field, rec)
+  end
   if redis.call('EXISTS', K_A) == 1 then
     redis.call('ZADD', K_Q, sched, queue_member(seq, field))
     return nil
@@ -281,7 +293,7 @@ local function add_member(task, sched, retries, maxr, delay, envelope, again)
     return activate(task, sched, false, rec)
   end
   redis.call('ZADD', K_Q, sched, queue_member(seq, field))
-  return release_idle(false, { task, rec })
+  return release_idle(false, { field, rec })
 end
 
 local function schedule(mode, value)
@@ -293,13 +305,13 @@ end
 -- after its retry delay while retries remain, else it dies with `reason`.
 -- Returns 3 (retried) or 4 (died).
 local function fail_active(task, reason)
-  local field = task_field(task)
-  local p = parse_record(redis.call('HGET', K_TASKS, field))
+  local field, rec = find_member(K_TASKS, task)
+  local p = parse_record(rec)
   if p.maxr < 0 or p.retries < p.maxr then
-    requeue_active(task, NOW + p.delay, p.retries + 1, '', field)
+    requeue_active(task, NOW + p.delay, p.retries + 1, '', field, rec)
     return 3
   end
   local meta = cjson.encode({ thread_id = TID, retries = p.retries, exception = reason, traceback = '' })
-  kill_active(task, true, meta, field)
+  kill_active(task, true, meta, field, rec)
   return 4
 end

@@ -3,8 +3,7 @@
 --   ARGV[8] "1" to delete only a WAITING member (a plain revoke must not detach a running one)
 -- Returns {1, previous state} plus the release, or {0, ''} when nothing was deleted.
 local task, token = ARGV[6], ARGV[7]
-local field = task_field(task)
-local rec = redis.call('HGET', K_TASKS, field)
+local field, rec = find_member(K_TASKS, task)
 if rec == false then return reply(0, '') end
 local p = parse_record(rec)
 if p.thread ~= TID then return reply(0, '') end

@@ -21,7 +21,8 @@ if state == 'RELEASED' then
   local new_deadline = NOW + RELEASE_TIMEOUT * (2 ^ backoff)
   redis.call('HSET', K_A, 'deadline', new_deadline, 'n', n)
   redis.call('ZADD', K_LEASES, new_deadline, TID)
-  return { 2, 'republish', task, token, redis.call('HGET', K_TASKS, task_field(task)) }
+  local _, rec = find_member(K_TASKS, task)
+  return { 2, 'republish', task, token, rec }
 end
 local status = fail_active(task, 'LeaseExpired: the worker running it sent no keepalive for ' ..
   ARGV[7] .. ' (worker lost?), and no retries were left')
