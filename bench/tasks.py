@@ -45,6 +45,17 @@ def configure(env: Optional[dict[str, str]] = None) -> Celery:
         broker_connection_retry_on_startup=True,
         worker_hijack_root_logger=True,
     )
+    noack = env.get("BENCH_NOACK_QUEUE")
+    if noack:
+        # `throughput --threaded-no-ack`: threaded tasks on a queue of their own, consumed
+        # without broker acknowledgements (the gate, not the broker, recovers a lost delivery).
+        from kombu import Queue
+
+        app.conf.task_queues = [Queue(app.conf.task_default_queue), Queue(noack, no_ack=True)]
+        app.conf.task_routes = {"bench.noop_threaded": {"queue": noack}}
+    else:
+        app.conf.task_queues = None
+        app.conf.task_routes = None
     # Drop what was built from earlier settings (gate runtime, broker pools).
     from celery_threads.runtime import reset
 

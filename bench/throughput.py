@@ -30,6 +30,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tasks", type=int, default=None, help="tasks per side (default 20,000)")
     p.add_argument("--threads", type=int, default=None, help="threads (default 2,000)")
     p.add_argument("--concurrency", type=int, default=2)
+    p.add_argument("--threaded-no-ack", action="store_true",
+                   help="route the threaded tasks to a queue of their own consumed without broker "
+                        "acknowledgements (kombu's Queue(no_ack=True)); plain tasks keep theirs. "
+                        "An experiment: kombu then no longer bounds that queue's prefetch")
 
 
 def _publish(task: Any, tag: str, n: int, threads: int, key: str) -> None:
@@ -63,11 +67,19 @@ def run(args: argparse.Namespace) -> int:
     with h.Stack("throughput") as stack:
         server = stack.redis()
         client = server.client()
-        env = h.celery_env(server, broker=args.broker)
-        app = tasks.configure(env)
+        extra = {}
+        if args.threaded_no_ack:
+            extra["BENCH_NOACK_QUEUE"] = "noack"      # completed below, after the run's queue name
+        env = h.celery_env(server, broker=args.broker, **extra)
         queue = env["BENCH_QUEUE"]
+        queues = [queue]
+        if args.threaded_no_ack:
+            env["BENCH_NOACK_QUEUE"] = f"{queue}-noack"
+            queues.append(env["BENCH_NOACK_QUEUE"])
+        app = tasks.configure(env)
         where = h.machine(server)
-        worker = stack.worker(env, concurrency=args.concurrency, ready_client=client)
+        worker = stack.worker(env, concurrency=args.concurrency, queues=",".join(queues),
+                              ready_client=client)
         stack.beat(env, ready_client=client)
         rec = tasks.recorder()
         timeout = 120 + n / 20
@@ -76,7 +88,8 @@ def run(args: argparse.Namespace) -> int:
             for side in order:
                 task, tag = sides[side], f"{side[0]}{rep}"
                 # drain (and the publish rate of its producer)
-                _control(app, worker, queue, consume=False)
+                for q in queues:
+                    _control(app, worker, q, consume=False)
                 key = f"bench:{stack.run_id}:{tag}:drain"
                 h.progress(f"repeat {rep + 1}/{args.repeats} {side}: publishing {n:,}")
                 before = _calls(client)
@@ -84,7 +97,8 @@ def run(args: argparse.Namespace) -> int:
                 _publish(task, f"{tag}d", n, threads, key)
                 p1 = rec.now_us()
                 cpu0 = h.cpu_snapshot(worker, server)
-                _control(app, worker, queue, consume=True)
+                for q in queues:
+                    _control(app, worker, q, consume=True)
                 h.progress(f"repeat {rep + 1}/{args.repeats} {side}: draining")
                 h.wait_until(lambda: int(client.get(key) or 0) >= n, timeout,
                              f"{side} drain of {n} tasks", stack=stack)
@@ -166,10 +180,16 @@ def run(args: argparse.Namespace) -> int:
                  for side in ("threaded", "plain")) + " of the end-to-end window.",
              "per-repeat ratios: " + "; ".join(f"{k} {v}" for k, v in per_rep.items()) + ".",
              f"gate left with {leftover} thread(s) after the run (expected 0)."]
+    options = (" --broker amqp" if args.broker == "amqp" else "") + (
+        " --threaded-no-ack" if args.threaded_no_ack else "")
+    if args.threaded_no_ack:
+        notes.append("--threaded-no-ack: the threaded tasks' queue was consumed without broker "
+                     "acknowledgements (so without kombu's unacked bookkeeping, and without a "
+                     "bound on its prefetch); the plain tasks' queue as usual.")
     h.report(f"throughput ({args.broker} broker)", "throughput", args.quick, where,
              f"{n:,} no-op tasks per side, threaded ones over {threads:,} threads; one prefork "
              f"worker -c {args.concurrency} (prefetch 4), beat; {args.repeats} repeat(s)",
              ["measure", "threaded", "plain", "ratio", "target", "verdict"], rows, notes,
-             problems, options=" --broker amqp" if args.broker == "amqp" else "")
+             problems, options=options)
     return 0
 
