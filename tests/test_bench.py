@@ -26,6 +26,7 @@ def _missing(what: str) -> None:
 @pytest.mark.parametrize("argv", [
     ["throughput"],
     ["throughput", "--broker", "amqp"],
+    ["throughput", "--threaded-no-ack"],
     ["handoff"],
     ["lockretry"],
     ["scale"],
