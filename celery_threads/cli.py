@@ -25,6 +25,7 @@ from .threads import DISPATCHER_HINT, StuckThread, Threads, ThreadSummary
 EX_STUCK = 3           # `stats`: at least one thread is stuck
 EX_UNAVAILABLE = 69    # the gate's Redis cannot be reached (sysexits EX_UNAVAILABLE, as Celery)
 EX_CONFIG = 78         # a threads_* setting is wrong (sysexits EX_CONFIG)
+DEAD_LIMIT = 100       # `dead`: the latest deaths listed unless --limit says otherwise
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -338,12 +339,15 @@ def delete(ctx: click.Context, task_id: str, as_json: bool) -> None:
 
 
 @threads.command()
+@click.option("--limit", type=click.IntRange(min=0), default=DEAD_LIMIT, show_default=True,
+              help="Show only this many of the latest deaths; 0 shows them all.")
 @json_option
 @click.pass_context
 @_guarded
-def dead(ctx: click.Context, as_json: bool) -> None:
+def dead(ctx: click.Context, limit: int, as_json: bool) -> None:
     """List the dead-letter store, newest last, with exceptions."""
-    tasks = _threads(ctx).dead()
+    t = _threads(ctx)
+    tasks = t.dead(limit or None)
     if as_json:
         _echo_json(tasks)
         return
@@ -359,8 +363,11 @@ def dead(ctx: click.Context, as_json: bool) -> None:
         exception = (d.exception.strip().splitlines() or ["?"])[0]
         retries = f"{d.retries} retr{'y' if d.retries == 1 else 'ies'}"
         click.echo(_fit(f"    {d.name or '?'}, {retries}: {exception}", width))
-    click.echo(f"{len(tasks)} dead task{'s' if len(tasks) != 1 else ''}; "
-               "`celery threads restart TASK_ID` runs one again")
+    total = t.gate.dead_count() if limit and len(tasks) == limit else len(tasks)
+    shown = f"the {len(tasks)} latest of " if total > len(tasks) else ""
+    click.echo(f"{shown}{total} dead task{'s' if total != 1 else ''}; "
+               "`celery threads restart TASK_ID` runs one again"
+               + ("; --limit 0 lists them all" if shown else ""))
 
 
 @threads.command()

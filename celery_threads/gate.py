@@ -26,6 +26,7 @@ logger = logging.getLogger(__name__)
 
 SCRIPT_NAMES = ("enqueue", "release", "claim", "renew", "finish", "requeue", "kill", "delete",
                 "expire", "fail", "restart")
+DEAD_CHUNK = 500           # dead records read per HMGET
 MAX_REPUBLISH_BACKOFF = 6  # a lost release is republished after 1, 2, 4, ... 64 release timeouts
 
 # Reply statuses shared by the scripts.
@@ -501,18 +502,26 @@ class Gate:
                 return DeadRecord.parse(task_id, raw)
         return None
 
-    def dead_records(self) -> list["DeadRecord"]:
+    def dead_records(self, limit: Optional[int] = None) -> list["DeadRecord"]:
+        """The dead-letter store, oldest first; with ``limit``, only the ``limit`` latest deaths.
+        Records are read ``DEAD_CHUNK`` at a time, so a large store is never one huge reply."""
         records: list[DeadRecord] = []
         for shard in self.keys.all_shards():
-            ids: list[Any] = self.client.zrange(shard.dead, 0, -1)
-            if not ids:
-                continue
-            raws: list[Any] = self.client.hmget(shard.dead_records, ids)
-            records.extend(DeadRecord.parse(_text(task_id), raw)
-                           for task_id, raw in zip(ids, raws) if raw is not None)
+            start = -limit if limit is not None else 0
+            ids: list[Any] = self.client.zrange(shard.dead, start, -1) if limit != 0 else []
+            for at in range(0, len(ids), DEAD_CHUNK):
+                chunk = ids[at:at + DEAD_CHUNK]
+                raws: list[Any] = self.client.hmget(shard.dead_records, chunk)
+                records.extend(DeadRecord.parse(_text(task_id), raw)
+                               for task_id, raw in zip(chunk, raws) if raw is not None)
         if self.keys.shards > 1:   # each shard is in death order; merge them by time
             records.sort(key=lambda r: r.died_at_ms)
+            if limit is not None:
+                records = records[len(records) - limit:] if limit else []
         return records
+
+    def dead_count(self) -> int:
+        return sum(int(self.client.zcard(shard.dead)) for shard in self.keys.all_shards())
 
     def note_deleted(self, thread_id: str, task_id: str, ttl: int = 600) -> None:
         self.client.set(self.keys.thread(thread_id).shard.deleted_note(task_id), 1, ex=ttl)

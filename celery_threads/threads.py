@@ -88,10 +88,13 @@ class Threads:
         """
         return self.runtime.delete_member(task_id) is not None
 
-    def dead(self) -> list[DeadTask]:
-        """The dead-letter store, oldest first."""
+    def dead(self, limit: Optional[int] = None) -> list[DeadTask]:
+        """The dead-letter store, oldest first; with ``limit``, only the ``limit`` latest deaths
+        (``celery threads stats`` counts them all)."""
+        if limit is not None and limit < 0:
+            raise ValueError(f"limit must be 0 or more, not {limit}")
         tasks = []
-        for record in self.gate.dead_records():
+        for record in self.gate.dead_records(limit):
             try:
                 args, kwargs = decode_arguments(self.app, record.envelope)
             except Exception:

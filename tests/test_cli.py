@@ -244,6 +244,27 @@ def test_dead_lists_the_store_newest_last_with_exceptions(app, cli):
         "exception": "ValueError: older exploded", "died_at": None}
 
 
+def test_dead_lists_the_latest_deaths_up_to_a_limit(app, cli):
+    threads = Threads(app)
+    thread = tid("cli-dead-limit")
+    for i in range(5):
+        kill_member(threads.gate, thread, f"dead-{i}", f"ValueError: {i}")
+        time.sleep(0.002)   # distinct died_at milliseconds
+    everything = [f"dead-{i}" for i in range(5)]
+    assert [d.task_id for d in threads.dead()] == everything
+    assert [d.task_id for d in threads.dead(limit=2)] == ["dead-3", "dead-4"]   # oldest first
+    assert [d.task_id for d in threads.dead(limit=9)] == everything
+    assert threads.dead(limit=0) == [] and threads.gate.dead_count() == 5
+    with pytest.raises(ValueError):
+        threads.dead(limit=-1)
+
+    lines = ok(cli("dead", "--limit", "2")).splitlines()
+    assert [line.split()[1] for line in lines[1:5:2]] == ["dead-3", "dead-4"]
+    assert lines[-1].startswith("the 2 latest of 5 dead tasks") and "--limit 0" in lines[-1]
+    assert ok(cli("dead", "--limit", "0")).splitlines()[-1].startswith("5 dead tasks")
+    assert [d["task_id"] for d in as_json(cli("dead", "--limit", "3", "--json"))] == everything[2:]
+
+
 def test_dead_when_empty(cli):
     assert ok(cli("dead")) == "The dead-letter store is empty.\n"
     assert as_json(cli("dead", "--json")) == []
