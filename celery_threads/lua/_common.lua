@@ -234,7 +234,7 @@ end
 -- when the caller has it (else found from the task id), here and in the functions below.
 local function drop_active(task, field)
   redis.call('DEL', K_A)
-  redis.call('HDEL', K_TASKS, field or find_member(K_TASKS, task))
+  redis.call('HDEL', K_TASKS, field or member_field_of(K_TASKS, task))
   mark_ended(task)
 end
 

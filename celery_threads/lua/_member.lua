@@ -48,6 +48,13 @@ local function field_task(field, rec)
   return string.sub(field, 2)
 end
 
+-- The field of `task`, known to be a member: as find_member, without reading its record.
+local function member_field_of(tasks, task)
+  local field, tail = task_field(task)
+  if tail and redis.call('HEXISTS', tasks, '\1' .. task) == 1 then return '\1' .. task end
+  return field
+end
+
 -- Where `task` is a member: its field and record (the record false when it is not a member).
 local function find_member(tasks, task)
   local field, tail = task_field(task)
