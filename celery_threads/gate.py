@@ -84,18 +84,12 @@ def task_field(task_id: str) -> tuple[bytes, Optional[bytes]]:
     return (raw if len(raw) < 14 else b"\x01" + raw), None
 
 
-def task_fields(task_id: str) -> list[bytes]:
-    """The fields a member may be keyed by, in the order a lookup tries them (``find_member``): a
-    UUID whose first 14 bytes another member held when it arrived has its long form."""
-    field, tail = task_field(task_id)
-    return [field] if tail is None else [field, b"\x01" + task_id.encode()]
-
-
 def find_record(client: Any, tasks_key: str, task_id: str) -> tuple[Optional[bytes], Optional[bytes]]:
-    """``(field, record)`` of a member, or ``(None, None)`` (``find_member`` in lua/_member.lua)."""
-    fields = task_fields(task_id)
+    """``(field, record)`` of a member, or ``(None, None)`` (``find_member`` in lua/_member.lua):
+    a UUID whose first 14 bytes another member held when it arrived is keyed by its long form."""
+    field, tail = task_field(task_id)
+    fields = [field] if tail is None else [field, b"\x01" + task_id.encode()]
     found = client.hmget(tasks_key, fields)
-    tail = task_field(task_id)[1]
     for field, record in zip(fields, found):
         if record is not None and (len(field) != 14 or record[1:3] == tail):
             return field, record
@@ -517,7 +511,7 @@ class Gate:
         if self.keys.shards > 1:   # each shard is in death order; merge them by time
             records.sort(key=lambda r: r.died_at_ms)
             if limit is not None:
-                records = records[len(records) - limit:] if limit else []
+                records = records[-limit:] if limit else []
         return records
 
     def dead_count(self) -> int:

@@ -673,3 +673,28 @@ def test_uuid_prefix_collisions(gate_url: str) -> None:
         assert not client.exists(tasks) and gate.snapshot("a") is None
     finally:
         client.close()
+
+
+def test_dead_records_latest_across_shards(gate_url: str) -> None:
+    """``dead_records(limit)``: the latest deaths, oldest first, merged across shards, however the
+    limit compares with how many there are."""
+    client = redis.Redis.from_url(gate_url)
+    client.flushdb()
+    now = [START]
+    gate = Gate(client, Keys(PREFIX, shards=2), release_timeout_ms=RELEASE_TIMEOUT,
+                clock=lambda: now[0])
+    threads = [f"dead-{i}" for i in range(8)]
+    assert len({gate.keys.shard_of(t) for t in threads}) == 2      # both shards hold deaths
+    try:
+        for i, thread in enumerate(threads):
+            now[0] += 1
+            rel = gate.enqueue(thread, f"d{i}", b"body").release
+            assert rel is not None and gate.claim(thread, f"d{i}", rel.token, 1000, "w") == 1
+            assert gate.kill(thread, f"d{i}", rel.token, {"exception": "boom"}).done
+        every = [f"d{i}" for i in range(8)]
+        assert [r.task_id for r in gate.dead_records()] == every
+        assert [r.task_id for r in gate.dead_records(3)] == every[-3:]
+        assert [r.task_id for r in gate.dead_records(10)] == every     # more than there are
+        assert gate.dead_records(0) == [] and gate.dead_count() == 8
+    finally:
+        client.close()

@@ -11,7 +11,7 @@
 -- Queue member: <n: one byte, 1-7> <seq: n bytes, big-endian> <field>.  The byte order of members
 -- is their arrival order (members with equal scores sort by bytes): 18 bytes for a UUID and a seq
 -- below 2^24, where "<16-digit seq>:<uuid>" took 53.
--- celery_threads.gate reads both in Python (task_fields, record_task, member_field).
+-- celery_threads.gate reads both in Python (task_field, find_record, record_task, member_field).
 local UUID_FORM = '^%x%x%x%x%x%x%x%x%-%x%x%x%x%-%x%x%x%x%-%x%x%x%x%-%x%x%x%x%x%x%x%x%x%x%x%x$'
 local UUID_TEXT = '%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x'
 
