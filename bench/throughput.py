@@ -32,8 +32,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--concurrency", type=int, default=2)
     p.add_argument("--threaded-no-ack", action="store_true",
                    help="route the threaded tasks to a queue of their own consumed without broker "
-                        "acknowledgements (kombu's Queue(no_ack=True)); plain tasks keep theirs. "
-                        "An experiment: kombu then no longer bounds that queue's prefetch")
+                        "acknowledgements (Queue(name, no_ack=True), the configuration the README "
+                        "recommends for speed); plain tasks keep theirs")
 
 
 def _publish(task: Any, tag: str, n: int, threads: int, key: str) -> None:
@@ -184,8 +184,8 @@ def run(args: argparse.Namespace) -> int:
         " --threaded-no-ack" if args.threaded_no_ack else "")
     if args.threaded_no_ack:
         notes.append("--threaded-no-ack: the threaded tasks' queue was consumed without broker "
-                     "acknowledgements (so without kombu's unacked bookkeeping, and without a "
-                     "bound on its prefetch); the plain tasks' queue as usual.")
+                     "acknowledgements (no unacked bookkeeping and no acks; prefetch bounded by "
+                     "the worker's step); the plain tasks' queue as usual.")
     h.report(f"throughput ({args.broker} broker)", "throughput", args.quick, where,
              f"{n:,} no-op tasks per side, threaded ones over {threads:,} threads; one prefork "
              f"worker -c {args.concurrency} (prefetch 4), beat; {args.repeats} repeat(s)",

@@ -25,7 +25,7 @@ from .keys import Keys, ShardKeys, ThreadKeys
 logger = logging.getLogger(__name__)
 
 SCRIPT_NAMES = ("enqueue", "release", "claim", "renew", "finish", "requeue", "kill", "delete",
-                "expire", "fail", "restart")
+                "expire", "fail", "restart", "handback")
 DEAD_CHUNK = 500           # dead records read per HMGET
 MAX_REPUBLISH_BACKOFF = 6  # a lost release is republished after 1, 2, 4, ... 64 release timeouts
 
@@ -377,6 +377,17 @@ class Gate:
         for thread_id, task_id, token in members:
             self._run("renew", thread_id, task_id, token, keepalive_ms, client=pipe)
         return [int(r[0]) == 1 for r in pipe.execute()]
+
+    def hand_back(self, members: Sequence[tuple[str, str, str]]) -> list[Outcome]:
+        """Return ``(thread_id, task_id, token)`` releases a worker holds unstarted, in one round
+        trip: each still RELEASED under its token comes back as a ``REPUBLISH`` outcome, for the
+        caller to publish again under the same token."""
+        if not members:
+            return []
+        pipe = self.client.pipeline(transaction=False)
+        for thread_id, task_id, token in members:
+            self._run("handback", thread_id, task_id, token, client=pipe)
+        return [self._outcome(m[0], r) for m, r in zip(members, pipe.execute())]
 
     def finish(self, thread_id: str, task_id: str, token: str) -> Outcome:
         return self._call("finish", thread_id, task_id, token)

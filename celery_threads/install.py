@@ -18,9 +18,7 @@ def install(app: Any) -> None:
     if getattr(app, "_celery_threads_installed", False):
         return
     app._celery_threads_installed = True
-    from .worker import ThreadsWorkerStep
-
-    app.steps["worker"].add(ThreadsWorkerStep)
+    _add_steps(app)
     interval = float(app.conf.get("threads_dispatch_interval") or 1.0)
     schedule = dict(app.conf.beat_schedule or {})
     schedule.setdefault(BEAT_ENTRY, {
@@ -53,9 +51,15 @@ def _add_worker_step(sender: Any = None, **kwargs: Any) -> None:
     # the worker builds its blueprint.
     app = getattr(sender, "app", None)
     if app is not None and getattr(app, "_celery_threads_installed", False):
-        from .worker import ThreadsWorkerStep
+        _add_steps(app)
 
-        app.steps["worker"].add(ThreadsWorkerStep)
+
+def _add_steps(app: Any) -> None:
+    from .noack import NoAckQueues
+    from .worker import ThreadsWorkerStep
+
+    app.steps["worker"].add(ThreadsWorkerStep)
+    app.steps["consumer"].add(NoAckQueues)
 
 
 @signals.task_revoked.connect

@@ -172,8 +172,9 @@ def get_runtime(app: Celery) -> Runtime:
 
 def reset(app: Celery) -> None:
     """Forget what was built from ``app.conf``: the threads settings and gate client, and Celery's
-    pooled broker connections and result backend.  For tools and tests that point one app at
-    another Redis or broker after it has been used; the next use reads ``app.conf`` again."""
+    pooled broker connections, queues and routes, and result backend.  For tools and tests that
+    point one app at another Redis or broker after it has been used; the next use reads
+    ``app.conf`` again."""
     from .config import forget_config
 
     forget_config(app)
@@ -184,6 +185,9 @@ def reset(app: Celery) -> None:
         delattr(app, _ATTR)
     app._pool = None
     app.amqp._producer_pool = None
+    for cached in ("queues", "default_queue", "router"):   # built from task_queues, task_routes
+        app.amqp.__dict__.pop(cached, None)
+    app.amqp._rtable = None
     app.__dict__.pop("backend", None)
     local = getattr(app, "_local", None)
     if local is not None:

@@ -26,6 +26,7 @@ from celery.worker.request import Request
 from celery.worker.strategy import default as default_strategy
 
 from .gate import RETRIED
+from .noack import CONSUMER_FLAG, hand_back_on_pool_close, mark_delivery, skip_broker
 from .publish import REPUBLISHED_HEADER, THREAD_HEADER, TOKEN_HEADER
 from .runtime import get_runtime
 
@@ -42,6 +43,10 @@ def threaded_strategy(task: Any, app: Any, consumer: Any, **kwargs: Any) -> Any:
 
     def task_message_handler(message: Any, body: Any, ack: Any, reject: Any, callbacks: Any,
                              **kw: Any) -> Any:
+        if getattr(consumer, CONSUMER_FLAG, False) and mark_delivery(message):
+            # From a queue without acknowledgements: the ack is skipped by kombu (the delivery is
+            # tagged), and a reject must not reach the broker (the gate requeues or kills).
+            reject = skip_broker
         headers = message.headers or {}
         token = headers.get(TOKEN_HEADER)
         if not token:
@@ -317,6 +322,7 @@ class ThreadsWorkerStep(bootsteps.StartStopStep):
 
         runtime = get_runtime(worker.app)
         wrap_revoke_command()
+        hand_back_on_pool_close(worker)
         self.renewer = LeaseRenewer(runtime)
         self.renewer.start()
         if runtime.config.worker_dispatch:

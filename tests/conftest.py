@@ -271,6 +271,7 @@ def proj(redis_server: RedisServer):
 def configure_client(app, **env: str) -> None:
     """Point the in-test client app at a deployment's Redis, broker and settings."""
     from tests.isolated import point_app
+    from tests.proj import routing
 
     point_app(app, {
         "threads_redis_url": env["CT_REDIS_URL"],
@@ -281,6 +282,7 @@ def configure_client(app, **env: str) -> None:
         "threads_key_prefix": env.get("CT_KEY_PREFIX", "celery_threads"),
         "task_default_queue": env.get("CT_QUEUE", "celery"),
         "task_acks_late": env.get("CT_ACKS_LATE") == "1",
+        **routing(env),
     })
 
 

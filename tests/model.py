@@ -223,6 +223,16 @@ class Model:
         active.deadline = self.now + keepalive_ms
         return True
 
+    def hand_back(self, thread_id: str, task_id: str, token: str) -> Outcome:
+        """A worker shutting down returns a release it holds unstarted: it stays RELEASED under
+        the same token, its release deadline restarts, and it is published again."""
+        active = self._active(thread_id, task_id, token)
+        if active is None or active.state != RELEASED:
+            return Outcome(NOOP, "")
+        active.deadline = self.now + self.release_timeout_ms
+        thread = self.threads[thread_id]
+        return Outcome(REPUBLISH, "republish", self._release_of(thread))
+
     def peek(self, thread_id: str, task_id: str, token: str) -> Optional[str]:
         """The state of (task, token) when it is the active member (exact token), else None."""
         thread = self.threads.get(thread_id)

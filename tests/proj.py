@@ -35,6 +35,28 @@ app.conf.update(
     task_send_sent_event=True,
     broker_connection_retry_on_startup=True,
 )
+
+
+def routing(env: "dict[str, str] | os._Environ[str]") -> dict:
+    """CT_NOACK_QUEUE: threaded tasks go to that queue, consumed without broker acknowledgements
+    (CT_NOACK_PLAIN=1 sends the plain task there too); else Celery's default routing."""
+    noack = env.get("CT_NOACK_QUEUE")
+    if not noack:
+        return {"task_queues": None, "task_routes": None}
+    from kombu import Queue
+
+    plain_too = env.get("CT_NOACK_PLAIN") == "1"
+
+    def route(name, args, kwargs, options, task=None, **kw):
+        if isinstance(task, ThreadedTask) or (plain_too and name == "tests.proj.plain"):
+            return {"queue": noack}
+        return None
+
+    return {"task_queues": [Queue(env.get("CT_QUEUE", "celery")), Queue(noack, no_ack=True)],
+            "task_routes": (route,)}
+
+
+app.conf.update(routing(os.environ))
 if os.environ.get("CT_UNACKED_RESTORE"):
     app.conf.broker_transport_options.update(unacked_restore_interval=1, unacked_restore_throttle=1)
 

@@ -16,10 +16,13 @@ class BrokerContract:
     def broker_url(self, redis_server) -> str:
         raise NotImplementedError
 
+    def extra_env(self) -> dict[str, str]:
+        return {}
+
     @pytest.fixture
     def deployment(self, make_deployment, redis_server):
         d = make_deployment(broker=self.broker_url(redis_server), CT_KEEPALIVE="2",
-                            CT_DISPATCH_INTERVAL="0.2")
+                            CT_DISPATCH_INTERVAL="0.2", **self.extra_env())
         d.worker("a", concurrency=2)
         d.worker("b", concurrency=2)
         d.beat()

@@ -3,11 +3,11 @@
 A hypothesis state machine drives the gate (``celery_threads.gate.Gate`` on the tests' private
 redis-server, with an injected clock) and the reference model (:mod:`tests.model`) with the same
 operations: enqueues (delay or absolute time, duplicate task ids), the dispatcher's tick (scan,
-release of due heads, lease sweep), stale dispatcher calls, claims, renewals, the endings (finish,
-requeue, kill, fail), deletes, restarts and forgets of dead tasks, fenced calls with stale or bogus
-tokens, and clock advances.  After every step both must agree on every thread (active member,
-waiting order, member records), on the due / leases / tasks indexes, on the dead letters, and no
-key of a thread that no longer exists may remain.
+release of due heads, lease sweep), stale dispatcher calls, claims, renewals, hand-backs at
+shutdown, the endings (finish, requeue, kill, fail), deletes, restarts and forgets of dead tasks,
+fenced calls with stale or bogus tokens, and clock advances.  After every step both must agree on
+every thread (active member, waiting order, member records), on the due / leases / tasks indexes,
+on the dead letters, and no key of a thread that no longer exists may remain.
 
 Fencing tokens are compared through a one-to-one mapping (model token <-> gate token), so the test
 does not depend on how the gate makes its tokens.
@@ -260,6 +260,16 @@ class GateMachine(RuleBasedStateMachine):
         self.same(self.gate.renew(thread_id, task_id, rtok, keepalive),
                   self.model.renew(thread_id, task_id, mtok, keepalive), "renew")
 
+    @precondition(has_active)
+    @rule(pick=st.integers(0, 999), bogus=st.booleans())
+    def hand_back(self, pick: int, bogus: bool) -> None:
+        """A worker shutting down returns the release it holds (claimed or not), beside a
+        possibly stale one, in one pipeline."""
+        targets = [self.active_target(pick), self.stale_target(pick, bogus)]
+        real = self.gate.hand_back([(t, k, r) for t, k, _, r in targets])
+        for (t, k, m, _), outcome in zip(targets, real):
+            self.same_outcome(outcome, self.model.hand_back(t, k, m), "handback")
+
     @rule(pick=st.integers(0, 999), bogus=st.booleans())
     def renew_many(self, pick: int, bogus: bool) -> None:
         """The worker's batched renewal: every active member plus one possibly stale target."""
@@ -311,7 +321,7 @@ class GateMachine(RuleBasedStateMachine):
 
     # -- a worker holding an old (or a bogus) token ---------------------------------------------
     @rule(op=st.sampled_from(["peek", "claim", "renew", "finish", "requeue", "kill", "fail",
-                              "delete"]),
+                              "delete", "handback"]),
           pick=st.integers(0, 999), bogus=st.integers(0, 4), flag=st.booleans())
     def fenced_call(self, op: str, pick: int, bogus: int, flag: bool) -> None:
         thread_id, task_id, mtok, rtok = self.stale_target(pick, bogus == 0)
@@ -333,6 +343,9 @@ class GateMachine(RuleBasedStateMachine):
             self._kill(thread_id, task_id, mtok, rtok, flag, 0)
         elif op == "fail":
             self._fail(thread_id, task_id, mtok, rtok)
+        elif op == "handback":
+            [outcome] = self.gate.hand_back([(thread_id, task_id, rtok)])
+            self.same_outcome(outcome, self.model.hand_back(thread_id, task_id, mtok), "handback")
         else:   # the worker's delete on revoke: fenced by its token
             self.same_outcome(self.gate.delete(task_id, token=rtok, only_waiting=flag),
                               self.model.delete(task_id, token=mtok, only_waiting=flag),

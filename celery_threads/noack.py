@@ -1,0 +1,245 @@
+"""Queues consumed without broker acknowledgements: the fast path for threaded tasks.
+
+The gate keeps every member until it ends, so a threaded task's message is only the notice of a
+release: when a worker dies holding it, the release deadline lapses (the worker no longer renews
+it), the dispatcher publishes it again under the same token, and the claim lets one delivery run.
+A queue declared ``Queue(name, no_ack=True)`` for the threaded tasks therefore loses nothing, and
+it spares the worker the broker's acknowledgement bookkeeping (with the Redis transport, a
+round trip per task to its unacked index).
+
+What the worker needs for such a queue, installed by :class:`NoAckQueues` when it consumes one:
+
+* a prefetch bound: kombu counts only acknowledged deliveries against ``worker_prefetch_multiplier``,
+  so without one a worker would take every release on the queue.  With kombu's virtual
+  transports (Redis) the channel stops fetching while the worker holds as many unstarted tasks as
+  its prefetch count.  RabbitMQ applies no prefetch to such a consumer; the worker says so.
+* no broker calls for these deliveries: an ack is skipped the way py-amqp skips it (the delivery
+  is tagged as coming from a no-ack consumer), and a threaded member's reject is not sent (its
+  requeue or death is the gate's; RabbitMQ would close the channel over the unknown tag).
+* a hand-back at shutdown (:func:`hand_back_on_pool_close`, installed by the worker step):
+  releases it holds unstarted are published again at once, instead of waiting for their release
+  deadline to lapse.
+* a warning for plain tasks on such a queue: their message is lost if the worker dies before the
+  task ends, as with any Celery task consumed without acknowledgements.
+"""
+from __future__ import annotations
+
+import logging
+from types import MethodType
+from typing import Any, Callable
+
+from celery import bootsteps
+from celery.worker import state as worker_state
+
+from .install import DISPATCH_TASK
+from .publish import THREAD_HEADER, TOKEN_HEADER
+from .runtime import get_runtime
+
+logger = logging.getLogger(__name__)
+
+#: The consumer tag given to deliveries of kombu's virtual transports from a no-ack consumer.
+NO_ACK_TAG = "celery-threads-no-ack"
+#: Set on Celery's consumer while it consumes a queue without acknowledgements.
+CONSUMER_FLAG = "_celery_threads_no_ack"
+
+
+def mark_delivery(message: Any) -> bool:
+    """Whether ``message`` came from a queue consumed without acknowledgements, tagging it so
+    that ``message.ack()`` makes no broker call.
+
+    py-amqp names the consumer in ``delivery_info`` and keeps its channel's no-ack consumers;
+    kombu's virtual transports (Redis, SQS, ...) do neither, but keep every delivery that needs an
+    ack in the channel's QoS from before the message is handed over, so one missing there came
+    from a no-ack consumer.  Call it when the message is received.
+    """
+    info = message.delivery_info
+    channel = message.channel
+    tag = info.get("consumer_tag")
+    if tag is not None:
+        return tag in (getattr(channel, "no_ack_consumers", None) or ())
+    delivered = getattr(getattr(channel, "qos", None), "_delivered", None)
+    if delivered is None or message.delivery_tag in delivered:
+        return False
+    if getattr(channel, "no_ack_consumers", None) is None:
+        channel.no_ack_consumers = set()
+    channel.no_ack_consumers.add(NO_ACK_TAG)
+    info["consumer_tag"] = NO_ACK_TAG
+    return True
+
+
+def is_no_ack_delivery(message: Any) -> bool:
+    """For a message already received (and tagged by :func:`mark_delivery`)."""
+    tag = (message.delivery_info or {}).get("consumer_tag")
+    return tag is not None and tag in (getattr(message.channel, "no_ack_consumers", None) or ())
+
+
+def skip_broker(*args: Any, **kwargs: Any) -> None:
+    """Stands in for the reject of a delivery the broker does not track."""
+
+
+class NoAckQueues(bootsteps.StartStopStep):
+    """Installed in the consumer of every worker of an app with threaded tasks; acts only when the
+    worker consumes a queue declared with ``no_ack=True``."""
+
+    label = "celery-threads no-ack queues"
+    requires = ("celery.worker.consumer.tasks:Tasks",)
+
+    def __init__(self, c: Any, **kwargs: Any) -> None:
+        self.queues: list[str] = []
+
+    def start(self, c: Any) -> None:
+        self.queues = sorted(q.name for q in c.task_consumer.queues if q.no_ack)
+        setattr(c, CONSUMER_FLAG, bool(self.queues))
+        if not self.queues:
+            return
+        names = ", ".join(self.queues)
+        if bound_prefetch(c.task_consumer.channel):
+            logger.info("celery-threads: consuming %s without broker acknowledgements; this "
+                        "worker holds at most its prefetch count of unstarted tasks (%s) and "
+                        "hands back the threaded ones it holds when it shuts down", names,
+                        c.qos.value if c.qos else "unbounded")
+        else:
+            logger.warning(
+                "celery-threads: consuming %s without broker acknowledgements over %s, which "
+                "applies no prefetch limit to such a consumer: this worker may take every "
+                "release on the queue while other workers wait. Prefer the Redis transport for "
+                "a no_ack queue, or declare it with acknowledgements.", names,
+                c.connection.transport.driver_type)
+        guard_plain_tasks(c, set(self.queues))
+
+
+def hand_back_on_pool_close(worker: Any) -> None:
+    """Hand back the releases the worker holds unstarted just before its pool closes: a warm or
+    cold shutdown drops the tasks the pool has not started (the broker redelivers those it
+    tracks), and the requests with them."""
+    pool = getattr(worker, "pool", None)
+    if pool is None:
+        return
+    done: set[tuple[str, str]] = set()
+    for name in ("on_close", "on_terminate"):
+        original = getattr(pool, name, None)
+        if original is None or getattr(original, "_celery_threads", False):
+            continue
+
+        def hook(*args: Any, _original: Any = original, **kwargs: Any) -> Any:
+            try:
+                hand_back(worker, done)
+            except Exception:
+                logger.exception("celery-threads: hand-back at shutdown failed")
+            return _original(*args, **kwargs)
+
+        hook._celery_threads = True  # type: ignore[attr-defined]
+        setattr(pool, name, hook)
+
+
+def hand_back(worker: Any, done: set[tuple[str, str]]) -> None:
+    """Publish again, under the same token, each release this worker holds unstarted from a queue
+    without acknowledgements (``done``: those handed back already)."""
+    consumer = getattr(worker, "consumer", None)
+    if not getattr(consumer, CONSUMER_FLAG, False):
+        return
+    held = []
+    for request in list(worker_state.reserved_requests):
+        headers = request.request_dict
+        token = headers.get(TOKEN_HEADER)
+        key = (request.id, str(token))
+        if (not token or request in worker_state.active_requests or key in done
+                or not is_no_ack_delivery(request.message)):
+            continue
+        done.add(key)
+        held.append((str(headers.get(THREAD_HEADER)), request.id, str(token)))
+    if not held:
+        return
+    stop_fetching(consumer)
+    runtime = get_runtime(worker.app)
+    try:
+        outcomes = runtime.gate.hand_back(held)
+    except Exception:
+        logger.exception("celery-threads: could not hand back %d released members; the "
+                         "dispatcher republishes them when their release deadline lapses",
+                         len(held))
+        return
+    returned = [o.release for o in outcomes if o.release is not None]
+    for release in returned:
+        runtime.publish(release, republish=True)
+    logger.info("celery-threads: handed back %d released member(s) this worker held "
+                "unstarted; they were published again", len(returned))
+
+
+def stop_fetching(consumer: Any) -> None:
+    """Cancel the task consumer (Celery does it a moment later in its shutdown) and settle a fetch
+    still pending on the channel, so that the releases handed back go to other workers: kombu's
+    Redis transport keeps a BRPOP outstanding between loop iterations, and a message it pops now
+    finds no consumer and is put back on its queue."""
+    task_consumer = getattr(consumer, "task_consumer", None)
+    if task_consumer is None:
+        return
+    try:
+        task_consumer.cancel()
+        channel = task_consumer.channel
+        if getattr(channel, "_in_poll", None) and hasattr(channel, "_brpop_read"):
+            channel._brpop_read()
+    except Exception:   # Empty (the fetch timed out), or a connection already gone
+        logger.debug("celery-threads: settling the pending fetch at shutdown", exc_info=True)
+
+
+def bound_prefetch(channel: Any) -> bool:
+    """Make a virtual channel stop fetching while the worker holds as many unstarted tasks as its
+    prefetch count, whatever their queue (as Celery's ``worker_disable_prefetch`` does with the
+    pool size).  ``False`` when the transport has no such hook (py-amqp)."""
+    qos: Any = getattr(channel, "qos", None)
+    original = getattr(qos, "can_consume", None)
+    if original is None or getattr(original, "_celery_threads", False):
+        return original is not None
+    reserved, active = worker_state.reserved_requests, worker_state.active_requests
+
+    def can_consume(self: Any) -> bool:
+        limit = self.prefetch_count
+        if limit and len(reserved) - len(active) >= limit:
+            return False
+        return bool(original())
+
+    can_consume._celery_threads = True  # type: ignore[attr-defined]
+    qos.can_consume = MethodType(can_consume, qos)
+    return True
+
+
+def guard_plain_tasks(c: Any, queues: set[str]) -> None:
+    """Warn about plain tasks on a queue consumed without acknowledgements: at start for those
+    routed there, and at the first delivery of each task name that arrives there."""
+    from .task import ThreadedTask
+
+    app = c.app
+    for name, task in sorted(app.tasks.items()):
+        if isinstance(task, ThreadedTask) or name.startswith("celery.") or name == DISPATCH_TASK:
+            continue
+        try:
+            queue = app.amqp.router.route({}, name).get("queue")
+        except Exception:
+            continue
+        if getattr(queue, "name", queue) in queues:
+            logger.warning(_PLAIN_WARNING, name, getattr(queue, "name", queue))
+    warned: set[str] = set()
+    for name, strategy in list(c.strategies.items()):
+        task = app.tasks.get(name)
+        if task is None or isinstance(task, ThreadedTask):
+            continue
+        c.strategies[name] = _guarded(name, strategy, warned)
+
+
+_PLAIN_WARNING = ("celery-threads: plain task %s is routed to %s, a queue consumed without broker "
+                  "acknowledgements: its message is lost if the worker dies before the task "
+                  "ends. Only threaded tasks are safe there (the gate keeps them); route plain "
+                  "tasks to a queue with acknowledgements.")
+
+
+def _guarded(name: str, strategy: Callable[..., Any], warned: set[str]) -> Callable[..., Any]:
+    def task_message_handler(message: Any, body: Any, ack: Any, reject: Any, callbacks: Any,
+                             **kw: Any) -> Any:
+        if mark_delivery(message) and name not in warned and name != DISPATCH_TASK:
+            warned.add(name)
+            logger.warning(_PLAIN_WARNING, name, "a queue" if not message.delivery_info.get(
+                "routing_key") else f"{message.delivery_info['routing_key']!r}")
+        return strategy(message, body, ack, reject, callbacks, **kw)
+
+    return task_message_handler

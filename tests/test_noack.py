@@ -1,0 +1,179 @@
+"""Threaded tasks on a queue consumed without broker acknowledgements (``Queue(..., no_ack=True)``).
+
+The broker forgets such a delivery once it hands it over, so these tests check what makes that safe
+for threaded tasks: the worker's prefetch stays bounded, a worker killed while holding prefetched
+members loses none of them, a warm shutdown hands back what the worker had not started, plain
+tasks routed there are warned about, and the same workload as tests/test_brokers.py runs on both
+brokers.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import time
+import uuid
+
+import redis
+
+from celery_threads import Threads
+from tests.conftest import rabbitmq_url
+from tests.helpers import assert_serial, events, starts, tid, wait_for
+from tests.test_brokers import BrokerContract
+
+
+def noack_env(**overrides: str) -> dict[str, str]:
+    return {"CT_NOACK_QUEUE": f"noack-{uuid.uuid4().hex[:8]}", **overrides}
+
+
+def queue_length(redis_server, d) -> int:
+    """Messages waiting in the no-ack queue (kombu's Redis transport: one list per queue)."""
+    broker = redis.Redis.from_url(d.env["CT_BROKER_URL"])
+    return int(broker.llen(d.env["CT_NOACK_QUEUE"]))
+
+
+def test_prefetch_is_bounded(proj, make_deployment, redis_server):
+    """kombu does not count deliveries without acknowledgements against the prefetch limit; the
+    worker's step does, so the releases it cannot start yet stay in the broker for other workers."""
+    r = proj.history()
+    d = make_deployment(**noack_env(CT_PREFETCH="1"))
+    w = d.worker("bounded", concurrency=1)
+    assert "without broker acknowledgements" in w.output()
+    threads = [tid("bound") for _ in range(8)]
+    results = [proj.record.delay(t, "only", sleep=0.6) for t in threads]
+    wait_for(lambda: any(starts(r, t) for t in threads), what="a member to start")
+    time.sleep(0.5)
+    # One running and at most one waiting in the worker (prefetch 1 x concurrency 1).
+    assert queue_length(redis_server, d) >= len(threads) - 2
+    for x in results:
+        assert x.get(timeout=60) == "only"
+
+
+def test_sigkilled_worker_holding_prefetched_members_loses_none(proj, make_deployment,
+                                                                 redis_server):
+    """The broker forgot the deliveries the victim held; the gate republishes each once its release
+    deadline lapses, and every member still runs, one at a time, in arrival order."""
+    r = proj.history()
+    d = make_deployment(**noack_env(CT_PREFETCH="4"), CT_KEEPALIVE="2", CT_RELEASE_TIMEOUT="1",
+                        CT_DISPATCH_INTERVAL="0.2")
+    victim = d.worker("victim", concurrency=1)
+    threads = [tid("held") for _ in range(5)]
+    labels = [f"m{i}" for i in range(3)]
+    results = [proj.record.delay(t, label, sleep=0.4) for label in labels for t in threads]
+    # The victim runs one member and holds four more unstarted: the queue is empty.
+    wait_for(lambda: any(starts(r, t) for t in threads) and queue_length(redis_server, d) == 0,
+             what="the victim to hold the released members")
+    running = {t for t in threads if len(starts(r, t)) > len([e for e in events(r, t)
+                                                             if e.kind == "end"])}
+    victim.kill(signal.SIGKILL)
+    d.worker("survivor", concurrency=2)
+    for x in results:
+        assert x.get(timeout=90) in labels
+    for t in threads:
+        evs = events(r, t)
+        if t in running:
+            # Its attempt died with the victim (a start without an end); the member re-entered
+            # behind the members already waiting, and nothing started before the crash ended.
+            assert evs[0].kind == evs[1].kind == "start", evs
+            evs = evs[1:]
+            assert sorted(e.label for e in evs if e.kind == "start") == labels, evs
+        else:
+            assert [e.label for e in evs if e.kind == "start"] == labels, f"{t}: {evs}"
+        for i, e in enumerate(evs):     # then serial: starts and ends alternate
+            assert e.kind == ("start" if i % 2 == 0 else "end"), f"overlap in {t}: {evs}"
+            assert e.kind == "start" or e.label == evs[i - 1].label, f"overlap in {t}: {evs}"
+        wait_for(lambda: Threads(proj.app).get(t) is None, what="thread to vanish")
+
+
+def test_warm_shutdown_hands_back_unstarted_members(proj, make_deployment, redis_server):
+    """With a keepalive of a minute, the members a stopping worker held would wait a minute for
+    their release deadline; handed back, they run on the other worker while the first one is
+    still finishing its running member."""
+    r = proj.history()
+    d = make_deployment(**noack_env(CT_PREFETCH="4"), CT_KEEPALIVE="60",
+                        CT_RELEASE_TIMEOUT="60")
+    leaving = d.worker("leaving", concurrency=1)
+    slow, *quick = [tid("back") for _ in range(4)]
+    long_one = proj.record.delay(slow, "long", sleep=4)
+    wait_for(lambda: starts(r, slow) == ["long"], what="the long member to start")
+    results = [proj.record.delay(t, "quick") for t in quick]
+    wait_for(lambda: queue_length(redis_server, d) == 0 and
+             all(Threads(proj.app).get(t).active.state == "RELEASED" for t in quick),
+             what="the leaving worker to hold the quick members")
+    staying = d.worker("staying", concurrency=1)
+    os.kill(leaving.proc.pid, signal.SIGTERM)          # warm shutdown of the main process only
+    try:
+        for x in results:
+            assert x.get(timeout=20) == "quick"
+    except Exception:
+        print(leaving.output()[-6000:])
+        raise
+    long_end = [e for e in events(r, slow) if e.kind == "end"]
+    quick_starts = [e.at_us for t in quick for e in events(r, t) if e.kind == "start"]
+    assert not long_end or max(quick_starts) < long_end[0].at_us, \
+        f"the handed-back members ran only after the leaving worker finished: {leaving.output()} {staying.output()}"
+    assert long_one.get(timeout=20) == "long"
+    leaving.proc.wait(30)
+    assert "handed back 3 released member(s)" in leaving.output()
+    for t in quick:
+        assert starts(r, t) == ["quick"]
+
+
+def test_plain_task_on_a_noack_queue_is_warned_about(proj, make_deployment):
+    d = make_deployment(**noack_env(CT_NOACK_PLAIN="1"))
+    w = d.worker("plain", concurrency=1)
+    assert "plain task tests.proj.plain is routed to" in w.output()
+    thread = tid("plain")
+    assert proj.plain.delay(thread, "p").get(timeout=30) == "p"
+    wait_for(lambda: w.output().count("plain task tests.proj.plain") >= 2,
+             what="the warning at its first delivery")
+    assert w.output().count("plain task tests.proj.plain") == 2     # once per name
+
+
+class TestRedisNoAckQueue(BrokerContract):
+    broker = "redis-noack"
+
+    def broker_url(self, redis_server) -> str:
+        return redis_server.url(3)
+
+    def extra_env(self) -> dict[str, str]:
+        return noack_env()
+
+    def test_unacked_index_stays_empty(self, proj, deployment, redis_server):
+        """No delivery of the no-ack queue is tracked (or acked) in the broker."""
+        thread = tid("idx")
+        results = [proj.record.delay(thread, f"m{i}") for i in range(5)]
+        for x in results:
+            x.get(timeout=30)
+        broker = redis.Redis.from_url(self.broker_url(redis_server))
+        assert broker.hlen("unacked") == 0 and broker.zcard("unacked_index") == 0
+
+
+class TestRabbitMQNoAckQueue(BrokerContract):
+    broker = "amqp-noack"
+
+    def broker_url(self, redis_server) -> str:
+        return rabbitmq_url()
+
+    def extra_env(self) -> dict[str, str]:
+        return noack_env()
+
+
+    def test_rejected_member_dies_without_closing_the_channel(self, proj, make_deployment,
+                                                              redis_server):
+        """RabbitMQ closes a channel that rejects a delivery it does not track: the worker must
+        not send the reject of a no-ack delivery (the gate ends the member).  With late acks,
+        Celery rejects the message of a task that raised Reject.  (The worker also warns that
+        RabbitMQ does not bound its prefetch.)"""
+        r = proj.history()
+        deployment = make_deployment(broker=self.broker_url(redis_server), CT_ACKS_LATE="1",
+                                     **self.extra_env())
+        late = deployment.worker("late", concurrency=1)
+        assert "applies no prefetch limit to such a consumer" in late.output()
+        thread = tid("rej")
+        proj.rejecter.delay(thread, "no")
+        after = proj.record.delay(thread, "after")
+        assert after.get(timeout=30) == "after"
+        assert starts(r, thread) == ["no", "after"]
+        for p in deployment.processes:
+            assert "PRECONDITION_FAILED" not in p.output()
+            assert "unknown delivery tag" not in p.output()
