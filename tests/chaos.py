@@ -2,6 +2,7 @@
 
     python -m tests.chaos --minutes 5                  # Redis broker
     python -m tests.chaos --minutes 2 --broker amqp    # RabbitMQ on 127.0.0.1:5672 (guest/guest)
+    python -m tests.chaos --minutes 2 --no-ack         # the queue without broker acknowledgements
 
 What runs: a redis-server with append-only persistence holding the gate (and, with the Redis broker,
 the broker in database 1), restarted during the run; a second redis-server, never restarted, holding
@@ -77,6 +78,7 @@ class Options:
     quiet: bool = False
     beat: bool = True
     backend: bool = False             # a result backend (each process's memory)
+    no_ack: bool = False              # the queue consumed without broker acknowledgements
 
 
 class ChaosProcess(CeleryProcess):
@@ -166,6 +168,8 @@ class Cluster:
             "CHAOS_VISIBILITY": str(self.opts.visibility),
             "CHAOS_PREFETCH": "2",
         }
+        if self.opts.no_ack:
+            self.env["CHAOS_NOACK"] = "1"
         if self.opts.backend:
             # Each process's own memory: enough for Celery to mark a task it cannot run (an
             # unregistered name) as failed, without a store the test process subscribes to.
@@ -625,6 +629,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                  "quiesce_timeout"):
         parser.add_argument("--" + name.replace("_", "-"), type=float,
                             default=getattr(defaults, name))
+    parser.add_argument("--no-ack", action="store_true",
+                        help="declare the queue Queue(name, no_ack=True): deliveries the workers "
+                             "hold are forgotten by the broker, and only the gate recovers them")
     parser.add_argument("--json", dest="json_path")
     parser.add_argument("--workdir")
     parser.add_argument("--keep", action="store_true", help="keep the logs of a clean run too")

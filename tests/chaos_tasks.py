@@ -3,7 +3,8 @@
 CHAOS_GATE_URL (threads_redis_url), CHAOS_BROKER_URL, CHAOS_HISTORY_URL (a redis-server of its own
 that the gate never reads), CHAOS_RUN (names the history list), CHAOS_KEY_PREFIX, CHAOS_QUEUE,
 CHAOS_KEEPALIVE, CHAOS_DISPATCH_INTERVAL, CHAOS_RELEASE_TIMEOUT, CHAOS_RETRY_DELAY, CHAOS_ACKS_LATE,
-CHAOS_VISIBILITY, CHAOS_PREFETCH, CHAOS_CONTROL_EXCHANGE, CHAOS_BACKEND_URL (none by default).
+CHAOS_VISIBILITY, CHAOS_PREFETCH, CHAOS_CONTROL_EXCHANGE, CHAOS_BACKEND_URL (none by default),
+CHAOS_NOACK ("1": the queue is consumed without broker acknowledgements).
 
 Every event goes to one Redis list through one Lua script that reads the history server's ``TIME``
 and appends in the same step, so the list is in time order.  Rows are ``<µs> <json>``; see
@@ -19,6 +20,7 @@ from typing import Any, Optional
 import redis
 from celery import Celery, signals
 from celery.exceptions import Retry
+from kombu import Queue
 
 from celery_threads import ThreadedTask
 from celery_threads.runtime import reset
@@ -49,6 +51,8 @@ def settings(env: Any = os.environ) -> dict[str, Any]:
             "unacked_restore_throttle": 1,
         },
         "control_exchange": env.get("CHAOS_CONTROL_EXCHANGE", "chaos-control"),
+        "task_queues": ([Queue(env.get("CHAOS_QUEUE", "chaos"), no_ack=True)]
+                        if env.get("CHAOS_NOACK") == "1" else None),
         "broker_connection_retry_on_startup": True,
         "worker_cancel_long_running_tasks_on_connection_loss": False,
     }

@@ -64,8 +64,9 @@ What is checked, and the approximations it rests on:
   before the thread moved on is measured from the worker's kill (the worker never got to report
   its child's death).  A window that overlaps a time when the deployment could not move any
   thread on (the gate's Redis down: ``redis_down`` to ``redis_up``; no healthy worker: a
-  ``healthy`` row with count 0 until the next one) is kept apart as *confounded*: it measures
-  the outage, not the gate.
+  ``healthy`` row with count 0 until the next one), or during which another worker was killed
+  (the next member may have been lost with that one, and its recovery started over), is kept
+  apart as *confounded*: it measures the outage or the second fault, not the gate.
 """
 from __future__ import annotations
 
@@ -252,7 +253,8 @@ class Report:
             apart = self.confounded.get(kind, [])
             if apart:
                 lines.append(f"  and {len(apart)} more whose window overlapped an outage (gate "
-                             f"Redis down, or no healthy worker): worst {max(apart):.2f}s")
+                             f"Redis down, or no healthy worker) or another worker's kill: worst "
+                             f"{max(apart):.2f}s")
         lines += [f"info: {x}" for x in self.info]
         lines.append("RESULT: " + ("OK" if self.ok else "VIOLATIONS"))
         return "\n".join(lines)
@@ -558,7 +560,8 @@ def _measure_recovery(history: Sequence[Event], attempts: list[Attempt], kills: 
             if candidates:
                 took = max(0.0, min(candidates))
                 end = kill.t + took
-                apart = any(lo <= end and kill.t <= hi for lo, hi in impaired)
+                apart = (any(lo <= end and kill.t <= hi for lo, hi in impaired)
+                         or any(k.what == "worker" and kill.t < k.t < end for k in kills))
                 (report.confounded if apart else report.recoveries).setdefault(
                     kill.what, []).append(round(took / 1e6, 3))
     report.worst_recovery = {k: max(v) for k, v in report.recoveries.items() if v}

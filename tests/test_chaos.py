@@ -26,7 +26,8 @@ KEEPALIVE, TICK, OUTAGE = 8.0, 0.5, 1.5
 RECOVERY_BOUND = KEEPALIVE + TICK + 2.0
 
 
-def _run(tmp_path: Path, broker: str, minutes: float, timeout: float) -> dict[str, Any]:
+def _run(tmp_path: Path, broker: str, minutes: float, timeout: float,
+         extra: tuple[str, ...] = ()) -> dict[str, Any]:
     if not (shutil.which("redis-server") or Path("/usr/bin/redis-server").exists()):
         if IN_CI:
             pytest.fail("redis-server is required in CI")
@@ -34,7 +35,8 @@ def _run(tmp_path: Path, broker: str, minutes: float, timeout: float) -> dict[st
     report = tmp_path / "report.json"
     cmd = [sys.executable, "-m", "tests.chaos", "--minutes", str(minutes), "--broker", broker,
            "--keepalive", str(KEEPALIVE), "--dispatch-interval", str(TICK),
-           "--outage", str(OUTAGE), "--json", str(report), "--workdir", str(tmp_path / "run")]
+           "--outage", str(OUTAGE), "--json", str(report), "--workdir", str(tmp_path / "run"),
+           *extra]
     proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
@@ -101,3 +103,10 @@ def test_chaos_run_on_rabbitmq(tmp_path: Path) -> None:
     rabbitmq_url()
     data = _run(tmp_path, "amqp", minutes=0.5, timeout=180)
     _assert_clean(data, min_members=100)
+
+
+def test_chaos_run_with_a_queue_without_acknowledgements(tmp_path: Path) -> None:
+    """Killed workers take the deliveries they held with them, and the broker's restarts lose the
+    ones in flight: the gate alone brings every member back."""
+    data = _run(tmp_path, "redis", minutes=0.75, timeout=220, extra=("--no-ack",))
+    _assert_clean(data, min_members=180)

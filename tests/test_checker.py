@@ -378,6 +378,24 @@ def test_a_recovery_across_an_outage_is_kept_apart() -> None:
     assert "overlapped an outage" in report.format()
 
 
+def test_a_recovery_across_another_workers_kill_is_kept_apart() -> None:
+    """The next member may have been lost with the second worker (a delivery it prefetched from a
+    queue without acknowledgements): that window measures two faults, not one."""
+    h = History()
+    for task, thread, at in (("a", "t", 0), ("b", "t", 1), ("c", "u", 0), ("d", "u", 1)):
+        h.enqueue(task, thread, at)
+    one = h.attempt("a", "t", 10, None)
+    two = h.attempt("c", "u", 10, None)
+    h.kill(1_000, one, two)
+    h.attempt("b", "t", 4_000, 4_100)              # moved on before the second kill: measured
+    h.kill(8_000, 77)                              # another worker
+    h.attempt("d", "u", 13_000, 13_100)            # after it: kept apart
+    report = h.check()
+    assert report.recoveries["worker"] == [3.0]
+    assert report.confounded["worker"] == [12.0]
+    assert "another worker's kill" in report.format()
+
+
 def test_a_child_kill_followed_by_its_workers_kill_counts_from_the_worker() -> None:
     h = History()
     h.enqueue("a", "t", 0)
