@@ -359,18 +359,25 @@ def test_a_prefetched_release_redelivered_after_a_worker_kill_counts_as_recovery
     assert report.recoveries["worker"] == [3.0]
 
 
-def test_a_recovery_across_an_outage_is_kept_apart() -> None:
+def two_threads_killed_at_1s() -> History:
+    """Threads t (a, b) and u (c, d): a and c run on the worker killed at 1 s, and t moves on
+    3 s later."""
     h = History()
     for task, thread, at in (("a", "t", 0), ("b", "t", 1), ("c", "u", 0), ("d", "u", 1)):
         h.enqueue(task, thread, at)
     one = h.attempt("a", "t", 10, None)
     two = h.attempt("c", "u", 10, None)
     h.kill(1_000, one, two)
+    h.attempt("b", "t", 4_000, 4_100)
+    return h
+
+
+def test_a_recovery_across_an_outage_is_kept_apart() -> None:
+    h = two_threads_killed_at_1s()
     h.events.append(Event("redis_down", 5_000 * MS))
     h.events.append(Event("redis_up", 6_500 * MS))
     h.events.append(Event("healthy", 7_000 * MS, count=0))
     h.events.append(Event("healthy", 12_000 * MS, count=2))
-    h.attempt("b", "t", 4_000, 4_100)              # moved on before the outage: measured
     h.attempt("d", "u", 13_000, 13_100)            # waited for a worker: kept apart
     report = h.check()
     assert report.recoveries["worker"] == [3.0]
@@ -381,13 +388,7 @@ def test_a_recovery_across_an_outage_is_kept_apart() -> None:
 def test_a_recovery_across_another_workers_kill_is_kept_apart() -> None:
     """The next member may have been lost with the second worker (a delivery it prefetched from a
     queue without acknowledgements): that window measures two faults, not one."""
-    h = History()
-    for task, thread, at in (("a", "t", 0), ("b", "t", 1), ("c", "u", 0), ("d", "u", 1)):
-        h.enqueue(task, thread, at)
-    one = h.attempt("a", "t", 10, None)
-    two = h.attempt("c", "u", 10, None)
-    h.kill(1_000, one, two)
-    h.attempt("b", "t", 4_000, 4_100)              # moved on before the second kill: measured
+    h = two_threads_killed_at_1s()
     h.kill(8_000, 77)                              # another worker
     h.attempt("d", "u", 13_000, 13_100)            # after it: kept apart
     report = h.check()
