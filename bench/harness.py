@@ -247,11 +247,13 @@ class Stack:
         self._after.append(action)
 
     def _own_queue(self, env: dict[str, str]) -> None:
-        """A RabbitMQ queue the run declares is deleted once its workers and beat are gone."""
-        url, queue = env.get("BENCH_BROKER_URL", ""), env.get("BENCH_QUEUE", "")
-        if url.startswith("amqp") and queue and queue not in self._queues:
-            self._queues.add(queue)
-            self.after_close(lambda: delete_amqp_queue(url, queue))
+        """The RabbitMQ queues the run declares are deleted once its workers and beat are gone."""
+        url = env.get("BENCH_BROKER_URL", "")
+        for name in ("BENCH_QUEUE", "BENCH_NOACK_QUEUE"):
+            queue = env.get(name, "")
+            if url.startswith("amqp") and queue and queue not in self._queues:
+                self._queues.add(queue)
+                self.after_close(lambda queue=queue: delete_amqp_queue(url, queue))
 
     # -- starting things ----------------------------------------------------------------------
     def redis(self, name: str = "redis") -> RedisServer:

@@ -14,7 +14,7 @@ What the worker needs for such a queue, installed by :class:`NoAckQueues` when i
   transports (Redis) the channel stops fetching while the worker holds as many unstarted tasks as
   its prefetch count.  RabbitMQ applies no prefetch to such a consumer; the worker says so.
 * no broker calls for these deliveries: an ack is skipped the way py-amqp skips it (the delivery
-  is tagged as coming from a no-ack consumer), and a threaded member's reject is not sent (its
+  is tagged as coming from a no-ack consumer), and a reject is not sent (a threaded member's
   requeue or death is the gate's; RabbitMQ would close the channel over the unknown tag).
 * a hand-back at shutdown (:func:`hand_back_on_pool_close`, installed by the worker step):
   releases it holds unstarted are published again at once, instead of waiting for their release
@@ -236,10 +236,12 @@ _PLAIN_WARNING = ("celery-threads: plain task %s is routed to %s, a queue consum
 def _guarded(name: str, strategy: Callable[..., Any], warned: set[str]) -> Callable[..., Any]:
     def task_message_handler(message: Any, body: Any, ack: Any, reject: Any, callbacks: Any,
                              **kw: Any) -> Any:
-        if mark_delivery(message) and name not in warned and name != DISPATCH_TASK:
-            warned.add(name)
-            logger.warning(_PLAIN_WARNING, name, "a queue" if not message.delivery_info.get(
-                "routing_key") else f"{message.delivery_info['routing_key']!r}")
+        if mark_delivery(message):
+            reject = skip_broker        # nothing to reject: the broker does not track it
+            if name not in warned and name != DISPATCH_TASK:
+                warned.add(name)
+                logger.warning(_PLAIN_WARNING, name, "a queue" if not message.delivery_info.get(
+                    "routing_key") else f"{message.delivery_info['routing_key']!r}")
         return strategy(message, body, ack, reject, callbacks, **kw)
 
     return task_message_handler

@@ -198,7 +198,13 @@ class Deployment:
         schedule = tempfile.mktemp(prefix="ct-beat-")
         proc = CeleryProcess("beat", self.env, ["--loglevel", "INFO", "-s", schedule], "beat")
         self.processes.append(proc.start())
-        return proc.wait_ready()
+        proc.wait_ready()
+        # Its scheduler is set up once it sends its first entry: a beat stopped before that (a
+        # short test) can crash in its own shutdown ("invalid operation on closed shelf").
+        end = time.time() + 30
+        while "Sending due task" not in proc.output() and time.time() < end:
+            time.sleep(0.05)
+        return proc
 
     def stop(self) -> None:
         for proc in reversed(self.processes):
