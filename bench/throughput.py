@@ -183,9 +183,11 @@ def run(args: argparse.Namespace) -> int:
     options = (" --broker amqp" if args.broker == "amqp" else "") + (
         " --threaded-no-ack" if args.threaded_no_ack else "")
     if args.threaded_no_ack:
+        bound = ("prefetch bounded by the worker's step" if args.broker == "redis" else
+                 "RabbitMQ applies no prefetch to such a consumer")
         notes.append("--threaded-no-ack: the threaded tasks' queue was consumed without broker "
-                     "acknowledgements (no unacked bookkeeping and no acks; prefetch bounded by "
-                     "the worker's step); the plain tasks' queue as usual.")
+                     f"acknowledgements (no unacked bookkeeping and no acks; {bound}); the plain "
+                     "tasks' queue as usual.")
     h.report(f"throughput ({args.broker} broker)", "throughput", args.quick, where,
              f"{n:,} no-op tasks per side, threaded ones over {threads:,} threads; one prefork "
              f"worker -c {args.concurrency} (prefetch 4), beat; {args.repeats} repeat(s)",
