@@ -13,9 +13,8 @@ What the worker needs for such a queue, installed by :class:`NoAckQueues` when i
   so without one a worker would take every release on the queue.  With kombu's virtual
   transports (Redis) the channel stops fetching while the worker holds as many unstarted tasks as
   its prefetch count.  RabbitMQ applies no prefetch to such a consumer; the worker says so.
-* no broker calls for these deliveries: an ack is skipped the way py-amqp skips it (the delivery
-  is tagged as coming from a no-ack consumer), and a reject is not sent (a threaded member's
-  requeue or death is the gate's; RabbitMQ would close the channel over the unknown tag).
+* no broker calls for these deliveries: their ack, reject and requeue are no-ops
+  (:func:`mark_delivery`).
 * a hand-back at shutdown (:func:`hand_back_on_pool_close`, installed by the worker step):
   releases it holds unstarted are published again at once, instead of waiting for their release
   deadline to lapse.
@@ -37,44 +36,44 @@ from .runtime import get_runtime
 
 logger = logging.getLogger(__name__)
 
-#: The consumer tag given to deliveries of kombu's virtual transports from a no-ack consumer.
-NO_ACK_TAG = "celery-threads-no-ack"
 #: Set on Celery's consumer while it consumes a queue without acknowledgements.
 CONSUMER_FLAG = "_celery_threads_no_ack"
+#: Set on a message that came from such a queue.
+_DELIVERY_FLAG = "_celery_threads_untracked"
 
 
 def mark_delivery(message: Any) -> bool:
-    """Whether ``message`` came from a queue consumed without acknowledgements, tagging it so
-    that ``message.ack()`` makes no broker call.
+    """Whether ``message`` came from a queue consumed without acknowledgements; if so, its
+    ``ack``, ``reject`` and ``requeue`` become no-ops.  Call it when the message is received.
 
     py-amqp names the consumer in ``delivery_info`` and keeps its channel's no-ack consumers;
     kombu's virtual transports (Redis, SQS, ...) do neither, but keep every delivery that needs an
     ack in the channel's QoS from before the message is handed over, so one missing there came
-    from a no-ack consumer.  Call it when the message is received.
+    from a no-ack consumer.  The broker does not track such a delivery: acknowledging it wastes a
+    round trip (kombu's Redis transport still runs its unacked-index pipeline), and RabbitMQ
+    answers a reject of it by closing the channel.  A threaded member's retry or death is the
+    gate's; a plain task's message has nowhere to go back to.
     """
-    info = message.delivery_info
     channel = message.channel
-    tag = info.get("consumer_tag")
+    tag = message.delivery_info.get("consumer_tag")
     if tag is not None:
-        return tag in (getattr(channel, "no_ack_consumers", None) or ())
-    delivered = getattr(getattr(channel, "qos", None), "_delivered", None)
-    if delivered is None or message.delivery_tag in delivered:
-        return False
-    if getattr(channel, "no_ack_consumers", None) is None:
-        channel.no_ack_consumers = set()
-    channel.no_ack_consumers.add(NO_ACK_TAG)
-    info["consumer_tag"] = NO_ACK_TAG
-    return True
+        no_ack = tag in (getattr(channel, "no_ack_consumers", None) or ())
+    else:
+        delivered = getattr(getattr(channel, "qos", None), "_delivered", None)
+        no_ack = delivered is not None and message.delivery_tag not in delivered
+    if no_ack:
+        message.ack = message.reject = message.requeue = _untracked
+        setattr(message, _DELIVERY_FLAG, True)
+    return no_ack
 
 
 def is_no_ack_delivery(message: Any) -> bool:
-    """For a message already received (and tagged by :func:`mark_delivery`)."""
-    tag = (message.delivery_info or {}).get("consumer_tag")
-    return tag is not None and tag in (getattr(message.channel, "no_ack_consumers", None) or ())
+    """For a message already received (and marked by :func:`mark_delivery`)."""
+    return bool(getattr(message, _DELIVERY_FLAG, False))
 
 
-def skip_broker(*args: Any, **kwargs: Any) -> None:
-    """Stands in for the reject of a delivery the broker does not track."""
+def _untracked(*args: Any, **kwargs: Any) -> None:
+    """The ack, reject or requeue of a delivery the broker does not track."""
 
 
 class NoAckQueues(bootsteps.StartStopStep):
@@ -236,12 +235,10 @@ _PLAIN_WARNING = ("celery-threads: plain task %s is routed to %s, a queue consum
 def _guarded(name: str, strategy: Callable[..., Any], warned: set[str]) -> Callable[..., Any]:
     def task_message_handler(message: Any, body: Any, ack: Any, reject: Any, callbacks: Any,
                              **kw: Any) -> Any:
-        if mark_delivery(message):
-            reject = skip_broker        # nothing to reject: the broker does not track it
-            if name not in warned and name != DISPATCH_TASK:
-                warned.add(name)
-                logger.warning(_PLAIN_WARNING, name, "a queue" if not message.delivery_info.get(
-                    "routing_key") else f"{message.delivery_info['routing_key']!r}")
+        if mark_delivery(message) and name not in warned and name != DISPATCH_TASK:
+            warned.add(name)
+            logger.warning(_PLAIN_WARNING, name, "a queue" if not message.delivery_info.get(
+                "routing_key") else f"{message.delivery_info['routing_key']!r}")
         return strategy(message, body, ack, reject, callbacks, **kw)
 
     return task_message_handler

@@ -26,7 +26,7 @@ from celery.worker.request import Request
 from celery.worker.strategy import default as default_strategy
 
 from .gate import RETRIED
-from .noack import CONSUMER_FLAG, hand_back_on_pool_close, mark_delivery, skip_broker
+from .noack import CONSUMER_FLAG, hand_back_on_pool_close, mark_delivery
 from .publish import REPUBLISHED_HEADER, THREAD_HEADER, TOKEN_HEADER
 from .runtime import get_runtime
 
@@ -43,10 +43,8 @@ def threaded_strategy(task: Any, app: Any, consumer: Any, **kwargs: Any) -> Any:
 
     def task_message_handler(message: Any, body: Any, ack: Any, reject: Any, callbacks: Any,
                              **kw: Any) -> Any:
-        if getattr(consumer, CONSUMER_FLAG, False) and mark_delivery(message):
-            # From a queue without acknowledgements: the ack is skipped by kombu (the delivery is
-            # tagged), and a reject must not reach the broker (the gate requeues or kills).
-            reject = skip_broker
+        if getattr(consumer, CONSUMER_FLAG, False):
+            mark_delivery(message)      # from a queue without acknowledgements: no ack, no reject
         headers = message.headers or {}
         token = headers.get(TOKEN_HEADER)
         if not token:
