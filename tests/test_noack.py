@@ -177,3 +177,39 @@ class TestRabbitMQNoAckQueue(BrokerContract):
         for p in deployment.processes:
             assert "PRECONDITION_FAILED" not in p.output()
             assert "unknown delivery tag" not in p.output()
+
+
+def test_a_noack_delivery_makes_no_broker_call_when_acked_or_rejected(redis_server):
+    """kombu's Redis transport still runs its unacked-index pipeline (MULTI, ZREM, HDEL, EXEC) for
+    the ack of a delivery it never tracked; once marked, acking, rejecting and requeueing it reach
+    no Redis server."""
+    from kombu import Connection, Queue
+
+    from celery_threads.noack import is_no_ack_delivery, mark_delivery
+
+    url = redis_server.url(5)
+    name = f"marked-{uuid.uuid4().hex[:8]}"
+    watcher = redis.Redis.from_url(url)
+    with Connection(url) as conn:
+        received = []
+        tracked, untracked = Queue(f"{name}-acked"), Queue(name, no_ack=True)
+        with conn.Consumer([tracked, untracked], callbacks=[lambda body, m: received.append(m)]):
+            for queue in (tracked, untracked):
+                conn.Producer().publish({"n": 1}, routing_key=queue.name, declare=[queue])
+            while len(received) < 2:
+                conn.drain_events(timeout=5)
+            by_queue = {m.delivery_info["routing_key"]: m for m in received}
+            assert not mark_delivery(by_queue[tracked.name])      # needs its ack: left alone
+            message = by_queue[name]
+            assert mark_delivery(message) and is_no_ack_delivery(message)
+            before = watcher.info("commandstats")
+            for _ in range(50):
+                message.ack()
+                message.reject()
+                message.requeue()
+            after = watcher.info("commandstats")
+            by_queue[tracked.name].ack()
+    changed = {k: after[k]["calls"] - before.get(k, {"calls": 0})["calls"] for k in after
+               if after[k]["calls"] != before.get(k, {"calls": 0})["calls"]}
+    # Unmarked, the 50 acks alone made 50 MULTI/ZREM/HDEL/EXEC each (checked by hand).
+    assert changed.get("cmdstat_zrem", 0) < 50 and changed.get("cmdstat_hdel", 0) < 50, changed
