@@ -205,25 +205,44 @@ def bound_prefetch(channel: Any) -> bool:
 
 def guard_plain_tasks(c: Any, queues: set[str]) -> None:
     """Warn about plain tasks on a queue consumed without acknowledgements: at start for those
-    routed there, and at the first delivery of each task name that arrives there."""
+    routed there, and at the first delivery of each task name that arrives there.  The delivery
+    check wraps the plain tasks' strategies, again whenever Celery rebuilds them (a consumer
+    restart, ``pool_restart`` with reload)."""
     from .task import ThreadedTask
 
     app = c.app
-    for name, task in sorted(app.tasks.items()):
-        if isinstance(task, ThreadedTask) or name.startswith("celery.") or name == DISPATCH_TASK:
-            continue
-        try:
-            queue = app.amqp.router.route({}, name).get("queue")
-        except Exception:
-            continue
-        if getattr(queue, "name", queue) in queues:
-            logger.warning(_PLAIN_WARNING, name, getattr(queue, "name", queue))
-    warned: set[str] = set()
-    for name, strategy in list(c.strategies.items()):
-        task = app.tasks.get(name)
-        if task is None or isinstance(task, ThreadedTask):
-            continue
-        c.strategies[name] = _guarded(name, strategy, warned)
+    if not c.__dict__.get("_celery_threads_routes_checked"):
+        c._celery_threads_routes_checked = True
+        for name, task in sorted(app.tasks.items()):
+            if (isinstance(task, ThreadedTask) or name.startswith("celery.")
+                    or name == DISPATCH_TASK):
+                continue
+            try:
+                queue = app.amqp.router.route({}, name).get("queue")
+            except Exception:
+                continue
+            if getattr(queue, "name", queue) in queues:
+                logger.warning(_PLAIN_WARNING, name, getattr(queue, "name", queue))
+    warned: set[str] = c.__dict__.setdefault("_celery_threads_warned", set())
+
+    def wrap() -> None:
+        for name, strategy in list(c.strategies.items()):
+            task = app.tasks.get(name)
+            if (task is not None and not isinstance(task, ThreadedTask)
+                    and not getattr(strategy, "_celery_threads", False)):
+                c.strategies[name] = _guarded(name, strategy, warned)
+
+    wrap()
+    rebuild = c.update_strategies
+    if not getattr(rebuild, "_celery_threads", False):
+        def update_strategies(*args: Any, **kwargs: Any) -> Any:
+            result = rebuild(*args, **kwargs)
+            if getattr(c, CONSUMER_FLAG, False):
+                wrap()
+            return result
+
+        update_strategies._celery_threads = True  # type: ignore[attr-defined]
+        c.update_strategies = update_strategies
 
 
 _PLAIN_WARNING = ("celery-threads: plain task %s is routed to %s, a queue consumed without broker "
@@ -241,4 +260,5 @@ def _guarded(name: str, strategy: Callable[..., Any], warned: set[str]) -> Calla
                 "routing_key") else f"{message.delivery_info['routing_key']!r}")
         return strategy(message, body, ack, reject, callbacks, **kw)
 
+    task_message_handler._celery_threads = True  # type: ignore[attr-defined]
     return task_message_handler

@@ -10,6 +10,7 @@
   (``WorkerLostError``) and a hard time limit.
 * :class:`ThreadsWorkerStep` renews the leases of the members this worker holds (in its own
   thread, so it works under prefork, threads and solo pools) and runs the worker's dispatch loop.
+* Queues consumed without broker acknowledgements are handled in :mod:`celery_threads.noack`.
 """
 from __future__ import annotations
 
