@@ -20,6 +20,8 @@ What the worker needs for such a queue, installed by :class:`NoAckQueues` when i
   deadline to lapse.
 * a warning for plain tasks on such a queue: their message is lost if the worker dies before the
   task ends, as with any Celery task consumed without acknowledgements.
+* the same no-op ack and reject for a message Celery refuses before any strategy sees it (an
+  unknown task name, an invalid or undecodable message).
 """
 from __future__ import annotations
 
@@ -105,6 +107,7 @@ class NoAckQueues(bootsteps.StartStopStep):
                 "a no_ack queue, or declare it with acknowledgements.", names,
                 c.connection.transport.driver_type)
         guard_plain_tasks(c, set(self.queues))
+        mark_before_refusing(c)
 
 
 def hand_back_on_pool_close(worker: Any) -> None:
@@ -201,6 +204,25 @@ def bound_prefetch(channel: Any) -> bool:
     can_consume._celery_threads = True  # type: ignore[attr-defined]
     qos.can_consume = MethodType(can_consume, qos)
     return True
+
+
+def mark_before_refusing(c: Any) -> None:
+    """Celery acks or rejects a message it cannot hand to any strategy (an unknown task name, an
+    invalid or undecodable message) itself: mark a no-ack delivery first, so that its reject
+    does not reach RabbitMQ (which would close the channel over the unknown delivery tag)."""
+    for name, at in (("on_unknown_task", 1), ("on_unknown_message", 1), ("on_invalid_task", 1),
+                     ("on_decode_error", 0)):
+        refuse = getattr(c, name, None)
+        if refuse is None or getattr(refuse, "_celery_threads", False):
+            continue
+
+        def marked(*args: Any, _refuse: Any = refuse, _at: int = at) -> Any:
+            if getattr(c, CONSUMER_FLAG, False) and len(args) > _at:
+                mark_delivery(args[_at])
+            return _refuse(*args)
+
+        marked._celery_threads = True  # type: ignore[attr-defined]
+        setattr(c, name, marked)
 
 
 def guard_plain_tasks(c: Any, queues: set[str]) -> None:

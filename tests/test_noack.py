@@ -178,6 +178,20 @@ class TestRabbitMQNoAckQueue(BrokerContract):
             assert "PRECONDITION_FAILED" not in p.output()
             assert "unknown delivery tag" not in p.output()
 
+    def test_unknown_task_name_does_not_close_the_channel(self, proj, deployment):
+        """Celery rejects a message naming a task it does not know before any strategy sees it."""
+        r = proj.history()
+        proj.app.send_task("tests.proj.no_such_task", args=(1,),
+                           queue=deployment.env["CT_NOACK_QUEUE"])
+        thread = tid("unknown")
+        assert proj.record.delay(thread, "after").get(timeout=30) == "after"
+        workers = [p for p in deployment.processes if p.kind == "worker"]
+        wait_for(lambda: any("no_such_task" in p.output() for p in workers),
+                 what="a worker to refuse the unknown task")
+        for p in workers:
+            assert "PRECONDITION_FAILED" not in p.output()
+        assert starts(r, thread) == ["after"]
+
 
 def test_a_noack_delivery_makes_no_broker_call_when_acked_or_rejected(redis_server):
     """kombu's Redis transport still runs its unacked-index pipeline (MULTI, ZREM, HDEL, EXEC) for
