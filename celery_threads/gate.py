@@ -373,21 +373,15 @@ class Gate:
 
     def renew_many(self, members: Sequence[tuple[str, str, str]], keepalive_ms: int) -> list[bool]:
         """Renew ``(thread_id, task_id, token)`` leases in one round trip."""
-        pipe = self.client.pipeline(transaction=False)
-        for thread_id, task_id, token in members:
-            self._run("renew", thread_id, task_id, token, keepalive_ms, client=pipe)
-        return [int(r[0]) == 1 for r in pipe.execute()]
+        replies = self._pipeline("renew", [(t, (k, tok, keepalive_ms)) for t, k, tok in members])
+        return [int(r[0]) == 1 for r in replies]
 
     def hand_back(self, members: Sequence[tuple[str, str, str]]) -> list[Outcome]:
         """Return ``(thread_id, task_id, token)`` releases a worker holds unstarted, in one round
         trip: each still RELEASED under its token comes back as a ``REPUBLISH`` outcome, for the
         caller to publish again under the same token."""
-        if not members:
-            return []
-        pipe = self.client.pipeline(transaction=False)
-        for thread_id, task_id, token in members:
-            self._run("handback", thread_id, task_id, token, client=pipe)
-        return [self._outcome(m[0], r) for m, r in zip(members, pipe.execute())]
+        replies = self._pipeline("handback", [(t, (k, tok)) for t, k, tok in members])
+        return [self._outcome(m[0], r) for m, r in zip(members, replies)]
 
     def finish(self, thread_id: str, task_id: str, token: str) -> Outcome:
         return self._call("finish", thread_id, task_id, token)
@@ -454,12 +448,17 @@ class Gate:
         return self._pipelined("expire", thread_ids, MAX_REPUBLISH_BACKOFF, self._keepalive_text)
 
     def _pipelined(self, name: str, thread_ids: Sequence[str], *args: Any) -> list[Outcome]:
-        if not thread_ids:
+        replies = self._pipeline(name, [(t, args) for t in thread_ids])
+        return [self._outcome(t, r) for t, r in zip(thread_ids, replies)]
+
+    def _pipeline(self, name: str, calls: Sequence[tuple[str, Sequence[Any]]]) -> list[Any]:
+        """Run ``name`` once per ``(thread_id, args)`` in one round trip; the raw replies."""
+        if not calls:
             return []
         pipe = self.client.pipeline(transaction=False)
-        for thread_id in thread_ids:
+        for thread_id, args in calls:
             self._run(name, thread_id, *args, client=pipe)
-        return [self._outcome(t, r) for t, r in zip(thread_ids, pipe.execute())]
+        return list(pipe.execute())
 
     # -- inspection ---------------------------------------------------------------------------
     def thread_of(self, task_id: str) -> Optional[str]:

@@ -33,7 +33,7 @@ from celery import bootsteps
 from celery.worker import state as worker_state
 
 from .install import DISPATCH_TASK
-from .publish import THREAD_HEADER, TOKEN_HEADER
+from .publish import request_member
 from .runtime import get_runtime
 
 logger = logging.getLogger(__name__)
@@ -85,15 +85,12 @@ class NoAckQueues(bootsteps.StartStopStep):
     label = "celery-threads no-ack queues"
     requires = ("celery.worker.consumer.tasks:Tasks",)
 
-    def __init__(self, c: Any, **kwargs: Any) -> None:
-        self.queues: list[str] = []
-
     def start(self, c: Any) -> None:
-        self.queues = sorted(q.name for q in c.task_consumer.queues if q.no_ack)
-        setattr(c, CONSUMER_FLAG, bool(self.queues))
-        if not self.queues:
+        queues = sorted(q.name for q in c.task_consumer.queues if q.no_ack)
+        setattr(c, CONSUMER_FLAG, bool(queues))
+        if not queues:
             return
-        names = ", ".join(self.queues)
+        names = ", ".join(queues)
         if bound_prefetch(c.task_consumer.channel):
             logger.info("celery-threads: consuming %s without broker acknowledgements; this "
                         "worker holds at most its prefetch count of unstarted tasks (%s) and "
@@ -106,7 +103,7 @@ class NoAckQueues(bootsteps.StartStopStep):
                 "release on the queue while other workers wait. Prefer the Redis transport for "
                 "a no_ack queue, or declare it with acknowledgements.", names,
                 c.connection.transport.driver_type)
-        guard_plain_tasks(c, set(self.queues))
+        guard_plain_tasks(c, set(queues))
         mark_before_refusing(c)
 
 
@@ -142,14 +139,13 @@ def hand_back(worker: Any, done: set[tuple[str, str]]) -> None:
         return
     held = []
     for request in list(worker_state.reserved_requests):
-        headers = request.request_dict
-        token = headers.get(TOKEN_HEADER)
-        key = (request.id, str(token))
+        thread_id, token = request_member(request)
+        key = (request.id, token)
         if (not token or request in worker_state.active_requests or key in done
                 or not is_no_ack_delivery(request.message)):
             continue
         done.add(key)
-        held.append((str(headers.get(THREAD_HEADER)), request.id, str(token)))
+        held.append((thread_id, request.id, token))
     if not held:
         return
     stop_fetching(consumer)

@@ -66,6 +66,12 @@ def _name(entity: Any) -> Any:
     return entity.name if isinstance(entity, (Exchange, Queue)) else entity
 
 
+def request_member(request: Any) -> tuple[str, str]:
+    """The (thread id, token) of a released member's worker request; ``("", "")`` for any other."""
+    headers = request.request_dict
+    return str(headers.get(THREAD_HEADER) or ""), str(headers.get(TOKEN_HEADER) or "")
+
+
 def encode_envelope(body: Any, kwargs: dict[str, Any]) -> bytes:
     serializer = kwargs.get("serializer")
     content_type = kwargs.get("content_type")

@@ -28,7 +28,7 @@ from celery.worker.strategy import default as default_strategy
 
 from .gate import RETRIED
 from .noack import CONSUMER_FLAG, hand_back_on_pool_close, mark_delivery
-from .publish import REPUBLISHED_HEADER, THREAD_HEADER, TOKEN_HEADER
+from .publish import REPUBLISHED_HEADER, THREAD_HEADER, TOKEN_HEADER, request_member
 from .runtime import get_runtime
 
 logger = logging.getLogger(__name__)
@@ -153,17 +153,11 @@ def _enter_gate_from_worker(task: Any, runtime: Any, message: Any, ack: Any, rej
     ack()
 
 
-def _thread_headers(request: Any) -> tuple[str, str]:
-    """The (thread id, token) of a released member's request; ``("", "")`` for any other."""
-    headers = request.request_dict
-    return str(headers.get(THREAD_HEADER) or ""), str(headers.get(TOKEN_HEADER) or "")
-
-
 class ThreadedRequest(Request):
     """Main-process endings of a threaded member that its pool child could not report."""
 
     def on_timeout(self, soft: bool, timeout: float) -> None:
-        thread_id, token = _thread_headers(self)
+        thread_id, token = request_member(self)
         if not soft and token and not worker_state.should_terminate:
             exc = TimeLimitExceeded(timeout)
             get_runtime(self.task.app).kill(
@@ -173,7 +167,7 @@ class ThreadedRequest(Request):
 
     def on_failure(self, exc_info: Any, send_failed_event: bool = True,
                    return_ok: bool = False) -> None:
-        thread_id, token = _thread_headers(self)
+        thread_id, token = request_member(self)
         exc = get_pickled_exception(exc_info.exception)
         exc = getattr(exc, "exc", exc)
         lost = isinstance(exc, (WorkerLostError, SystemExit, KeyboardInterrupt))
@@ -284,7 +278,7 @@ class LeaseRenewer:
     def held(self) -> list[tuple[str, str, str]]:
         members = []
         for request in list(worker_state.reserved_requests):
-            thread_id, token = _thread_headers(request)
+            thread_id, token = request_member(request)
             if token:
                 members.append((thread_id, request.id, token))
         return members

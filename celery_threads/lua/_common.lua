@@ -224,6 +224,19 @@ local function is_active(task, token)
   return a[3]
 end
 
+-- Publish the active RELEASED member `task` again under its `token`: its release deadline becomes
+-- `deadline` (and its republish count `n`, when given).  Returns the reply for the caller to publish.
+local function republish_active(task, token, deadline, n)
+  if n then
+    redis.call('HSET', K_A, 'deadline', deadline, 'n', n)
+  else
+    redis.call('HSET', K_A, 'deadline', deadline)
+  end
+  redis.call('ZADD', K_LEASES, deadline, TID)
+  local _, rec = find_member(K_TASKS, task)
+  return { 2, 'republish', task, token, rec }
+end
+
 -- A member left the gate for good: remember its task id for ENDED_WINDOW (and forget older ones).
 local function mark_ended(task)
   redis.call('ZADD', K_ENDED, NOW, task)

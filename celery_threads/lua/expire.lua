@@ -18,11 +18,7 @@ end
 if state == 'RELEASED' then
   local n = tonumber(a[5]) + 1
   local backoff = math.min(n, tonumber(ARGV[6]))
-  local new_deadline = NOW + RELEASE_TIMEOUT * (2 ^ backoff)
-  redis.call('HSET', K_A, 'deadline', new_deadline, 'n', n)
-  redis.call('ZADD', K_LEASES, new_deadline, TID)
-  local _, rec = find_member(K_TASKS, task)
-  return { 2, 'republish', task, token, rec }
+  return republish_active(task, token, NOW + RELEASE_TIMEOUT * (2 ^ backoff), n)
 end
 local status = fail_active(task, 'LeaseExpired: the worker running it sent no keepalive for ' ..
   ARGV[7] .. ' (worker lost?), and no retries were left')

@@ -7,8 +7,4 @@
 -- starts is harmless).  Returns {2, 'republish', task, token, record}, or {0, ''} when the member
 -- no longer holds the thread under that token or has been claimed.
 if is_active(ARGV[6], ARGV[7]) ~= 'RELEASED' then return reply(0, '') end
-local deadline = NOW + RELEASE_TIMEOUT
-redis.call('HSET', K_A, 'deadline', deadline)
-redis.call('ZADD', K_LEASES, deadline, TID)
-local _, rec = find_member(K_TASKS, ARGV[6])
-return { 2, 'republish', ARGV[6], ARGV[7], rec }
+return republish_active(ARGV[6], ARGV[7], NOW + RELEASE_TIMEOUT)
