@@ -67,10 +67,7 @@ def run(args: argparse.Namespace) -> int:
     with h.Stack("throughput") as stack:
         server = stack.redis()
         client = server.client()
-        extra = {}
-        if args.threaded_no_ack:
-            extra["BENCH_NOACK_QUEUE"] = "noack"      # completed below, after the run's queue name
-        env = h.celery_env(server, broker=args.broker, **extra)
+        env = h.celery_env(server, broker=args.broker)
         queue = env["BENCH_QUEUE"]
         queues = [queue]
         if args.threaded_no_ack:
