@@ -21,6 +21,7 @@ DEFAULTS: dict[str, Any] = {
     "threads_worker_dispatch": True,
     "threads_shards": 1,
     "threads_direct_release": True,
+    "threads_track_releases": False,
 }
 
 
@@ -36,6 +37,7 @@ class ThreadsConfig:
     worker_dispatch: bool
     shards: int
     direct_release: bool = True
+    track_releases: bool = False
 
     @property
     def keepalive_ms(self) -> int:
@@ -87,6 +89,7 @@ def read_config(app: Celery) -> ThreadsConfig:
         worker_dispatch=bool(_setting(app, "threads_worker_dispatch")),
         shards=int(_setting(app, "threads_shards")),
         direct_release=bool(_setting(app, "threads_direct_release")),
+        track_releases=bool(_setting(app, "threads_track_releases")),
     )
     if config.keepalive <= 0 or config.dispatch_interval <= 0 or config.release_timeout <= 0:
         raise ConfigurationError(

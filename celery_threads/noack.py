@@ -33,7 +33,7 @@ from celery import bootsteps
 from celery.worker import state as worker_state
 
 from .install import DISPATCH_TASK
-from .publish import request_member
+from .publish import TOKEN_HEADER, request_member
 from .runtime import get_runtime
 
 logger = logging.getLogger(__name__)
@@ -86,12 +86,25 @@ class NoAckQueues(bootsteps.StartStopStep):
     requires = ("celery.worker.consumer.tasks:Tasks",)
 
     def start(self, c: Any) -> None:
+        channel = c.task_consumer.channel
         queues = sorted(q.name for q in c.task_consumer.queues if q.no_ack)
-        setattr(c, CONSUMER_FLAG, bool(queues))
+        untracked = (not get_runtime(c.app).config.track_releases
+                     and untrack_releases(channel))
+        setattr(c, CONSUMER_FLAG, bool(queues) or untracked)
+        if not (queues or untracked):
+            return
+        bounded = bound_prefetch(channel)
+        mark_before_refusing(c)
+        if untracked:
+            logger.info("celery-threads: threaded tasks' deliveries stay out of the Redis "
+                        "transport's unacked index (the gate recovers them); this worker holds "
+                        "at most its prefetch count of unstarted tasks (%s) and hands back the "
+                        "threaded ones it holds when it shuts down",
+                        c.qos.value if c.qos else "unbounded")
         if not queues:
             return
         names = ", ".join(queues)
-        if bound_prefetch(c.task_consumer.channel):
+        if bounded:
             logger.info("celery-threads: consuming %s without broker acknowledgements; this "
                         "worker holds at most its prefetch count of unstarted tasks (%s) and "
                         "hands back the threaded ones it holds when it shuts down", names,
@@ -104,7 +117,35 @@ class NoAckQueues(bootsteps.StartStopStep):
                 "a no_ack queue, or declare it with acknowledgements.", names,
                 c.connection.transport.driver_type)
         guard_plain_tasks(c, set(queues))
-        mark_before_refusing(c)
+
+
+def untrack_releases(channel: Any) -> bool:
+    """With kombu's Redis transport, keep threaded tasks' deliveries out of the channel's ack
+    bookkeeping, whatever their queue: kombu records every delivery of an acknowledged queue in
+    its unacked index (a pipeline when it arrives, another when it is acked) so that it can put
+    the message back if the worker dies, and the gate already does that for a release (its
+    deadline lapses, the dispatcher republishes it under the same token).  Such a delivery then
+    looks like one from a queue without acknowledgements, and is handled the same way.
+    ``False`` for another transport (RabbitMQ tracks deliveries itself; SQS needs its ack to
+    delete the message)."""
+    from kombu.transport.redis import QoS as RedisQoS
+
+    qos: Any = getattr(channel, "qos", None)
+    if not isinstance(qos, RedisQoS):
+        return False
+    append = qos.append
+    if getattr(append, "_celery_threads", False):
+        return True
+
+    def untracked_append(message: Any, delivery_tag: Any) -> Any:
+        headers = message.headers
+        if headers and headers.get(TOKEN_HEADER):
+            return None
+        return append(message, delivery_tag)
+
+    untracked_append._celery_threads = True  # type: ignore[attr-defined]
+    qos.append = untracked_append
+    return True
 
 
 def hand_back_on_pool_close(worker: Any) -> None:

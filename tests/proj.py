@@ -25,6 +25,7 @@ app.conf.update(
     threads_release_timeout=float(os.environ.get("CT_RELEASE_TIMEOUT", "60")),
     threads_dead_letter_queue=os.environ.get("CT_DLQ") or None,
     threads_key_prefix=os.environ.get("CT_KEY_PREFIX", "celery_threads"),
+    threads_track_releases=os.environ.get("CT_TRACK_RELEASES") == "1",
     task_default_queue=os.environ.get("CT_QUEUE", "celery"),
     task_acks_late=os.environ.get("CT_ACKS_LATE") == "1",
     worker_prefetch_multiplier=int(os.environ.get("CT_PREFETCH", "4")),

@@ -8,11 +8,13 @@ brokers.
 """
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
 import uuid
 
+import pytest
 import redis
 
 from celery_threads import Threads
@@ -25,19 +27,31 @@ def noack_env(**overrides: str) -> dict[str, str]:
     return {"CT_NOACK_QUEUE": f"noack-{uuid.uuid4().hex[:8]}", **overrides}
 
 
+#: The two ways a threaded delivery reaches a Redis-transport worker untracked by the broker: its
+#: own queue declared without acknowledgements, or Celery's default queue (with acknowledgements),
+#: whose threaded deliveries the worker keeps out of kombu's unacked index.
+LAYOUTS = pytest.mark.parametrize("layout", ["no-ack queue", "default queue"])
+
+
+def layout_env(layout: str, **overrides: str) -> dict[str, str]:
+    return noack_env(**overrides) if layout == "no-ack queue" else overrides
+
+
 def queue_length(redis_server, d) -> int:
-    """Messages waiting in the no-ack queue (kombu's Redis transport: one list per queue)."""
+    """Messages waiting in the threaded tasks' queue (kombu's Redis transport: one list per
+    queue)."""
     broker = redis.Redis.from_url(d.env["CT_BROKER_URL"])
-    return int(broker.llen(d.env["CT_NOACK_QUEUE"]))
+    return int(broker.llen(d.env.get("CT_NOACK_QUEUE") or d.env["CT_QUEUE"]))
 
 
-def test_prefetch_is_bounded(proj, make_deployment, redis_server):
-    """kombu does not count deliveries without acknowledgements against the prefetch limit; the
-    worker's step does, so the releases it cannot start yet stay in the broker for other workers."""
+@LAYOUTS
+def test_prefetch_is_bounded(proj, make_deployment, redis_server, layout):
+    """kombu does not count untracked deliveries against the prefetch limit; the worker's step
+    does, so the releases it cannot start yet stay in the broker for other workers."""
     r = proj.history()
-    d = make_deployment(**noack_env(CT_PREFETCH="1"))
+    d = make_deployment(**layout_env(layout, CT_PREFETCH="1"))
     w = d.worker("bounded", concurrency=1)
-    assert "without broker acknowledgements" in w.output()
+    assert "hands back the threaded ones it holds" in w.output()
     threads = [tid("bound") for _ in range(8)]
     results = [proj.record.delay(t, "only", sleep=0.6) for t in threads]
     wait_for(lambda: any(starts(r, t) for t in threads), what="a member to start")
@@ -48,13 +62,14 @@ def test_prefetch_is_bounded(proj, make_deployment, redis_server):
         assert x.get(timeout=60) == "only"
 
 
+@LAYOUTS
 def test_sigkilled_worker_holding_prefetched_members_loses_none(proj, make_deployment,
-                                                                 redis_server):
+                                                                 redis_server, layout):
     """The broker forgot the deliveries the victim held; the gate republishes each once its release
     deadline lapses, and every member still runs, one at a time, in arrival order."""
     r = proj.history()
-    d = make_deployment(**noack_env(CT_PREFETCH="4"), CT_KEEPALIVE="2", CT_RELEASE_TIMEOUT="1",
-                        CT_DISPATCH_INTERVAL="0.2")
+    d = make_deployment(**layout_env(layout, CT_PREFETCH="4"), CT_KEEPALIVE="2",
+                        CT_RELEASE_TIMEOUT="1", CT_DISPATCH_INTERVAL="0.2")
     victim = d.worker("victim", concurrency=1)
     threads = [tid("held") for _ in range(5)]
     labels = [f"m{i}" for i in range(3)]
@@ -84,12 +99,13 @@ def test_sigkilled_worker_holding_prefetched_members_loses_none(proj, make_deplo
         wait_for(lambda: Threads(proj.app).get(t) is None, what="thread to vanish")
 
 
-def test_warm_shutdown_hands_back_unstarted_members(proj, make_deployment, redis_server):
+@LAYOUTS
+def test_warm_shutdown_hands_back_unstarted_members(proj, make_deployment, redis_server, layout):
     """With a keepalive of a minute, the members a stopping worker held would wait a minute for
     their release deadline; handed back, they run on the other worker while the first one is
     still finishing its running member."""
     r = proj.history()
-    d = make_deployment(**noack_env(CT_PREFETCH="4"), CT_KEEPALIVE="60",
+    d = make_deployment(**layout_env(layout, CT_PREFETCH="4"), CT_KEEPALIVE="60",
                         CT_RELEASE_TIMEOUT="60")
     leaving = d.worker("leaving", concurrency=1)
     slow, *quick = [tid("back") for _ in range(4)]
@@ -228,3 +244,59 @@ def test_a_noack_delivery_makes_no_broker_call_when_acked_or_rejected(redis_serv
                if after[k]["calls"] != before.get(k, {"calls": 0})["calls"]}
     # Unmarked, the 50 acks alone made 50 MULTI/ZREM/HDEL/EXEC each (checked by hand).
     assert changed.get("cmdstat_zrem", 0) < 50 and changed.get("cmdstat_hdel", 0) < 50, changed
+
+
+def test_threaded_deliveries_stay_out_of_the_unacked_index(proj, make_deployment, redis_server):
+    """On Celery's default queue over Redis (acknowledgements, late acks here): kombu tracks a
+    running plain task in its unacked index, and none of the threaded ones."""
+    r = proj.history()
+    d = make_deployment(CT_ACKS_LATE="1")
+    d.worker("idx", concurrency=2)
+    broker = redis.Redis.from_url(d.env["CT_BROKER_URL"])
+    plain_thread, thread = tid("idx-plain"), tid("idx")
+    plain = proj.plain.delay(plain_thread, "p", sleep=1.5)
+    threaded = [proj.record.delay(thread, f"m{i}", sleep=0.3) for i in range(4)]
+    seen: set[str] = set()
+
+    def tracked() -> bool:
+        for raw in broker.hvals("unacked"):
+            seen.add(json.loads(raw)[0]["headers"]["id"])
+        return all(x.ready() for x in [plain, *threaded])
+
+    wait_for(tracked, what="the tasks to end", interval=0.05)
+    assert plain.id in seen                             # the control: a plain task is tracked
+    assert not seen & {x.id for x in threaded}, seen
+    assert starts(r, thread) == [f"m{i}" for i in range(4)]
+
+
+def test_untrack_releases_keeps_only_threaded_deliveries_out(redis_server):
+    """At the transport level: on one acknowledged queue, a delivery carrying a release token is
+    not written to the unacked index, and is then marked like a no-ack delivery; another is
+    tracked and acked as kombu does."""
+    from kombu import Connection, Queue
+
+    from celery_threads.noack import mark_delivery, untrack_releases
+    from celery_threads.publish import TOKEN_HEADER
+
+    url = redis_server.url(5)
+    queue = Queue(f"untracked-{uuid.uuid4().hex[:8]}")
+    watcher = redis.Redis.from_url(url)
+    with Connection(url) as conn:
+        received = []
+        with conn.Consumer([queue], callbacks=[lambda body, m: received.append(m)]) as consumer:
+            assert untrack_releases(consumer.channel)
+            producer = conn.Producer()
+            producer.publish({"n": 1}, routing_key=queue.name, declare=[queue],
+                             headers={TOKEN_HEADER: "t1"})
+            producer.publish({"n": 2}, routing_key=queue.name, declare=[queue])
+            while len(received) < 2:
+                conn.drain_events(timeout=5)
+            release, plain = sorted(received, key=lambda m: m.payload["n"])
+            assert watcher.hlen("unacked") == 1
+            assert plain.delivery_tag.encode() in watcher.hkeys("unacked")
+            assert mark_delivery(release) and not mark_delivery(plain)
+            release.ack()
+            plain.ack()
+            assert watcher.hlen("unacked") == 0
+    with Connection("memory://") as conn:
+        assert not untrack_releases(conn.default_channel)     # only kombu's Redis transport
