@@ -136,16 +136,43 @@ def untrack_releases(channel: Any) -> bool:
     append = qos.append
     if getattr(append, "_celery_threads", False):
         return True
+    transport = channel.connection
+    requeue_inbound(transport)
 
     def untracked_append(message: Any, delivery_tag: Any) -> Any:
         headers = message.headers
-        if headers and headers.get(TOKEN_HEADER):
+        if headers and headers.get(TOKEN_HEADER) and not transport.__dict__.get(_REQUEUING):
             return None
         return append(message, delivery_tag)
 
     untracked_append._celery_threads = True  # type: ignore[attr-defined]
     qos.append = untracked_append
     return True
+
+
+#: Set on kombu's virtual transport while it puts back a message that arrived for a queue no
+#: longer consumed.
+_REQUEUING = "_celery_threads_requeuing"
+
+
+def requeue_inbound(transport: Any) -> None:
+    """A fetch still pending when the queue's consumer is cancelled (``cancel_consumer``, a
+    shutdown) delivers a message nobody consumes; kombu puts it back through the unacked index
+    (track, then reject with requeue), so a release must be tracked there too, or it would wait
+    for its release deadline."""
+    original = transport._reject_inbound_message
+    if getattr(original, "_celery_threads", False):
+        return
+
+    def reject_inbound(raw_message: Any) -> Any:
+        transport.__dict__[_REQUEUING] = True
+        try:
+            return original(raw_message)
+        finally:
+            transport.__dict__[_REQUEUING] = False
+
+    reject_inbound._celery_threads = True  # type: ignore[attr-defined]
+    transport._reject_inbound_message = reject_inbound
 
 
 def hand_back_on_pool_close(worker: Any) -> None:

@@ -300,3 +300,27 @@ def test_untrack_releases_keeps_only_threaded_deliveries_out(redis_server):
             assert watcher.hlen("unacked") == 0
     with Connection("memory://") as conn:
         assert not untrack_releases(conn.default_channel)     # only kombu's Redis transport
+
+
+@LAYOUTS
+def test_release_fetched_after_cancel_consumer_goes_back_to_the_queue(proj, make_deployment,
+                                                                     redis_server, layout):
+    """An idle worker keeps a BRPOP pending; after ``cancel_consumer`` the release it pops has no
+    consumer, and kombu puts it back through its unacked index.  An untracked release must go
+    back too (not wait a minute for its release deadline)."""
+    r = proj.history()
+    d = make_deployment(**layout_env(layout))
+    w = d.worker("cancel", concurrency=1)
+    queue = d.env.get("CT_NOACK_QUEUE") or d.env["CT_QUEUE"]
+    destination = [name for reply in proj.app.control.ping(timeout=2) for name in reply
+                   if name.startswith("cancel-")]
+    assert destination, w.output()
+    assert proj.app.control.cancel_consumer(queue, destination=destination, reply=True,
+                                            timeout=10)
+    thread = tid("cancelled")
+    result = proj.record.delay(thread, "back")
+    wait_for(lambda: "no consumers" in w.output().lower() or queue_length(redis_server, d) == 1,
+             what="the release to be popped or queued")
+    assert proj.app.control.add_consumer(queue, destination=destination, reply=True, timeout=10)
+    assert result.get(timeout=20) == "back", w.output()[-3000:]
+    assert starts(r, thread) == ["back"]
