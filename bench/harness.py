@@ -331,11 +331,39 @@ def children_of(pid: int) -> list[int]:
         return []
 
 
-def cpu_snapshot(worker: Proc, server: Proc) -> dict[str, float]:
-    """CPU seconds used so far by a worker's main process, its pool processes and redis-server."""
-    return {"main": cpu_seconds(worker.pid),
-            "pool": sum(cpu_seconds(c) for c in children_of(worker.pid)),
-            "redis": cpu_seconds(server.pid)}
+def cpu_snapshot(worker: Proc, server: Proc, broker_pid: Optional[int] = None
+                 ) -> dict[str, float]:
+    """CPU seconds used so far by a worker's main process, its pool processes, redis-server, the
+    RabbitMQ server when given, and the whole machine (every process: beat, the broker, ...)."""
+    snapshot = {"main": cpu_seconds(worker.pid),
+                "pool": sum(cpu_seconds(c) for c in children_of(worker.pid)),
+                "redis": cpu_seconds(server.pid),
+                "machine": machine_busy_seconds()}
+    if broker_pid is not None:
+        snapshot["rabbitmq"] = cpu_seconds(broker_pid)
+    return snapshot
+
+
+def machine_busy_seconds() -> float:
+    """CPU seconds all processors have spent busy so far (/proc/stat: user, nice, system, irq,
+    softirq; not idle, iowait or steal)."""
+    fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
+    user, nice, system, _idle, _iowait, irq, softirq = (int(x) for x in fields[:7])
+    return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
+
+
+def rabbitmq_pid() -> Optional[int]:
+    """The RabbitMQ server's Erlang VM (beam.smp running the rabbit application), if any."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"beam" in cmdline.split(b"\0", 1)[0] and b"rabbit" in cmdline:
+            return int(entry.name)
+    return None
 
 
 def redis_broker_client(env: dict[str, str]) -> "redis.Redis":

@@ -79,6 +79,7 @@ def run(args: argparse.Namespace) -> int:
                               ready_client=client)
         stack.beat(env, ready_client=client)
         rec = tasks.recorder()
+        broker_pid = h.rabbitmq_pid() if args.broker == "amqp" else None
         timeout = 120 + n / 20
         for rep in range(args.repeats):
             order = list(sides) if rep % 2 == 0 else list(reversed(sides))
@@ -93,14 +94,14 @@ def run(args: argparse.Namespace) -> int:
                 p0 = rec.now_us()
                 _publish(task, f"{tag}d", n, threads, key)
                 p1 = rec.now_us()
-                cpu0 = h.cpu_snapshot(worker, server)
+                cpu0 = h.cpu_snapshot(worker, server, broker_pid)
                 for q in queues:
                     _control(app, worker, q, consume=True)
                 h.progress(f"repeat {rep + 1}/{args.repeats} {side}: draining")
                 h.wait_until(lambda: int(client.get(key) or 0) >= n, timeout,
                              f"{side} drain of {n} tasks", stack=stack)
                 after = _calls(client)
-                cpu1 = h.cpu_snapshot(worker, server)
+                cpu1 = h.cpu_snapshot(worker, server, broker_pid)
                 for proc in cpu0:
                     results.setdefault((side, f"cpu_{proc}"), []).append(
                         (cpu1[proc] - cpu0[proc]) * 1000 / n)
@@ -115,13 +116,13 @@ def run(args: argparse.Namespace) -> int:
                 # end-to-end
                 key = f"bench:{stack.run_id}:{tag}:e2e"
                 h.progress(f"repeat {rep + 1}/{args.repeats} {side}: end-to-end")
-                cpu0 = {**h.cpu_snapshot(worker, server), "producer": time.process_time()}
+                cpu0 = {**h.cpu_snapshot(worker, server, broker_pid), "producer": time.process_time()}
                 p0 = rec.now_us()
                 _publish(task, f"{tag}e", n, threads, key)
                 p1 = rec.now_us()
                 h.wait_until(lambda: int(client.get(key) or 0) >= n, timeout,
                              f"{side} end-to-end run of {n} tasks", stack=stack)
-                cpu1 = {**h.cpu_snapshot(worker, server), "producer": time.process_time()}
+                cpu1 = {**h.cpu_snapshot(worker, server, broker_pid), "producer": time.process_time()}
                 last = int(client.get(f"{key}:last") or 0)
                 results.setdefault((side, "e2e"), []).append(n / ((last - p0) / 1e6))
                 results.setdefault((side, "e2e_publishing"), []).append((p1 - p0) / (last - p0))
@@ -148,15 +149,21 @@ def run(args: argparse.Namespace) -> int:
         t, p = h.median(results[("threaded", "commands")]), h.median(results[("plain", "commands")])
         rows.append(["Redis commands per task (broker + gate, during the drain)", t, p,
                      h.ratio(t, p), "-", "-"])
-    for proc, label in (("main", "worker main process"), ("pool", "pool processes"),
-                        ("redis", "redis-server")):
+    procs = [("main", "worker main process"), ("pool", "pool processes"),
+             ("redis", "redis-server")]
+    if broker_pid is not None:
+        procs.append(("rabbitmq", "RabbitMQ server"))
+    for proc, label in [*procs, ("machine", "whole machine")]:
         t, p = (h.median(results[(side, f"cpu_{proc}")]) for side in ("threaded", "plain"))
         rows.append([f"CPU ms per task during the drain: {label}", t, p, h.ratio(t, p), "-", "-"])
     e2e_cpu = {side: {proc: h.median(results[(side, f"e2e_cpu_{proc}")])
-                      for proc in ("producer", "main", "pool", "redis")} for side in sides}
+                      for proc in ("producer", *(proc for proc, _ in procs))} for side in sides}
     t, p = (sum(e2e_cpu[side].values()) for side in ("threaded", "plain"))
-    rows.append(["CPU ms per task end-to-end (producer, worker, redis-server)", t, p,
+    rows.append([f"CPU ms per task end-to-end (producer, worker, redis-server"
+                 f"{', RabbitMQ' if broker_pid is not None else ''})", t, p,
                  h.ratio(t, p), "-", "-"])
+    t, p = (h.median(results[(side, "e2e_cpu_machine")]) for side in ("threaded", "plain"))
+    rows.append(["CPU ms per task end-to-end: whole machine", t, p, h.ratio(t, p), "-", "-"])
     rows.append(["gate script calls per task (during the drain)",
                  h.median(results[("threaded", "scripts")]),
                  h.median(results[("plain", "scripts")]), "-", "-", "-"])
@@ -171,11 +178,14 @@ def run(args: argparse.Namespace) -> int:
              "workers' dispatch loops included.",
              "end-to-end CPU ms per task, threaded / plain: " + ", ".join(
                  f"{proc} {e2e_cpu['threaded'][proc]:.2f} / {e2e_cpu['plain'][proc]:.2f}"
-                 for proc in ("producer", "main", "pool", "redis"))
+                 for proc in e2e_cpu["threaded"])
              + "; the producer published for " + " / ".join(
                  f"{h.median(results[(side, 'e2e_publishing')]):.0%}"
                  for side in ("threaded", "plain")) + " of the end-to-end window.",
              "per-repeat ratios: " + "; ".join(f"{k} {v}" for k, v in per_rep.items()) + ".",
+             "whole machine: busy CPU of all processors (/proc/stat, steal excluded), including "
+             "beat, the broker and anything else running; both cores saturated means "
+             "throughput follows CPU per task.",
              f"gate left with {leftover} thread(s) after the run (expected 0)."]
     options = (" --broker amqp" if args.broker == "amqp" else "") + (
         " --threaded-no-ack" if args.threaded_no_ack else "")

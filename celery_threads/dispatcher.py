@@ -122,8 +122,8 @@ class DispatchLoop:
         while not self._stop.is_set():
             try:
                 if pubsub is None:
-                    pubsub = self.runtime.client.pubsub(  # type: ignore[no-untyped-call]
-                        ignore_subscribe_messages=True)
+                    client: Any = self.runtime.client   # redis-py's pubsub() is typed in some
+                    pubsub = client.pubsub(ignore_subscribe_messages=True)   # versions only
                     pubsub.subscribe(*[s.wake_channel for s in self.runtime.keys.all_shards()])
                 started = time.monotonic()
                 report = self.dispatcher.tick()

@@ -1,25 +1,29 @@
-"""Queues consumed without broker acknowledgements: the fast path for threaded tasks.
+"""Deliveries the broker does not track: the fast path for threaded tasks.
 
 The gate keeps every member until it ends, so a threaded task's message is only the notice of a
 release: when a worker dies holding it, the release deadline lapses (the worker no longer renews
 it), the dispatcher publishes it again under the same token, and the claim lets one delivery run.
-A queue declared ``Queue(name, no_ack=True)`` for the threaded tasks therefore loses nothing, and
-it spares the worker the broker's acknowledgement bookkeeping (with the Redis transport, a
-round trip per task to its unacked index).
+The broker's own tracking of such a delivery protects nothing more, and with kombu's Redis
+transport it costs the worker a round trip to the transport's unacked index when the message
+arrives and another when it is acked.  A threaded delivery goes untracked in two ways:
 
-What the worker needs for such a queue, installed by :class:`NoAckQueues` when it consumes one:
+* on any queue of the Redis transport, unless ``threads_track_releases`` is set
+  (:func:`untrack_releases`: kombu's QoS does not record a message carrying a release token);
+* on a queue declared ``Queue(name, no_ack=True)``, on any broker.
 
-* a prefetch bound: kombu counts only acknowledged deliveries against ``worker_prefetch_multiplier``,
+What the worker needs for such deliveries, installed by :class:`NoAckQueues`:
+
+* a prefetch bound: kombu counts only tracked deliveries against ``worker_prefetch_multiplier``,
   so without one a worker would take every release on the queue.  With kombu's virtual
   transports (Redis) the channel stops fetching while the worker holds as many unstarted tasks as
-  its prefetch count.  RabbitMQ applies no prefetch to such a consumer; the worker says so.
+  its prefetch count.  RabbitMQ applies no prefetch to a no-ack consumer; the worker says so.
 * no broker calls for these deliveries: their ack, reject and requeue are no-ops
   (:func:`mark_delivery`).
 * a hand-back at shutdown (:func:`hand_back_on_pool_close`, installed by the worker step):
   releases it holds unstarted are published again at once, instead of waiting for their release
   deadline to lapse.
-* a warning for plain tasks on such a queue: their message is lost if the worker dies before the
-  task ends, as with any Celery task consumed without acknowledgements.
+* a warning for plain tasks on a no-ack queue: their message is lost if the worker dies before
+  the task ends, as with any Celery task consumed without acknowledgements.
 * the same no-op ack and reject for a message Celery refuses before any strategy sees it (an
   unknown task name, an invalid or undecodable message).
 """
@@ -38,22 +42,22 @@ from .runtime import get_runtime
 
 logger = logging.getLogger(__name__)
 
-#: Set on Celery's consumer while it consumes a queue without acknowledgements.
+#: Set on Celery's consumer while it may receive deliveries the broker does not track.
 CONSUMER_FLAG = "_celery_threads_no_ack"
 #: Set on a message that came from such a queue.
 _DELIVERY_FLAG = "_celery_threads_untracked"
 
 
 def mark_delivery(message: Any) -> bool:
-    """Whether ``message`` came from a queue consumed without acknowledgements; if so, its
-    ``ack``, ``reject`` and ``requeue`` become no-ops.  Call it when the message is received.
+    """Whether the broker does not track ``message`` (from a no-ack consumer, or a release kept
+    out of the Redis transport's unacked index); if so, its ``ack``, ``reject`` and ``requeue``
+    become no-ops.  Call it when the message is received.
 
     py-amqp names the consumer in ``delivery_info`` and keeps its channel's no-ack consumers;
     kombu's virtual transports (Redis, SQS, ...) do neither, but keep every delivery that needs an
-    ack in the channel's QoS from before the message is handed over, so one missing there came
-    from a no-ack consumer.  The broker does not track such a delivery: acknowledging it wastes a
-    round trip (kombu's Redis transport still runs its unacked-index pipeline), and RabbitMQ
-    answers a reject of it by closing the channel.  A threaded member's retry or death is the
+    ack in the channel's QoS from before the message is handed over, so one missing there is
+    untracked.  Acknowledging such a delivery wastes a round trip (kombu's Redis transport still
+    runs its unacked-index pipeline), and RabbitMQ answers a reject of it by closing the channel.  A threaded member's retry or death is the
     gate's; a plain task's message has nowhere to go back to.
     """
     channel = message.channel
@@ -79,8 +83,9 @@ def _untracked(*args: Any, **kwargs: Any) -> None:
 
 
 class NoAckQueues(bootsteps.StartStopStep):
-    """Installed in the consumer of every worker of an app with threaded tasks; acts only when the
-    worker consumes a queue declared with ``no_ack=True``."""
+    """Installed in the consumer of every worker of an app with threaded tasks; acts when the
+    worker may receive untracked threaded deliveries (the Redis transport, or a queue declared
+    with ``no_ack=True``)."""
 
     label = "celery-threads no-ack queues"
     requires = ("celery.worker.consumer.tasks:Tasks",)
@@ -133,7 +138,7 @@ def untrack_releases(channel: Any) -> bool:
     qos: Any = getattr(channel, "qos", None)
     if not isinstance(qos, RedisQoS):
         return False
-    append = qos.append
+    append: Any = getattr(qos, "append")
     if getattr(append, "_celery_threads", False):
         return True
     transport = channel.connection
@@ -146,7 +151,7 @@ def untrack_releases(channel: Any) -> bool:
         return append(message, delivery_tag)
 
     untracked_append._celery_threads = True  # type: ignore[attr-defined]
-    qos.append = untracked_append
+    setattr(qos, "append", untracked_append)
     return True
 
 

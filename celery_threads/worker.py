@@ -10,7 +10,7 @@
   (``WorkerLostError``) and a hard time limit.
 * :class:`ThreadsWorkerStep` renews the leases of the members this worker holds (in its own
   thread, so it works under prefork, threads and solo pools) and runs the worker's dispatch loop.
-* Queues consumed without broker acknowledgements are handled in :mod:`celery_threads.noack`.
+* Deliveries the broker does not track are handled in :mod:`celery_threads.noack`.
 """
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ def threaded_strategy(task: Any, app: Any, consumer: Any, **kwargs: Any) -> Any:
     def task_message_handler(message: Any, body: Any, ack: Any, reject: Any, callbacks: Any,
                              **kw: Any) -> Any:
         if getattr(consumer, CONSUMER_FLAG, False):
-            mark_delivery(message)      # from a queue without acknowledgements: no ack, no reject
+            mark_delivery(message)      # untracked by the broker: no ack, no reject
         headers = message.headers or {}
         token = headers.get(TOKEN_HEADER)
         if not token:

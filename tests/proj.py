@@ -112,11 +112,15 @@ def record(self, thread, label, sleep=0.0, fail_times=0, countdown=0.2):
 
 
 @app.task(base=ThreadedTask, bind=True, thread_key="thread", max_retries=3)
-def retry_then_linger(self, thread, label, linger=0.3):
-    """First attempt: self.retry(throw=False), then keeps running for `linger` seconds."""
+def retry_then_linger(self, thread, label, linger=0.3, until=None):
+    """First attempt: self.retry(throw=False), then keeps running until the key `until` exists
+    (when given; at most 30 s) and `linger` seconds more."""
     with _Span(self, thread, label):
         if self.request.retries == 0:
             self.retry(countdown=0, throw=False)
+            deadline = time.monotonic() + 30
+            while until and not history().exists(until) and time.monotonic() < deadline:
+                time.sleep(0.01)
             time.sleep(linger)
     return label
 
