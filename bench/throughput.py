@@ -32,8 +32,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--concurrency", type=int, default=2)
     p.add_argument("--threaded-no-ack", action="store_true",
                    help="route the threaded tasks to a queue of their own consumed without broker "
-                        "acknowledgements (Queue(name, no_ack=True), the configuration the README "
-                        "recommends for speed); plain tasks keep theirs")
+                        "acknowledgements (Queue(name, no_ack=True)); plain tasks keep theirs")
+    p.add_argument("--track-releases", action="store_true",
+                   help="threads_track_releases=True: threaded deliveries on the Redis transport "
+                        "go through kombu's unacked index like plain ones (the default before "
+                        "e0558c4)")
 
 
 def _publish(task: Any, tag: str, n: int, threads: int, key: str) -> None:
@@ -68,6 +71,8 @@ def run(args: argparse.Namespace) -> int:
         server = stack.redis()
         client = server.client()
         env = h.celery_env(server, broker=args.broker)
+        if args.track_releases:
+            env["BENCH_TRACK_RELEASES"] = "1"
         queue = env["BENCH_QUEUE"]
         queues = [queue]
         if args.threaded_no_ack:
@@ -188,7 +193,11 @@ def run(args: argparse.Namespace) -> int:
              "throughput follows CPU per task.",
              f"gate left with {leftover} thread(s) after the run (expected 0)."]
     options = (" --broker amqp" if args.broker == "amqp" else "") + (
-        " --threaded-no-ack" if args.threaded_no_ack else "")
+        " --threaded-no-ack" if args.threaded_no_ack else "") + (
+        " --track-releases" if args.track_releases else "")
+    if args.track_releases:
+        notes.append("--track-releases: threads_track_releases=True, threaded deliveries tracked "
+                     "in the broker's unacked index and acknowledged like plain ones.")
     if args.threaded_no_ack:
         bound = ("prefetch bounded by the worker's step" if args.broker == "redis" else
                  "RabbitMQ applies no prefetch to such a consumer")
