@@ -66,7 +66,9 @@ def main(argv: "list[str] | None" = None) -> int:
                 heads = []
                 for i in range(n):
                     thread = f"{tag}-g{i}"
-                    heads.append(gate.enqueue(thread, uuid.uuid4().hex, envelope).release)
+                    head = gate.enqueue(thread, uuid.uuid4().hex, envelope).release
+                    assert head is not None, "a new thread's first member is released"
+                    heads.append(head)
                     gate.enqueue(thread, uuid.uuid4().hex, envelope)
                 runtime.publish(heads[0])       # the kept producer's first publish declares
                 claim = finish = publish = 0.0

@@ -27,6 +27,7 @@ def _missing(what: str) -> None:
     ["throughput"],
     ["throughput", "--broker", "amqp"],
     ["throughput", "--threaded-no-ack"],
+    ["throughput", "--track-releases"],
     ["handoff"],
     ["lockretry"],
     ["scale"],
@@ -49,3 +50,23 @@ def test_benchmark_runs_and_prints_its_table(argv: list[str]) -> None:
     rows = [line for line in lines[header + 2:] if line.startswith("| ")]
     assert rows, out
     assert "command: `python -m bench " in out and "machine: " in out
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("broker", ["redis", "amqp"])
+def test_poolcost_runs_and_prints_its_table(broker: str) -> None:
+    """The profiling aid behind docs/benchmarks.md's accounting of a threaded task's CPU."""
+    if redis_binary() is None:
+        _missing("redis-server")
+    if broker == "amqp" and not rabbitmq_available():
+        _missing("RabbitMQ on 127.0.0.1:5672")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-m", "bench.poolcost", "--broker", broker,
+                           "--members", "100", "--repeats", "1"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=100)
+    assert done.returncode == 0, f"exit {done.returncode}\n{done.stdout}\n{done.stderr[-4000:]}"
+    out = done.stdout
+    assert out.startswith(f"### poolcost ({broker} broker)"), out
+    for part in ("plain task: apply_async", "claim (pool)", "finish (pool)",
+                 "publish of the next release (pool)"):
+        assert part in out, out
