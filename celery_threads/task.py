@@ -16,7 +16,7 @@ from celery.utils import uuid
 from celery.utils.saferepr import saferepr
 
 from .errors import GateUnavailable, InvalidThreadId
-from .gate import ALREADY_CLAIMED, CLAIMED
+from .gate import ALREADY_CLAIMED, CLAIMED, Outcome
 from .publish import OUR_HEADERS, THREAD_HEADER, TOKEN_HEADER, CapturingProducer
 from .runtime import get_runtime
 
@@ -140,7 +140,8 @@ class ThreadedTask(Task):
                     running.reentry = reentry._replace(delay_ms=0, at_ms=at_ms or (
                         running.server_now_ms() + delay_ms))
                 else:
-                    release = self._reenter(runtime, thread_id, task_id, token, reentry)
+                    release = self._reenter(runtime, thread_id, task_id, token,
+                                            reentry).release
             else:
                 outcome = runtime.gate.enqueue(
                     thread_id, task_id, capture.envelope, delay_ms=delay_ms, at_ms=at_ms,
@@ -156,17 +157,17 @@ class ThreadedTask(Task):
         return result
 
     def _reenter(self, runtime: Any, thread_id: str, task_id: str, token: str,
-                 reentry: "Reentry") -> Any:
+                 reentry: "Reentry") -> Outcome:
         """The member (task, token) goes back to waiting with a retry's new message; returns the
-        release of the next member, for the caller to publish."""
-        outcome = runtime.gate.requeue(thread_id, task_id, token, retries=reentry.retries,
-                                       delay_ms=reentry.delay_ms, at_ms=reentry.at_ms,
-                                       envelope=reentry.envelope)
+        gate's outcome (its release, of the next member, for the caller to publish)."""
+        outcome: Outcome = runtime.gate.requeue(
+            thread_id, task_id, token, retries=reentry.retries, delay_ms=reentry.delay_ms,
+            at_ms=reentry.at_ms, envelope=reentry.envelope)
         if not outcome.done:
             logger.warning(
                 "celery-threads: retry of %s[%s] ignored: it no longer holds thread %s "
                 "(deleted, or its lease lapsed)", self.name, task_id, thread_id)
-        return outcome.release
+        return outcome
 
     # -- running ------------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -209,7 +210,7 @@ class ThreadedTask(Task):
         gate = runtime.gate
         if reentry is not None:
             # self.retry() was called (also with throw=False): it wins however the body ended.
-            runtime.publish(self._reenter(runtime, thread_id, task_id, token, reentry))
+            runtime.publish(self._reenter(runtime, thread_id, task_id, token, reentry).release)
         elif exc is None or isinstance(exc, Ignore):
             runtime.apply(gate.finish(thread_id, task_id, token))
         elif isinstance(exc, Retry):

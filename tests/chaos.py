@@ -28,6 +28,7 @@ checker found no violation.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import random
@@ -468,6 +469,7 @@ def parse_history(rows: list[dict[str, Any]]) -> tuple[list[Event], list[Enqueue
     events: list[Event] = []
     enqueues: list[Enqueue] = []
     deletions: list[Deletion] = []
+    landed: dict[tuple[str, int], int] = {}
     for row in rows:
         k = row["k"]
         if k in ("recv", "start", "end", "fin"):
@@ -479,12 +481,19 @@ def parse_history(rows: list[dict[str, Any]]) -> tuple[list[Event], list[Enqueue
         elif k == "enq":
             enqueues.append(Enqueue(row["task"], row["thread"], int(row["n"]), int(row["lo"]),
                                     row["t"], int(row["cd"])))
+        elif k == "landed":
+            landed[(row["task"], int(row["n"]))] = row["t"]
         elif k == "del":
             deletions.append(Deletion(row["task"], int(row["lo"]), row["t"]))
         elif k in ("redis_down", "redis_up"):
             events.append(Event(k, row["t"]))
         elif k == "healthy":
             events.append(Event(k, row["t"], count=int(row["n"])))
+    # A retry's re-entry (attempt >= 1) counts as in the gate only once the task saw it land.
+    enqueues = [e if e.attempt == 0 else
+                dataclasses.replace(e, landed=(e.task, e.attempt) in landed,
+                                    in_gate_by=landed.get((e.task, e.attempt)))
+                for e in enqueues]
     return events, enqueues, deletions
 
 

@@ -117,7 +117,18 @@ def read_history(client: "redis.Redis", key: str) -> list[dict[str, Any]]:
 class ChaosTask(ThreadedTask):
     """Writes ``fin`` once ``ThreadedTask.__call__`` has returned: the gate recorded the success
     (or gave up trying, which the task logs); a process killed before this line leaves a
-    success without ``fin``, the at-least-once window the checker knows about."""
+    success without ``fin``, the at-least-once window the checker knows about.
+
+    Writes ``landed`` once the gate has taken a ``self.retry``'s re-entry: it is applied when the
+    body has unwound, and a process killed before (or a gate unreachable until then) leaves the
+    member to its lapsing lease instead, scheduled at the lapse plus the retry delay."""
+
+    def _reenter(self, runtime: Any, thread_id: str, task_id: str, token: str,
+                 reentry: Any) -> Any:
+        outcome = super()._reenter(runtime, thread_id, task_id, token, reentry)
+        if outcome.done:
+            record("landed", task=task_id, thread=thread_id, n=int(reentry.retries))
+        return outcome
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         result = super().__call__(*args, **kwargs)

@@ -41,7 +41,9 @@ What is checked, and the approximations it rests on:
 * **Order.**  Exact release times and ``scheduled_at`` values live only inside the gate's
   scripts, so the check works with bounds and reports only *certain* violations.  Each attempt
   the run enqueued has ``scheduled_at`` in ``[before + countdown, after + countdown]`` (less
-  2 ms for the gate's millisecond clock and countdown rounding).  Attempts the gate re-entered by
+  2 ms for the gate's millisecond clock and countdown rounding).  A ``self.retry``'s re-entry
+  is fixed when it is called but reaches the gate only once the body has unwound; it is a
+  witness only when the task recorded that the gate took it (``landed``), and waiting from then.  Attempts the gate re-entered by
   itself (a killed pool child, a lapsed lease) are scheduled at ``failure + retry delay``; their
   lower bound is the last thing seen of the previous attempt plus the retry delay, and they are
   never used as witnesses.  Each release has a token from one counter, so tokens order
@@ -102,6 +104,16 @@ class Enqueue:
     at_lo: int                      # µs, read before the call
     at_hi: int                      # µs, read after it returned
     countdown: int = 0              # µs
+    # A self.retry's re-entry reaches the gate when the body has unwound: ``landed`` is whether
+    # the gate took it (then ``in_gate_by`` is when that was known), else the member was left to
+    # its lapsing lease (a process killed, the gate unreachable), scheduled at the lapse plus
+    # the retry delay.  The producer's enqueue (attempt 0) is in the gate when the call returns.
+    landed: bool = True
+    in_gate_by: Optional[int] = None
+
+    @property
+    def in_gate(self) -> int:
+        return self.at_hi if self.in_gate_by is None else self.in_gate_by
 
     @property
     def sched_lo(self) -> int:
@@ -327,7 +339,8 @@ def check(history: Sequence[Event], gate: GateState, deleted: Sequence[Deletion]
     report = Report(keepalive=limits.keepalive, dispatch_interval=limits.dispatch_interval)
     attempts, kills = build_attempts(history)
     deletions = {d.task: d for d in deleted}
-    known = {(e.task, e.attempt): e for e in enqueues}
+    known = {(e.task, e.attempt): e for e in enqueues if e.landed}
+    unlanded = {(e.task, e.attempt): e for e in enqueues if not e.landed}
 
     thread_of: dict[str, str] = {}
     for e in enqueues:
@@ -354,7 +367,7 @@ def check(history: Sequence[Event], gate: GateState, deleted: Sequence[Deletion]
                            + "; ".join(a.describe() for a in unended[:5]))
     _check_overlaps(attempts, report)
     _check_endings(thread_of, attempts, gate, deletions, report)
-    _check_order(attempts, known, limits, report)
+    _check_order(attempts, known, unlanded, limits, report)
     _check_gate(gate, report)
     _measure_recovery(history, attempts, kills, gate, deletions, known, limits, report)
     return report
@@ -428,7 +441,8 @@ def _check_endings(thread_of: dict[str, str], attempts: list[Attempt], gate: Gat
 
 
 def _check_order(attempts: list[Attempt], known: dict[tuple[str, int], Enqueue],
-                 limits: Limits, report: Report) -> None:
+                 unlanded: dict[tuple[str, int], Enqueue], limits: Limits,
+                 report: Report) -> None:
     retry_delay_us = int(limits.retry_delay * 1e6)
     for thread, rows in sorted(_by_thread(attempts).items()):
         released = sorted((a for a in rows if a.tok >= 0), key=lambda a: a.tok)
@@ -453,9 +467,13 @@ def _check_order(attempts: list[Attempt], known: dict[tuple[str, int], Enqueue],
                 floor = max(enq.sched_lo, enq.at_lo)
             else:
                 before = [t for n, t in last_seen[x.task] if n < x.attempt]
-                if not before:
+                tried = unlanded.get((x.task, x.attempt))
+                lows = ([max(before) + retry_delay_us - SLACK_US] if before else []) + (
+                    [tried.sched_lo] if tried is not None else [])
+                if not lows:
                     continue
-                sched_lo = max(before) + retry_delay_us - SLACK_US
+                # Re-entered by the gate (a lapse), or by a retry whose landing went unrecorded.
+                sched_lo = min(lows)
                 floor = sched_lo
             upper = x.lo
             for p in released:
@@ -465,14 +483,14 @@ def _check_order(attempts: list[Attempt], known: dict[tuple[str, int], Enqueue],
                     floor = max(floor, int(p.hi) - SLACK_US)
             report.releases_checked += 1
             for y, y_tok in witnesses:
-                if y.task == x.task or y_tok <= x.tok or y.at_hi >= floor:
+                if y.task == x.task or y_tok <= x.tok or y.in_gate >= floor:
                     continue
                 report.waiting_compared += 1      # y certainly waited while x was released
                 if y.sched_hi < sched_lo:
                     report.order_violations.append(
                         f"thread {thread}: {x.task}#{x.attempt} (token {x.tok}, scheduled at or "
                         f"after {_s(sched_lo)}, released after {_s(floor)}) went before "
-                        f"{y.task}#{y.attempt} (token {y_tok}, enqueued by {_s(y.at_hi)}, "
+                        f"{y.task}#{y.attempt} (token {y_tok}, enqueued by {_s(y.in_gate)}, "
                         f"scheduled by {_s(y.sched_hi)})")
                     break
 

@@ -24,9 +24,12 @@ class History:
         self.pid = 100
 
     def enqueue(self, task: str, thread: str, at: int, countdown: int = 0,
-                attempt: int = 0) -> None:
+                attempt: int = 0, landed: Optional[int] = None) -> None:
+        """``landed``: for a retry (attempt >= 1), when the task saw the gate take the re-entry
+        (``None``: it never did)."""
         self.enqueues.append(Enqueue(task, thread, attempt, at * MS, (at + 1) * MS,
-                                     countdown * MS))
+                                     countdown * MS, landed=attempt == 0 or landed is not None,
+                                     in_gate_by=None if landed is None else landed * MS))
 
     def attempt(self, task: str, thread: str, start: int, end: Optional[int],
                 outcome: str = "success", attempt: int = 0, recv: Optional[int] = None,
@@ -66,7 +69,8 @@ def serial_thread(h: History, thread: str, start: int = 0) -> None:
     h.enqueue(f"{thread}-b", thread, start + 2)
     h.enqueue(f"{thread}-c", thread, start + 4, countdown=5000)
     h.attempt(f"{thread}-a", thread, start + 10, start + 100, "retry", recv=start + 9)
-    h.enqueue(f"{thread}-a", thread, start + 101, countdown=300, attempt=1)
+    h.enqueue(f"{thread}-a", thread, start + 101, countdown=300, attempt=1,
+              landed=start + 102)
     h.attempt(f"{thread}-b", thread, start + 110, start + 200, "die", recv=start + 105)
     h.die(f"{thread}-b", thread, start + 201)
     h.attempt(f"{thread}-a", thread, start + 410, start + 500, attempt=1, recv=start + 405)
@@ -261,10 +265,49 @@ def test_a_retry_that_overtakes_an_earlier_scheduled_sibling_is_an_order_violati
     h.enqueue("a", "t", 0)
     h.enqueue("b", "t", 10, countdown=100)         # scheduled at 110
     h.attempt("a", "t", 5, 200, "retry")
-    h.enqueue("a", "t", 201, countdown=500, attempt=1)    # re-enters at 701
+    h.enqueue("a", "t", 201, countdown=500, attempt=1, landed=202)  # re-enters at 701
     h.attempt("a", "t", 710, 800, attempt=1)       # released before b, which was due at 110
     h.attempt("b", "t", 810, 900)
     assert len(h.check().order_violations) == 1
+
+
+def test_a_retry_whose_reentry_never_reached_the_gate_is_no_witness() -> None:
+    """self.retry(countdown=27 ms) with the gate down, then the worker killed before the body's
+    re-entry reached it (seen in a CI chaos run): the gate re-entered the member when its lease
+    lapsed, scheduled at the lapse plus the retry delay, so later-scheduled siblings rightly went
+    first.  Had the re-entry landed, they would have overtaken it."""
+    def run(landed: Optional[int]) -> Report:
+        h = History()
+        h.enqueue("a", "t", 0)
+        pid = h.attempt("a", "t", 5, 100, "retry", recv=4)
+        h.enqueue("a", "t", 100, countdown=27, attempt=1, landed=landed)   # due by 128
+        h.enqueue("b", "t", 150)
+        h.enqueue("c", "t", 200)
+        h.kill(1_700, pid, 1)                     # the worker dies before the re-entry lands
+        h.attempt("b", "t", 10_000, 10_100, recv=9_990)     # after the lease lapsed (~9,700)
+        h.attempt("c", "t", 10_200, 10_300, recv=10_190)
+        h.attempt("a", "t", 10_400, 10_500, attempt=1, recv=10_390)
+        return h.check()
+
+    report = run(landed=None)
+    assert report.ok, report.format()
+    report = run(landed=101)
+    assert len(report.order_violations) == 2, report.format()
+
+
+def test_an_unlanded_retry_is_bounded_by_its_own_schedule_or_the_lapse() -> None:
+    """A retry whose landing went unrecorded (its process killed right after the gate took it)
+    may have re-entered on its own schedule: the earlier of that and the lapse bounds it."""
+    h = History()
+    h.enqueue("a", "t", 0)
+    h.enqueue("b", "t", 10, countdown=340)          # scheduled at 350
+    pid = h.attempt("a", "t", 5, 100, "retry")
+    h.enqueue("a", "t", 100, countdown=200, attempt=1)    # due by 301 if it landed
+    h.kill(102, pid, what="child")                  # a lapse would re-enter it at >= 400
+    h.attempt("a", "t", 310, 400, attempt=1)        # ran on its own schedule: before b
+    h.attempt("b", "t", 410, 500)
+    report = h.check()
+    assert report.ok and report.waiting_compared == 1, report.format()
 
 
 def test_a_member_reentered_by_the_gate_is_bounded_by_the_retry_delay() -> None:
