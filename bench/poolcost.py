@@ -92,16 +92,17 @@ def main(argv: "list[str] | None" = None) -> int:
         where = h.machine(server)
     print(f"### poolcost ({args.broker} broker)\n")
     options = (" --broker amqp" if args.broker == "amqp" else "") + (
-        f" --members {n}" if n != 3000 else "") + (
-        f" --repeats {args.repeats}" if args.repeats != 3 else "")
+        f" --members {n}" if n != p.get_default("members") else "") + (
+        f" --repeats {args.repeats}" if args.repeats != p.get_default("repeats") else "")
     print(f"command: `python -m bench.poolcost{options}`  \nmachine: {where}  \n")
     width = max(len(k) for k in rows)
     print(f"| {'client CPU per call'.ljust(width)} | µs |")
     print(f"|{'-' * (width + 2)}|----|")
     for name, times in rows.items():
         print(f"| {name.ljust(width)} | {_per_call(times)} |")
-    print(f"\n{n:,} calls of each kind per repeat, median over {args.repeats} repeat(s) of the mean "
-          "(time.process_time of this one process; Redis's and the broker's CPU not included).")
+    print(f"\n{n:,} calls of each kind per repeat, median over {args.repeats} repeat(s) of the "
+          "mean (time.process_time of this one process; Redis's and the broker's CPU not "
+          "included).")
     return 0
 
 

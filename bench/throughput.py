@@ -121,13 +121,15 @@ def run(args: argparse.Namespace) -> int:
                 # end-to-end
                 key = f"bench:{stack.run_id}:{tag}:e2e"
                 h.progress(f"repeat {rep + 1}/{args.repeats} {side}: end-to-end")
-                cpu0 = {**h.cpu_snapshot(worker, server, broker_pid), "producer": time.process_time()}
+                cpu0 = {**h.cpu_snapshot(worker, server, broker_pid),
+                        "producer": time.process_time()}
                 p0 = rec.now_us()
                 _publish(task, f"{tag}e", n, threads, key)
                 p1 = rec.now_us()
                 h.wait_until(lambda: int(client.get(key) or 0) >= n, timeout,
                              f"{side} end-to-end run of {n} tasks", stack=stack)
-                cpu1 = {**h.cpu_snapshot(worker, server, broker_pid), "producer": time.process_time()}
+                cpu1 = {**h.cpu_snapshot(worker, server, broker_pid),
+                        "producer": time.process_time()}
                 last = int(client.get(f"{key}:last") or 0)
                 results.setdefault((side, "e2e"), []).append(n / ((last - p0) / 1e6))
                 results.setdefault((side, "e2e_publishing"), []).append((p1 - p0) / (last - p0))

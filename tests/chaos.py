@@ -490,9 +490,7 @@ def parse_history(rows: list[dict[str, Any]]) -> tuple[list[Event], list[Enqueue
         elif k == "healthy":
             events.append(Event(k, row["t"], count=int(row["n"])))
     # A retry's re-entry (attempt >= 1) counts as in the gate only once the task saw it land.
-    enqueues = [e if e.attempt == 0 else
-                dataclasses.replace(e, landed=(e.task, e.attempt) in landed,
-                                    in_gate_by=landed.get((e.task, e.attempt)))
+    enqueues = [dataclasses.replace(e, in_gate_by=landed.get((e.task, e.attempt)))
                 for e in enqueues]
     return events, enqueues, deletions
 

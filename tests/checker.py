@@ -43,10 +43,11 @@ What is checked, and the approximations it rests on:
   the run enqueued has ``scheduled_at`` in ``[before + countdown, after + countdown]`` (less
   2 ms for the gate's millisecond clock and countdown rounding).  A ``self.retry``'s re-entry
   is fixed when it is called but reaches the gate only once the body has unwound; it is a
-  witness only when the task recorded that the gate took it (``landed``), and waiting from then.  Attempts the gate re-entered by
-  itself (a killed pool child, a lapsed lease) are scheduled at ``failure + retry delay``; their
-  lower bound is the last thing seen of the previous attempt plus the retry delay, and they are
-  never used as witnesses.  Each release has a token from one counter, so tokens order
+  witness only when the task recorded that the gate took it (``landed``), and waiting from then.
+  Attempts the gate re-entered by itself (a killed pool child, a lapsed lease) are scheduled at
+  ``failure + retry delay``; their lower bound is the last thing seen of the previous attempt
+  plus the retry delay (or a retry's own schedule, when it may have landed unrecorded), and they
+  are never used as witnesses.  Each release has a token from one counter, so tokens order
   releases.  A release X (token tx) is a violation when some other member's attempt Y with a
   known schedule was certainly waiting and certainly scheduled earlier:
   Y was enqueued before X's earliest possible release time (the later of X's schedule, X's
@@ -104,12 +105,16 @@ class Enqueue:
     at_lo: int                      # µs, read before the call
     at_hi: int                      # µs, read after it returned
     countdown: int = 0              # µs
-    # A self.retry's re-entry reaches the gate when the body has unwound: ``landed`` is whether
-    # the gate took it (then ``in_gate_by`` is when that was known), else the member was left to
-    # its lapsing lease (a process killed, the gate unreachable), scheduled at the lapse plus
-    # the retry delay.  The producer's enqueue (attempt 0) is in the gate when the call returns.
-    landed: bool = True
+    # A self.retry's re-entry (attempt >= 1) reaches the gate when the body has unwound:
+    # ``in_gate_by`` is when the task saw the gate take it, None when it never did (a process
+    # killed, the gate unreachable: the member was left to its lapsing lease, scheduled at the
+    # lapse plus the retry delay).  The producer's enqueue (attempt 0) is in the gate when the
+    # call returns.
     in_gate_by: Optional[int] = None
+
+    @property
+    def landed(self) -> bool:
+        return self.attempt == 0 or self.in_gate_by is not None
 
     @property
     def in_gate(self) -> int:

@@ -22,6 +22,15 @@ def _missing(what: str) -> None:
     pytest.skip(f"{what} is not available")
 
 
+def _run(module_argv: list[str], timeout: float) -> str:
+    """``python -m <module_argv>`` from the repository; its stdout, once it exited 0."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-m", *module_argv], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, f"exit {done.returncode}\n{done.stdout}\n{done.stderr[-4000:]}"
+    return done.stdout
+
+
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("argv", [
     ["throughput"],
@@ -38,11 +47,7 @@ def test_benchmark_runs_and_prints_its_table(argv: list[str]) -> None:
         _missing("redis-server")
     if "amqp" in argv and not rabbitmq_available():
         _missing("RabbitMQ on 127.0.0.1:5672")
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    done = subprocess.run([sys.executable, "-m", "bench", *argv, "--quick"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=220)
-    assert done.returncode == 0, f"exit {done.returncode}\n{done.stdout}\n{done.stderr[-4000:]}"
-    out = done.stdout
+    out = _run(["bench", *argv, "--quick"], timeout=220)
     assert out.startswith(f"### {argv[0]}"), out
     lines = out.splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith("| "))
@@ -60,12 +65,8 @@ def test_poolcost_runs_and_prints_its_table(broker: str) -> None:
         _missing("redis-server")
     if broker == "amqp" and not rabbitmq_available():
         _missing("RabbitMQ on 127.0.0.1:5672")
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    done = subprocess.run([sys.executable, "-m", "bench.poolcost", "--broker", broker,
-                           "--members", "100", "--repeats", "1"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=100)
-    assert done.returncode == 0, f"exit {done.returncode}\n{done.stdout}\n{done.stderr[-4000:]}"
-    out = done.stdout
+    out = _run(["bench.poolcost", "--broker", broker, "--members", "100", "--repeats", "1"],
+               timeout=100)
     assert out.startswith(f"### poolcost ({broker} broker)"), out
     for part in ("plain task: apply_async", "claim (pool)", "finish (pool)",
                  "publish of the next release (pool)"):

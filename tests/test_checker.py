@@ -28,7 +28,7 @@ class History:
         """``landed``: for a retry (attempt >= 1), when the task saw the gate take the re-entry
         (``None``: it never did)."""
         self.enqueues.append(Enqueue(task, thread, attempt, at * MS, (at + 1) * MS,
-                                     countdown * MS, landed=attempt == 0 or landed is not None,
+                                     countdown * MS,
                                      in_gate_by=None if landed is None else landed * MS))
 
     def attempt(self, task: str, thread: str, start: int, end: Optional[int],
