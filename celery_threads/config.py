@@ -22,6 +22,7 @@ DEFAULTS: dict[str, Any] = {
     "threads_shards": 1,
     "threads_direct_release": True,
     "threads_track_releases": False,
+    "threads_local_handoff": 1.0,
 }
 
 
@@ -38,6 +39,7 @@ class ThreadsConfig:
     shards: int
     direct_release: bool = True
     track_releases: bool = False
+    local_handoff: float = 1.0
 
     @property
     def keepalive_ms(self) -> int:
@@ -90,12 +92,17 @@ def read_config(app: Celery) -> ThreadsConfig:
         shards=int(_setting(app, "threads_shards")),
         direct_release=bool(_setting(app, "threads_direct_release")),
         track_releases=bool(_setting(app, "threads_track_releases")),
+        local_handoff=float(_setting(app, "threads_local_handoff")),
     )
     if config.keepalive <= 0 or config.dispatch_interval <= 0 or config.release_timeout <= 0:
         raise ConfigurationError(
             "threads_keepalive, threads_dispatch_interval and threads_release_timeout must be "
             "positive numbers of seconds."
         )
+    if config.local_handoff < 0:
+        raise ConfigurationError(
+            "threads_local_handoff must be a number of seconds, 0 or more (0 turns the "
+            "in-process handoff off).")
     if config.shards != 1:
         raise ConfigurationError("threads_shards: only 1 shard is supported in this version.")
     setattr(app, _ATTR, config)

@@ -383,7 +383,12 @@ class Gate:
         replies = self._pipeline("handback", [(t, (k, tok)) for t, k, tok in members])
         return [self._outcome(m[0], r) for m, r in zip(members, replies)]
 
-    def finish(self, thread_id: str, task_id: str, token: str) -> Outcome:
+    def finish(self, thread_id: str, task_id: str, token: str, *,
+               keep_release: bool = False) -> Outcome:
+        """The member ended; the next one is released.  ``keep_release``: the release comes back
+        to the caller, who runs it (in-process handoff), even where the gate would publish it."""
+        if keep_release:
+            return self._call("finish", thread_id, task_id, token, "1")
         return self._call("finish", thread_id, task_id, token)
 
     def requeue(self, thread_id: str, task_id: str, token: str, *, retries: int,

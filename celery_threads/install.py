@@ -62,6 +62,13 @@ def _add_steps(app: Any) -> None:
     app.steps["consumer"].add(NoAckQueues)
 
 
+@signals.worker_process_init.connect
+def _on_pool_process_start(**kwargs: Any) -> None:
+    from .handoff import on_pool_process_start
+
+    on_pool_process_start()
+
+
 @signals.task_revoked.connect
 def _on_task_revoked(sender: Any = None, **kwargs: Any) -> None:
     from .worker import on_task_revoked

@@ -15,6 +15,7 @@ from celery.exceptions import Ignore, Reject, Retry
 from celery.utils import uuid
 from celery.utils.saferepr import saferepr
 
+from . import handoff
 from .errors import GateUnavailable, InvalidThreadId
 from .gate import ALREADY_CLAIMED, CLAIMED, Outcome
 from .publish import OUR_HEADERS, THREAD_HEADER, TOKEN_HEADER, CapturingProducer
@@ -212,7 +213,7 @@ class ThreadedTask(Task):
             # self.retry() was called (also with throw=False): it wins however the body ended.
             runtime.publish(self._reenter(runtime, thread_id, task_id, token, reentry).release)
         elif exc is None or isinstance(exc, Ignore):
-            runtime.apply(gate.finish(thread_id, task_id, token))
+            handoff.finish(runtime, self, thread_id, task_id, token)
         elif isinstance(exc, Retry):
             # Retry raised by hand, without self.retry() publishing: re-enter now.
             runtime.apply(gate.requeue(thread_id, task_id, token, retries=retries + 1))

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Any, Optional
 
 from celery import bootsteps
@@ -26,6 +27,7 @@ from celery.worker import state as worker_state
 from celery.worker.request import Request
 from celery.worker.strategy import default as default_strategy
 
+from . import handoff
 from .gate import RETRIED
 from .noack import CONSUMER_FLAG, hand_back_on_pool_close, mark_delivery
 from .publish import REPUBLISHED_HEADER, THREAD_HEADER, TOKEN_HEADER, request_member
@@ -262,8 +264,9 @@ class LeaseRenewer:
     """Every keepalive/3, renews the lease of each threaded member this worker holds: running, or
     waiting in its prefetch buffer (whose release deadline it extends)."""
 
-    def __init__(self, runtime: Any) -> None:
+    def __init__(self, runtime: Any, tick: Any = None) -> None:
         self.runtime = runtime
+        self.tick = tick
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
 
@@ -298,7 +301,19 @@ class LeaseRenewer:
                                          thread_id)
                 except Exception:
                     logger.exception("celery-threads: could not renew leases; retrying")
-            self._stop.wait(period) if not self._stop.is_set() else self._stop.wait(0.2)
+            if self._stop.is_set():
+                self._stop.wait(0.2)
+                continue
+            # The tick (the handoff's flag) runs every second; renewals every keepalive/3.
+            deadline = time.monotonic() + period
+            while not self._stop.is_set() and time.monotonic() < deadline:
+                tick = self.tick
+                if tick is not None:
+                    try:
+                        tick()
+                    except Exception:
+                        logger.exception("celery-threads: worker tick failed")
+                self._stop.wait(min(1.0, max(deadline - time.monotonic(), 0.0)))
 
 
 class ThreadsWorkerStep(bootsteps.StartStopStep):
@@ -309,6 +324,7 @@ class ThreadsWorkerStep(bootsteps.StartStopStep):
     def __init__(self, worker: Any, **kwargs: Any) -> None:
         self.renewer: Optional[LeaseRenewer] = None
         self.loop: Any = None
+        handoff.prepare(worker)   # before the pool forks
 
     def start(self, worker: Any) -> None:
         from .dispatcher import DispatchLoop
@@ -316,13 +332,16 @@ class ThreadsWorkerStep(bootsteps.StartStopStep):
         runtime = get_runtime(worker.app)
         wrap_revoke_command()
         hand_back_on_pool_close(worker)
-        self.renewer = LeaseRenewer(runtime)
+        self.renewer = LeaseRenewer(runtime, tick=lambda: handoff.sync(worker))
         self.renewer.start()
         if runtime.config.worker_dispatch:
             self.loop = DispatchLoop(runtime)
             self.loop.start()
 
     def stop(self, worker: Any) -> None:
+        handoff.sync(worker, stopping=True)
+        if self.renewer is not None:
+            self.renewer.tick = None
         if self.loop is not None:
             self.loop.stop()
         if self.renewer is not None:

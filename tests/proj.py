@@ -26,13 +26,14 @@ app.conf.update(
     threads_dead_letter_queue=os.environ.get("CT_DLQ") or None,
     threads_key_prefix=os.environ.get("CT_KEY_PREFIX", "celery_threads"),
     threads_track_releases=os.environ.get("CT_TRACK_RELEASES") == "1",
+    threads_local_handoff=float(os.environ.get("CT_LOCAL_HANDOFF", "1.0")),
     task_default_queue=os.environ.get("CT_QUEUE", "celery"),
     task_acks_late=os.environ.get("CT_ACKS_LATE") == "1",
     worker_prefetch_multiplier=int(os.environ.get("CT_PREFETCH", "4")),
     broker_transport_options={
         "visibility_timeout": float(os.environ.get("CT_VISIBILITY", "3600")),
     },
-    worker_send_task_events=True,
+    worker_send_task_events=os.environ.get("CT_EVENTS", "1") == "1",
     task_send_sent_event=True,
     broker_connection_retry_on_startup=True,
 )
@@ -113,14 +114,14 @@ def record(self, thread, label, sleep=0.0, fail_times=0, countdown=0.2):
 
 @app.task(base=ThreadedTask, bind=True, thread_key="thread", max_retries=3)
 def retry_then_linger(self, thread, label, linger=0.3, until=None):
-    """First attempt: self.retry(throw=False), then keeps running until the key `until` exists
-    (when given; at most 30 s) and `linger` seconds more."""
+    """First attempt: waits until the key `until` exists (when given; at most 30 s), calls
+    self.retry(throw=False), then keeps running `linger` seconds more."""
     with _Span(self, thread, label):
         if self.request.retries == 0:
-            self.retry(countdown=0, throw=False)
             deadline = time.monotonic() + 30
             while until and not history().exists(until) and time.monotonic() < deadline:
                 time.sleep(0.01)
+            self.retry(countdown=0, throw=False)
             time.sleep(linger)
     return label
 
@@ -185,6 +186,15 @@ def suicide(self, thread, label):
     with _Span(self, thread, label):
         if self.request.retries == 0 and not history().getset(f"killed:{label}", 1):
             os.kill(os.getpid(), signal.SIGKILL)
+    return label
+
+
+@app.task(base=ThreadedTask, bind=True, thread_key="thread")
+def where(self, thread, label, sleep=0.0):
+    """Records the pool process it ran in (list pid:<thread>)."""
+    with _Span(self, thread, label):
+        history().rpush(f"pid:{thread}", os.getpid())
+        time.sleep(sleep)
     return label
 
 

@@ -1,0 +1,279 @@
+"""In-process handoff: a pool process runs the member that its own ``finish`` released.
+
+When a member succeeds, the next member of its thread is usually due at once. Publishing it
+would send it through the broker and the worker's main process only to reach a pool process
+again, and on RabbitMQ that round trip costs more than the task itself. So a prefork pool
+process that has just finished a member asks the gate to hand it the release instead of
+publishing it (``finish`` with ``keep_release``), and runs that member itself. The run starts once
+the first member's own trace has ended, with its result stored and its signals sent, and it
+continues the same pool job.
+
+The release is like any other. The member is RELEASED under a new token, and its run claims it
+with that token when it starts (``ThreadedTask.__call__``), so the fencing is unchanged. If the
+process dies before the claim, the release deadline lapses and the dispatcher publishes the
+member. While it runs, this process renews its lease, because the worker's main process does not
+know of it.
+
+A member runs here only where a broker delivery would have brought it to this worker with
+nothing more to it. Otherwise its release is published as before. The conditions are:
+
+* the worker is a prefork worker, not shutting down, and sends no task events (Flower and
+  ``celery events`` see every member as a task of its own: with events on, members go through
+  the broker);
+* the pool job has run for less than ``threads_local_handoff`` seconds (default 1.0; 0 turns the
+  handoff off). The job, and the report of its first member to the worker's main process, never
+  outlast that budget by more than one member's run;
+* neither member has a time limit (the pool enforces limits per job);
+* the next member's task is a threaded task registered here, its queue is one this worker
+  consumes, its content type is accepted, and it carries no ``expires``.
+"""
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import threading
+import time
+from typing import Any, Callable, NamedTuple, Optional
+
+from .gate import Release
+from .publish import THREAD_HEADER, TOKEN_HEADER, UndecodableEnvelope, decode_envelope
+
+logger = logging.getLogger(__name__)
+
+#: Set in the worker's main process before its pool forks; read by every pool process.
+_app: Any = None
+_allowed: Any = None          # multiprocessing.RawValue('b'): 1 while the handoff may run
+_stopping = False
+
+
+class Taken(NamedTuple):
+    """A release this process runs itself: the pool job's arguments for it."""
+
+    release: Release
+    name: str
+    request: dict[str, Any]
+    body: bytes
+    content_type: str
+    content_encoding: str
+
+
+class _Job:
+    """The pool job running in this process, and the release it runs next."""
+
+    __slots__ = ("started", "pending")
+
+    def __init__(self) -> None:
+        self.started = time.monotonic()
+        self.pending: Optional[Taken] = None
+
+
+_job: Optional[_Job] = None
+
+
+# -- the worker's main process ----------------------------------------------------------------
+def prepare(worker: Any) -> None:
+    """Before the pool forks: the flag its processes read."""
+    global _app, _allowed, _stopping
+    _app, _stopping = worker.app, False
+    _allowed = multiprocessing.RawValue("b", 0 if getattr(worker, "task_events", False) else 1)
+
+
+def sync(worker: Any, stopping: bool = False) -> None:
+    """Keep the flag in step with the worker: off once it stops or sends task events (which
+    ``celery control enable_events``, or Flower, can turn on at any time)."""
+    global _stopping
+    if _allowed is None:
+        return
+    _stopping = _stopping or stopping
+    dispatcher = getattr(getattr(worker, "consumer", None), "event_dispatcher", None)
+    events = getattr(worker, "task_events", False)
+    if dispatcher is not None:
+        groups = getattr(dispatcher, "groups", None)
+        events = bool(dispatcher.enabled) and (not groups or "task" in groups)
+    _allowed.value = 0 if (_stopping or events) else 1
+
+
+# -- a pool process -----------------------------------------------------------------------------
+def on_pool_process_start() -> None:
+    """``worker_process_init``: wrap the functions pool jobs run, in this process only (the main
+    process names them; a pool process looks them up by name when it unpickles a job)."""
+    if _app is None or _allowed is None:
+        return
+    from .runtime import get_runtime
+
+    if get_runtime(_app).config.local_handoff <= 0:
+        return
+    from celery.app import trace
+
+    for name in ("fast_trace_task", "trace_task_ret"):
+        original = getattr(trace, name)
+        if not getattr(original, "_celery_threads", False):
+            setattr(trace, name, _wrap(original))
+
+
+def _wrap(original: Callable[..., Any]) -> Callable[..., Any]:
+    def run_job(*args: Any, **kwargs: Any) -> Any:
+        global _job
+        job = _job = _Job()
+        try:
+            result = original(*args, **kwargs)
+            while job.pending is not None:
+                taken, job.pending = job.pending, None
+                _run(original, taken)
+            return result
+        finally:
+            _job = None
+            if job.pending is not None:   # the job ended abnormally: the release goes out
+                _publish(job.pending.release)
+
+    run_job._celery_threads = True  # type: ignore[attr-defined]
+    run_job.__name__ = getattr(original, "__name__", "run_job")
+    return run_job
+
+
+def finish(runtime: Any, task: Any, thread_id: str, task_id: str, token: str) -> None:
+    """``finish`` of a member that ended in this process: the next member runs here when it can,
+    else its release is published (or the gate has published it)."""
+    job = _job
+    if job is None or not _may_take(runtime, task, job):
+        runtime.apply(runtime.gate.finish(thread_id, task_id, token))
+        return
+    release = runtime.gate.finish(thread_id, task_id, token, keep_release=True).release
+    if release is None:
+        return
+    taken = _runnable(runtime, release)
+    if taken is None:
+        runtime.publish(release)
+    else:
+        job.pending = taken
+
+
+def _may_take(runtime: Any, task: Any, job: _Job) -> bool:
+    return (_allowed is not None and _allowed.value == 1
+            and time.monotonic() - job.started < runtime.config.local_handoff
+            and not _time_limited(task, task.request.timelimit))
+
+
+def _time_limited(task: Any, timelimit: Any) -> bool:
+    conf = task.app.conf
+    hard, soft = (list(timelimit) + [None, None])[:2] if timelimit else (None, None)
+    return any((hard, soft, task.time_limit, task.soft_time_limit, conf.task_time_limit,
+                conf.task_soft_time_limit))
+
+
+def _runnable(runtime: Any, release: Release) -> Optional[Taken]:
+    """The pool job's arguments for running ``release`` here, or ``None`` when a broker delivery
+    must take it (see the module's conditions)."""
+    from .task import ThreadedTask
+
+    app = runtime.app
+    try:
+        header, body = decode_envelope(release.envelope)
+    except UndecodableEnvelope:
+        return None    # published, and the publish kills it with the reason
+    headers = dict(header["headers"])
+    name = str(headers.get("task") or "")
+    task = app.tasks.get(name)
+    content_type = header.get("content_type")
+    if (not isinstance(task, ThreadedTask) or headers.get("expires")
+            or header.get("compression") or not isinstance(content_type, str)
+            or content_type not in _accepted(app)
+            or _time_limited(task, headers.get("timelimit"))
+            or not _consumed(app, header.get("exchange") or "", header.get("routing_key"))):
+        return None
+    headers.update({"retries": release.retries, "eta": None, THREAD_HEADER: release.thread_id,
+                    TOKEN_HEADER: release.token})
+    properties = dict(header.get("properties") or {})
+    headers.update({
+        "properties": properties,
+        "reply_to": properties.get("reply_to"),
+        "correlation_id": properties.get("correlation_id"),
+        "delivery_info": {"exchange": header.get("exchange") or "",
+                          "routing_key": header.get("routing_key"),
+                          "priority": properties.get("priority"), "redelivered": False},
+    })
+    return Taken(release, name, headers, body, content_type,
+                 str(header.get("content_encoding") or "utf-8"))
+
+
+def _accepted(app: Any) -> set[str]:
+    from kombu.serialization import prepare_accept_content
+
+    return set(prepare_accept_content(app.conf.accept_content))  # type: ignore[no-untyped-call]
+
+
+def _consumed(app: Any, exchange: str, routing_key: Any) -> bool:
+    """Whether a message published to (exchange, routing_key) reaches a queue this worker
+    consumes, by the direct routing Celery's task queues use."""
+    for queue in app.amqp.queues.consume_from.values():
+        if exchange == "" and routing_key == queue.name:
+            return True
+        if (queue.exchange is not None and exchange == queue.exchange.name
+                and queue.exchange.type == "direct" and routing_key == queue.routing_key):
+            return True
+    return False
+
+
+def _run(original: Callable[..., Any], taken: Taken) -> None:
+    release = taken.release
+    logger.debug("celery-threads: running %s[%s] of thread %s in this pool process", taken.name,
+                 release.task_id, release.thread_id)
+    renewer = _renewer()
+    renewer.hold(release)
+    try:
+        original(taken.name, release.task_id, taken.request, taken.body, taken.content_type,
+                 taken.content_encoding)
+    except Exception:
+        # Celery's tracer reports the task's own errors; this is one outside it.  The member is
+        # RELEASED (its release deadline lapses) or RUNNING (its lease lapses): either way the
+        # gate recovers it.
+        logger.exception("celery-threads: could not run %s[%s] of thread %s in this pool process",
+                         taken.name, release.task_id, release.thread_id)
+    finally:
+        renewer.hold(None)
+
+
+def _publish(release: Release) -> None:
+    from .runtime import get_runtime
+
+    get_runtime(_app).publish(release)
+
+
+class _Renewer:
+    """Renews the lease of the member this process runs by handoff, every keepalive/3."""
+
+    def __init__(self, runtime: Any) -> None:
+        self.runtime = runtime
+        self._held: Optional[Release] = None
+        self._since = 0.0
+        self._wake = threading.Event()
+        threading.Thread(target=self._loop, name="celery-threads-handoff-renew",
+                         daemon=True).start()
+
+    def hold(self, release: Optional[Release]) -> None:
+        self._held, self._since = release, time.monotonic()
+
+    def _loop(self) -> None:
+        period = self.runtime.config.keepalive / 3.0
+        while True:
+            self._wake.wait(period)
+            held = self._held
+            if held is None or time.monotonic() - self._since < period:
+                continue
+            try:
+                self.runtime.gate.renew(held.thread_id, held.task_id, held.token,
+                                        self.runtime.config.keepalive_ms)
+            except Exception:
+                logger.exception("celery-threads: could not renew the lease of %s; retrying",
+                                 held.task_id)
+
+
+_renewers: list[_Renewer] = []
+
+
+def _renewer() -> _Renewer:
+    if not _renewers:
+        from .runtime import get_runtime
+
+        _renewers.append(_Renewer(get_runtime(_app)))
+    return _renewers[0]

@@ -1,0 +1,110 @@
+"""In-process handoff: a pool process runs the member its own finish released (handoff.py).
+
+The shared test deployment sends task events, which turns the handoff off; these tests run
+workers without events (CT_EVENTS=0) unless they test the events rule.
+"""
+from __future__ import annotations
+
+import re
+import time
+
+import pytest
+
+from tests.helpers import assert_serial, events, starts, tid, wait_for
+
+
+@pytest.fixture
+def r(proj):
+    return proj.history()
+
+
+def received(worker, task_id: str) -> bool:
+    """Whether the worker's main process received a broker delivery of `task_id`."""
+    return re.search(rf"\[{re.escape(task_id)}\] received", worker.output()) is not None
+
+
+def burst(proj, thread: str, n: int, **options):
+    """A first member that runs 0.5 s, then `n` members that queue behind it."""
+    first = proj.where.apply_async((thread, "first"), {"sleep": 0.5}, **options)
+    wait_for(lambda: starts(proj.history(), thread) == ["first"], what="the first member")
+    rest = [proj.where.apply_async((thread, f"m{i}"), **options) for i in range(n)]
+    return first, rest
+
+
+def pids(r, thread: str) -> list[int]:
+    return [int(x) for x in r.lrange(f"pid:{thread}", 0, -1)]
+
+
+def test_the_next_members_run_in_the_finishing_pool_process(proj, make_deployment, r):
+    d = make_deployment(CT_EVENTS="0")
+    w = d.worker("handoff", concurrency=2)
+    thread = tid("ho")
+    first, rest = burst(proj, thread, 5)
+    assert [x.get(timeout=30) for x in rest] == [f"m{i}" for i in range(5)]
+    assert first.get(timeout=5) == "first"
+    assert starts(r, thread) == ["first"] + [f"m{i}" for i in range(5)]
+    assert_serial(r, thread)
+    assert len(set(pids(r, thread))) == 1, pids(r, thread)
+    assert received(w, first.id)
+    assert not any(received(w, x.id) for x in rest), "a handed-off member went through the broker"
+    wait_for(lambda: not list(r.scan_iter(match=f"*:t:{thread}:*")) or None,
+             what="the thread's keys to vanish")
+
+
+@pytest.mark.parametrize("case", ["events", "time_limit", "off"])
+def test_members_go_through_the_broker_when_the_handoff_cannot_run(proj, make_deployment, r, case):
+    """With task events on (Flower sees every member), a time limit (the pool enforces it per
+    job), or threads_local_handoff = 0, each member is a broker delivery of its own."""
+    env = {"events": {"CT_EVENTS": "1"}, "time_limit": {"CT_EVENTS": "0"},
+           "off": {"CT_EVENTS": "0", "CT_LOCAL_HANDOFF": "0"}}[case]
+    d = make_deployment(**env)
+    w = d.worker("nohandoff", concurrency=2)
+    thread = tid("nh")
+    options = {"time_limit": 60} if case == "time_limit" else {}
+    first, rest = burst(proj, thread, 3, **options)
+    assert [x.get(timeout=30) for x in rest] == ["m0", "m1", "m2"]
+    assert_serial(r, thread)
+    assert all(received(w, x.id) for x in [first, *rest])
+
+
+def test_events_turned_on_at_runtime_stop_the_handoff(proj, make_deployment, r):
+    d = make_deployment(CT_EVENTS="0")
+    w = d.worker("toggle", concurrency=2)
+    before = tid("ev")
+    _, rest = burst(proj, before, 2)
+    assert [x.get(timeout=30) for x in rest] == ["m0", "m1"]
+    assert not any(received(w, x.id) for x in rest)
+    proj.app.control.enable_events()
+    time.sleep(2.5)   # the worker passes it on to its pool processes within a second or two
+    after = tid("ev")
+    _, rest = burst(proj, after, 2)
+    assert [x.get(timeout=30) for x in rest] == ["m0", "m1"]
+    assert all(received(w, x.id) for x in rest)
+
+
+def test_a_pool_process_lost_during_a_handed_off_member(proj, make_deployment, r):
+    """The handed-off member re-enters (its lease lapses: the worker's main process did not know
+    of it) and runs again; the member whose job it continued keeps its SUCCESS."""
+    d = make_deployment(CT_EVENTS="0", CT_KEEPALIVE="2", CT_DISPATCH_INTERVAL="0.2")
+    d.worker("lost", concurrency=2)
+    thread = tid("lost")
+    first = proj.where.apply_async((thread, "first"), {"sleep": 0.5})
+    wait_for(lambda: starts(r, thread) == ["first"], what="the first member")
+    doomed = proj.suicide.delay(thread, f"suicide-{thread}")     # kills its process once
+    after = proj.where.delay(thread, "after")
+    assert doomed.get(timeout=30) == f"suicide-{thread}"
+    assert after.get(timeout=30) == "after"
+    assert first.get(timeout=5) == "first" and first.state == "SUCCESS"
+    assert starts(r, thread)[:2] == ["first", f"suicide-{thread}"]
+    assert sorted(starts(r, thread)) == sorted(["first", "after"] + [f"suicide-{thread}"] * 2)
+    assert_serial_but_for_the_killed(r, thread)
+
+
+def assert_serial_but_for_the_killed(r, thread: str) -> None:
+    """As assert_serial, where the killed attempt has a start and no end."""
+    evs = events(r, thread)
+    killed = next(i for i, e in enumerate(evs) if e.label.startswith("suicide"))
+    assert evs[killed].kind == "start" and evs[killed + 1].kind == "start", evs
+    rest = evs[:killed] + evs[killed + 1:]
+    for i, e in enumerate(rest):
+        assert e.kind == ("start" if i % 2 == 0 else "end"), f"overlap in {thread}: {evs}"
