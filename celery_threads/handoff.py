@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import os
 import threading
 import time
 from typing import Any, Callable, NamedTuple, Optional
@@ -44,6 +45,12 @@ logger = logging.getLogger(__name__)
 _app: Any = None
 _allowed: Any = None          # multiprocessing.RawValue('b'): 1 while the handoff may run
 _stopping = False
+#: One slot per pool process (by its index): the member it runs by handoff, for the main process
+#: to fail at once if the process dies (:func:`lost_member`).  ``<pid: 8 bytes><length: 4><thread
+#: id>\0<task id>\0<token>``; length 0 when it runs none.
+_slots: Any = None
+_SLOT = 1536
+_slot_at: Optional[int] = None     # this pool process's slot offset
 
 
 class Taken(NamedTuple):
@@ -73,9 +80,29 @@ _job: Optional[_Job] = None
 # -- the worker's main process ----------------------------------------------------------------
 def prepare(worker: Any) -> None:
     """Before the pool forks: the flag its processes read."""
-    global _app, _allowed, _stopping
+    global _app, _allowed, _stopping, _slots
     _app, _stopping = worker.app, False
     _allowed = multiprocessing.RawValue("b", 0 if getattr(worker, "task_events", False) else 1)
+    processes = max(int(getattr(worker, "concurrency", 0) or 0),
+                    int(getattr(worker, "max_concurrency", 0) or 0), 1)
+    _slots = multiprocessing.RawArray("c", processes * _SLOT)
+
+
+def lost_member(pid: Any) -> Optional[tuple[str, str, str]]:
+    """``(thread id, task id, token)`` of the member the dead pool process ``pid`` was running by
+    handoff, if any (and its slot is cleared)."""
+    if _slots is None or not pid:
+        return None
+    for at in range(0, len(_slots), _SLOT):
+        if int.from_bytes(_slots[at:at + 8], "little") != int(pid):
+            continue
+        length = int.from_bytes(_slots[at + 8:at + 12], "little")
+        data = _slots[at + 12:at + 12 + length]
+        _slots[at:at + 12] = bytes(12)
+        parts = data.decode("utf-8", "replace").split("\0")
+        if length and len(parts) == 3:
+            return parts[0], parts[1], parts[2]
+    return None
 
 
 def sync(worker: Any, stopping: bool = False) -> None:
@@ -103,8 +130,13 @@ def on_pool_process_start() -> None:
 
     if get_runtime(_app).config.local_handoff <= 0:
         return
+    from billiard.process import current_process
     from celery.app import trace
 
+    global _slot_at
+    index = getattr(current_process(), "index", None)
+    if _slots is not None and isinstance(index, int) and (index + 1) * _SLOT <= len(_slots):
+        _slot_at = index * _SLOT
     for name in ("fast_trace_task", "trace_task_ret"):
         original = getattr(trace, name)
         if not getattr(original, "_celery_threads", False):
@@ -220,6 +252,7 @@ def _run(original: Callable[..., Any], taken: Taken) -> None:
                  release.task_id, release.thread_id)
     renewer = _renewer()
     renewer.hold(release)
+    _note(release)
     try:
         original(taken.name, release.task_id, taken.request, taken.body, taken.content_type,
                  taken.content_encoding)
@@ -231,6 +264,22 @@ def _run(original: Callable[..., Any], taken: Taken) -> None:
                          taken.name, release.task_id, release.thread_id)
     finally:
         renewer.hold(None)
+        _note(None)
+
+
+def _note(release: Optional[Release]) -> None:
+    """Write (or clear) this process's slot: the member it runs by handoff."""
+    at = _slot_at
+    if at is None or _slots is None:
+        return
+    if release is None:
+        _slots[at + 8:at + 12] = bytes(4)
+        return
+    data = "\0".join((release.thread_id, release.task_id, release.token)).encode()
+    if len(data) > _SLOT - 12:
+        data = b""       # a very long thread id: the lease lapse recovers it instead
+    _slots[at + 12:at + 12 + len(data)] = data
+    _slots[at:at + 12] = (os.getpid().to_bytes(8, "little") + len(data).to_bytes(4, "little"))
 
 
 def _publish(release: Release) -> None:

@@ -184,6 +184,8 @@ class ThreadedRequest(Request):
             if outcome.status == 4:
                 runtime.announce_death(thread_id, self.id, f"WorkerLostError: {exc}",
                                        int(self.request_dict.get("retries") or 0))
+        if lost:
+            _fail_handed_off(self, exc)
         elif token and not lost and not isinstance(exc, (Retry, Ignore, Reject, Terminated)):
             # The pool child reports every failure of a task body it ran; one it never reported
             # (the message could not be decoded, the task never started) would hold the thread.
@@ -201,6 +203,27 @@ class ThreadedRequest(Request):
         if self.task.acks_late:
             self.acknowledge()
         self.send_event("task-retried", exception=saferepr(exc), traceback=exc_info.traceback)
+
+
+def _fail_handed_off(request: Any, exc: BaseException) -> None:
+    """The lost pool process was running a member by in-process handoff (handoff.py), unknown to
+    this process until now: a failed attempt of that member, at once rather than when its lease
+    lapses."""
+    member = handoff.lost_member(getattr(request, "worker_pid", None))
+    if member is None:
+        return
+    thread_id, task_id, token = member
+    runtime = get_runtime(request.task.app)
+    try:
+        outcome = runtime.apply(runtime.gate.fail(thread_id, task_id, token,
+                                                  f"WorkerLostError: {exc}; no retries were left"))
+        logger.warning("celery-threads: the pool process running %s of thread %s by handoff was "
+                       "lost (%s)", task_id, thread_id, exc)
+        if outcome.status == 4:
+            runtime.announce_death(thread_id, task_id, f"WorkerLostError: {exc}", 0)
+    except Exception:
+        logger.exception("celery-threads: could not fail %s of thread %s; its lease will lapse",
+                         task_id, thread_id)
 
 
 def on_task_revoked(sender: Any = None, request: Any = None, terminated: bool = False,

@@ -83,17 +83,18 @@ def test_events_turned_on_at_runtime_stop_the_handoff(proj, make_deployment, r):
 
 
 def test_a_pool_process_lost_during_a_handed_off_member(proj, make_deployment, r):
-    """The handed-off member re-enters (its lease lapses: the worker's main process did not know
-    of it) and runs again; the member whose job it continued keeps its SUCCESS."""
-    d = make_deployment(CT_EVENTS="0", CT_KEEPALIVE="2", CT_DISPATCH_INTERVAL="0.2")
+    """The worker's main process learns which member the lost process ran by handoff and fails
+    that attempt at once (well before its 30 s lease would lapse): it re-enters and runs again.
+    The member whose job it continued keeps its SUCCESS."""
+    d = make_deployment(CT_EVENTS="0", CT_KEEPALIVE="30", CT_DISPATCH_INTERVAL="0.2")
     d.worker("lost", concurrency=2)
     thread = tid("lost")
     first = proj.where.apply_async((thread, "first"), {"sleep": 0.5})
     wait_for(lambda: starts(r, thread) == ["first"], what="the first member")
     doomed = proj.suicide.delay(thread, f"suicide-{thread}")     # kills its process once
     after = proj.where.delay(thread, "after")
-    assert doomed.get(timeout=30) == f"suicide-{thread}"
-    assert after.get(timeout=30) == "after"
+    assert after.get(timeout=15) == "after"
+    assert doomed.get(timeout=15) == f"suicide-{thread}"
     assert first.get(timeout=5) == "first" and first.state == "SUCCESS"
     assert starts(r, thread)[:2] == ["first", f"suicide-{thread}"]
     assert sorted(starts(r, thread)) == sorted(["first", "after"] + [f"suicide-{thread}"] * 2)
