@@ -19,6 +19,7 @@ import threading
 import time
 from typing import Any, Optional
 
+from billiard.einfo import ExceptionWithTraceback
 from celery import bootsteps
 from celery.exceptions import (Ignore, NotRegistered, Reject, Retry, Terminated, TimeLimitExceeded,
                                WorkerLostError)
@@ -171,7 +172,8 @@ class ThreadedRequest(Request):
                    return_ok: bool = False) -> None:
         thread_id, token = request_member(self)
         exc = get_pickled_exception(exc_info.exception)
-        exc = getattr(exc, "exc", exc)
+        if isinstance(exc, ExceptionWithTraceback):   # as Celery unwraps it (not Retry.exc)
+            exc = exc.exc
         lost = isinstance(exc, (WorkerLostError, SystemExit, KeyboardInterrupt))
         if token and lost and not (self._already_revoked or self._already_cancelled):
             runtime = get_runtime(self.task.app)

@@ -103,11 +103,14 @@ class _Span:
 
 @app.task(base=ThreadedTask, bind=True, thread_key="thread", max_retries=3,
           default_retry_delay=0.2)
-def record(self, thread, label, sleep=0.0, fail_times=0, countdown=0.2):
-    """Runs `sleep` seconds; fails (with self.retry) its first `fail_times` attempts."""
+def record(self, thread, label, sleep=0.0, fail_times=0, countdown=0.2, bare=False):
+    """Runs `sleep` seconds; fails (with self.retry) its first `fail_times` attempts (`bare`:
+    self.retry without an exception)."""
     with _Span(self, thread, label):
         time.sleep(sleep)
         if self.request.retries < fail_times:
+            if bare:
+                raise self.retry(countdown=countdown)
             raise self.retry(countdown=countdown, exc=RuntimeError(f"{label} attempt failed"))
     return label
 

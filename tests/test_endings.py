@@ -41,6 +41,16 @@ def test_self_retry_keeps_arrival_order_and_counts_retries(proj, worker, r):
     _next_runs(proj, r, thread)
 
 
+def test_a_retry_without_an_exception_is_no_error_in_the_worker(proj, worker, r):
+    """Retry's own ``exc`` (None here) is not the failure: the worker neither mistakes the retry
+    for an unreported failure nor logs an error."""
+    thread = tid()
+    result = proj.record.delay(thread, "bare", fail_times=2, countdown=0.05, bare=True)
+    assert result.get(timeout=30) == "bare"
+    assert starts(r, thread) == ["bare"] * 3
+    assert "could not dead-letter unrunnable member " + result.id not in worker.output()
+
+
 def test_autoretry_with_backoff(proj, worker, r):
     thread = tid()
     result = proj.autoretry.delay(thread, "auto", fail_times=2)
