@@ -34,7 +34,7 @@ import multiprocessing
 import os
 import threading
 import time
-from typing import Any, Callable, NamedTuple, Optional
+from typing import Any, Callable, Iterator, NamedTuple, Optional
 
 from .gate import Release
 from .publish import THREAD_HEADER, TOKEN_HEADER, UndecodableEnvelope, decode_envelope
@@ -88,20 +88,39 @@ def prepare(worker: Any) -> None:
     _slots = multiprocessing.RawArray("c", processes * _SLOT)
 
 
+def _slot_members() -> Iterator[tuple[int, int, tuple[str, str, str]]]:
+    """``(offset, pid, (thread id, task id, token))`` of each pool process running a member by
+    handoff."""
+    if _slots is None:
+        return
+    for at in range(0, len(_slots), _SLOT):
+        pid = int.from_bytes(_slots[at:at + 8], "little")
+        length = int.from_bytes(_slots[at + 8:at + 12], "little")
+        if not pid or not length:
+            continue
+        parts = _slots[at + 12:at + 12 + length].decode("utf-8", "replace").split("\0")
+        if len(parts) == 3:
+            yield at, pid, (parts[0], parts[1], parts[2])
+
+
+def running(task_id: str) -> Optional[tuple[int, tuple[str, str, str]]]:
+    """``(pid, (thread id, task id, token))`` of the pool process running ``task_id`` by
+    handoff, if any."""
+    for _, pid, member in _slot_members():
+        if member[1] == task_id:
+            return pid, member
+    return None
+
+
 def lost_member(pid: Any) -> Optional[tuple[str, str, str]]:
     """``(thread id, task id, token)`` of the member the dead pool process ``pid`` was running by
     handoff, if any (and its slot is cleared)."""
-    if _slots is None or not pid:
+    if not pid:
         return None
-    for at in range(0, len(_slots), _SLOT):
-        if int.from_bytes(_slots[at:at + 8], "little") != int(pid):
-            continue
-        length = int.from_bytes(_slots[at + 8:at + 12], "little")
-        data = _slots[at + 12:at + 12 + length]
-        _slots[at:at + 12] = bytes(12)
-        parts = data.decode("utf-8", "replace").split("\0")
-        if length and len(parts) == 3:
-            return parts[0], parts[1], parts[2]
+    for at, found, member in _slot_members():
+        if found == int(pid):
+            _slots[at:at + 12] = bytes(12)
+            return member
     return None
 
 

@@ -256,6 +256,28 @@ def _end_revoked_member(runtime: Any, consumer: Any, task_id: str) -> None:
                             expired=False)
 
 
+def _terminate_handed_off(runtime: Any, task_id: str, signal: Any) -> None:
+    """``revoke(terminate=True)`` of a member a pool process runs by handoff (handoff.py), which
+    Celery's own revoke does not know of.  As for a terminated task: the member leaves its thread
+    (fenced by its token; the next is promoted), its process gets the signal, and the result
+    backend marks it REVOKED."""
+    import os
+
+    from celery.platforms import signals as platform_signals
+    from celery.worker.control import TERM_SIGNAME
+
+    found = handoff.running(task_id)
+    if found is None:
+        return
+    pid, (_, _, token) = found
+    runtime.apply(runtime.gate.delete(task_id, token=token))
+    signum = platform_signals.signum(signal or TERM_SIGNAME)
+    logger.info("celery-threads: terminating %s, run by handoff in pool process %s (%s)",
+                task_id, pid, signal or TERM_SIGNAME)
+    os.kill(pid, signum)
+    runtime.mark_revoked(task_id)
+
+
 def wrap_revoke_command() -> None:
     """``app.control.revoke(id)`` of a member still waiting in the gate deletes it (a worker is the
     only place that sees a plain revoke).  A released or running member ends as usual when a
@@ -276,6 +298,8 @@ def wrap_revoke_command() -> None:
             for one in maybe_list(task_id) or []:
                 try:
                     _end_revoked_member(runtime, consumer, one)
+                    if terminate:
+                        _terminate_handed_off(runtime, one, signal)
                 except Exception:
                     logger.exception("celery-threads: could not end revoked member %s", one)
         return reply

@@ -109,3 +109,35 @@ def assert_serial_but_for_the_killed(r, thread: str) -> None:
     rest = evs[:killed] + evs[killed + 1:]
     for i, e in enumerate(rest):
         assert e.kind == ("start" if i % 2 == 0 else "end"), f"overlap in {thread}: {evs}"
+
+
+@pytest.mark.parametrize("how", ["revoke", "delete"])
+def test_terminating_a_handed_off_member(proj, make_deployment, r, how):
+    """revoke(terminate=True), or Threads.delete, of a member run by handoff (which Celery's own
+    revoke cannot find): its process is signalled, it ends REVOKED, once, and the next runs."""
+    from celery_threads import Threads
+
+    d = make_deployment(CT_EVENTS="0")
+    d.worker("term", concurrency=2)
+    thread = tid("term")
+    first = proj.where.apply_async((thread, "first"), {"sleep": 0.5})
+    wait_for(lambda: starts(r, thread) == ["first"], what="the first member")
+    long = proj.where.apply_async((thread, "long"), {"sleep": 30})
+    nxt = proj.where.delay(thread, "next")
+    wait_for(lambda: starts(r, thread) == ["first", "long"], what="the handed-off member")
+    assert len(set(pids(r, thread))) == 1, "long was not handed off"
+    t0 = time.time()
+    if how == "revoke":
+        proj.app.control.revoke(long.id, terminate=True)
+    else:
+        assert Threads(proj.app).delete(long.id) is True
+    assert nxt.get(timeout=20) == "next"
+    assert time.time() - t0 < 15
+    wait_for(lambda: long.state == "REVOKED", what="long to be marked REVOKED")
+    assert starts(r, thread) == ["first", "long", "next"]
+    # Stopped, not run to its end (the child's SIGTERM handler unwinds the body, as for any
+    # terminated task, so its span may close).
+    [start] = [e.at_us for e in events(r, thread) if e.label == "long" and e.kind == "start"]
+    ends = [e.at_us for e in events(r, thread) if e.label == "long" and e.kind == "end"]
+    assert all(end - start < 10_000_000 for end in ends), "long ran on after its terminate"
+    wait_for(lambda: Threads(proj.app).get(thread) is None, what="the thread to vanish")
