@@ -124,6 +124,10 @@ def retry_then_linger(self, thread, label, linger=0.3, until=None):
             deadline = time.monotonic() + 30
             while until and not history().exists(until) and time.monotonic() < deadline:
                 time.sleep(0.01)
+            if until:
+                # Past the millisecond of the awaited enqueue: an equal schedule would go by
+                # arrival order, and this member arrived first.
+                time.sleep(0.01)
             self.retry(countdown=0, throw=False)
             time.sleep(linger)
     return label

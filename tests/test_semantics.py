@@ -81,8 +81,9 @@ def test_failed_head_with_retries_left_is_outprioritized_by_earlier_sibling(proj
 def test_a_retry_takes_effect_when_the_body_has_unwound(proj, worker, r):
     """self.retry(throw=False) and the body goes on: the next member waits for the body to end
     (it would be released by the retry itself otherwise); the retried member, due when its body
-    ended, runs again after it (the body calls self.retry once the next member is enqueued, so
-    that the retry is scheduled after it)."""
+    ended, runs again after it (the body calls self.retry once the next member is enqueued, and
+    a few milliseconds later, so that the retry is scheduled after it: on the gate's millisecond
+    clock an equal schedule goes by arrival, and the retried member arrived first)."""
     thread = tid()
     proj.retry_then_linger.delay(thread, "lingers", until=f"enqueued:{thread}")
     second = proj.record.delay(thread, "next")
