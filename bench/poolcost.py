@@ -6,7 +6,8 @@ private redis-server (and RabbitMQ for ``--broker amqp``), it times with ``time.
 
 * a plain task's ``apply_async`` (what plain Celery's producer pays per task);
 * a threaded task's ``apply_async`` over threads of 10 members (the gate's enqueue; a thread's
-  head is also published);
+  head is also published), and to idle threads (each enqueued and published: what a producer
+  pays when the workers keep up);
 * the pool process's part of a threaded member: ``claim`` before the body, ``finish`` after it,
   and the publish of the release ``finish`` returns (nothing with a Redis broker on the gate's
   server: the gate pushes the release itself).
@@ -62,6 +63,10 @@ def main(argv: "list[str] | None" = None) -> int:
                 timed("threaded task: apply_async (producer; 10 members per thread)", lambda: [
                     tasks.noop_threaded.apply_async((f"{tag}-t{i % (n // 10 or 1)}", "k", n))
                     for i in range(n)])
+                timed("threaded task: apply_async (producer; each to an idle thread, so "
+                      "enqueued and published)", lambda: [
+                          tasks.noop_threaded.apply_async((f"{tag}-i{i}", "k", n))
+                          for i in range(n)])
                 # The pool's part: two members per thread, the first released at enqueue.
                 heads = []
                 for i in range(n):
