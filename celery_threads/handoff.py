@@ -205,11 +205,38 @@ def _may_take(runtime: Any, task: Any, job: _Job) -> bool:
             and not _time_limited(task, task.request.timelimit))
 
 
+class _Facts(NamedTuple):
+    """What this pool process needs to know of its worker, read once (``app.conf`` lookups cost
+    microseconds each, on every member)."""
+
+    conf_time_limit: bool             # task_time_limit or task_soft_time_limit set
+    accepted: frozenset[str]          # content types the worker accepts
+    routes: frozenset[tuple[str, str]]  # (exchange, routing key) reaching a consumed queue
+
+
+_facts: Optional[_Facts] = None
+
+
+def _worker_facts(app: Any) -> _Facts:
+    global _facts
+    if _facts is None:
+        from kombu.serialization import prepare_accept_content
+
+        routes = set()
+        for queue in app.amqp.queues.consume_from.values():
+            routes.add(("", queue.name))     # the default exchange: the queue's own name
+            if queue.exchange is not None and queue.exchange.type == "direct":
+                routes.add((queue.exchange.name, queue.routing_key))
+        accepted = prepare_accept_content(app.conf.accept_content)  # type: ignore[no-untyped-call]
+        _facts = _Facts(bool(app.conf.task_time_limit or app.conf.task_soft_time_limit),
+                        frozenset(accepted), frozenset(routes))
+    return _facts
+
+
 def _time_limited(task: Any, timelimit: Any) -> bool:
-    conf = task.app.conf
-    hard, soft = (list(timelimit) + [None, None])[:2] if timelimit else (None, None)
-    return any((hard, soft, task.time_limit, task.soft_time_limit, conf.task_time_limit,
-                conf.task_soft_time_limit))
+    if _worker_facts(task.app).conf_time_limit or task.time_limit or task.soft_time_limit:
+        return True
+    return bool(timelimit) and any(timelimit)
 
 
 def _runnable(runtime: Any, release: Release) -> Optional[Taken]:
@@ -228,9 +255,10 @@ def _runnable(runtime: Any, release: Release) -> Optional[Taken]:
     content_type = header.get("content_type")
     if (not isinstance(task, ThreadedTask) or headers.get("expires")
             or header.get("compression") or not isinstance(content_type, str)
-            or content_type not in _accepted(app)
+            or content_type not in _worker_facts(app).accepted
             or _time_limited(task, headers.get("timelimit"))
-            or not _consumed(app, header.get("exchange") or "", header.get("routing_key"))):
+            or (header.get("exchange") or "", header.get("routing_key"))
+            not in _worker_facts(app).routes):
         return None
     headers.update({"retries": release.retries, "eta": None, THREAD_HEADER: release.thread_id,
                     TOKEN_HEADER: release.token})
@@ -245,24 +273,6 @@ def _runnable(runtime: Any, release: Release) -> Optional[Taken]:
     })
     return Taken(release, name, headers, body, content_type,
                  str(header.get("content_encoding") or "utf-8"))
-
-
-def _accepted(app: Any) -> set[str]:
-    from kombu.serialization import prepare_accept_content
-
-    return set(prepare_accept_content(app.conf.accept_content))  # type: ignore[no-untyped-call]
-
-
-def _consumed(app: Any, exchange: str, routing_key: Any) -> bool:
-    """Whether a message published to (exchange, routing_key) reaches a queue this worker
-    consumes, by the direct routing Celery's task queues use."""
-    for queue in app.amqp.queues.consume_from.values():
-        if exchange == "" and routing_key == queue.name:
-            return True
-        if (queue.exchange is not None and exchange == queue.exchange.name
-                and queue.exchange.type == "direct" and routing_key == queue.routing_key):
-            return True
-    return False
 
 
 def _run(original: Callable[..., Any], taken: Taken) -> None:
