@@ -40,6 +40,7 @@ def configure(env: Optional[dict[str, str]] = None) -> Celery:
         threads_release_timeout=float(env.get("BENCH_RELEASE_TIMEOUT", "60")),
         threads_worker_dispatch=env.get("BENCH_WORKER_DISPATCH", "1") == "1",
         threads_track_releases=env.get("BENCH_TRACK_RELEASES") == "1",
+        worker_send_task_events=env.get("BENCH_EVENTS") == "1",
         task_default_queue=env.get("BENCH_QUEUE", "bench"),
         worker_prefetch_multiplier=int(env.get("BENCH_PREFETCH", "4")),
         task_ignore_result=True,

@@ -37,6 +37,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="threads_track_releases=True: threaded deliveries on the Redis transport "
                         "go through kombu's unacked index like plain ones (the default before "
                         "e0558c4)")
+    p.add_argument("--events", action="store_true",
+                   help="the worker sends task events (worker_send_task_events, as for Flower), "
+                        "both sides; this turns the in-process handoff off")
 
 
 def _publish(task: Any, tag: str, n: int, threads: int, key: str) -> None:
@@ -73,6 +76,8 @@ def run(args: argparse.Namespace) -> int:
         env = h.celery_env(server, broker=args.broker)
         if args.track_releases:
             env["BENCH_TRACK_RELEASES"] = "1"
+        if args.events:
+            env["BENCH_EVENTS"] = "1"
         queue = env["BENCH_QUEUE"]
         queues = [queue]
         if args.threaded_no_ack:
@@ -196,7 +201,11 @@ def run(args: argparse.Namespace) -> int:
              f"gate left with {leftover} thread(s) after the run (expected 0)."]
     options = (" --broker amqp" if args.broker == "amqp" else "") + (
         " --threaded-no-ack" if args.threaded_no_ack else "") + (
-        " --track-releases" if args.track_releases else "")
+        " --track-releases" if args.track_releases else "") + (
+        " --events" if args.events else "")
+    if args.events:
+        notes.append("--events: the worker sent task events (worker_send_task_events=True), to "
+                     "no consumer; the in-process handoff is off while it does.")
     if args.track_releases:
         notes.append("--track-releases: threads_track_releases=True, threaded deliveries tracked "
                      "in the broker's unacked index and acknowledged like plain ones.")
