@@ -17,9 +17,9 @@ know of it.
 A member runs here only where a broker delivery would have brought it to this worker with
 nothing more to it. Otherwise its release is published as before. The conditions are:
 
-* the worker is a prefork worker, not shutting down, and sends no task events (Flower and
-  ``celery events`` see every member as a task of its own: with events on, members go through
-  the broker);
+* the worker is a prefork worker and not shutting down (while it sends task events, the pool
+  process sends a handed-off member's events itself, so Flower and ``celery events`` see it as
+  any task: :class:`_Events`);
 * the pool job has run for less than ``threads_local_handoff`` seconds (default 1.0; 0 turns the
   handoff off). The job, and the report of its first member to the worker's main process, never
   outlast that budget by more than one member's run;
@@ -43,7 +43,8 @@ logger = logging.getLogger(__name__)
 
 #: Set in the worker's main process before its pool forks; read by every pool process.
 _app: Any = None
-_allowed: Any = None          # multiprocessing.RawValue('b'): 1 while the handoff may run
+_allowed: Any = None          # multiprocessing.RawValue('b'): OFF, ON, or EVENTS
+OFF, ON, EVENTS = 0, 1, 2      # EVENTS: on, and the pool process sends the task events
 _stopping = False
 #: One slot per pool process (by its index): the member it runs by handoff, for the main process
 #: to fail at once if the process dies (:func:`lost_member`).  ``<pid: 8 bytes><length: 4><thread
@@ -82,7 +83,8 @@ def prepare(worker: Any) -> None:
     """Before the pool forks: the flag its processes read."""
     global _app, _allowed, _stopping, _slots
     _app, _stopping = worker.app, False
-    _allowed = multiprocessing.RawValue("b", 0 if getattr(worker, "task_events", False) else 1)
+    _allowed = multiprocessing.RawValue("b", EVENTS if getattr(worker, "task_events", False)
+                                        else ON)
     processes = max(int(getattr(worker, "concurrency", 0) or 0),
                     int(getattr(worker, "max_concurrency", 0) or 0), 1)
     _slots = multiprocessing.RawArray("c", processes * _SLOT)
@@ -136,7 +138,7 @@ def sync(worker: Any, stopping: bool = False) -> None:
     if dispatcher is not None:
         groups = getattr(dispatcher, "groups", None)
         events = bool(dispatcher.enabled) and (not groups or "task" in groups)
-    _allowed.value = 0 if (_stopping or events) else 1
+    _allowed.value = 0 if _stopping else (EVENTS if events else ON)
 
 
 # -- a pool process -----------------------------------------------------------------------------
@@ -200,7 +202,7 @@ def finish(runtime: Any, task: Any, thread_id: str, task_id: str, token: str) ->
 
 
 def _may_take(runtime: Any, task: Any, job: _Job) -> bool:
-    return (_allowed is not None and _allowed.value == 1
+    return (_allowed is not None and _allowed.value != OFF
             and time.monotonic() - job.started < runtime.config.local_handoff
             and not _time_limited(task, task.request.timelimit))
 
@@ -282,9 +284,14 @@ def _run(original: Callable[..., Any], taken: Taken) -> None:
     renewer = _renewer()
     renewer.hold(release)
     _note(release)
+    events = _events(taken)
     try:
-        original(taken.name, release.task_id, taken.request, taken.body, taken.content_type,
-                 taken.content_encoding)
+        if events is not None:
+            events.received()
+        result = original(taken.name, release.task_id, taken.request, taken.body,
+                          taken.content_type, taken.content_encoding)
+        if events is not None:
+            events.ended(result)
     except Exception:
         # Celery's tracer reports the task's own errors; this is one outside it.  The member is
         # RELEASED (its release deadline lapses) or RUNNING (its lease lapses): either way the
@@ -309,6 +316,76 @@ def _note(release: Optional[Release]) -> None:
         data = b""       # a very long thread id: the lease lapse recovers it instead
     _slots[at + 12:at + 12 + len(data)] = data
     _slots[at:at + 12] = (os.getpid().to_bytes(8, "little") + len(data).to_bytes(4, "little"))
+
+
+class _Events:
+    """The task events the worker's main process would send for a member it received, sent by
+    this pool process for one it runs by handoff (while the worker sends task events: Flower and
+    ``celery events`` then see it as any task): task-received, task-started, then task-succeeded,
+    task-failed or task-retried."""
+
+    def __init__(self, dispatcher: Any, taken: Taken) -> None:
+        self.dispatcher = dispatcher
+        self.taken = taken
+        self.uuid = taken.release.task_id
+
+    def send(self, kind: str, **fields: Any) -> None:
+        try:
+            self.dispatcher.send(kind, uuid=self.uuid, **fields)
+        except Exception:   # best effort, as in Celery
+            logger.warning("celery-threads: could not send %s of %s", kind, self.uuid,
+                           exc_info=True)
+
+    def received(self) -> None:
+        headers = self.taken.request
+        self.send("task-received", name=self.taken.name, args=headers.get("argsrepr", ""),
+                  kwargs=headers.get("kwargsrepr", ""), root_id=headers.get("root_id"),
+                  parent_id=headers.get("parent_id"), retries=headers.get("retries", 0),
+                  eta=None, expires=None)
+        self.send("task-started")
+
+    def ended(self, result: Any) -> None:
+        """From the pool job's result, as ``Request.on_success`` / ``on_failure`` read it."""
+        from billiard.einfo import ExceptionWithTraceback
+        from celery.exceptions import Ignore, Reject, Retry
+        from celery.utils.saferepr import saferepr
+        from celery.utils.serialization import get_pickled_exception
+
+        failed, retval, runtime = result
+        if not failed:
+            self.send("task-succeeded", result=retval, runtime=runtime)
+            return
+        exc = retval.exception
+        if isinstance(exc, ExceptionWithTraceback):
+            exc = exc.exc
+        if isinstance(exc, Retry):
+            self.send("task-retried", exception=saferepr(exc.exc),
+                      traceback=str(retval.traceback))
+        elif isinstance(exc, Ignore) or (isinstance(exc, Reject) and exc.requeue):
+            return
+        else:
+            self.send("task-failed", exception=saferepr(get_pickled_exception(exc)),
+                      traceback=retval.traceback)
+
+
+_dispatchers: list[Any] = []
+
+
+def _events(taken: Taken) -> Optional[_Events]:
+    """The events of ``taken``, when the worker sends task events and its task sends them."""
+    if _allowed is None or _allowed.value != EVENTS or _app is None:
+        return None
+    task = _app.tasks.get(taken.name)
+    if task is None or not getattr(task, "send_events", True):
+        return None
+    if not _dispatchers:
+        from celery.app import trace
+
+        hostname = (trace._localized[2] if len(trace._localized) > 2
+                    else taken.request.get("hostname"))
+        _dispatchers.append(_app.events.Dispatcher(_app.connection_for_write(),
+                                                   hostname=hostname, enabled=True))
+    return _Events(_dispatchers[0], taken)
 
 
 def _publish(release: Release) -> None:

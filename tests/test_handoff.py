@@ -51,11 +51,11 @@ def test_the_next_members_run_in_the_finishing_pool_process(proj, make_deploymen
              what="the thread's keys to vanish")
 
 
-@pytest.mark.parametrize("case", ["events", "time_limit", "off"])
+@pytest.mark.parametrize("case", ["time_limit", "off"])
 def test_members_go_through_the_broker_when_the_handoff_cannot_run(proj, make_deployment, r, case):
-    """With task events on (Flower sees every member), a time limit (the pool enforces it per
-    job), or threads_local_handoff = 0, each member is a broker delivery of its own."""
-    env = {"events": {"CT_EVENTS": "1"}, "time_limit": {"CT_EVENTS": "0"},
+    """With a time limit (the pool enforces it per job), or threads_local_handoff = 0, each
+    member is a broker delivery of its own."""
+    env = {"time_limit": {"CT_EVENTS": "0"},
            "off": {"CT_EVENTS": "0", "CT_LOCAL_HANDOFF": "0"}}[case]
     d = make_deployment(**env)
     w = d.worker("nohandoff", concurrency=2)
@@ -67,19 +67,76 @@ def test_members_go_through_the_broker_when_the_handoff_cannot_run(proj, make_de
     assert all(received(w, x.id) for x in [first, *rest])
 
 
-def test_events_turned_on_at_runtime_stop_the_handoff(proj, make_deployment, r):
+def collect_events(app, seconds_quiet: float = 1.5):
+    """Start a receiver of every event on the broker; returns (events list, stop)."""
+    import threading
+
+    got: list[dict] = []
+    conn = app.connection_for_read()
+    recv = app.events.Receiver(conn, handlers={"*": got.append})
+
+    def run() -> None:
+        try:
+            recv.capture(limit=None, timeout=None, wakeup=False)
+        except Exception:
+            pass
+
+    threading.Thread(target=run, daemon=True).start()
+    time.sleep(seconds_quiet)      # its queue is bound before anything is sent
+
+    def stop() -> None:
+        recv.should_stop = True
+        conn.release()
+
+    return got, stop
+
+
+def test_handed_off_members_send_task_events_when_the_worker_does(proj, make_deployment, r):
+    """With task events on (Flower), the pool process sends a handed-off member's events:
+    received (name, arguments), started, succeeded; and it is still not a broker delivery."""
+    d = make_deployment(CT_EVENTS="1")
+    w = d.worker("events", concurrency=2)
+    got, stop = collect_events(proj.app)
+    try:
+        thread = tid("ev")
+        _, rest = burst(proj, thread, 3)
+        assert [x.get(timeout=30) for x in rest] == ["m0", "m1", "m2"]
+        assert not any(received(w, x.id) for x in rest), "handed off, not delivered"
+        for x in rest:
+            wait_for(lambda: [e["type"] for e in got if e.get("uuid") == x.id
+                              and e["type"] != "task-sent"]
+                     == ["task-received", "task-started", "task-succeeded"],
+                     what=f"the events of {x.id}")
+            [rec] = [e for e in got if e.get("uuid") == x.id and e["type"] == "task-received"]
+            assert rec["name"] == "tests.proj.where" and f"thread='{thread}'" in rec["kwargs"]
+            assert rec["hostname"].startswith("events-")
+    finally:
+        stop()
+
+
+def test_events_turned_off_and_on_at_runtime(proj, make_deployment, r):
+    """The pool processes follow the worker's event setting within a second or two."""
     d = make_deployment(CT_EVENTS="0")
     w = d.worker("toggle", concurrency=2)
-    before = tid("ev")
-    _, rest = burst(proj, before, 2)
-    assert [x.get(timeout=30) for x in rest] == ["m0", "m1"]
-    assert not any(received(w, x.id) for x in rest)
-    proj.app.control.enable_events()
-    time.sleep(2.5)   # the worker passes it on to its pool processes within a second or two
-    after = tid("ev")
-    _, rest = burst(proj, after, 2)
-    assert [x.get(timeout=30) for x in rest] == ["m0", "m1"]
-    assert all(received(w, x.id) for x in rest)
+    got, stop = collect_events(proj.app)
+    try:
+        before = tid("ev")
+        _, rest = burst(proj, before, 2)
+        assert [x.get(timeout=30) for x in rest] == ["m0", "m1"]
+        time.sleep(0.5)
+        assert not [e for e in got if e.get("uuid") in {x.id for x in rest}
+                    and e["type"] != "task-sent"]
+        proj.app.control.enable_events()
+        time.sleep(2.5)   # the worker passes it on to its pool processes within a second or two
+        after = tid("ev")
+        _, rest = burst(proj, after, 2)
+        assert [x.get(timeout=30) for x in rest] == ["m0", "m1"]
+        assert not any(received(w, x.id) for x in rest)
+        for x in rest:
+            wait_for(lambda: any(e.get("uuid") == x.id and e["type"] == "task-succeeded"
+                                 for e in got), what=f"task-succeeded of {x.id}")
+    finally:
+        stop()
 
 
 def test_a_pool_process_lost_during_a_handed_off_member(proj, make_deployment, r):
