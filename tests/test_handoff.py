@@ -91,6 +91,14 @@ def collect_events(app, seconds_quiet: float = 1.5):
     return got, stop
 
 
+def handed_off_burst(proj, worker, n: int, thread: str):
+    """A burst of `n` members behind a first one; all succeed, none a broker delivery."""
+    _, rest = burst(proj, thread, n)
+    assert [x.get(timeout=30) for x in rest] == [f"m{i}" for i in range(n)]
+    assert not any(received(worker, x.id) for x in rest), "handed off, not delivered"
+    return rest
+
+
 def test_handed_off_members_send_task_events_when_the_worker_does(proj, make_deployment, r):
     """With task events on (Flower), the pool process sends a handed-off member's events:
     received (name, arguments), started, succeeded; and it is still not a broker delivery."""
@@ -99,9 +107,7 @@ def test_handed_off_members_send_task_events_when_the_worker_does(proj, make_dep
     got, stop = collect_events(proj.app)
     try:
         thread = tid("ev")
-        _, rest = burst(proj, thread, 3)
-        assert [x.get(timeout=30) for x in rest] == ["m0", "m1", "m2"]
-        assert not any(received(w, x.id) for x in rest), "handed off, not delivered"
+        rest = handed_off_burst(proj, w, 3, thread)
         for x in rest:
             wait_for(lambda: [e["type"] for e in got if e.get("uuid") == x.id
                               and e["type"] != "task-sent"]
@@ -120,18 +126,13 @@ def test_events_turned_off_and_on_at_runtime(proj, make_deployment, r):
     w = d.worker("toggle", concurrency=2)
     got, stop = collect_events(proj.app)
     try:
-        before = tid("ev")
-        _, rest = burst(proj, before, 2)
-        assert [x.get(timeout=30) for x in rest] == ["m0", "m1"]
+        rest = handed_off_burst(proj, w, 2, tid("ev"))
         time.sleep(0.5)
         assert not [e for e in got if e.get("uuid") in {x.id for x in rest}
                     and e["type"] != "task-sent"]
         proj.app.control.enable_events()
         time.sleep(2.5)   # the worker passes it on to its pool processes within a second or two
-        after = tid("ev")
-        _, rest = burst(proj, after, 2)
-        assert [x.get(timeout=30) for x in rest] == ["m0", "m1"]
-        assert not any(received(w, x.id) for x in rest)
+        rest = handed_off_burst(proj, w, 2, tid("ev"))
         for x in rest:
             wait_for(lambda: any(e.get("uuid") == x.id and e["type"] == "task-succeeded"
                                  for e in got), what=f"task-succeeded of {x.id}")
