@@ -178,6 +178,8 @@ def _wrap(original: Callable[..., Any]) -> Callable[..., Any]:
             _job = None
             if job.pending is not None:   # the job ended abnormally: the release goes out
                 _publish(job.pending.release)
+            if _dispatchers:
+                _flush_events()
 
     run_job._celery_threads = True  # type: ignore[attr-defined]
     run_job.__name__ = getattr(original, "__name__", "run_job")
@@ -343,6 +345,9 @@ class _Events:
                   parent_id=headers.get("parent_id"), retries=headers.get("retries", 0),
                   eta=None, expires=None)
         self.send("task-started")
+        # One message: these two, and the previous handed-off member's ending (held until now,
+        # microseconds after it happened; the job's end flushes the last one).
+        _flush_events()
 
     def ended(self, result: Any) -> None:
         """From the pool job's result, as ``Request.on_success`` / ``on_failure`` read it."""
@@ -383,9 +388,19 @@ def _events(taken: Taken) -> Optional[_Events]:
 
         hostname = (trace._localized[2] if len(trace._localized) > 2
                     else taken.request.get("hostname"))
-        _dispatchers.append(_app.events.Dispatcher(_app.connection_for_write(),
-                                                   hostname=hostname, enabled=True))
+        _dispatchers.append(_app.events.Dispatcher(
+            _app.connection_for_write(), hostname=hostname, enabled=True,
+            buffer_group=["task"], buffer_limit=1000))
     return _Events(_dispatchers[0], taken)
+
+
+def _flush_events() -> None:
+    """Send the buffered task events as one message (a list: Celery's receivers take both)."""
+    for dispatcher in _dispatchers:
+        try:
+            dispatcher.flush()
+        except Exception:
+            logger.warning("celery-threads: could not send task events", exc_info=True)
 
 
 def _publish(release: Release) -> None:
