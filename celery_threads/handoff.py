@@ -11,8 +11,9 @@ continues the same pool job.
 The release is like any other. The member is RELEASED under a new token, and its run claims it
 with that token when it starts (``ThreadedTask.__call__``), so the fencing is unchanged. If the
 process dies before the claim, the release deadline lapses and the dispatcher publishes the
-member. While it runs, this process renews its lease, because the worker's main process does not
-know of it.
+member. While it runs, this process renews its lease: the worker's main process does not
+renew it. The main process learns of it only from this process's slot, and only to fail it if
+the process is lost, or to terminate it on ``revoke(terminate=True)``.
 
 A member runs here only where a broker delivery would have brought it to this worker with
 nothing more to it. Otherwise its release is published as before. The conditions are:
@@ -127,8 +128,8 @@ def lost_member(pid: Any) -> Optional[tuple[str, str, str]]:
 
 
 def sync(worker: Any, stopping: bool = False) -> None:
-    """Keep the flag in step with the worker: off once it stops or sends task events (which
-    ``celery control enable_events``, or Flower, can turn on at any time)."""
+    """Keep the flag in step with the worker: off once it stops; EVENTS while it sends task
+    events (which ``celery control enable_events``, or Flower, can turn on at any time)."""
     global _stopping
     if _allowed is None:
         return
