@@ -360,7 +360,9 @@ def test_stats_exits_3_and_lists_what_is_stuck(app, cli):
     past = gate_in_the_past(app, HOUR)
     token = past.enqueue(lease, "lost-lease", envelope("lost-lease", lease)).release.token
     past.claim(lease, "lost-lease", token, 30_000, "gone@box")
-    gate_in_the_past(app, 120).enqueue(head, "late-head", envelope("late-head", head),
+    # 121 s: "due 2m.." even when the stats below read the server's millisecond clock within
+    # the enqueue's millisecond (119.999 s would print 1m59s).
+    gate_in_the_past(app, 121).enqueue(head, "late-head", envelope("late-head", head),
                                        delay_ms=1)
 
     result = cli("stats")
