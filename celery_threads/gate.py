@@ -383,10 +383,24 @@ class Gate:
         replies = self._pipeline("handback", [(t, (k, tok)) for t, k, tok in members])
         return [self._outcome(m[0], r) for m, r in zip(members, replies)]
 
+    def unclaim(self, thread_id: str, task_id: str, token: str) -> Outcome:
+        """Give back a member that ``finish(claim=...)`` claimed for the caller, who cannot run it
+        after all: RELEASED again under the same token, as a ``REPUBLISH`` outcome for the caller
+        to publish (also when it was still RELEASED)."""
+        return self._call("handback", thread_id, task_id, token, "1")
+
     def finish(self, thread_id: str, task_id: str, token: str, *,
-               keep_release: bool = False) -> Outcome:
+               keep_release: bool = False,
+               claim: Optional[tuple[int, str]] = None) -> Outcome:
         """The member ended; the next one is released.  ``keep_release``: the release comes back
-        to the caller, who runs it (in-process handoff), even where the gate would publish it."""
+        to the caller, who runs it (in-process handoff), even where the gate would publish it.
+        ``claim`` (with ``keep_release``): ``(keepalive_ms, worker)``, and the released member is
+        also claimed for the caller; the outcome's ``info`` is then the claim's time on the
+        Redis server's clock (ms), else empty."""
+        if claim is not None:
+            if not keep_release:
+                raise ValueError("finish(claim=...) needs keep_release=True")
+            return self._call("finish", thread_id, task_id, token, "1", claim[0], claim[1])
         if keep_release:
             return self._call("finish", thread_id, task_id, token, "1")
         return self._call("finish", thread_id, task_id, token)

@@ -8,12 +8,15 @@ publishing it (``finish`` with ``keep_release``), and runs that member itself. T
 the first member's own trace has ended, with its result stored and its signals sent, and it
 continues the same pool job.
 
-The release is like any other. The member is RELEASED under a new token, and its run claims it
-with that token when it starts (``ThreadedTask.__call__``), so the fencing is unchanged. If the
-process dies before the claim, the release deadline lapses and the dispatcher publishes the
-member. While it runs, this process renews its lease: the worker's main process does not
-renew it. The main process learns of it only from this process's slot, and only to fail it if
-the process is lost, or to terminate it on ``revoke(terminate=True)``.
+The fencing is unchanged. The same ``finish`` releases the member under a new token and
+claims it for this process (one round trip where a release and a claim took two), and its run
+starts under that token (``ThreadedTask.__call__`` takes the claim instead of making one). If
+the member cannot run here after all (the conditions below), it is given back, RELEASED under
+the same token, and published. From the claim on, this process's slot names the member, so
+that the worker's main process fails it at once if the process is lost (a failed attempt, as
+for any member whose process dies); otherwise its lease lapses. While it runs, this process
+renews its lease: the main process does not. The main process learns of it only from the slot,
+to fail it or to terminate it on ``revoke(terminate=True)``.
 
 A member runs here only where a broker delivery would have brought it to this worker with
 nothing more to it. Otherwise its release is published as before. The conditions are:
@@ -56,7 +59,8 @@ _slot_at: Optional[int] = None     # this pool process's slot offset
 
 
 class Taken(NamedTuple):
-    """A release this process runs itself: the pool job's arguments for it."""
+    """A release this process runs itself: the pool job's arguments for it, and when ``finish``
+    claimed it for this process (the Redis server's clock, ms)."""
 
     release: Release
     name: str
@@ -64,6 +68,7 @@ class Taken(NamedTuple):
     body: bytes
     content_type: str
     content_encoding: str
+    claimed_ms: int = 0
 
 
 class _Job:
@@ -77,6 +82,10 @@ class _Job:
 
 
 _job: Optional[_Job] = None
+#: (task id, token, claim time in ms) of the member this process is about to run by handoff,
+#: claimed by its predecessor's ``finish``: its ``ThreadedTask.__call__`` takes it instead of
+#: claiming (:func:`take_claim`).
+_claimed: Optional[tuple[str, str, int]] = None
 
 
 # -- the worker's main process ----------------------------------------------------------------
@@ -177,8 +186,10 @@ def _wrap(original: Callable[..., Any]) -> Callable[..., Any]:
             return result
         finally:
             _job = None
-            if job.pending is not None:   # the job ended abnormally: the release goes out
-                _publish(job.pending.release)
+            if job.pending is not None:   # the job ended abnormally: the member goes out
+                _give_back(job.pending.release)
+            if _slot_at is not None:
+                _note(None)
             if _dispatchers:
                 _flush_events()
 
@@ -194,14 +205,43 @@ def finish(runtime: Any, task: Any, thread_id: str, task_id: str, token: str) ->
     if job is None or not _may_take(runtime, task, job):
         runtime.apply(runtime.gate.finish(thread_id, task_id, token))
         return
-    release = runtime.gate.finish(thread_id, task_id, token, keep_release=True).release
+    # One round trip: the next member is released and claimed for this process at once.
+    outcome = runtime.gate.finish(thread_id, task_id, token, keep_release=True,
+                                  claim=(runtime.config.keepalive_ms, task.request.hostname or ""))
+    release = outcome.release
     if release is None:
         return
     taken = _runnable(runtime, release)
     if taken is None:
-        runtime.publish(release)
-    else:
-        job.pending = taken
+        _give_back(release)
+        return
+    job.pending = taken._replace(claimed_ms=int(outcome.info or 0))
+    _note(release)     # from now on, the worker fails it at once if this process is lost
+
+
+def take_claim(task_id: str, token: str) -> Optional[int]:
+    """The claim time (ms) of ``(task_id, token)`` when its predecessor's ``finish`` claimed it
+    for this process (it runs by handoff), else ``None``: the caller claims it as usual."""
+    global _claimed
+    claimed = _claimed
+    if claimed is None or claimed[0] != task_id or claimed[1] != token:
+        return None
+    _claimed = None
+    return claimed[2]
+
+
+def _give_back(release: Release) -> None:
+    """A member ``finish`` claimed for this process, which will not run it: RELEASED again under
+    its token, and published."""
+    from .runtime import get_runtime
+
+    runtime = get_runtime(_app)
+    try:
+        runtime.apply(runtime.gate.unclaim(release.thread_id, release.task_id, release.token))
+    except Exception:
+        logger.exception("celery-threads: could not give back %s of thread %s; its lease will "
+                         "lapse and the attempt will count as failed", release.task_id,
+                         release.thread_id)
 
 
 def _may_take(runtime: Any, task: Any, job: _Job) -> bool:
@@ -281,13 +321,14 @@ def _runnable(runtime: Any, release: Release) -> Optional[Taken]:
 
 
 def _run(original: Callable[..., Any], taken: Taken) -> None:
+    global _claimed
     release = taken.release
     logger.debug("celery-threads: running %s[%s] of thread %s in this pool process", taken.name,
                  release.task_id, release.thread_id)
     renewer = _renewer()
     renewer.hold(release)
-    _note(release)
     events = _events(taken)
+    _claimed = (release.task_id, release.token, taken.claimed_ms)
     try:
         if events is not None:
             events.received()
@@ -302,8 +343,8 @@ def _run(original: Callable[..., Any], taken: Taken) -> None:
         logger.exception("celery-threads: could not run %s[%s] of thread %s in this pool process",
                          taken.name, release.task_id, release.thread_id)
     finally:
+        _claimed = None
         renewer.hold(None)
-        _note(None)
 
 
 def _note(release: Optional[Release]) -> None:
@@ -402,12 +443,6 @@ def _flush_events() -> None:
             dispatcher.flush()
         except Exception:
             logger.warning("celery-threads: could not send task events", exc_info=True)
-
-
-def _publish(release: Release) -> None:
-    from .runtime import get_runtime
-
-    get_runtime(_app).publish(release)
 
 
 class _Renewer:

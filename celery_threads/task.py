@@ -184,8 +184,12 @@ class ThreadedTask(Task):
         runtime = get_runtime(self._get_app())
         gate = runtime.gate
         hostname = request.hostname or ""
-        status, claimed_ms = gate.claim_at(thread_id, task_id, token,
-                                           runtime.config.keepalive_ms, hostname)
+        claimed_ms = handoff.take_claim(task_id, token)
+        if claimed_ms is not None:      # run by handoff: its predecessor's finish claimed it
+            status = CLAIMED
+        else:
+            status, claimed_ms = gate.claim_at(thread_id, task_id, token,
+                                               runtime.config.keepalive_ms, hostname)
         if status != CLAIMED:
             # Another delivery of this release started first (or it went stale in between).
             logger.info("celery-threads: not running %s[%s] of thread %s: %s", self.name, task_id,

@@ -241,11 +241,29 @@ class Model:
             return None
         return active.state
 
-    def finish(self, thread_id: str, task_id: str, token: str) -> Outcome:
+    def finish(self, thread_id: str, task_id: str, token: str, *, keep_release: bool = False,
+               claim: Optional[tuple[int, str]] = None) -> Outcome:
+        """``claim``: ``(keepalive_ms, worker)``; the member released is claimed for that worker
+        at once (the in-process handoff's one round trip), and ``info`` is the time."""
         if self._active(thread_id, task_id, token) is None:
             return Outcome(NOOP, "")
         self._drop_active(self.threads[thread_id])
-        return Outcome(DONE, "", self._release_head(thread_id))
+        release = self._release_head(thread_id)
+        if release is None or claim is None:
+            return Outcome(DONE, "", release)
+        active = self.threads[thread_id].active
+        assert active is not None
+        active.state, active.deadline, active.worker = RUNNING, self.now + claim[0], claim[1]
+        return Outcome(DONE, str(self.now), release)
+
+    def unclaim(self, thread_id: str, task_id: str, token: str) -> Outcome:
+        """A member ``finish(claim=...)`` claimed for a worker that cannot run it: RELEASED again
+        under the same token, its release deadline restarting, and published again."""
+        active = self._active(thread_id, task_id, token)
+        if active is None:
+            return Outcome(NOOP, "")
+        active.state, active.worker = RELEASED, None
+        return self.hand_back(thread_id, task_id, token)
 
     def requeue(self, thread_id: str, task_id: str, token: str, *, retries: int,
                 delay_ms: int = 0, at_ms: Optional[int] = None,

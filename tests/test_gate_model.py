@@ -290,7 +290,9 @@ class GateMachine(RuleBasedStateMachine):
         a new envelope when ``flag``), death (kept in the dead letters when ``flag``), or a lost
         pool child (fail)."""
         thread_id, task_id, mtok, rtok = self.active_target(pick)
-        if how == "finish":
+        if how == "finish" and flag:
+            self._finish_and_claim(thread_id, task_id, mtok, rtok, retries)
+        elif how == "finish":
             self.same_outcome(self.gate.finish(thread_id, task_id, rtok),
                               self.model.finish(thread_id, task_id, mtok), "finish")
         elif how == "requeue":
@@ -299,6 +301,25 @@ class GateMachine(RuleBasedStateMachine):
             self._kill(thread_id, task_id, mtok, rtok, flag, retries)
         else:
             self._fail(thread_id, task_id, mtok, rtok)
+
+    def _finish_and_claim(self, thread_id: str, task_id: str, mtok: str, rtok: str,
+                          choice: int) -> None:
+        """The in-process handoff: finish claims the next member for this worker; ``choice`` 0:
+        the pool process cannot run it after all and gives it back (unclaim), or its stale token
+        is given back."""
+        claim = (1000, "w-handoff")
+        real = self.gate.finish(thread_id, task_id, rtok, keep_release=True, claim=claim)
+        self.same_outcome(real, self.model.finish(thread_id, task_id, mtok, keep_release=True,
+                                                  claim=claim), "finish+claim")
+        if real.release is not None and choice == 0:
+            rnext = real.release.token
+            mnext = self.r2m[rnext]
+            self.same_outcome(self.gate.unclaim(thread_id, real.release.task_id, rnext),
+                              self.model.unclaim(thread_id, real.release.task_id, mnext),
+                              "unclaim")
+        elif choice == 1:
+            self.same_outcome(self.gate.unclaim(thread_id, task_id, rtok),
+                              self.model.unclaim(thread_id, task_id, mtok), "unclaim")
 
     def _requeue(self, thread_id: str, task_id: str, mtok: str, rtok: str, retries: int,
                  at: bool, delay: int, offset: int, new_body: bool) -> None:

@@ -67,6 +67,27 @@ def test_members_go_through_the_broker_when_the_handoff_cannot_run(proj, make_de
     assert all(received(w, x.id) for x in [first, *rest])
 
 
+def test_a_claimed_member_that_cannot_run_here_is_given_back(proj, make_deployment, r):
+    """finish claims the next member for the pool process at once; one that cannot run there
+    after all (it carries expires, which only a broker delivery honours) is given back, RELEASED
+    under its token, and published: it runs once, in order, as a broker delivery."""
+    d = make_deployment(CT_EVENTS="0")
+    w = d.worker("giveback", concurrency=2)
+    thread = tid("gb")
+    first = proj.where.apply_async((thread, "first"), {"sleep": 0.5})
+    wait_for(lambda: starts(r, thread) == ["first"], what="the first member")
+    expiring = proj.where.apply_async((thread, "expiring"), expires=300)
+    plain = proj.where.apply_async((thread, "plain"))
+    assert [x.get(timeout=30) for x in (first, expiring, plain)] == ["first", "expiring", "plain"]
+    assert starts(r, thread) == ["first", "expiring", "plain"]
+    assert_serial(r, thread)
+    assert received(w, expiring.id), "given back and delivered by the broker"
+    assert not received(w, plain.id), "handed off by the given-back member's process"
+    assert "could not give back" not in w.output()
+    wait_for(lambda: not list(r.scan_iter(match=f"*:t:{thread}:*")) or None,
+             what="the thread's keys to vanish")
+
+
 def collect_events(app, seconds_quiet: float = 1.5):
     """Start a receiver of every event on the broker; returns (events list, stop)."""
     import threading

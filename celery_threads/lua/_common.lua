@@ -33,6 +33,9 @@ local TID = ARGV[2]
 local RELEASE_TIMEOUT = tonumber(ARGV[3])
 local WAKE = ARGV[4]
 local DIRECT = ARGV[5]
+-- {keepalive ms, worker}: a script whose caller runs what it releases (finish with ARGV[9]) sets
+-- this, and the member it releases is claimed for that worker at once (see activate).
+local CLAIM = nil
 -- How long an ended member's task id is remembered, so that an enqueue replayed after a lost reply
 -- (the client retries through a Redis restart), or a redelivered token-less message, cannot make
 -- it a member again and run it twice.  Longer than the client's retries (about 20 s).
@@ -83,11 +86,19 @@ end
 -- Make `task`, a member outside the queue, the thread's active member: RELEASED under a new token.
 -- `in_due`: the thread may sit in the due index (an idle thread with members).  `rec`: the
 -- member's record.  Returns {task, token, record}.
+-- With CLAIM set, the member is RUNNING at once, claimed for CLAIM's worker (as claim.lua does).
 local function activate(task, sched, in_due, rec)
   local token = tostring(next_seq())
-  local deadline = NOW + RELEASE_TIMEOUT
-  redis.call('HSET', K_A, 'task', task, 'token', token, 'state', 'RELEASED', 'since', NOW,
-    'deadline', deadline, 'sched', sched, 'n', 0)
+  local deadline
+  if CLAIM then
+    deadline = NOW + CLAIM[1]
+    redis.call('HSET', K_A, 'task', task, 'token', token, 'state', 'RUNNING', 'since', NOW,
+      'deadline', deadline, 'sched', sched, 'n', 0, 'claimed', NOW, 'worker', CLAIM[2])
+  else
+    deadline = NOW + RELEASE_TIMEOUT
+    redis.call('HSET', K_A, 'task', task, 'token', token, 'state', 'RELEASED', 'since', NOW,
+      'deadline', deadline, 'sched', sched, 'n', 0)
+  end
   if in_due then redis.call('ZREM', K_DUE, TID) end
   redis.call('ZADD', K_LEASES, deadline, TID)
   return { task, token, rec }
