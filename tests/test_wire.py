@@ -2,6 +2,7 @@
 redis-py would send for the same call."""
 from __future__ import annotations
 
+import pytest
 import redis
 
 from celery_threads.gate import DirectRelease, Gate
@@ -76,3 +77,40 @@ def test_fields_and_queue_members(redis_server):
     by_seq = [m for _, m in sorted(zip(seqs, members))]
     assert client.zrange(key, 0, -1) == by_seq
     client.delete(key)
+
+
+def test_the_direct_line_reads_what_the_server_replies(redis_server):
+    """The hot path's own reply reader (gate.DirectLine, _parse_reply): a script's array of bulk
+    strings (one longer than a socket read) and integers; nested arrays and nulls; the server's
+    error raised as redis-py would raise it; a script the server lost (SCRIPT FLUSH) and a
+    connection the server closed both go the client's way, which loads and reconnects."""
+    from celery_threads.gate import _MISSED, _pack, _parse_reply, make_client
+
+    client = make_client(redis_server.url())
+    gate = Gate(client, Keys("W"), release_timeout_ms=1000)
+    line = gate._direct
+    big = "x" * 200_000
+    sha = client.script_load("return {1, '', ARGV[1], 7, {2, false}}")
+
+    def call(*argv):
+        return line.evalsha(_pack(("EVALSHA", sha, 0, *argv)))
+
+    assert call(big) is _MISSED                 # the first call opens the line
+    assert call(big) == [1, b"", big.encode(), 7, [2, None]]
+    assert _parse_reply(b"*2\r\n$3\r\nabc\r\n:5\r\n", 0) == ([b"abc", 5], 17)
+    failing = client.script_load("return redis.call('INCR', KEYS[1])")
+    client.set("W:text", "not a number")
+    with pytest.raises(redis.ResponseError, match="not an integer"):
+        line.evalsha(_pack(("EVALSHA", failing, 1, "W:text")))
+    client.script_flush()
+    assert call("a") is _MISSED                 # NOSCRIPT: the client's way loads it
+    client.script_load("return {1, '', ARGV[1], 7, {2, false}}")
+    assert call("a") == [1, b"", b"a", 7, [2, None]]
+    client.client_kill_filter(_type="normal", skipme=True)
+    assert call("a") is _MISSED                 # closed by the server: the line reopens
+    assert call("a") is _MISSED
+    assert call("b") == [1, b"", b"b", 7, [2, None]]
+    # the gate's own calls through the line, end to end
+    released = gate.enqueue("t", "task-1", b"envelope").release
+    assert released is not None and gate.claim("t", "task-1", released.token, 1000, "w") == 1
+    assert gate.finish("t", "task-1", released.token).done
