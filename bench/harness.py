@@ -528,11 +528,13 @@ class Probe:
     def __init__(self, client: Any) -> None:
         import hashlib
 
-        from celery_threads.gate import SCRIPT_NAMES, script_sources
+        from celery_threads.gate import SCRIPT_NAMES, function_library, script_sources
 
         sources = script_sources()
         self.client = client
         self.shas = {hashlib.sha1(sources[n].encode()).hexdigest(): n for n in SCRIPT_NAMES}
+        # the hot path's calls of the same transitions as the library's functions (Redis 7+)
+        self.shas.update({f: n for n, f in function_library().functions.items()})
 
     def __enter__(self) -> "Probe":
         c = self.client
@@ -559,7 +561,7 @@ class Probe:
             name = words[0].decode().upper()
             if name in ("CONFIG", "SLOWLOG", "INFO"):
                 continue                              # the probe's own
-            if name == "EVALSHA":
+            if name in ("EVALSHA", "FCALL"):
                 name = f"script {self.shas.get(words[1].decode(), words[1].decode()[:8])}"
             self.top[name] += 1
             self.top_us[name] += int(e["duration"])

@@ -50,7 +50,8 @@ def _publish(task: Any, tag: str, n: int, threads: int, key: str) -> None:
 def _calls(client: Any) -> dict[str, int]:
     """Commands the Redis server has run so far (INFO commandstats, scripts' inner ones included)."""
     stats = client.info("commandstats")
-    return {"evalsha": int(stats.get("cmdstat_evalsha", {}).get("calls", 0)),
+    return {"evalsha": sum(int(stats.get(f"cmdstat_{c}", {}).get("calls", 0))
+                           for c in ("evalsha", "fcall")),
             "all": sum(int(v["calls"]) for v in stats.values())}
 
 

@@ -6,6 +6,7 @@ broker (see :mod:`celery_threads.publish`) and never decides policy (see the tas
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -39,10 +40,41 @@ def _load_lua(name: str) -> str:
     return resources.files("celery_threads").joinpath("lua").joinpath(name).read_text(encoding="utf-8")
 
 
+def _prelude() -> str:
+    return "\n".join(_load_lua(f"{part}.lua") for part in ("_clock", "_member", "_common"))
+
+
 def script_sources() -> dict[str, str]:
-    """Each transition's full source: the clock, the shared prelude, then its own body."""
-    common = "\n".join(_load_lua(f"{part}.lua") for part in ("_clock", "_member", "_common"))
-    return {name: common + "\n" + _load_lua(f"{name}.lua") for name in SCRIPT_NAMES}
+    """Each transition's full source: the clock, the shared prelude, the call's context, then its
+    own body."""
+    common = _prelude()
+    return {name: f"{common}\nbegin(KEYS, ARGV)\n{_load_lua(f'{name}.lua')}"
+            for name in SCRIPT_NAMES}
+
+
+class Library(NamedTuple):
+    """The transitions as one Redis function library (Redis 7+): ``FCALL <functions[name]>``
+    runs the same body as ``EVALSHA`` of ``script_sources()[name]``, without defining the
+    prelude's functions again on every call (most of a script call's cost in Redis)."""
+
+    name: str
+    source: str
+    functions: dict[str, str]
+
+
+def function_library() -> Library:
+    """The library of this version of the transitions.  Its name carries a digest of its source,
+    so processes running different versions against one Redis each call their own."""
+    common = _prelude().replace(
+        "if redis.replicate_commands then pcall(redis.replicate_commands) end", "")
+    bodies = {name: _load_lua(f"{name}.lua") for name in SCRIPT_NAMES}
+    digest = hashlib.sha1("\0".join([common, *bodies.values()]).encode()).hexdigest()[:12]
+    lib = f"celery_threads_{digest}"
+    functions = {name: f"{lib}_{name}" for name in SCRIPT_NAMES}
+    registered = "".join(
+        f"\nredis.register_function('{functions[name]}', function(KEYS, ARGV)\n"
+        f"begin(KEYS, ARGV)\n{body}\nend)\n" for name, body in bodies.items())
+    return Library(lib, f"#!lua name={lib}\n{common}\n{registered}", functions)
 
 
 @dataclass(frozen=True)
@@ -178,22 +210,24 @@ class DirectLine:
     server sent is returned or raised.
     """
 
-    def __init__(self, client: "redis.Redis") -> None:
+    def __init__(self, client: "redis.Redis", library: Optional[Library] = None) -> None:
         pool = client.connection_pool
         self._connect: Callable[[], Any] = lambda: pool.connection_class(**pool.connection_kwargs)
         self._local = threading.local()
+        self._library = library
 
-    def evalsha(self, command: bytes) -> Any:
-        """The reply to ``command`` (a packed EVALSHA), or ``_MISSED``.  The connection is the
-        thread's own, outside the client's pool; it closes when the gate (and so this object) is
-        dropped."""
+    def call(self, command: Callable[[bool], bytes]) -> Any:
+        """The reply to ``command(functions)`` (a packed ``FCALL`` of the library's function when
+        ``functions`` is true, else ``EVALSHA``), or ``_MISSED``.  The connection is the thread's
+        own, outside the client's pool; it closes when the gate (and so this object) is dropped.
+        It calls functions when it could load the library when it connected (Redis 7+)."""
         local = self._local
         sock = getattr(local, "sock", None)
         if sock is None or local.pid != os.getpid():
             self._open()
             return _MISSED          # this call goes the client's way; the next ones come here
         try:
-            sock.sendall(command)
+            sock.sendall(command(local.functions))
             data = sock.recv(65536)
             while True:
                 if not data:
@@ -212,6 +246,9 @@ class DirectLine:
             error = local.conn._parser.parse_error(reply.message)
             if isinstance(error, redis.exceptions.NoScriptError):
                 return _MISSED
+            if reply.message.startswith("ERR Function not found"):
+                self._drop()        # FUNCTION FLUSH or DELETE: the next connection loads it
+                return _MISSED
             if isinstance(error, (redis.ConnectionError, redis.TimeoutError)):
                 self._drop()
                 return _MISSED
@@ -220,13 +257,27 @@ class DirectLine:
 
     def _open(self) -> None:
         local = self._local
-        local.conn, local.sock, local.pid = None, None, os.getpid()
+        local.conn, local.sock, local.pid, local.functions = None, None, os.getpid(), False
         conn = self._connect()
         try:
             conn.connect()
+            local.functions = self._load_library(conn)
         except (redis.ConnectionError, redis.TimeoutError, OSError):
+            conn.disconnect()
             return
         local.conn, local.sock = conn, conn._sock
+
+    def _load_library(self, conn: Any) -> bool:
+        """Whether the server has the library (loaded now, or by another process before)."""
+        if self._library is None:
+            return False
+        try:
+            conn.send_command("FUNCTION", "LOAD", self._library.source)
+            conn.read_response()
+        except redis.ResponseError as exc:
+            # A Redis before 7 (no FUNCTION command), or one that refuses it (ACL): scripts.
+            return "already exists" in str(exc)
+        return True
 
     def _drop(self) -> None:
         local = self._local
@@ -317,8 +368,9 @@ class _Packer:
                                                             shard.wake_channel, direct_arg))
         self.key_count = len(keys)
 
-    def head(self, sha: str) -> bytes:
-        return _bulk(b"EVALSHA") + _bulk(sha.encode()) + _bulk(b"%d" % self.key_count)
+    def head(self, sha: str, command: bytes = b"EVALSHA") -> bytes:
+        """``EVALSHA <sha>``, or ``FCALL <function name>``, and the key count."""
+        return _bulk(command) + _bulk(sha.encode()) + _bulk(b"%d" % self.key_count)
 
     def pack(self, head: bytes, thread_id: str, args: Sequence[Any]) -> bytes:
         thread = thread_id.encode()
@@ -346,11 +398,13 @@ class Gate:
     ``clock`` returns the time in milliseconds to use instead of the Redis server's ``TIME``; only
     the model-based test sets it.  ``direct`` (a :class:`DirectRelease`) lets the scripts publish
     releases themselves when the broker is kombu's Redis transport on the gate's own server.
+    ``functions``: the hot path calls the transitions as the functions of :func:`function_library`
+    where the server has them (Redis 7+); false keeps it on ``EVALSHA`` (tests of both ways).
     """
 
     def __init__(self, client: "redis.Redis", keys: Keys, *, release_timeout_ms: int,
                  keepalive_ms: int = 30_000, clock: Optional[Callable[[], int]] = None,
-                 direct: Optional["DirectRelease"] = None) -> None:
+                 direct: Optional["DirectRelease"] = None, functions: bool = True) -> None:
         self.client = client
         self.direct = direct
         self._direct_arg = direct.argument() if direct is not None else ""
@@ -361,11 +415,14 @@ class Gate:
         self._scripts: dict[str, Script] = {
             name: client.register_script(source) for name, source in script_sources().items()
         }
-        self._direct = DirectLine(client)
+        self.library = function_library()
+        self._direct = DirectLine(client, self.library if functions else None)
         self._packers = [_Packer(shard, release_timeout_ms, self._direct_arg)
                          for shard in keys.all_shards()]
         self._heads = {name: self._packers[0].head(script.sha)
                        for name, script in self._scripts.items()}
+        self._fcall_heads = {name: self._packers[0].head(function, b"FCALL")
+                             for name, function in self.library.functions.items()}
         self._scan = client.register_script(_load_lua("_clock.lua") + "\n" + _load_lua("scan.lua"))
         self._snapshot = client.register_script(_load_lua("_member.lua") + "\n"
                                                 + _load_lua("snapshot.lua"))
@@ -383,21 +440,26 @@ class Gate:
         return keys.script_keys(), argv
 
     def _command(self, name: str, thread_id: str, args: Sequence[Any],
-                 arguments: Optional[tuple[list[str], list[Any]]] = None) -> bytes:
-        """The packed EVALSHA of a script call: the call :meth:`_run` makes through the client.
-        With the model's clock, ``arguments`` (from :meth:`_arguments`) carry its reading."""
+                 arguments: Optional[tuple[list[str], list[Any]]] = None,
+                 functions: bool = False) -> bytes:
+        """The packed EVALSHA of a script call (the call :meth:`_run` makes through the client),
+        or with ``functions`` the FCALL of the library's function.  With the model's clock,
+        ``arguments`` (from :meth:`_arguments`) carry its reading."""
         if self.clock is not None:
             script_keys, argv = arguments or self._arguments(thread_id, args)
-            return _pack(("EVALSHA", self._scripts[name].sha, len(script_keys), *script_keys,
-                          *argv))
+            head = (("FCALL", self.library.functions[name]) if functions
+                    else ("EVALSHA", self._scripts[name].sha))
+            return _pack((*head, len(script_keys), *script_keys, *argv))
         packer = self._packers[self.keys.shard_of(thread_id)]
-        return packer.pack(self._heads[name], thread_id, args)
+        return packer.pack((self._fcall_heads if functions else self._heads)[name], thread_id,
+                           args)
 
     def _run(self, name: str, thread_id: str, *args: Any, client: Any = None) -> Any:
         # The clock is read once per call, whichever way the call goes.
         arguments = self._arguments(thread_id, args) if self.clock is not None else None
         if client is None:
-            reply = self._direct.evalsha(self._command(name, thread_id, args, arguments))
+            reply = self._direct.call(
+                lambda functions: self._command(name, thread_id, args, arguments, functions))
             if reply is not _MISSED:
                 return reply
         # Loads the script when the server does not have it; rides out outages with retries.

@@ -75,6 +75,8 @@ class GateMachine(RuleBasedStateMachine):
     # release (see test_expire_of_an_idle_thread_reports_its_release): while that stands, the
     # machine sends expire only to threads with an active member, as a live dispatcher does.
     EXPIRE_IDLE = True
+    # The hot path calls the library's functions (FCALL, Redis 7+) or the scripts (EVALSHA).
+    FUNCTIONS = True
 
     def __init__(self) -> None:
         super().__init__()
@@ -85,7 +87,8 @@ class GateMachine(RuleBasedStateMachine):
         self.model = M.Model(release_timeout_ms=RELEASE_TIMEOUT, keepalive_ms=KEEPALIVE,
                              max_republish_backoff=gate_module.MAX_REPUBLISH_BACKOFF, now=START)
         self.gate = Gate(self.r, self.keys, release_timeout_ms=RELEASE_TIMEOUT,
-                         keepalive_ms=KEEPALIVE, clock=lambda: self.model.now)
+                         keepalive_ms=KEEPALIVE, clock=lambda: self.model.now,
+                         functions=self.FUNCTIONS)
         self.m2r: dict[str, str] = {}            # model token -> gate token
         self.r2m: dict[str, str] = {}
         self.issued: list[Target] = []           # every release so far
@@ -567,8 +570,13 @@ def gate_url(redis_server) -> str:
 
 
 @pytest.mark.timeout(0 if "CT_MODEL_EXAMPLES" in os.environ else 300)
-def test_gate_matches_model(gate_url: str) -> None:
+@pytest.mark.parametrize("how", ["fcall", "evalsha"])
+def test_gate_matches_model(gate_url: str, how: str) -> None:
+    """The gate's transitions against the model, called as the library's functions (Redis 7+)
+    and as scripts: the same Lua either way."""
     GateMachine.client = redis.Redis.from_url(gate_url)
+    GateMachine.FUNCTIONS = how == "fcall"
+    GateMachine.client.config_resetstat()
     STATS.clear()
     OUTCOMES.clear()
     try:
@@ -585,6 +593,9 @@ def test_gate_matches_model(gate_url: str) -> None:
           f"{STATS['calls']} gate calls compared, {STATS['long UUID fields']} states with a UUID "
           "keyed by its long form")
     assert STATS["long UUID fields"] > 0, "no state had two members sharing a UUID's first bytes"
+    calls = {k: v["calls"] for k, v in redis.Redis.from_url(gate_url).info("commandstats").items()}
+    assert calls.get("cmdstat_fcall", 0) > (1000 if how == "fcall" else -1), calls
+    assert (how == "fcall") == ("cmdstat_fcall" in calls), calls
     if os.environ.get("CT_MODEL_VERBOSE"):
         for what, n in sorted(OUTCOMES.items()):
             print(f"  {n:6d}  {what}")

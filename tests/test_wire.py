@@ -93,7 +93,7 @@ def test_the_direct_line_reads_what_the_server_replies(redis_server):
     sha = client.script_load("return {1, '', ARGV[1], 7, {2, false}}")
 
     def call(*argv):
-        return line.evalsha(_pack(("EVALSHA", sha, 0, *argv)))
+        return line.call(lambda functions: _pack(("EVALSHA", sha, 0, *argv)))
 
     assert call(big) is _MISSED                 # the first call opens the line
     assert call(big) == [1, b"", big.encode(), 7, [2, None]]
@@ -101,7 +101,7 @@ def test_the_direct_line_reads_what_the_server_replies(redis_server):
     failing = client.script_load("return redis.call('INCR', KEYS[1])")
     client.set("W:text", "not a number")
     with pytest.raises(redis.ResponseError, match="not an integer"):
-        line.evalsha(_pack(("EVALSHA", failing, 1, "W:text")))
+        line.call(lambda functions: _pack(("EVALSHA", failing, 1, "W:text")))
     client.script_flush()
     assert call("a") is _MISSED                 # NOSCRIPT: the client's way loads it
     client.script_load("return {1, '', ARGV[1], 7, {2, false}}")
@@ -114,3 +114,39 @@ def test_the_direct_line_reads_what_the_server_replies(redis_server):
     released = gate.enqueue("t", "task-1", b"envelope").release
     assert released is not None and gate.claim("t", "task-1", released.token, 1000, "w") == 1
     assert gate.finish("t", "task-1", released.token).done
+
+
+def test_the_hot_path_calls_the_library_and_recovers_it(redis_server):
+    """On Redis 7 the gate's hot path calls the transitions as the functions of its library
+    (FCALL), loaded when its line connects; after FUNCTION FLUSH it goes the scripts' way once
+    and loads the library again.  Packed FCALLs are what redis-py would send."""
+    from celery_threads.gate import make_client
+
+    client = make_client(redis_server.url())
+    gate = Gate(client, Keys("F"), release_timeout_ms=1000)
+    conn = redis.Connection()
+    keys, argv = gate._arguments("t", ("task", "7"))
+    assert gate._command("finish", "t", ("task", "7"), functions=True) == b"".join(
+        conn.pack_command("FCALL", gate.library.functions["finish"], len(keys), *keys, *argv))
+
+    def life(task: str) -> None:
+        released = gate.enqueue("t", task, b"envelope").release
+        assert released is not None and gate.claim("t", task, released.token, 1000, "w") == 1
+        assert gate.finish("t", task, released.token).done
+
+    def calls() -> dict:
+        stats = client.info("commandstats")
+        return {k: stats.get(f"cmdstat_{k}", {}).get("calls", 0) for k in ("fcall", "evalsha")}
+
+    life("a")                    # opens the line, loading the library
+    before = calls()
+    life("b")
+    assert calls() == {"fcall": before["fcall"] + 3, "evalsha": before["evalsha"]}
+    names = [dict(zip(lib[::2], lib[1::2]))[b"library_name"] for lib in client.function_list()]
+    assert names == [gate.library.name.encode()]
+    client.function_flush()
+    life("c")
+    life("d")
+    after = calls()
+    assert after["fcall"] >= before["fcall"] + 5, after      # back on the library
+    assert client.function_list()

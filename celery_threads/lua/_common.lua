@@ -25,17 +25,27 @@
 
 if redis.replicate_commands then pcall(redis.replicate_commands) end  -- Redis 6.2: TIME before writes
 
-local K_SEQ, K_DUE, K_LEASES, K_TASKS = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
-local K_DEAD, K_DEADREC, K_Q, K_A, K_ENDED = KEYS[5], KEYS[6], KEYS[7], KEYS[8], KEYS[9]
-
-local NOW = server_now_ms(ARGV[1])
-local TID = ARGV[2]
-local RELEASE_TIMEOUT = tonumber(ARGV[3])
-local WAKE = ARGV[4]
-local DIRECT = ARGV[5]
+-- The call's context, set by begin(KEYS, ARGV) before a transition's body runs: as a script
+-- (EVALSHA), once per call after these definitions; as a function of the library (FCALL, Redis
+-- 7+, see gate.function_library), at the start of each call, the definitions made once when
+-- the library loaded.
+local K_SEQ, K_DUE, K_LEASES, K_TASKS, K_DEAD, K_DEADREC, K_Q, K_A, K_ENDED
+local NOW, TID, RELEASE_TIMEOUT, WAKE, DIRECT
 -- {keepalive ms, worker}: a script whose caller runs what it releases (finish with ARGV[9]) sets
 -- this, and the member it releases is claimed for that worker at once (see activate).
-local CLAIM = nil
+local CLAIM
+
+local function begin(keys, argv)
+  K_SEQ, K_DUE, K_LEASES, K_TASKS = keys[1], keys[2], keys[3], keys[4]
+  K_DEAD, K_DEADREC, K_Q, K_A, K_ENDED = keys[5], keys[6], keys[7], keys[8], keys[9]
+  NOW = server_now_ms(argv[1])
+  TID = argv[2]
+  RELEASE_TIMEOUT = tonumber(argv[3])
+  WAKE = argv[4]
+  DIRECT = argv[5]
+  CLAIM = nil
+end
+
 -- How long an ended member's task id is remembered, so that an enqueue replayed after a lost reply
 -- (the client retries through a Redis restart), or a redelivered token-less message, cannot make
 -- it a member again and run it twice.  Longer than the client's retries (about 20 s).
