@@ -267,7 +267,8 @@ class FlakyLink:
     def _pump_requests(self, client: socket.socket, upstream: socket.socket) -> None:
         try:
             while data := client.recv(65536):
-                if self.mode == "lose-next-reply" and b"EVALSHA" in data.upper():
+                if self.mode == "lose-next-reply" and (b"EVALSHA" in data.upper()
+                                                       or b"FCALL" in data.upper()):
                     self.mode = "swallow"          # the reply to this one never comes back
                 upstream.sendall(data)
         except OSError:

@@ -116,13 +116,27 @@ def test_the_direct_line_reads_what_the_server_replies(redis_server):
     assert gate.finish("t", "task-1", released.token).done
 
 
-def test_the_hot_path_calls_the_library_and_recovers_it(redis_server):
+@pytest.fixture
+def own_redis():
+    """A redis-server of the test's own: it counts the commands of this test alone."""
+    import shutil
+
+    from tests.conftest import RedisServer
+
+    server = RedisServer()
+    server.start()
+    yield server
+    server.stop()
+    shutil.rmtree(server.dir, ignore_errors=True)
+
+
+def test_the_hot_path_calls_the_library_and_recovers_it(own_redis):
     """On Redis 7 the gate's hot path calls the transitions as the functions of its library
     (FCALL), loaded when its line connects; after FUNCTION FLUSH it goes the scripts' way once
     and loads the library again.  Packed FCALLs are what redis-py would send."""
     from celery_threads.gate import make_client
 
-    client = make_client(redis_server.url())
+    client = make_client(own_redis.url())
     gate = Gate(client, Keys("F"), release_timeout_ms=1000)
     conn = redis.Connection()
     keys, argv = gate._arguments("t", ("task", "7"))
