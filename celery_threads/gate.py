@@ -6,6 +6,7 @@ broker (see :mod:`celery_threads.publish`) and never decides policy (see the tas
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -62,8 +63,9 @@ class Library(NamedTuple):
     functions: dict[str, str]
 
 
+@functools.lru_cache(maxsize=None)
 def function_library() -> Library:
-    """The library of this version of the transitions.  Its name carries a digest of its source,
+    """The library of this version of the transitions (built once per process).  Its name carries a digest of its source,
     so processes running different versions against one Redis each call their own."""
     common = _prelude().replace(
         "if redis.replicate_commands then pcall(redis.replicate_commands) end", "")
@@ -226,6 +228,7 @@ class DirectLine:
         if sock is None or local.pid != os.getpid():
             self._open()
             return _MISSED          # this call goes the client's way; the next ones come here
+        conn = local.conn           # kept: _drop below forgets it, its parser still names errors
         try:
             sock.sendall(command(local.functions))
             data = sock.recv(65536)
@@ -243,7 +246,7 @@ class DirectLine:
         if end != len(data):        # never seen: one command at a time on this connection
             self._drop()
         if isinstance(reply, _ErrorReply):
-            error = local.conn._parser.parse_error(reply.message)
+            error = conn._parser.parse_error(reply.message)
             if isinstance(error, redis.exceptions.NoScriptError):
                 return _MISSED
             if reply.message.startswith("ERR Function not found"):
@@ -368,9 +371,9 @@ class _Packer:
                                                             shard.wake_channel, direct_arg))
         self.key_count = len(keys)
 
-    def head(self, sha: str, command: bytes = b"EVALSHA") -> bytes:
+    def head(self, script: str, command: bytes = b"EVALSHA") -> bytes:
         """``EVALSHA <sha>``, or ``FCALL <function name>``, and the key count."""
-        return _bulk(command) + _bulk(sha.encode()) + _bulk(b"%d" % self.key_count)
+        return _bulk(command) + _bulk(script.encode()) + _bulk(b"%d" % self.key_count)
 
     def pack(self, head: bytes, thread_id: str, args: Sequence[Any]) -> bytes:
         thread = thread_id.encode()

@@ -230,6 +230,10 @@ def test_gate_unreachable_when_publishing_raises_and_stores_nothing(
     assert _starts(cluster, thread) == [task_id]
 
 
+# A script call, by its command name (the library's source, sent by FUNCTION LOAD, names both).
+SCRIPT_CALL = re.compile(rb"\*\d+\r\n\$\d+\r\n(EVALSHA|FCALL)\r\n", re.IGNORECASE)
+
+
 class FlakyLink:
     """A TCP relay in front of the gate's Redis that can lose the reply to the next script call
     (the script runs; its answer never comes back) and then refuse every connection, as a Redis
@@ -267,8 +271,7 @@ class FlakyLink:
     def _pump_requests(self, client: socket.socket, upstream: socket.socket) -> None:
         try:
             while data := client.recv(65536):
-                if self.mode == "lose-next-reply" and (b"EVALSHA" in data.upper()
-                                                       or b"FCALL" in data.upper()):
+                if self.mode == "lose-next-reply" and SCRIPT_CALL.match(data):
                     self.mode = "swallow"          # the reply to this one never comes back
                 upstream.sendall(data)
         except OSError:

@@ -71,3 +71,18 @@ def test_poolcost_runs_and_prints_its_table(broker: str) -> None:
     for part in ("plain task: apply_async", "claim (pool)", "finish (pool)",
                  "publish of the next release (pool)"):
         assert part in out, out
+
+
+@pytest.mark.timeout(120)
+def test_callcost_runs_and_prints_its_table() -> None:
+    """The profiling aid behind docs/benchmarks.md's figures for a gate call as EVALSHA and as
+    FCALL: both ways are measured (a Redis before 7 would fail it: no FCALL column to fill)."""
+    if redis_binary() is None:
+        _missing("redis-server")
+    out = _run(["bench.callcost", "--calls", "100", "--repeats", "1"], timeout=100)
+    assert out.startswith("### callcost (gate only)"), out
+    for step in ("enqueue", "claim", "finish"):
+        row = next(line for line in out.splitlines()
+                   if line.startswith(f"| {step}: Redis time per call"))
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert float(cells[1]) > 0 and float(cells[2]) > 0, row
