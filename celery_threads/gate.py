@@ -469,11 +469,14 @@ class Gate:
         script_keys, argv = arguments or self._arguments(thread_id, args)
         return self._scripts[name](keys=script_keys, args=argv, client=client or self.client)
 
-    def _outcome(self, thread_id: str, reply: Sequence[Any]) -> Outcome:
+    def _outcome(self, thread_id: str, reply: Sequence[Any], own: bytes = b"") -> Outcome:
+        """``own``: the envelope the call sent, which a reply releasing it leaves out."""
         status, info = int(reply[0]), _text(reply[1])
         release = None
         if len(reply) > 5:
-            release = Release(thread_id, _text(reply[2]), _text(reply[3]), 0, b"", published=True)
+            published = int(reply[5]) == 1
+            release = Release(thread_id, _text(reply[2]), _text(reply[3]), 0,
+                              b"" if published else own, published=published)
         elif len(reply) > 2:
             record = parse_record(reply[4])
             release = Release(thread_id, _text(reply[2]), _text(reply[3]), record.retries,
@@ -488,8 +491,9 @@ class Gate:
                 at_ms: Optional[int] = None, max_retries: Optional[int] = None,
                 retry_delay_ms: int = 0) -> Outcome:
         mode, value = ("at", at_ms) if at_ms is not None else ("in", max(0, delay_ms))
-        return self._call("enqueue", thread_id, task_id, mode, value, _max_retries(max_retries),
-                          retry_delay_ms, envelope)
+        return self._outcome(thread_id, self._run(
+            "enqueue", thread_id, task_id, mode, value, _max_retries(max_retries), retry_delay_ms,
+            envelope), own=envelope)
 
     def release(self, thread_id: str) -> Outcome:
         return self._call("release", thread_id)

@@ -42,6 +42,8 @@ class CapturingProducer:
     def __init__(self, real: Any) -> None:
         self._real = real
         self.envelope: Optional[bytes] = None
+        # The envelope's header and body as built, before encoding (see captured_message).
+        self.parts: Optional[tuple[dict[str, Any], bytes]] = None
         self._held: list[tuple[Any, dict[str, Any]]] = []
 
     def __getattr__(self, name: str) -> Any:
@@ -49,7 +51,8 @@ class CapturingProducer:
 
     def publish(self, body: Any, **kwargs: Any) -> None:
         if self.envelope is None:
-            self.envelope = encode_envelope(body, kwargs)
+            header, payload, self.envelope = _envelope(body, kwargs)
+            self.parts = (header, payload)
         else:
             self._held.append((body, kwargs))
 
@@ -73,6 +76,12 @@ def request_member(request: Any) -> tuple[str, str]:
 
 
 def encode_envelope(body: Any, kwargs: dict[str, Any]) -> bytes:
+    return _envelope(body, kwargs)[2]
+
+
+def _envelope(body: Any, kwargs: dict[str, Any]) -> tuple[dict[str, Any], bytes, bytes]:
+    """The envelope of a ``Producer.publish`` call, and its header (as ``decode_envelope`` would
+    return it, but with the caller's objects) and body before encoding."""
     serializer = kwargs.get("serializer")
     content_type = kwargs.get("content_type")
     if content_type is None:
@@ -105,7 +114,7 @@ def encode_envelope(body: Any, kwargs: dict[str, Any]) -> bytes:
     else:
         lead = "{"
     header = f'{lead}"headers":{headers_json},{_compact(rest)[1:]}'
-    return header.encode() + b"\n" + payload
+    return {"headers": headers, **rest}, payload, header.encode() + b"\n" + payload
 
 
 def _is_utf8(payload: bytes) -> bool:
@@ -183,10 +192,14 @@ def decode_arguments(app: Celery, envelope: bytes) -> tuple[list[Any], dict[str,
 
 
 def release_message(app: Celery, release: Release, extra_headers: Optional[dict[str, Any]] = None,
-                    queue: Optional[str] = None) -> tuple[bytes, dict[str, Any]]:
+                    queue: Optional[str] = None,
+                    parts: Optional[tuple[dict[str, Any], bytes]] = None
+                    ) -> tuple[bytes, dict[str, Any]]:
     """The ``(body, Producer.publish keyword arguments)`` of a released member: its stored message,
-    plus the thread id and fencing token."""
-    header, body = decode_envelope(release.envelope)
+    plus the thread id and fencing token.  ``parts``: the envelope's header and body as captured
+    (:class:`CapturingProducer`), when the release is of the message the caller has just stored:
+    the same message, without decoding the envelope again."""
+    header, body = parts if parts is not None else decode_envelope(release.envelope)
     headers = dict(header["headers"])
     headers["retries"] = release.retries
     headers["eta"] = None
@@ -249,9 +262,10 @@ class ReleasePublisher:
         self._producer: Any = None
         self._declared: set[str] = set()
 
-    def publish(self, release: Release, producer: Any = None, republish: bool = False) -> None:
+    def publish(self, release: Release, producer: Any = None, republish: bool = False,
+                parts: Optional[tuple[dict[str, Any], bytes]] = None) -> None:
         extra = {REPUBLISHED_HEADER: True} if republish else None
-        body, options = release_message(self.app, release, extra)
+        body, options = release_message(self.app, release, extra, parts=parts)
         if producer is None and self._lock.acquire(blocking=False):
             try:
                 if self._publish_kept(body, options):

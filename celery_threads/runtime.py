@@ -40,15 +40,16 @@ class Runtime:
         self.pid = os.getpid()
 
     def publish(self, release: Optional[Release], producer: Any = None,
-                republish: bool = False) -> None:
+                republish: bool = False, parts: Any = None) -> None:
         """Publish a release.  A failure is logged, not raised: the member is safely RELEASED in
         the gate, and the dispatcher republishes it after ``threads_release_timeout``.
         ``republish`` marks a release that was published before (the receiving worker then checks
-        that it is not a duplicate)."""
+        that it is not a duplicate).  ``parts``: the message as captured, when the release is of
+        the member the caller has just enqueued (see ``publish.release_message``)."""
         if release is None or release.published:
             return
         try:
-            self.publisher.publish(release, producer, republish=republish)
+            self.publisher.publish(release, producer, republish=republish, parts=parts)
         except UndecodableEnvelope as exc:
             # Republishing could never help: the member dies and its thread moves on.
             self.kill(release.thread_id, release.task_id, release.token, exc=exc, retries=0,

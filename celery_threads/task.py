@@ -156,7 +156,8 @@ class ThreadedTask(Task):
             capture.flush()
             # The caller's producer when given; else the runtime's kept one, which skips the
             # declare and retry wrapping Celery's way repeats on every publish.
-            runtime.publish(release, producer)
+            own = release is not None and release.task_id == task_id and token is None
+            runtime.publish(release, producer, parts=capture.parts if own else None)
         return result
 
     def _reenter(self, runtime: Any, thread_id: str, task_id: str, token: str,

@@ -423,8 +423,17 @@ class GateMachine(RuleBasedStateMachine):
             pipe.hgetall(k.active)
             pipe.zrange(k.queue, 0, -1, withscores=True)
         due, leases, tasks, dead, dead_records, keys, ended, *per_thread = pipe.execute()
-        ended = {m.decode(): int(score) for m, score in ended}
-        assert ended == model.ended, f"ended {ended} vs model {model.ended}"
+        # +inf: a UUID member keyed by its long form (its short field was taken when it came):
+        # exactly those, and the others as the model's ended index (a dead-lettered id restarted
+        # in its window and keyed long has only the +inf one).
+        long_uuids = {record_task(k, v) for k, v in tasks.items()
+                      if k[:1] == b"\x01" and task_field(k[1:].decode())[1] is not None}
+        at_inf = {m.decode() for m, score in ended if score == float("inf")}
+        assert at_inf == long_uuids, f"ended at +inf {at_inf} vs long-form UUIDs {long_uuids}"
+        self.long_uuids = long_uuids
+        ended = {m.decode(): int(score) for m, score in ended if score != float("inf")}
+        expected_ended = {t: at for t, at in model.ended.items() if t not in at_inf}
+        assert ended == expected_ended, f"ended {ended} vs model {expected_ended}"
 
         due = {m.decode(): int(score) for m, score in due}
         leases = {m.decode(): int(score) for m, score in leases}
@@ -475,6 +484,9 @@ class GateMachine(RuleBasedStateMachine):
             if a.state == M.RUNNING:
                 assert active["worker"] == a.worker, f"{what}: worker {active} vs {a}"
             self.bind(thread_id, a.task_id, a.token, active["token"])
+            field = next(f for f, t in named.items() if t == a.task_id)
+            long = field[:1] == b"\x01" and len(field) == 37
+            assert active.get("l") == ("1" if long else "0"), f"{what}: 'l' {active} vs {field!r}"
         waiting = [(named.get(member_field(m)), int(score)) for m, score in queue]
         expected = [(m.task_id, m.sched) for m in thread.waiting()]
         assert waiting == expected, f"{what}: waiting {waiting} vs model {expected}"
@@ -495,7 +507,7 @@ class GateMachine(RuleBasedStateMachine):
         expected = {s.seq}                   # the shard's counter lives on
         for key, present in ((s.due, model.due_index()), (s.leases, model.lease_index()),
                              (s.tasks, model.tasks), (s.dead, model.dead),
-                             (s.dead_records, model.dead), (s.ended, model.ended)):
+                             (s.dead_records, model.dead), (s.ended, model.ended or self.long_uuids)):
             if present:
                 expected.add(key)
         for thread in model.threads.values():
@@ -690,6 +702,9 @@ def test_uuid_prefix_collisions(gate_url: str) -> None:
         r2 = gate.enqueue("b", u2, b"two").release
         assert r1 is not None and r2 is not None and (r2.task_id, r2.envelope) == (u2, b"two")
         assert set(client.hkeys(tasks)) == {short, b"\x01" + u2.encode()}
+        ended = gate.keys.shard(0).ended     # a long-form member is there at +inf, until it ends
+        assert client.zrange(ended, 0, -1, withscores=True) == [(u2.encode(), float("inf"))]
+        assert client.hget(gate.keys.thread("b").active, "l") == b"1"
         assert gate.enqueue("c", u2, b"again").status == 0              # a duplicate of each
         assert gate.enqueue("c", u1, b"again").status == 0
         assert gate.enqueue("a", u3, b"three").release is None          # behind u1, long form
@@ -708,6 +723,7 @@ def test_uuid_prefix_collisions(gate_url: str) -> None:
         r4 = gate.enqueue("d", u4, b"four").release                    # takes the short field
         assert r4 is not None and client.hget(tasks, short) is not None
         assert gate.delete(u2).done and gate.thread_of(u2) is None     # by its long form
+        assert client.zscore(ended, u2) == now[0]                        # ended, not +inf
         assert gate.thread_of(u4) == "d" and gate.thread_of(u3) == "a"
 
         assert gate.claim("a", u3, r3.token, 1000, "w") == 1

@@ -171,3 +171,35 @@ def test_dead_letter_queue_receives_the_dead_members_message(proj, make_deployme
     assert message.headers["thread_id"] == thread
     assert "ValueError" in message.headers["thread_exception"]
     assert [d.task_id for d in Threads(proj.app).dead() if d.thread_id == thread] == [dying.id]
+
+
+def test_a_release_at_enqueue_is_published_as_its_stored_message(proj):
+    """When an enqueue releases the member it adds, the producer publishes the message it has just
+    captured (``release_message(parts=...)``) instead of decoding the stored envelope: both ways
+    give the same message, with every option Celery set (expiry, priority, time limits...)."""
+    import json
+
+    from celery.app.task import Task as CeleryTask
+
+    from celery_threads.gate import Release
+    from celery_threads.publish import CapturingProducer, release_message
+
+    app = proj.app
+    with app.producer_or_acquire() as real:
+        capture = CapturingProducer(real)
+        CeleryTask.apply_async(proj.record, (tid(), "x"), {"sleep": 0.5}, producer=capture,
+                               task_id="t-1", expires=600, priority=3, time_limit=9,
+                               headers={"custom": {"a": [1, 2]}}, countdown=None)
+    assert capture.envelope is not None and capture.parts is not None
+    release = Release("th", "t-1", "42", 0, capture.envelope)
+    fast_body, fast = release_message(app, release, parts=capture.parts)
+    slow_body, slow = release_message(app, release)
+    assert fast_body == slow_body
+    assert fast.pop("expiration") == pytest.approx(slow.pop("expiration"), abs=5)
+
+    def plain(options):  # tuples and lists alike, as the envelope's JSON stores them
+        return json.loads(json.dumps(options, default=repr))
+
+    assert plain(fast) == plain(slow)
+    assert fast["headers"]["thread_token"] == "42" and fast["headers"]["custom"] == {"a": [1, 2]}
+    assert fast["priority"] == 3 and fast["headers"]["timelimit"] in ((9, None), [9, None])

@@ -9,7 +9,8 @@
 --   KEYS[6] deadrec  HASH    task id -> died_at_ms "\n" meta_json "\n" envelope
 --   KEYS[7] queue    ZSET    this thread's waiting members (seq, field) -> scheduled_at (ms)
 --   KEYS[8] active   HASH    this thread's active member: task, token, state, since, deadline, worker, n
---   KEYS[9] ended    ZSET    task id -> ended_at (ms) of members that ended in the last ENDED_WINDOW
+--   KEYS[9] ended    ZSET    task id -> ended_at (ms) of members that ended in the last ENDED_WINDOW;
+--                            +inf: a UUID member keyed by its long form (add_member)
 -- ARGV (common head):
 --   ARGV[1] now      "" to use the Redis server's TIME, else milliseconds (tests only)
 --   ARGV[2] thread   thread id
@@ -21,7 +22,9 @@
 --                    publish_direct)
 -- Script-specific ARGV start at ARGV[6].
 -- Every reply is {status, info, [released_task, released_token, released_record]}, or, for a
--- release this script has published, {status, info, released_task, released_token, '', 1}.
+-- release this script has published, {status, info, released_task, released_token, '', 1}, or,
+-- for a release of the member an enqueue adds, {status, info, task, token, '', 2} (the caller
+-- has its message; its retries are 0).
 
 if redis.replicate_commands then pcall(redis.replicate_commands) end  -- Redis 6.2: TIME before writes
 
@@ -95,19 +98,22 @@ end
 
 -- Make `task`, a member outside the queue, the thread's active member: RELEASED under a new token.
 -- `in_due`: the thread may sit in the due index (an idle thread with members).  `rec`: the
--- member's record.  Returns {task, token, record}.
+-- member's record, `field` its field.  Returns {task, token, record}.
 -- With CLAIM set, the member is RUNNING at once, claimed for CLAIM's worker (as claim.lua does).
-local function activate(task, sched, in_due, rec)
+local function activate(task, field, sched, in_due, rec)
   local token = tostring(next_seq())
   local deadline
+  -- 'l': whether the member is keyed by its long form, so that its end deletes its field without
+  -- looking for that form in the tasks hash (see active_field).
+  local long = string.byte(field, 1) == 1 and #field == 37 and 1 or 0
   if CLAIM then
     deadline = NOW + CLAIM[1]
     redis.call('HSET', K_A, 'task', task, 'token', token, 'state', 'RUNNING', 'since', NOW,
-      'deadline', deadline, 'sched', sched, 'n', 0, 'claimed', NOW, 'worker', CLAIM[2])
+      'deadline', deadline, 'sched', sched, 'n', 0, 'l', long, 'claimed', NOW, 'worker', CLAIM[2])
   else
     deadline = NOW + RELEASE_TIMEOUT
     redis.call('HSET', K_A, 'task', task, 'token', token, 'state', 'RELEASED', 'since', NOW,
-      'deadline', deadline, 'sched', sched, 'n', 0)
+      'deadline', deadline, 'sched', sched, 'n', 0, 'l', long)
   end
   if in_due then redis.call('ZREM', K_DUE, TID) end
   redis.call('ZADD', K_LEASES, deadline, TID)
@@ -126,7 +132,7 @@ local function release_idle(detached, known)
   local field = member_field(head[1])
   local rec = known and known[1] == field and known[2] or redis.call('HGET', K_TASKS, field)
   redis.call('ZREM', K_Q, head[1])
-  return activate(field_task(field, rec), head[2], not detached, rec)
+  return activate(field_task(field, rec), field, head[2], not detached, rec)
 end
 
 -- Release the head when it is due and nothing is active.  `detached` as for index_idle.
@@ -223,11 +229,14 @@ local function publish_direct(token, rec)
   return not (type(pushed) == 'table' and pushed.err)
 end
 
-local function reply(status, info, released)
+-- `own`: the caller sent the released member's message (an enqueue releasing what it adds), so
+-- the reply leaves its record out.
+local function reply(status, info, released, own)
   if released == nil then return { status, info } end
   if publish_direct(released[2], released[3]) then
     return { status, info, released[1], released[2], '', 1 }
   end
+  if own then return { status, info, released[1], released[2], '', 2 } end
   return { status, info, released[1], released[2], released[3] }
 end
 
@@ -238,11 +247,20 @@ local function active_state(task)
   return a[2]
 end
 
--- The state of the active member when it is (task, token), else nil: the fencing check.
+-- The tasks-hash field of the active member `task`, given its 'l' (written by activate; nil in
+-- an active member written before it was, whose field is then looked for).
+local function active_field(task, long)
+  if long == '0' then return (task_field(task)) end
+  if long == '1' then return '\1' .. task end
+  return member_field_of(K_TASKS, task)
+end
+
+-- The state of the active member when it is (task, token), else nil: the fencing check.  Also
+-- returns its 'l' (for active_field).
 local function is_active(task, token)
-  local a = redis.call('HMGET', K_A, 'task', 'token', 'state')
+  local a = redis.call('HMGET', K_A, 'task', 'token', 'state', 'l')
   if a[1] ~= task or a[2] ~= token then return nil end
-  return a[3]
+  return a[3], a[4]
 end
 
 -- Publish the active RELEASED member `task` again under its `token`: its release deadline becomes
@@ -301,13 +319,16 @@ end
 -- only leaves a gap) or, unless `again` (a restart), ended in the last ENDED_WINDOW; else the
 -- release ({task, token, record}) or nil.
 local function add_member(task, sched, retries, maxr, delay, envelope, again)
-  if not again then
-    local ended = redis.call('ZSCORE', K_ENDED, task)
-    if ended and tonumber(ended) >= NOW - ENDED_WINDOW then return false end
-  end
   local field, tail = task_field(task)
-  -- A UUID keyed by its long form (its short field was taken) stays there: not a second member.
-  if tail and redis.call('HEXISTS', K_TASKS, '\1' .. task) == 1 then return false end
+  if not again then
+    -- One read refuses both an id that ended in the window and a UUID that is a member keyed by
+    -- its long form (its short field was taken): such a member is in the ended index at +inf
+    -- until it ends (below), so an enqueue does not look for that form in the tasks hash.
+    local ended = redis.call('ZSCORE', K_ENDED, task)
+    if ended and (ended == 'inf' or tonumber(ended) >= NOW - ENDED_WINDOW) then return false end
+  elseif tail and redis.call('HEXISTS', K_TASKS, '\1' .. task) == 1 then
+    return false
+  end
   local seq = string.format('%d', next_seq())
   local rec = make_record(seq, retries, maxr, delay, envelope, tail)
   if redis.call('HSETNX', K_TASKS, field, rec) == 0 then
@@ -317,6 +338,7 @@ local function add_member(task, sched, retries, maxr, delay, envelope, again)
     -- Another UUID with the same first 14 bytes holds the field: this one takes its long form.
     field, rec = '\1' .. task, make_record(seq, retries, maxr, delay, envelope)
     redis.call('HSET', K_TASKS, field, rec)
+    redis.call('ZADD', K_ENDED, '+inf', task)     -- until it ends (mark_ended)
   end
   if redis.call('EXISTS', K_A) == 1 then
     redis.call('ZADD', K_Q, sched, queue_member(seq, field))
@@ -324,7 +346,7 @@ local function add_member(task, sched, retries, maxr, delay, envelope, again)
   end
   if sched <= NOW and redis.call('EXISTS', K_Q) == 0 then
     -- An empty thread (so in neither index): its only member is released without being queued.
-    return activate(task, sched, false, rec)
+    return activate(task, field, sched, false, rec)
   end
   redis.call('ZADD', K_Q, sched, queue_member(seq, field))
   return release_idle(false, { field, rec })

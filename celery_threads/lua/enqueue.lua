@@ -1,7 +1,8 @@
 -- enqueue: a new member joins the thread; it is released at once when it is due and the thread is idle.
 --   ARGV[6] task id   ARGV[7] "at"|"in"   ARGV[8] scheduled_at ms ("at") or delay ms ("in")
 --   ARGV[9] max_retries (-1: unlimited)   ARGV[10] retry delay ms   ARGV[11] envelope
--- Returns {1, ''} added (plus the release, if any), {0, ''} when the task id is already a member.
+-- Returns {1, ''} added (plus the release, if any: without the record when it is this member's),
+-- {0, ''} when the task id is already a member.
 local released = add_member(ARGV[6], schedule(ARGV[7], ARGV[8]), 0, ARGV[9], ARGV[10], ARGV[11])
 if released == false then return reply(0, '') end
-return reply(1, '', released)
+return reply(1, '', released, released ~= nil and released[1] == ARGV[6])

@@ -8,11 +8,12 @@
 -- Returns {1, ''} plus the release ({1, now ms} plus the release when it was claimed), or {0, ''}
 -- when (task, token) is not the active member.
 local task = ARGV[6]
-if not is_active(task, ARGV[7]) then return reply(0, '') end
+local state, long = is_active(task, ARGV[7])
+if not state then return reply(0, '') end
 if ARGV[8] == '1' then
   DIRECT = ''
   if ARGV[9] and ARGV[9] ~= '' then CLAIM = { tonumber(ARGV[9]), ARGV[10] } end
 end
-drop_active(task)
+drop_active(task, active_field(task, long))
 local released = release_head(true)
 return reply(1, (released and CLAIM) and tostring(NOW) or '', released)
