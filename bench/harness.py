@@ -568,6 +568,10 @@ class Probe:
             self.server_us += int(e["duration"])
         self.all_calls = sum(int(v["calls"]) for k, v in stats.items()
                              if k not in ("cmdstat_config", "cmdstat_slowlog", "cmdstat_info"))
+        # Every command's own time per call (those inside scripts included): which data
+        # structure costs what.
+        self.per_call_us = {k[len("cmdstat_"):]: float(v["usec_per_call"]) for k, v in stats.items()
+                            if k not in ("cmdstat_config", "cmdstat_slowlog", "cmdstat_info")}
 
 
 # -- statistics ------------------------------------------------------------------------------

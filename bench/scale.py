@@ -222,6 +222,7 @@ def _measure(servers: dict[str, h.RedisServer], gates: dict[str, Any], cases: di
                     "breakdown": {k: v / count for k, v in sorted(probe.top.items())},
                     "breakdown_us": {k: probe.top_us[k] / max(1, probe.top[k])
                                      for k in sorted(probe.top)},
+                    "per_call_us": probe.per_call_us,
                 })
     return results
 
@@ -338,6 +339,19 @@ def run(args: argparse.Namespace) -> int:
         f"{kind}: " + ", ".join(
             f"{k} {v:.2f} x ({per_call('small', kind, k):.0f} / {per_call('large', kind, k):.0f} µs)"
             for k, v in results[("large", kind)][0]["breakdown"].items()) for kind in KINDS)
+
+    def inner(source: Results) -> str:
+        """The commands the idle-thread life's scripts run: Redis µs per call, small / large."""
+        runs = {name: source[(name, "idle thread")] for name in cases}
+        names = sorted(set(runs["small"][0]["per_call_us"])
+                       - {"fcall", "evalsha", "config|resetstat", "config|set", "config"})
+
+        def us(name: str, command: str) -> str:
+            values = (r["per_call_us"].get(command, float("nan")) for r in runs[name])
+            return f"{h.median(values):.2f}"
+
+        return ", ".join(f"{c} {us('small', c)} / {us('large', c)}" for c in names)
+
     notes = [
         f"small = {fills['small']['waiting']:,} waiting members over {fills['small']['threads']:,} "
         f"threads, large = {fills['large']['waiting']:,} over {fills['large']['threads']:,} "
@@ -348,6 +362,9 @@ def run(args: argparse.Namespace) -> int:
         "thread, the idle half's entry in the due index) are spread over its 10 members.",
         "top-level commands per life (large, first repeat), and their Redis execution time per "
         f"call (median over repeats, small / large): {breakdown}.",
+        "the commands inside an idle-thread life's scripts, Redis µs per call (INFO "
+        f"commandstats, median over repeats, small / large): {inner(results)}"
+        + (f"; tasks hash growing: {inner(results_growing)}" if results_growing else "") + ".",
         "memory by key, bytes per member (MEMORY USAGE, large case: sampled threads' queues, "
         "the tasks hash whose records hold the message): " + ", ".join(f"{k} {v:.0f}" for k, v in breakdown_mem.items())
         + ".",
