@@ -57,7 +57,8 @@ class ShardKeys:
     @property
     def ended(self) -> str:
         """ZSET task id -> ended_at (ms) of the members that left in the last minute: an enqueue
-        of one of them (a replay after a lost reply) is a duplicate, not a new member."""
+        of one of them (a replay after a lost reply) is a duplicate, not a new member.  A UUID
+        member keyed by its long form is here at +inf until it ends (lua/_common.lua, add_member)."""
         return f"{self.tag}:ended"
 
     @property
@@ -92,7 +93,8 @@ class ThreadKeys:
 
     @property
     def active(self) -> str:
-        """HASH describing the active member (task, token, state, since, deadline, worker, n)."""
+        """HASH describing the active member (task, token, state, since, deadline, worker, n,
+        l: whether it is keyed by its long form)."""
         return f"{self.base}:a"
 
     def script_keys(self) -> list[str]:
