@@ -42,7 +42,7 @@ class CapturingProducer:
     def __init__(self, real: Any) -> None:
         self._real = real
         self.envelope: Optional[bytes] = None
-        # The envelope's header and body as built, before encoding (see captured_message).
+        # The envelope's header and body as built, before encoding (release_message's parts).
         self.parts: Optional[tuple[dict[str, Any], bytes]] = None
         self._held: list[tuple[Any, dict[str, Any]]] = []
 

@@ -507,7 +507,8 @@ class GateMachine(RuleBasedStateMachine):
         expected = {s.seq}                   # the shard's counter lives on
         for key, present in ((s.due, model.due_index()), (s.leases, model.lease_index()),
                              (s.tasks, model.tasks), (s.dead, model.dead),
-                             (s.dead_records, model.dead), (s.ended, model.ended or self.long_uuids)):
+                             (s.dead_records, model.dead),
+                             (s.ended, model.ended or self.long_uuids)):
             if present:
                 expected.add(key)
         for thread in model.threads.values():

@@ -8,9 +8,10 @@
 --   KEYS[5] dead     ZSET    task id -> death order (a value of the shard counter)
 --   KEYS[6] deadrec  HASH    task id -> died_at_ms "\n" meta_json "\n" envelope
 --   KEYS[7] queue    ZSET    this thread's waiting members (seq, field) -> scheduled_at (ms)
---   KEYS[8] active   HASH    this thread's active member: task, token, state, since, deadline, worker, n, l
---   KEYS[9] ended    ZSET    task id -> ended_at (ms) of members that ended in the last ENDED_WINDOW;
---                            +inf: a UUID member keyed by its long form (add_member)
+--   KEYS[8] active   HASH    this thread's active member: task, token, state, since, deadline,
+--                            worker, n, l
+--   KEYS[9] ended    ZSET    task id -> ended_at (ms) of members that ended in the last
+--                            ENDED_WINDOW; +inf: a UUID member keyed by its long form (add_member)
 -- ARGV (common head):
 --   ARGV[1] now      "" to use the Redis server's TIME, else milliseconds (tests only)
 --   ARGV[2] thread   thread id
