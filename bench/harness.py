@@ -566,12 +566,13 @@ class Probe:
             self.top[name] += 1
             self.top_us[name] += int(e["duration"])
             self.server_us += int(e["duration"])
-        self.all_calls = sum(int(v["calls"]) for k, v in stats.items()
-                             if k not in ("cmdstat_config", "cmdstat_slowlog", "cmdstat_info"))
+        # Without the probe's own commands (Redis 7 names subcommands: cmdstat_config|set).
+        stats = {k[len("cmdstat_"):]: v for k, v in stats.items()
+                 if k[len("cmdstat_"):].split("|")[0] not in ("config", "slowlog", "info")}
+        self.all_calls = sum(int(v["calls"]) for v in stats.values())
         # Every command's own time per call (those inside scripts included): which data
         # structure costs what.
-        self.per_call_us = {k[len("cmdstat_"):]: float(v["usec_per_call"]) for k, v in stats.items()
-                            if k not in ("cmdstat_config", "cmdstat_slowlog", "cmdstat_info")}
+        self.per_call_us = {k: float(v["usec_per_call"]) for k, v in stats.items()}
 
 
 # -- statistics ------------------------------------------------------------------------------

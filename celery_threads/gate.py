@@ -65,8 +65,9 @@ class Library(NamedTuple):
 
 @functools.lru_cache(maxsize=None)
 def function_library() -> Library:
-    """The library of this version of the transitions (built once per process).  Its name carries a digest of its source,
-    so processes running different versions against one Redis each call their own."""
+    """The library of this version of the transitions (built once per process).  Its name
+    carries a digest of its source, so processes running different versions against one Redis
+    each call their own."""
     common = _prelude().replace(
         "if redis.replicate_commands then pcall(redis.replicate_commands) end", "")
     bodies = {name: _load_lua(f"{name}.lua") for name in SCRIPT_NAMES}

@@ -40,7 +40,8 @@ class Runtime:
         self.pid = os.getpid()
 
     def publish(self, release: Optional[Release], producer: Any = None,
-                republish: bool = False, parts: Any = None) -> None:
+                republish: bool = False,
+                parts: Optional[tuple[dict[str, Any], bytes]] = None) -> None:
         """Publish a release.  A failure is logged, not raised: the member is safely RELEASED in
         the gate, and the dispatcher republishes it after ``threads_release_timeout``.
         ``republish`` marks a release that was published before (the receiving worker then checks
