@@ -20,7 +20,12 @@ Then, alternating between the two servers, three kinds of member life on fresh t
 When the fill leaves the large case's tasks hash mid-growth (its table doubled and being moved one
 bucket per operation on the hash, as ``DEBUG HTSTATS-KEY`` shows; 1,050,000 entries is just past
 2^20), the lives are measured in that state first, then again once as many lookups as the hash has
-entries have finished the growth; both are reported.
+entries have finished the growth; both are reported.  The growth is a transient: it ends after
+about as many operations as the hash has entries, and the next comes when they have doubled.  So
+its rows carry no target; instead the whole growth's extra Redis time (the lives measured during
+it over the same lives settled, plus the lookups that finished it over the same lookups on the
+settled table) is shared among the members the grown table takes before its next growth, and
+added to the settled time per life ("the growth amortized").
 
 Reported: the client's wall time per life (p50 over lives; for the dispatcher, the batch's time
 over its members), the Redis server's execution time per life (sum of the ``SLOWLOG`` durations of
@@ -28,7 +33,7 @@ the top-level commands, logged with ``slowlog-log-slower-than 0`` during the pro
 memory per waiting member beyond its message bytes (``used_memory`` before/after adding the waiting
 members, minus the stored envelope), and Redis commands per life (``INFO commandstats``: script
 calls, every command including those run inside scripts).
-Targets: large within 1.2x of small; at most 200 bytes of gate overhead per waiting member; at most
+Targets: large within 1.2x of small (settled, and with the growth amortized); at most 200 bytes of gate overhead per waiting member; at most
 three script calls per member life on the hot path (idle and busy threads).
 """
 from __future__ import annotations
@@ -215,6 +220,7 @@ def _measure(servers: dict[str, h.RedisServer], gates: dict[str, Any], cases: di
                 results.setdefault((name, kind), []).append({
                     "p50": h.pct(times[name], 50), "p99": h.pct(times[name], 99),
                     "server_us": probe.server_us / count,
+                    "members": count,
                     "scripts": sum(v for k, v in probe.top.items()
                                    if k.startswith("script")) / count,
                     "top": sum(probe.top.values()) / count,
@@ -234,19 +240,28 @@ def _htstats(client: Any, key: str) -> Optional[str]:
         return None
 
 
+def _tables(client: Any, gate: Any) -> Optional[tuple[list[int], list[int]]]:
+    """The tasks hash's table sizes and entries (two of each while it is rehashed into a bigger
+    table), from DEBUG HTSTATS-KEY; None without DEBUG."""
+    stats = _htstats(client, gate.keys.shard(0).tasks)
+    if stats is None:
+        return None
+    return ([int(x) for x in re.findall(r"table size: (\d+)", stats)],
+            [int(x) for x in re.findall(r"number of elements: (\d+)", stats)])
+
+
 def _growing(client: Any, gate: Any) -> Optional[str]:
     """'' unless the tasks hash's table is being rehashed into a bigger one (Redis grows a hash
     table by doubling it when its entries reach its size, then moves one bucket per operation on
     the hash), else what DEBUG HTSTATS-KEY says of the two tables.  Without DEBUG: None."""
-    stats = _htstats(client, gate.keys.shard(0).tasks)
-    if stats is None:
+    tables = _tables(client, gate)
+    if tables is None:
         return None
-    if "rehashing target" not in stats:
+    sizes, used = tables
+    if len(sizes) < 2:
         return ""
-    sizes = re.findall(r"table size: (\d+)", stats)
-    used = re.findall(r"number of elements: (\d+)", stats)
-    return (f"{sum(map(int, used)):,} entries, table of {int(sizes[0]):,} buckets moving into "
-            f"one of {int(sizes[1]):,}")
+    return (f"{sum(used):,} entries, table of {sizes[0]:,} buckets moving into "
+            f"one of {sizes[1]:,}")
 
 
 SETTLE_SCRIPT = """
@@ -255,16 +270,32 @@ return 0
 """
 
 
-def _settle(client: Any, gate: Any) -> None:
-    """Finish a pending growth of the tasks hash's table: each lookup moves one bucket, so as many
-    lookups as the hash has entries (at least the old table's size) finish it, as that many gate
-    operations would.  In chunks of 100,000, not to block the server for long."""
+def _lookups(client: Any, gate: Any) -> float:
+    """As many lookups in the tasks hash as it has entries; returns their Redis execution time
+    (µs, INFO commandstats).  Each lookup moves one bucket of a pending growth, so this finishes
+    it, as that many gate operations would.  In chunks of 100,000, not to block the server for
+    long."""
     key = gate.keys.shard(0).tasks
     left = int(client.hlen(key))
+    before = int(client.info("commandstats").get("cmdstat_eval", {}).get("usec", 0))
     while left > 0:
         client.eval(SETTLE_SCRIPT, 1, key, min(left, 100_000))
         left -= 100_000
+    return int(client.info("commandstats")["cmdstat_eval"]["usec"]) - before
+
+
+def _settle(client: Any, gate: Any) -> Optional[dict[str, float]]:
+    """Finish a pending growth of the tasks hash's table (:func:`_lookups`).  When there was one,
+    returns what the rest of it cost: the lookups' Redis time minus that of the same lookups on
+    the settled table (µs), and how many members the grown table takes before the next growth
+    (its new size minus the old: Redis doubles a table when its entries reach its size)."""
+    tables = _tables(client, gate)
+    finishing = _lookups(client, gate)
     assert not _growing(client, gate)
+    if tables is None or len(tables[0]) < 2:
+        return None
+    return {"extra_us": finishing - _lookups(client, gate),
+            "room": tables[0][1] - tables[0][0]}
 
 
 ENVELOPE: list[bytes] = []
@@ -274,12 +305,15 @@ KINDS: dict[str, Callable[[Any, int, str], tuple[list[float], int]]] = {
 
 def run(args: argparse.Namespace) -> int:
     small = args.small or 1_000
-    large = args.large or (10_000 if args.quick else 1_000_000)
+    # --quick: 7,850 waiting leave the tasks hash just past 2^13 entries, as 1,000,000 leave it
+    # just past 2^20, so that the quick run takes the growth's path too
+    large = args.large or (7_850 if args.quick else 1_000_000)
     lives = args.lives or (200 if args.quick else 2_000)
     from bench import tasks
     cases = {"small": small, "large": large}
     fills: dict[str, dict[str, float]] = {}
     results_growing: Results = {}
+    growth: Optional[dict[str, float]] = None
     with h.Stack("scale") as stack:
         servers = {name: stack.redis(f"redis-{name}") for name in cases}
         tasks.configure(h.celery_env(servers["small"]))
@@ -296,8 +330,9 @@ def run(args: argparse.Namespace) -> int:
             h.progress(f"large: tasks hash mid-growth ({growing}); measuring that state first")
             results_growing = _measure(servers, gates, cases, args.repeats, lives, "growing")
         if growing or growing is None:      # None: no DEBUG, the state is unknown
-            for name in cases:
-                _settle(servers[name].client(), gates[name])
+            h.progress("finishing the growth, then the same lookups on the settled table")
+            growth = _settle(servers["large"].client(), gates["large"])
+            _settle(servers["small"].client(), gates["small"])
         results = _measure(servers, gates, cases, args.repeats, lives, "settled")
         breakdown_mem = _memory_breakdown(servers["large"].client(), gates["large"],
                                           int(fills["large"]["threads"]))
@@ -307,13 +342,32 @@ def run(args: argparse.Namespace) -> int:
         return h.median(r[what] for r in (source or results)[(name, kind)])
 
     rows = []
-    for source, state in ((results, ""), (results_growing, ", tasks hash growing")):
+    for source, state in ((results, ""), (results_growing, ", tasks hash growing (transient)")):
         for kind in KINDS if source else ():
             for what, label in (("p50", "client wall time per life, p50 (µs)"),
                                 ("server_us", "Redis execution time per life (µs)")):
                 s, l = med("small", kind, what, source), med("large", kind, what, source)
                 r = h.ratio(l, s)
-                rows.append([f"{kind}{state}: {label}", s, l, r, "<= 1.2x", h.verdict(r <= 1.2)])
+                # The target is the steady state's, and the amortized growth's below: a growth
+                # lasts about as many operations as the hash has entries (the note says more).
+                target = source is results
+                rows.append([f"{kind}{state}: {label}", s, l, r, "<= 1.2x" if target else "-",
+                             h.verdict(r <= 1.2) if target else "-"])
+    amortized = None
+    if growth is not None and results_growing:
+        # The whole growth's extra Redis time: what the lives measured during it paid over the
+        # same lives on the settled table, plus what finishing it cost over the same lookups
+        # on the settled table; shared by the members the grown table takes before the next.
+        during = sum((med("large", kind, "server_us", results_growing)
+                      - med("large", kind, "server_us"))
+                     * sum(r["members"] for r in results_growing[("large", kind)])
+                     for kind in KINDS)
+        amortized = (during + growth["extra_us"]) / growth["room"]
+        for kind in KINDS:
+            s, l = med("small", kind, "server_us"), med("large", kind, "server_us") + amortized
+            r = h.ratio(l, s)
+            rows.append([f"{kind}, the growth amortized: Redis execution time per life (µs)",
+                         s, l, r, "<= 1.2x", h.verdict(r <= 1.2)])
     for kind in KINDS:
         s, l = med("small", kind, "scripts"), med("large", kind, "scripts")
         hot = kind != "dispatcher"
@@ -378,9 +432,19 @@ def run(args: argparse.Namespace) -> int:
         notes.append(
             f"tasks hash growing: after the fill, the large case's tasks hash was mid-growth "
             f"({growing}); Redis moves one bucket per operation on the hash, so a gate finishes "
-            "such a growth after about as many operations as it has members. The rows marked "
-            "'tasks hash growing' were measured in that state; then as many lookups as the hash "
+            "such a growth after about as many operations as it has members, and the next "
+            "comes when its entries have doubled. The rows marked 'tasks hash growing "
+            "(transient)' were measured in that state; then as many lookups as the hash "
             "has entries finished it on both servers, and the other rows were measured.")
+    if amortized is not None and growth is not None:
+        notes.append(
+            "the growth amortized: the large case's settled time plus the whole growth's extra "
+            "Redis time per member the grown table takes before its next growth "
+            f"({growth['room']:,.0f}): {amortized:.2f} µs per member (the lives measured "
+            "during it, over the same lives settled, plus the lookups that finished it, "
+            f"{growth['extra_us'] / 1e6:.2f} s over the same lookups on the settled table). "
+            "The small case is given its settled time: its own growths, of a 1,024-bucket "
+            "table, are left out, which only raises the ratio.")
     h.report("scale (gate only)", "scale", args.quick, where,
              "Gate driven directly (enqueue, claim, finish, scan_due + release_many) on two "
              "private redis-servers, one small, one large; client = this Python process",
