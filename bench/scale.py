@@ -424,6 +424,15 @@ def run(args: argparse.Namespace) -> int:
         "the dispatcher kind's client time is per member of a 100-member batch (its scan and "
         "release are one pipelined round trip each for the whole batch).",
     ]
+    def per_repeat(source: Results) -> str:
+        return "; ".join(f"{kind} " + ", ".join(
+            f"{h.ratio(l['server_us'], s['server_us']):.2f}"
+            for s, l in zip(source[("small", kind)], source[("large", kind)])) for kind in KINDS)
+
+    notes.append("per-repeat ratios of Redis execution time per life (large / small; each repeat "
+                 f"alternates the servers every {CHUNK} lives): settled: {per_repeat(results)}"
+                 + (f"; tasks hash growing: {per_repeat(results_growing)}"
+                    if results_growing else "") + ".")
     if growing is None:
         notes.append("tasks hash: this redis-server gives no DEBUG HTSTATS-KEY, so whether the "
                      "fill left it mid-growth is unknown; as many lookups as it has entries "
