@@ -14,6 +14,11 @@ BENCHMARKS = {
 }
 
 
+def _repeats(module: object) -> int:
+    """A benchmark's default repeats: its ``REPEATS``, else 3."""
+    return int(getattr(module, "REPEATS", 3))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
     sub = parser.add_subparsers(dest="name", required=True, metavar="name")
@@ -24,12 +29,13 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--quick", action="store_true",
                        help="shrink the run to seconds (CI: checks that it runs and prints)")
         p.add_argument("--repeats", type=int, default=None,
-                       help="repeats of each side (default: 3, or 1 with --quick)")
+                       help=f"repeats of each side (default: {_repeats(module)}, or 1 with "
+                            "--quick)")
         module.add_arguments(p)
     args = parser.parse_args(argv)
-    if args.repeats is None:
-        args.repeats = 1 if args.quick else 3
     module = importlib.import_module(f"bench.{args.name}")
+    if args.repeats is None:
+        args.repeats = 1 if args.quick else _repeats(module)
     return int(module.run(args) or 0)
 
 
