@@ -430,7 +430,6 @@ class GateMachine(RuleBasedStateMachine):
                       if k[:1] == b"\x01" and task_field(k[1:].decode())[1] is not None}
         at_inf = {m.decode() for m, score in ended if score == float("inf")}
         assert at_inf == long_uuids, f"ended at +inf {at_inf} vs long-form UUIDs {long_uuids}"
-        self.long_uuids = long_uuids
         ended = {m.decode(): int(score) for m, score in ended if score != float("inf")}
         expected_ended = {t: at for t, at in model.ended.items() if t not in at_inf}
         assert ended == expected_ended, f"ended {ended} vs model {expected_ended}"
@@ -463,7 +462,7 @@ class GateMachine(RuleBasedStateMachine):
             members = {t: r for t, r in records.items() if r.thread_id == thread_id}
             self.check_thread(thread_id, model.threads.get(thread_id), active, queue, members,
                               named)
-        self.check_keys({k.decode() for k in keys})
+        self.check_keys({k.decode() for k in keys}, long_uuids)
         self.check_readers(threads)
 
     def check_thread(self, thread_id: str, thread: Optional[M.Thread], active: dict,
@@ -501,14 +500,15 @@ class GateMachine(RuleBasedStateMachine):
                             for m in thread.members.values()}
         assert records == expected_records, f"{what}: records {records} vs {expected_records}"
 
-    def check_keys(self, actual: set[str]) -> None:
-        """Exactly the keys the model's state needs: none of a gone thread, no empty leftovers."""
+    def check_keys(self, actual: set[str], long_uuids: set[str]) -> None:
+        """Exactly the keys the model's state needs: none of a gone thread, no empty leftovers.
+        ``long_uuids``: the members keyed by their long form (in the ended index at +inf)."""
         s, model = self.shard, self.model
         expected = {s.seq}                   # the shard's counter lives on
         for key, present in ((s.due, model.due_index()), (s.leases, model.lease_index()),
                              (s.tasks, model.tasks), (s.dead, model.dead),
                              (s.dead_records, model.dead),
-                             (s.ended, model.ended or self.long_uuids)):
+                             (s.ended, model.ended or long_uuids)):
             if present:
                 expected.add(key)
         for thread in model.threads.values():
