@@ -34,7 +34,10 @@ MAX_REPUBLISH_BACKOFF = 6  # a lost release is republished after 1, 2, 4, ... 64
 # Reply statuses shared by the scripts.
 DONE, NOOP = 1, 0
 CLAIMED, ALREADY_CLAIMED, STALE = 1, 2, 0
+RENEWED, NOT_YOURS = 1, 2     # renew (else STALE)
 REPUBLISH, RETRIED, DIED = 2, 3, 4
+#: delete's info when a replayed call finds the member already gone (it may have been RUNNING).
+ENDED = "ENDED"
 
 
 def _load_lua(name: str) -> str:
@@ -166,18 +169,29 @@ def parse_record(record: bytes) -> Record:
     return Record(seq, retries, max_retries, delay, rest[:tlen].decode(), rest[tlen:])
 
 
-def make_client(url: str) -> "redis.Redis":
-    """A client that rides out short Redis outages: each command is retried with backoff for ~10 s.
+#: How long a gate call waits for Redis to accept a connection, or to answer, before it counts as
+#: failed (and is retried): no call waits forever on a link that went silent.
+SOCKET_TIMEOUT = 5.0
 
-    Every script is idempotent under its fencing token, so replaying one whose reply was lost is safe.
+
+def make_client(url: str, options: Optional[dict[str, Any]] = None) -> "redis.Redis":
+    """A client that rides out short Redis outages: each command is retried with backoff for
+    about 15 s, and a connection that gives no answer for ``SOCKET_TIMEOUT`` seconds counts as
+    broken.  ``options``: keyword options for redis-py (``threads_redis_options``), over these.
+
+    A script call replayed after its reply was lost gives the reply of the call that ran: each
+    transition recognizes its own replay (lua/_common.lua ``replayed``; claim by its claimant).
     """
-    return redis.Redis.from_url(
-        url,
-        retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), 20),
-        retry_on_error=[redis.ConnectionError, redis.TimeoutError],
-        health_check_interval=30,
-        socket_keepalive=True,
-    )
+    kwargs: dict[str, Any] = {
+        "retry": Retry(ExponentialBackoff(cap=1.0, base=0.05), 20),
+        "retry_on_error": [redis.ConnectionError, redis.TimeoutError],
+        "health_check_interval": 30,
+        "socket_keepalive": True,
+        "socket_timeout": SOCKET_TIMEOUT,
+        "socket_connect_timeout": SOCKET_TIMEOUT,
+    }
+    kwargs.update(options or {})
+    return redis.Redis.from_url(url, **kwargs)
 
 
 @dataclass(frozen=True)
@@ -500,13 +514,16 @@ class Gate:
         return self._call("release", thread_id)
 
     def claim(self, thread_id: str, task_id: str, token: str, keepalive_ms: int,
-              worker: str) -> int:
-        return self.claim_at(thread_id, task_id, token, keepalive_ms, worker)[0]
+              worker: str, claimant: str = "") -> int:
+        return self.claim_at(thread_id, task_id, token, keepalive_ms, worker, claimant)[0]
 
     def claim_at(self, thread_id: str, task_id: str, token: str, keepalive_ms: int,
-                 worker: str) -> tuple[int, int]:
-        """``claim``'s status, and the Redis server's time of the claim (ms; 0 unless claimed)."""
-        reply = self._run("claim", thread_id, task_id, token, keepalive_ms, worker)
+                 worker: str, claimant: str = "") -> tuple[int, int]:
+        """``claim``'s status, and the Redis server's time of the claim (ms; 0 unless claimed).
+
+        ``claimant``: this delivery's own id; only it renews the lease (:meth:`renew`), and the
+        same claimant's claim replayed is answered ``CLAIMED`` with the first claim's time."""
+        reply = self._run("claim", thread_id, task_id, token, keepalive_ms, worker, claimant)
         status = int(reply[0])
         return status, int(_text(reply[1])) if status == CLAIMED else 0
 
@@ -521,13 +538,18 @@ class Gate:
             return None
         return _text(state)
 
-    def renew(self, thread_id: str, task_id: str, token: str, keepalive_ms: int) -> bool:
-        return int(self._run("renew", thread_id, task_id, token, keepalive_ms)[0]) == 1
+    def renew(self, thread_id: str, task_id: str, token: str, keepalive_ms: int,
+              claimant: str = "") -> int:
+        """Renew the lease of a RUNNING member for its ``claimant``, or (no claimant) the release
+        deadline of a RELEASED one: ``RENEWED``, ``STALE`` (the token no longer holds the
+        thread), or ``NOT_YOURS`` (claimed by another delivery, or the claim is gone)."""
+        return int(self._run("renew", thread_id, task_id, token, keepalive_ms, claimant)[0])
 
-    def renew_many(self, members: Sequence[tuple[str, str, str]], keepalive_ms: int) -> list[bool]:
-        """Renew ``(thread_id, task_id, token)`` leases in one round trip."""
+    def renew_many(self, members: Sequence[tuple[str, str, str]], keepalive_ms: int) -> list[int]:
+        """Renew the release deadlines of ``(thread_id, task_id, token)`` members a worker holds
+        unclaimed, in one round trip; a status per member as :meth:`renew`'s."""
         replies = self._pipeline("renew", [(t, (k, tok, keepalive_ms)) for t, k, tok in members])
-        return [int(r[0]) == 1 for r in replies]
+        return [int(r[0]) for r in replies]
 
     def hand_back(self, members: Sequence[tuple[str, str, str]]) -> list[Outcome]:
         """Return ``(thread_id, task_id, token)`` releases a worker holds unstarted, in one round
@@ -544,16 +566,16 @@ class Gate:
 
     def finish(self, thread_id: str, task_id: str, token: str, *,
                keep_release: bool = False,
-               claim: Optional[tuple[int, str]] = None) -> Outcome:
+               claim: Optional[tuple[int, str, str]] = None) -> Outcome:
         """The member ended; the next one is released.  ``keep_release``: the release comes back
         to the caller, who runs it (in-process handoff), even where the gate would publish it.
-        ``claim`` (with ``keep_release``): ``(keepalive_ms, worker)``, and the released member is
-        also claimed for the caller; the outcome's ``info`` is then the claim's time on the
-        Redis server's clock (ms), else empty."""
+        ``claim`` (with ``keep_release``): ``(keepalive_ms, worker, claimant)``, and the released
+        member is also claimed for the caller; the outcome's ``info`` is then the claim's time on
+        the Redis server's clock (ms), else empty."""
         if claim is not None:
             if not keep_release:
                 raise ValueError("finish(claim=...) needs keep_release=True")
-            return self._call("finish", thread_id, task_id, token, "1", claim[0], claim[1])
+            return self._call("finish", thread_id, task_id, token, "1", *claim)
         if keep_release:
             return self._call("finish", thread_id, task_id, token, "1")
         return self._call("finish", thread_id, task_id, token)

@@ -15,8 +15,9 @@ the member cannot run here after all (the conditions below), it is given back, R
 the same token, and published. From the claim on, this process's slot names the member, so
 that the worker's main process fails it at once if the process is lost (a failed attempt, as
 for any member whose process dies); otherwise its lease lapses. While it runs, this process
-renews its lease: the main process does not. The main process learns of it only from the slot,
-to fail it or to terminate it on ``revoke(terminate=True)``.
+holds its lease (:mod:`celery_threads.lease`) from the moment of the claim, through the rest of
+the previous member's trace, and starts it only while that lease holds.  The main process learns of
+it only from the slot, to fail it or to terminate it on ``revoke(terminate=True)``.
 
 A member runs here only where a broker delivery would have brought it to this worker with
 nothing more to it. Otherwise its release is published as before. The conditions are:
@@ -36,11 +37,11 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
-import threading
 import time
 from typing import Any, Callable, Iterator, NamedTuple, Optional
 
 from .gate import Release
+from .lease import Lease, keeper
 from .publish import THREAD_HEADER, TOKEN_HEADER, UndecodableEnvelope, decode_envelope
 
 logger = logging.getLogger(__name__)
@@ -69,6 +70,7 @@ class Taken(NamedTuple):
     content_type: str
     content_encoding: str
     claimed_ms: int = 0
+    lease: Optional[Lease] = None
 
 
 class _Job:
@@ -82,10 +84,23 @@ class _Job:
 
 
 _job: Optional[_Job] = None
-#: (task id, token, claim time in ms) of the member this process is about to run by handoff,
-#: claimed by its predecessor's ``finish``: its ``ThreadedTask.__call__`` takes it instead of
-#: claiming (:func:`take_claim`).
-_claimed: Optional[tuple[str, str, int]] = None
+#: (task id, token, claim time in ms, lease) of the member this process is about to run by
+#: handoff, claimed by its predecessor's ``finish``: its ``ThreadedTask.__call__`` takes it instead
+#: of claiming (:func:`take_claim`).
+_claimed: Optional[tuple[str, str, int, Lease]] = None
+
+
+class Ending:
+    """What a member's ending keeps across its attempts (the gate may not answer one, and the
+    ending is sent again): the claimant the next member is claimed for, when the first attempt
+    sent (monotonic), and whether it took the handoff's way.  A replay must be the same call."""
+
+    __slots__ = ("claimant", "sent", "handoff")
+
+    def __init__(self, claimant: str) -> None:
+        self.claimant = claimant
+        self.sent: Optional[float] = None
+        self.handoff: Optional[bool] = None
 
 
 # -- the worker's main process ----------------------------------------------------------------
@@ -95,9 +110,13 @@ def prepare(worker: Any) -> None:
     _app, _stopping = worker.app, False
     _allowed = multiprocessing.RawValue("b", EVENTS if getattr(worker, "task_events", False)
                                         else ON)
-    processes = max(int(getattr(worker, "concurrency", 0) or 0),
-                    int(getattr(worker, "max_concurrency", 0) or 0), 1)
-    _slots = multiprocessing.RawArray("c", processes * _SLOT)
+    _slots = multiprocessing.RawArray("c", pool_size(worker) * _SLOT)
+
+
+def pool_size(worker: Any) -> int:
+    """How many pool processes the worker may run at once (autoscale included)."""
+    return max(int(getattr(worker, "concurrency", 0) or 0),
+               int(getattr(worker, "max_concurrency", 0) or 0), 1)
 
 
 def _slot_members() -> Iterator[tuple[int, int, tuple[str, str, str]]]:
@@ -187,7 +206,7 @@ def _wrap(original: Callable[..., Any]) -> Callable[..., Any]:
         finally:
             _job = None
             if job.pending is not None:   # the job ended abnormally: the member goes out
-                _give_back(job.pending.release)
+                _give_back(job.pending.release, job.pending.lease)
             if _slot_at is not None:
                 _note(None)
             if _dispatchers:
@@ -198,44 +217,55 @@ def _wrap(original: Callable[..., Any]) -> Callable[..., Any]:
     return run_job
 
 
-def finish(runtime: Any, task: Any, thread_id: str, task_id: str, token: str) -> None:
+def finish(runtime: Any, task: Any, thread_id: str, task_id: str, token: str,
+           ending: Ending) -> None:
     """``finish`` of a member that ended in this process: the next member runs here when it can,
     else its release is published (or the gate has published it)."""
     job = _job
-    if job is None or not _may_take(runtime, task, job):
+    if ending.handoff is None:
+        ending.handoff = job is not None and _may_take(runtime, task, job)
+    if ending.sent is None:
+        ending.sent = time.monotonic()
+    if not ending.handoff or job is None:
         runtime.apply(runtime.gate.finish(thread_id, task_id, token))
         return
     # One round trip: the next member is released and claimed for this process at once.
-    outcome = runtime.gate.finish(thread_id, task_id, token, keep_release=True,
-                                  claim=(runtime.config.keepalive_ms, task.request.hostname or ""))
+    outcome = runtime.gate.finish(
+        thread_id, task_id, token, keep_release=True,
+        claim=(runtime.config.keepalive_ms, task.request.hostname or "", ending.claimant))
     release = outcome.release
     if release is None:
         return
+    # Held (renewed) from now on: the rest of this member's trace may take a while.
+    lease = keeper(runtime).lease(release.thread_id, release.task_id, release.token,
+                                  ending.claimant, ending.sent)
     taken = _runnable(runtime, release)
     if taken is None:
-        _give_back(release)
+        _give_back(release, lease)
         return
-    job.pending = taken._replace(claimed_ms=int(outcome.info or 0))
+    job.pending = taken._replace(claimed_ms=int(outcome.info or 0), lease=lease)
     _note(release)     # from now on, the worker fails it at once if this process is lost
 
 
-def take_claim(task_id: str, token: str) -> Optional[int]:
-    """The claim time (ms) of ``(task_id, token)`` when its predecessor's ``finish`` claimed it
-    for this process (it runs by handoff), else ``None``: the caller claims it as usual."""
+def take_claim(task_id: str, token: str) -> Optional[tuple[int, Lease]]:
+    """The claim time (ms) and lease of ``(task_id, token)`` when its predecessor's ``finish``
+    claimed it for this process (it runs by handoff), else ``None``: the caller claims it."""
     global _claimed
     claimed = _claimed
     if claimed is None or claimed[0] != task_id or claimed[1] != token:
         return None
     _claimed = None
-    return claimed[2]
+    return claimed[2], claimed[3]
 
 
-def _give_back(release: Release) -> None:
+def _give_back(release: Release, lease: Optional[Lease]) -> None:
     """A member ``finish`` claimed for this process, which will not run it: RELEASED again under
     its token, and published."""
     from .runtime import get_runtime
 
     runtime = get_runtime(_app)
+    if lease is not None:
+        keeper(runtime).drop(lease)
     try:
         runtime.apply(runtime.gate.unclaim(release.thread_id, release.task_id, release.token))
     except Exception:
@@ -323,12 +353,12 @@ def _runnable(runtime: Any, release: Release) -> Optional[Taken]:
 def _run(original: Callable[..., Any], taken: Taken) -> None:
     global _claimed
     release = taken.release
+    lease = taken.lease
+    assert lease is not None, "a handed-off member is run under the lease of its claim"
     logger.debug("celery-threads: running %s[%s] of thread %s in this pool process", taken.name,
                  release.task_id, release.thread_id)
-    renewer = _renewer()
-    renewer.hold(release)
     events = _events(taken)
-    _claimed = (release.task_id, release.token, taken.claimed_ms)
+    _claimed = (release.task_id, release.token, taken.claimed_ms, lease)
     try:
         if events is not None:
             events.received()
@@ -344,7 +374,9 @@ def _run(original: Callable[..., Any], taken: Taken) -> None:
                          taken.name, release.task_id, release.thread_id)
     finally:
         _claimed = None
-        renewer.hold(None)
+        from .runtime import get_runtime
+
+        keeper(get_runtime(_app)).drop(lease)   # when the trace never reached the task's call
 
 
 def _note(release: Optional[Release]) -> None:
@@ -443,43 +475,3 @@ def _flush_events() -> None:
             dispatcher.flush()
         except Exception:
             logger.warning("celery-threads: could not send task events", exc_info=True)
-
-
-class _Renewer:
-    """Renews the lease of the member this process runs by handoff, every keepalive/3."""
-
-    def __init__(self, runtime: Any) -> None:
-        self.runtime = runtime
-        self._held: Optional[Release] = None
-        self._since = 0.0
-        self._wake = threading.Event()
-        threading.Thread(target=self._loop, name="celery-threads-handoff-renew",
-                         daemon=True).start()
-
-    def hold(self, release: Optional[Release]) -> None:
-        self._held, self._since = release, time.monotonic()
-
-    def _loop(self) -> None:
-        period = self.runtime.config.keepalive / 3.0
-        while True:
-            self._wake.wait(period)
-            held = self._held
-            if held is None or time.monotonic() - self._since < period:
-                continue
-            try:
-                self.runtime.gate.renew(held.thread_id, held.task_id, held.token,
-                                        self.runtime.config.keepalive_ms)
-            except Exception:
-                logger.exception("celery-threads: could not renew the lease of %s; retrying",
-                                 held.task_id)
-
-
-_renewers: list[_Renewer] = []
-
-
-def _renewer() -> _Renewer:
-    if not _renewers:
-        from .runtime import get_runtime
-
-        _renewers.append(_Renewer(get_runtime(_app)))
-    return _renewers[0]

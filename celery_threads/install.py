@@ -64,8 +64,10 @@ def _add_steps(app: Any) -> None:
 
 @signals.worker_process_init.connect
 def _on_pool_process_start(**kwargs: Any) -> None:
+    from . import lease
     from .handoff import on_pool_process_start
 
+    lease.on_pool_process_start()
     on_pool_process_start()
 
 

@@ -11,7 +11,7 @@ import redis
 from celery import Celery
 
 from .config import ThreadsConfig, read_config
-from .gate import DeadRecord, DirectRelease, Gate, Outcome, Release, make_client
+from .gate import ENDED, DeadRecord, DirectRelease, Gate, Outcome, Release, make_client
 from .keys import Keys
 from .publish import (THREAD_HEADER, ReleasePublisher, UndecodableEnvelope, publish_release,
                       task_name)
@@ -79,8 +79,10 @@ class Runtime:
         outcome = self.apply(self.gate.delete(task_id, thread_id=thread_id))
         if not outcome.done:
             return None
-        running = outcome.info == "RUNNING"
-        if not running:
+        # ENDED: the call was replayed after its reply was lost, and the member may have been
+        # running: revoke with terminate (a no-op where it does not run).
+        running = outcome.info in ("RUNNING", ENDED)
+        if outcome.info != "RUNNING":
             self.gate.note_deleted(thread_id, task_id)
             self.mark_revoked(task_id)
         self.app.control.revoke(task_id, terminate=running)

@@ -19,7 +19,8 @@ from . import handoff
 from .errors import GateUnavailable, InvalidThreadId
 from .gate import ALREADY_CLAIMED, CLAIMED, Outcome
 from .publish import OUR_HEADERS, THREAD_HEADER, TOKEN_HEADER, CapturingProducer
-from .runtime import get_runtime
+from .lease import Keeper, Lease, keeper as lease_keeper, new_claimant
+from .runtime import Runtime, get_runtime
 
 logger = logging.getLogger(__name__)
 
@@ -129,6 +130,7 @@ class ThreadedTask(Task):
             at_ms = _eta_ms(eta) if eta is not None else None
             delay_ms = int(float(countdown or 0) * 1000)
             release = None
+            added = False
             if token is not None:
                 reentry = Reentry(int(options.get("retries") or 0), delay_ms, at_ms,
                                   capture.envelope)
@@ -152,21 +154,23 @@ class ThreadedTask(Task):
                     logger.info("celery-threads: %s[%s] is already a member of thread %s, or "
                                 "ended less than a minute ago; not enqueued twice", self.name,
                                 task_id, thread_id)
-                release = outcome.release
+                release, added = outcome.release, outcome.done
             capture.flush()
             # The caller's producer when given; else the runtime's kept one, which skips the
             # declare and retry wrapping Celery's way repeats on every publish.
-            own = release is not None and release.task_id == task_id and token is None
+            # Not when the member was there already: a release of it (an enqueue replayed after
+            # its reply was lost) publishes the message stored then, not this call's.
+            own = release is not None and release.task_id == task_id and added
             runtime.publish(release, producer, parts=capture.parts if own else None)
         return result
 
-    def _reenter(self, runtime: Any, thread_id: str, task_id: str, token: str,
+    def _reenter(self, runtime: Runtime, thread_id: str, task_id: str, token: str,
                  reentry: "Reentry") -> Outcome:
         """The member (task, token) goes back to waiting with a retry's new message; returns the
         gate's outcome (its release, of the next member, for the caller to publish)."""
         outcome: Outcome = runtime.gate.requeue(
             thread_id, task_id, token, retries=reentry.retries, delay_ms=reentry.delay_ms,
-            at_ms=reentry.at_ms, envelope=reentry.envelope)
+            at_ms=reentry.at_ms, envelope=reentry.envelope or b"")
         if not outcome.done:
             logger.warning(
                 "celery-threads: retry of %s[%s] ignored: it no longer holds thread %s "
@@ -182,45 +186,74 @@ class ThreadedTask(Task):
             return super().__call__(*args, **kwargs)
         thread_id = headers[THREAD_HEADER]
         task_id = request.id
-        runtime = get_runtime(self._get_app())
-        gate = runtime.gate
         hostname = request.hostname or ""
-        claimed_ms = handoff.take_claim(task_id, token)
-        if claimed_ms is not None:      # run by handoff: its predecessor's finish claimed it
-            status = CLAIMED
-        else:
-            status, claimed_ms = gate.claim_at(thread_id, task_id, token,
-                                               runtime.config.keepalive_ms, hostname)
+        runtime = get_runtime(self._get_app())
+        keeper = lease_keeper(runtime)
+        claimed = handoff.take_claim(task_id, token)
+        if claimed is None:     # else run by handoff: its predecessor's finish claimed it
+            claimed = self._claim(runtime, keeper, thread_id, task_id, token, hostname)
+        claimed_ms, lease = claimed
+        try:
+            retries = int(request.retries or 0)
+            key = (task_id, token)
+            with keeper.running(lease) as may_run:
+                if not may_run:
+                    logger.warning("celery-threads: not running %s[%s] of thread %s: its lease "
+                                   "could not be confirmed with the gate", self.name, task_id,
+                                   thread_id)
+                    raise Ignore()
+                running = _running[key] = Running(claimed_ms, time.monotonic())
+                failure: Optional[BaseException] = None
+                try:
+                    result = super().__call__(*args, **kwargs)
+                except BaseException as exc:
+                    failure = exc
+                finally:
+                    _running.pop(key, None)
+            # The member's code has returned (its lease's end is no longer watched): its ending.
+            ending = handoff.Ending(new_claimant(hostname))
+            _record_end(runtime, lease, lambda: self._ended(
+                runtime, thread_id, task_id, token, retries, failure, running.reentry, ending))
+            if failure is not None:
+                raise failure
+            return result
+        finally:
+            keeper.drop(lease)
+
+    def _claim(self, runtime: Runtime, keeper: Keeper, thread_id: str, task_id: str, token: str,
+               hostname: str) -> tuple[int, Lease]:
+        """Claim the member for this delivery: the claim's time (the Redis server's clock, ms)
+        and its lease; :class:`Ignore` when another delivery has it, or its release is stale."""
+        claimant = new_claimant(hostname)
+        sent = time.monotonic()
+        try:
+            status, claimed_ms = runtime.gate.claim_at(
+                thread_id, task_id, token, runtime.config.keepalive_ms, hostname, claimant)
+        except redis.RedisError as exc:
+            logger.warning("celery-threads: not running %s[%s] of thread %s: the gate at %s did "
+                           "not answer its claim (%s); the gate hands it out again once its "
+                           "release or lease lapses", self.name, task_id, thread_id,
+                           runtime.config.redis_url, exc)
+            raise Ignore() from exc
         if status != CLAIMED:
             # Another delivery of this release started first (or it went stale in between).
             logger.info("celery-threads: not running %s[%s] of thread %s: %s", self.name, task_id,
                         thread_id, "claimed by another delivery" if status == ALREADY_CLAIMED
                         else "stale release")
             raise Ignore()
-        retries = int(request.retries or 0)
-        key = (task_id, token)
-        running = _running[key] = Running(claimed_ms, time.monotonic())
-        try:
-            result = super().__call__(*args, **kwargs)
-        except BaseException as exc:
-            _running.pop(key, None)
-            _record_end(runtime, lambda: self._ended(runtime, thread_id, task_id, token, retries,
-                                                     exc, running.reentry))
-            raise
-        _running.pop(key, None)
-        _record_end(runtime, lambda: self._ended(runtime, thread_id, task_id, token, retries,
-                                                 None, running.reentry))
-        return result
+        return claimed_ms, keeper.lease(thread_id, task_id, token, claimant, sent)
 
-    def _ended(self, runtime: Any, thread_id: str, task_id: str, token: str, retries: int,
-               exc: Optional[BaseException], reentry: Optional["Reentry"]) -> None:
-        """Apply the member's ending to the gate, once its body has fully unwound."""
+    def _ended(self, runtime: Runtime, thread_id: str, task_id: str, token: str, retries: int,
+               exc: Optional[BaseException], reentry: Optional["Reentry"],
+               ending: "handoff.Ending") -> None:
+        """Apply the member's ending to the gate, once its body has fully unwound.  Called again
+        with the same arguments when the gate did not answer (see :func:`_record_end`)."""
         gate = runtime.gate
         if reentry is not None:
             # self.retry() was called (also with throw=False): it wins however the body ended.
             runtime.publish(self._reenter(runtime, thread_id, task_id, token, reentry).release)
         elif exc is None or isinstance(exc, Ignore):
-            handoff.finish(runtime, self, thread_id, task_id, token)
+            handoff.finish(runtime, self, thread_id, task_id, token, ending)
         elif isinstance(exc, Retry):
             # Retry raised by hand, without self.retry() publishing: re-enter now.
             runtime.apply(gate.requeue(thread_id, task_id, token, retries=retries + 1))
@@ -248,16 +281,32 @@ def _signature(run: Any) -> inspect.Signature:
     return found
 
 
-def _record_end(runtime: Any, end: Callable[[], Any]) -> None:
-    """Apply a member's ending to the gate.  The client already rides out a short Redis outage;
-    past that the task's own outcome must not change: its lease lapses and the gate treats the
-    attempt as failed (it runs again if retries remain)."""
-    try:
-        end()
-    except redis.RedisError:
-        logger.exception("celery-threads: could not record the end of a member in the gate at "
-                         "%s; its lease will lapse and the attempt will count as failed",
-                         runtime.config.redis_url)
+def _record_end(runtime: Runtime, lease: Lease, end: Callable[[], Any]) -> None:
+    """Apply a member's ending to the gate.  While the gate does not answer, the ending is kept
+    and tried again for as long as the member's lease can hold (the keeper goes on renewing it),
+    so a member that ended is not run again because its ending came late: every transition gives
+    the same outcome when a call whose reply was lost is sent again.  Past its lease, the gate
+    counts the attempt as failed (it runs again if retries remain)."""
+    warned = False
+    while True:
+        try:
+            end()
+            return
+        except redis.RedisError as exc:
+            remaining = lease.remaining()
+            if lease.lost or remaining <= 0:
+                logger.error("celery-threads: could not record the end of %s of thread %s in the "
+                             "gate at %s (%s) while its lease held; the gate counts the attempt "
+                             "as failed", lease.task_id, lease.thread_id,
+                             runtime.config.redis_url, exc)
+                return
+            if not warned:
+                warned = True
+                logger.warning("celery-threads: the gate at %s did not answer (%s); the end of %s "
+                               "of thread %s is kept and sent again while its lease holds "
+                               "(%.1fs)", runtime.config.redis_url, exc, lease.task_id,
+                               lease.thread_id, remaining)
+            time.sleep(min(0.5, remaining))
 
 
 @contextmanager

@@ -28,8 +28,8 @@ from celery.worker import state as worker_state
 from celery.worker.request import Request
 from celery.worker.strategy import default as default_strategy
 
-from . import handoff
-from .gate import RETRIED
+from . import handoff, lease
+from .gate import RETRIED, STALE
 from .noack import CONSUMER_FLAG, hand_back_on_pool_close, mark_delivery
 from .publish import REPUBLISHED_HEADER, THREAD_HEADER, TOKEN_HEADER, request_member
 from .runtime import get_runtime
@@ -310,8 +310,10 @@ def wrap_revoke_command() -> None:
 
 
 class LeaseRenewer:
-    """Every keepalive/3, renews the lease of each threaded member this worker holds: running, or
-    waiting in its prefetch buffer (whose release deadline it extends)."""
+    """Every keepalive/3, renews the release deadline of each threaded member this worker holds
+    unclaimed in its prefetch buffer.  A claimed member's lease is renewed by the process that
+    claimed it, with its claimant (:class:`celery_threads.lease.Keeper`); the gate refuses this
+    renewal for it."""
 
     def __init__(self, runtime: Any, tick: Any = None) -> None:
         self.runtime = runtime
@@ -344,8 +346,8 @@ class LeaseRenewer:
             if members:
                 try:
                     renewed = self.runtime.gate.renew_many(members, self.runtime.config.keepalive_ms)
-                    for (thread_id, task_id, _), ok in zip(members, renewed):
-                        if not ok:
+                    for (thread_id, task_id, _), status in zip(members, renewed):
+                        if status == STALE:
                             logger.debug("celery-threads: %s no longer holds thread %s", task_id,
                                          thread_id)
                 except Exception:
@@ -366,14 +368,17 @@ class LeaseRenewer:
 
 
 class ThreadsWorkerStep(bootsteps.StartStopStep):
-    """Installed in every worker of an app with threaded tasks: renewer and dispatch loop."""
+    """Installed in every worker of an app with threaded tasks: renewer, lease watchdog and
+    dispatch loop."""
 
     label = "celery-threads"
 
     def __init__(self, worker: Any, **kwargs: Any) -> None:
         self.renewer: Optional[LeaseRenewer] = None
+        self.watchdog: Optional[lease.Watchdog] = None
         self.loop: Any = None
         handoff.prepare(worker)   # before the pool forks
+        lease.prepare(handoff.pool_size(worker))
 
     def start(self, worker: Any) -> None:
         from .dispatcher import DispatchLoop
@@ -383,6 +388,8 @@ class ThreadsWorkerStep(bootsteps.StartStopStep):
         hand_back_on_pool_close(worker)
         self.renewer = LeaseRenewer(runtime, tick=lambda: handoff.sync(worker))
         self.renewer.start()
+        self.watchdog = lease.Watchdog(runtime.config.keepalive)
+        self.watchdog.start()
         if runtime.config.worker_dispatch:
             self.loop = DispatchLoop(runtime)
             self.loop.start()
@@ -394,7 +401,9 @@ class ThreadsWorkerStep(bootsteps.StartStopStep):
         if self.loop is not None:
             self.loop.stop()
         if self.renewer is not None:
-            self.renewer.stop()   # keeps renewing what is still running, then ends
+            self.renewer.stop()   # keeps renewing what is still held, then ends
+        if self.watchdog is not None:
+            self.watchdog.stop()
 
     def shutdown(self, worker: Any) -> None:
         self.stop(worker)

@@ -9,7 +9,7 @@
 --   KEYS[6] deadrec  HASH    task id -> died_at_ms "\n" meta_json "\n" envelope
 --   KEYS[7] queue    ZSET    this thread's waiting members (seq, field) -> scheduled_at (ms)
 --   KEYS[8] active   HASH    this thread's active member: task, token, state, since, deadline,
---                            worker, n, l
+--                            worker, by (the claimant), n, l, prev and pst (see DETACHED)
 --   KEYS[9] ended    ZSET    task id -> ended_at (ms) of members that ended in the last
 --                            ENDED_WINDOW; +inf: a UUID member keyed by its long form (add_member)
 -- ARGV (common head):
@@ -35,9 +35,13 @@ if redis.replicate_commands then pcall(redis.replicate_commands) end  -- Redis 6
 -- the library loaded.
 local K_SEQ, K_DUE, K_LEASES, K_TASKS, K_DEAD, K_DEADREC, K_Q, K_A, K_ENDED
 local NOW, TID, RELEASE_TIMEOUT, WAKE, DIRECT
--- {keepalive ms, worker}: a script whose caller runs what it releases (finish with ARGV[9]) sets
--- this, and the member it releases is claimed for that worker at once (see activate).
+-- {keepalive ms, worker, claimant}: a script whose caller runs what it releases (finish with
+-- ARGV[9]) sets this, and the member it releases is claimed for that caller at once (activate).
 local CLAIM
+-- {"<task>|<token>", status, info}: the active member this call has detached and the reply it
+-- gives.  The member the call then releases keeps them ('prev', 'pst'), so that the same call
+-- replayed (its reply lost, the client sending it again) gets the same reply (see replayed).
+local DETACHED
 
 local function begin(keys, argv)
   K_SEQ, K_DUE, K_LEASES, K_TASKS = keys[1], keys[2], keys[3], keys[4]
@@ -48,6 +52,7 @@ local function begin(keys, argv)
   WAKE = argv[4]
   DIRECT = argv[5]
   CLAIM = nil
+  DETACHED = nil
 end
 
 -- How long an ended member's task id is remembered, so that an enqueue replayed after a lost reply
@@ -110,11 +115,15 @@ local function activate(task, field, sched, in_due, rec)
   if CLAIM then
     deadline = NOW + CLAIM[1]
     redis.call('HSET', K_A, 'task', task, 'token', token, 'state', 'RUNNING', 'since', NOW,
-      'deadline', deadline, 'sched', sched, 'n', 0, 'l', long, 'claimed', NOW, 'worker', CLAIM[2])
+      'deadline', deadline, 'sched', sched, 'n', 0, 'l', long, 'claimed', NOW, 'worker', CLAIM[2],
+      'by', CLAIM[3])
   else
     deadline = NOW + RELEASE_TIMEOUT
     redis.call('HSET', K_A, 'task', task, 'token', token, 'state', 'RELEASED', 'since', NOW,
       'deadline', deadline, 'sched', sched, 'n', 0, 'l', long)
+  end
+  if DETACHED then
+    redis.call('HSET', K_A, 'prev', DETACHED[1], 'pst', DETACHED[2] .. '|' .. DETACHED[3])
   end
   if in_due then redis.call('ZREM', K_DUE, TID) end
   redis.call('ZADD', K_LEASES, deadline, TID)
@@ -278,9 +287,46 @@ local function republish_active(task, token, deadline, n)
 end
 
 -- A member left the gate for good: remember its task id for ENDED_WINDOW (and forget older ones).
+-- The index itself vanishes ENDED_WINDOW after the last ending, unless it holds a +inf entry (a
+-- live member's, add_member), which must stay while that member lives.
 local function mark_ended(task)
   redis.call('ZADD', K_ENDED, NOW, task)
   redis.call('ZREMRANGEBYSCORE', K_ENDED, '-inf', '(' .. (NOW - ENDED_WINDOW))
+  local last = redis.call('ZRANGE', K_ENDED, -1, -1, 'WITHSCORES')
+  if last[2] == 'inf' then
+    redis.call('PERSIST', K_ENDED)
+  else
+    redis.call('PEXPIRE', K_ENDED, ENDED_WINDOW)
+  end
+end
+
+-- Whether `task` ended (left the gate for good) within ENDED_WINDOW.
+local function ended_lately(task)
+  local at = redis.call('ZSCORE', K_ENDED, task)
+  return at and at ~= 'inf' and tonumber(at) >= NOW - ENDED_WINDOW
+end
+
+-- The reply a call that detached the active member (task, token) gave, for the same call replayed
+-- after its reply was lost, while the member it released is still active: that release again when
+-- it is still RELEASED (the caller publishes it; a second copy loses the claim), or when it is
+-- RUNNING for `claimant` (finish's handoff claim); else the reply without it.  nil when the
+-- active member was not released by that call (none is, or a later call released it).
+local function replayed(task, token, claimant)
+  local a = redis.call('HMGET', K_A, 'prev', 'pst', 'task', 'token', 'state', 'by', 'claimed')
+  if a[1] ~= task .. '|' .. token then return nil end
+  local status, info = string.match(a[2], '^(%d+)|(.*)$')
+  status = tonumber(status)
+  if a[5] == 'RELEASED' or (a[5] == 'RUNNING' and claimant ~= '' and a[6] == claimant) then
+    local _, rec = find_member(K_TASKS, a[3])
+    if a[5] == 'RUNNING' then info = a[7] end
+    return reply(status, info, { a[3], a[4], rec })
+  end
+  return reply(status, info)
+end
+
+-- Record what this call detached (the active member (task, token)) and the reply it gives.
+local function detached(task, token, status, info)
+  DETACHED = { task .. '|' .. token, status, info }
 end
 
 -- Detach the active member for good (it ended) and forget it.  `field`: its tasks-hash field
@@ -340,6 +386,7 @@ local function add_member(task, sched, retries, maxr, delay, envelope, again)
     field, rec = '\1' .. task, make_record(seq, retries, maxr, delay, envelope)
     redis.call('HSET', K_TASKS, field, rec)
     redis.call('ZADD', K_ENDED, '+inf', task)     -- until it ends (mark_ended)
+    redis.call('PERSIST', K_ENDED)
   end
   if redis.call('EXISTS', K_A) == 1 then
     redis.call('ZADD', K_Q, sched, queue_member(seq, field))

@@ -1,14 +1,22 @@
 -- claim: a worker takes the released member it received, fenced by the release's token.
 --   ARGV[6] task id   ARGV[7] token   ARGV[8] keepalive ms   ARGV[9] worker hostname
--- Returns {1, now ms} claimed, {2, ''} already claimed (duplicate delivery), {0, ''} stale.
-local task, token = ARGV[6], ARGV[7]
+--   ARGV[10] claimant: this delivery's own id (optional), kept as the active member's 'by': the
+--            lease is renewed, and the member ended, only by the claimant (renew.lua)
+-- Returns {1, claim time ms} claimed (also to the same claimant's replay of the claim, with the
+-- first claim's time), {2, ''} already claimed by another delivery, {0, ''} stale.
+local task, token, claimant = ARGV[6], ARGV[7], ARGV[10] or ''
 local state = is_active(task, token)
 if state == 'RELEASED' then
   local deadline = NOW + tonumber(ARGV[8])
-  redis.call('HSET', K_A, 'state', 'RUNNING', 'claimed', NOW, 'deadline', deadline, 'worker', ARGV[9])
+  redis.call('HSET', K_A, 'state', 'RUNNING', 'claimed', NOW, 'deadline', deadline, 'worker', ARGV[9],
+    'by', claimant)
   redis.call('ZADD', K_LEASES, deadline, TID)
   return reply(1, tostring(NOW))
 elseif state == 'RUNNING' then
+  if claimant ~= '' then
+    local a = redis.call('HMGET', K_A, 'by', 'claimed')
+    if a[1] == claimant then return reply(1, a[2]) end
+  end
   return reply(2, '')
 end
 return reply(0, '')

@@ -1,17 +1,30 @@
 -- delete: detach a member whatever its state and promote the next member at once.
 --   ARGV[6] task id   ARGV[7] token required when the member is active ("" = any)
 --   ARGV[8] "1" to delete only a WAITING member (a plain revoke must not detach a running one)
--- Returns {1, previous state} plus the release, or {0, ''} when nothing was deleted.
+-- Returns {1, previous state} plus the release, or {0, ''} when nothing was deleted.  Replayed
+-- (its reply lost), it returns the same while the member it released is active (see replayed),
+-- else {1, 'ENDED'} when the member ended lately (it may have been RUNNING).
 local task, token = ARGV[6], ARGV[7]
 local field, rec = find_member(K_TASKS, task)
-if rec == false then return reply(0, '') end
+if rec == false then
+  if ARGV[8] == '1' then return reply(0, '') end
+  local a = redis.call('HMGET', K_A, 'prev')
+  if a[1] and string.sub(a[1], 1, #task + 1) == task .. '|' then
+    local again = replayed(task, string.sub(a[1], #task + 2), '')
+    if again then return again end
+  end
+  if ended_lately(task) then return reply(1, 'ENDED') end
+  return reply(0, '')
+end
 local p = parse_record(rec)
 if p.thread ~= TID then return reply(0, '') end
 local state = active_state(task)
 if state then
   if ARGV[8] == '1' then return reply(0, state) end
   if token ~= '' and not is_active(task, token) then return reply(0, state) end
+  local current = redis.call('HGET', K_A, 'token')
   drop_active(task, field)
+  detached(task, current, 1, state)
 else
   if token ~= '' then return reply(0, 'WAITING') end
   state = 'WAITING'

@@ -2,7 +2,17 @@
 --   ARGV[6] task id   ARGV[7] "at"|"in"   ARGV[8] scheduled_at ms ("at") or delay ms ("in")
 --   ARGV[9] max_retries (-1: unlimited)   ARGV[10] retry delay ms   ARGV[11] envelope
 -- Returns {1, ''} added (plus the release, if any: without the record when it is this member's),
--- {0, ''} when the task id is already a member.
-local released = add_member(ARGV[6], schedule(ARGV[7], ARGV[8]), 0, ARGV[9], ARGV[10], ARGV[11])
-if released == false then return reply(0, '') end
-return reply(1, '', released, released ~= nil and released[1] == ARGV[6])
+-- {0, ''} when the task id is already a member; when that member is RELEASED (an enqueue replayed
+-- after its reply was lost, which released it), {0, ''} plus its release with its stored record,
+-- for the caller to publish (a second copy loses the claim).
+local task = ARGV[6]
+local released = add_member(task, schedule(ARGV[7], ARGV[8]), 0, ARGV[9], ARGV[10], ARGV[11])
+if released == false then
+  local a = redis.call('HMGET', K_A, 'task', 'token', 'state')
+  if a[1] == task and a[3] == 'RELEASED' then
+    local _, rec = find_member(K_TASKS, task)
+    return reply(0, '', { task, a[2], rec })
+  end
+  return reply(0, '')
+end
+return reply(1, '', released, released ~= nil and released[1] == task)

@@ -11,7 +11,7 @@
 local state = is_active(ARGV[6], ARGV[7])
 if state == 'RUNNING' and ARGV[8] == '1' then
   redis.call('HSET', K_A, 'state', 'RELEASED')
-  redis.call('HDEL', K_A, 'claimed', 'worker')
+  redis.call('HDEL', K_A, 'claimed', 'worker', 'by')
 elseif state ~= 'RELEASED' then
   return reply(0, '')
 end
