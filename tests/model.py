@@ -43,6 +43,12 @@ class Active:
     deadline: int           # release timeout (RELEASED) or lease (RUNNING), ms
     n: int = 0              # republications of this release so far
     worker: Optional[str] = None
+    by: Optional[str] = None        # the claimant
+    claimed: Optional[int] = None   # when it was claimed, ms
+    # The call that released it, had it detached the previous active member: (kind, task id,
+    # token) and its reply (status, info), for that call replayed (lua/_common.lua replayed).
+    prev: Optional[tuple[str, str, str]] = None
+    pst: Optional[tuple[int, str]] = None
 
 
 @dataclass
@@ -102,6 +108,8 @@ class Model:
         self.ended: dict[str, int] = {}          # task id -> ended_at, the last ENDED_WINDOW_MS
         self._arrivals = itertools.count(1)
         self._tokens = itertools.count(1)
+        # What the current call detached, for the member it releases (see Active.prev).
+        self._detached: Optional[tuple[tuple[str, str, str], tuple[int, str]]] = None
 
     # -- helpers ---------------------------------------------------------------------------
     def _schedule(self, delay_ms: int, at_ms: Optional[int]) -> int:
@@ -136,7 +144,37 @@ class Model:
             return None
         thread.active = Active(head.task_id, f"m{next(self._tokens)}", RELEASED,
                                self.now + self.release_timeout_ms)
+        if self._detached is not None:
+            thread.active.prev, thread.active.pst = self._detached
         return self._release_of(thread)
+
+    def _release_after(self, thread_id: str, kind: str, task_id: str, token: str, status: int,
+                       info: str) -> Optional[Release]:
+        """``_release_head`` after a call of ``kind`` detached the active (task_id, token)."""
+        self._detached = ((kind, task_id, token), (status, info))
+        try:
+            return self._release_head(thread_id)
+        finally:
+            self._detached = None
+
+    def _replayed(self, thread_id: str, kind: str, task_id: str, token: str,
+                  claimant: str = "") -> Optional[Outcome]:
+        """The reply a call of ``kind`` that detached (task_id, token) gave, while the member it
+        released is active (RELEASED, or RUNNING for ``claimant``); else ``None``."""
+        thread = self.threads.get(thread_id)
+        active = thread.active if thread is not None else None
+        if active is None or active.prev != (kind, task_id, token) or active.pst is None:
+            return None
+        status, info = active.pst
+        mine = active.state == RUNNING and claimant != "" and active.by == claimant
+        if mine or (active.state == RELEASED and claimant == ""):
+            if mine:
+                info = str(active.claimed)
+            return Outcome(status, info, self._release_of(thread))  # type: ignore[arg-type]
+        return Outcome(status, info)
+
+    def _ended_lately(self, task_id: str) -> bool:
+        return self.ended.get(task_id, -ENDED_WINDOW_MS - 1) >= self.now - ENDED_WINDOW_MS
 
     def _add_member(self, thread_id: str, task_id: str, sched: int, max_retries: int,
                     retry_delay_ms: int, envelope: bytes, again: bool = False) -> bool:
@@ -198,6 +236,11 @@ class Model:
         maxr = -1 if max_retries is None else int(max_retries)
         if not self._add_member(thread_id, task_id, self._schedule(delay_ms, at_ms), maxr,
                                 retry_delay_ms, envelope):
+            thread = self.threads.get(thread_id)
+            active = thread.active if thread is not None else None
+            if thread is not None and active is not None and active.task_id == task_id \
+                    and active.state == RELEASED:
+                return Outcome(NOOP, "", self._release_of(thread))   # a replay: publish again
             return Outcome(NOOP, "")
         return Outcome(DONE, "", self._release_head(thread_id))
 
@@ -205,23 +248,29 @@ class Model:
         return Outcome(DONE, "", self._release_head(thread_id))
 
     def claim(self, thread_id: str, task_id: str, token: str, keepalive_ms: int,
-              worker: str) -> int:
+              worker: str, claimant: str = "") -> int:
         active = self._active(thread_id, task_id, token)
         if active is None:
             return STALE
         if active.state == RUNNING:
-            return ALREADY_CLAIMED
+            # The same claimant's claim replayed is answered as the first.
+            return CLAIMED if claimant != "" and active.by == claimant else ALREADY_CLAIMED
         active.state, active.deadline, active.worker = RUNNING, self.now + keepalive_ms, worker
+        active.by, active.claimed = claimant, self.now
         return CLAIMED
 
-    def renew(self, thread_id: str, task_id: str, token: str, keepalive_ms: int) -> bool:
-        """The worker holding (task, token) vouches for it: a RUNNING member's lease, or the
-        release deadline of a RELEASED one sitting in its prefetch buffer, is now + keepalive."""
+    def renew(self, thread_id: str, task_id: str, token: str, keepalive_ms: int,
+              claimant: str = "") -> int:
+        """The holder of (task, token) vouches for it: a RUNNING member's lease (its claimant
+        only), or the release deadline of a RELEASED one sitting unclaimed in its prefetch buffer
+        (no claimant), is now + keepalive.  1 renewed, 0 stale, 2 not this caller's."""
         active = self._active(thread_id, task_id, token)
         if active is None:
-            return False
+            return STALE
+        if (active.by != claimant) if active.state == RUNNING else claimant != "":
+            return 2
         active.deadline = self.now + keepalive_ms
-        return True
+        return 1
 
     def hand_back(self, thread_id: str, task_id: str, token: str) -> Outcome:
         """A worker shutting down returns a release it holds unstarted: it stays RELEASED under
@@ -242,18 +291,23 @@ class Model:
         return active.state
 
     def finish(self, thread_id: str, task_id: str, token: str, *, keep_release: bool = False,
-               claim: Optional[tuple[int, str]] = None) -> Outcome:
-        """``claim``: ``(keepalive_ms, worker)``; the member released is claimed for that worker
-        at once (the in-process handoff's one round trip), and ``info`` is the time."""
+               claim: Optional[tuple[Any, ...]] = None) -> Outcome:
+        """``claim``: ``(keepalive_ms, worker[, claimant])``; the member released is claimed for
+        that worker at once (the in-process handoff's one round trip), and ``info`` is the time."""
+        claimant = str(claim[2]) if claim is not None and len(claim) > 2 else ""
         if self._active(thread_id, task_id, token) is None:
-            return Outcome(NOOP, "")
+            again = self._replayed(thread_id, "f", task_id, token, claimant)
+            if again is not None:
+                return again
+            return Outcome(DONE, "") if self._ended_lately(task_id) else Outcome(NOOP, "")
         self._drop_active(self.threads[thread_id])
-        release = self._release_head(thread_id)
+        release = self._release_after(thread_id, "f", task_id, token, DONE, "")
         if release is None or claim is None:
             return Outcome(DONE, "", release)
         active = self.threads[thread_id].active
         assert active is not None
         active.state, active.deadline, active.worker = RUNNING, self.now + claim[0], claim[1]
+        active.by, active.claimed = claimant, self.now
         return Outcome(DONE, str(self.now), release)
 
     def unclaim(self, thread_id: str, task_id: str, token: str) -> Outcome:
@@ -262,24 +316,31 @@ class Model:
         active = self._active(thread_id, task_id, token)
         if active is None:
             return Outcome(NOOP, "")
-        active.state, active.worker = RELEASED, None
+        active.state, active.worker, active.by, active.claimed = RELEASED, None, None, None
         return self.hand_back(thread_id, task_id, token)
 
     def requeue(self, thread_id: str, task_id: str, token: str, *, retries: int,
                 delay_ms: int = 0, at_ms: Optional[int] = None,
                 envelope: bytes = b"") -> Outcome:
         if self._active(thread_id, task_id, token) is None:
-            return Outcome(NOOP, "")
+            again = self._replayed(thread_id, "r", task_id, token)
+            if again is not None:
+                return again
+            return Outcome(DONE, "") if task_id in self.tasks else Outcome(NOOP, "")
         self._requeue_active(self.threads[thread_id], self._schedule(delay_ms, at_ms), retries,
                              envelope)
-        return Outcome(DONE, "", self._release_head(thread_id))
+        return Outcome(DONE, "", self._release_after(thread_id, "r", task_id, token, DONE, ""))
 
     def kill(self, thread_id: str, task_id: str, token: str, meta: dict[str, Any], *,
              keep: bool = True) -> Outcome:
         if self._active(thread_id, task_id, token) is None:
-            return Outcome(NOOP, "")
+            again = self._replayed(thread_id, "k", task_id, token)
+            if again is not None:
+                return again
+            done = task_id in self.dead if keep else self._ended_lately(task_id)
+            return Outcome(DONE, "") if done else Outcome(NOOP, "")
         self._kill_active(self.threads[thread_id], keep, {"thread_id": thread_id, **meta})
-        return Outcome(DONE, "", self._release_head(thread_id))
+        return Outcome(DONE, "", self._release_after(thread_id, "k", task_id, token, DONE, ""))
 
     def delete(self, task_id: str, *, token: str = "", only_waiting: bool = False) -> Outcome:
         thread_id = self.tasks.get(task_id)
@@ -290,7 +351,10 @@ class Model:
             state = thread.active.state
             if only_waiting or (token != "" and thread.active.token != token):
                 return Outcome(NOOP, state)
+            current = thread.active.token
             self._drop_active(thread)
+            return Outcome(DONE, state,
+                           self._release_after(thread_id, "d", task_id, current, DONE, state))
         else:
             if token != "":
                 return Outcome(NOOP, WAITING)
@@ -321,10 +385,18 @@ class Model:
 
     def fail(self, thread_id: str, task_id: str, token: str, reason: str) -> Outcome:
         active = self._active(thread_id, task_id, token)
-        if active is None or active.state != RUNNING:
+        if active is None:
+            again = self._replayed(thread_id, "x", task_id, token)
+            if again is not None:
+                return again
+            if task_id in self.tasks:
+                return Outcome(RETRIED, task_id)
+            return Outcome(DIED, task_id) if self._ended_lately(task_id) else Outcome(NOOP, "")
+        if active.state != RUNNING:
             return Outcome(NOOP, "")
         status = self._fail_active(self.threads[thread_id], reason)
-        return Outcome(status, task_id, self._release_head(thread_id))
+        return Outcome(status, task_id,
+                       self._release_after(thread_id, "x", task_id, token, status, task_id))
 
     def restart(self, task_id: str, *, max_retries: Optional[int] = None,
                 retry_delay_ms: int = 0) -> Outcome:

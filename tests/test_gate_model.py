@@ -45,6 +45,9 @@ KEEPALIVE = 1500               # ms; the gate's own keepalive only names itself 
 START = 1_700_000_000_000      # the fake clock's first reading, ms (a realistic epoch time)
 THREAD_IDS = ["a", "b", "c:q", "é"]
 UNKNOWN = "never-enqueued"
+#: A claim's claimant: none (an older worker's claim, or a holder of an unclaimed release) or one
+#: of two deliveries'.
+CLAIMANTS = st.sampled_from(["", "c1", "c2"])
 
 EXAMPLES = int(os.environ.get("CT_MODEL_EXAMPLES", "100"))
 STEPS = int(os.environ.get("CT_MODEL_STEPS",
@@ -248,20 +251,24 @@ class GateMachine(RuleBasedStateMachine):
     # -- the worker holding the active member ---------------------------------------------------
     @precondition(has_active)
     @rule(pick=st.integers(0, 999), keepalive=st.sampled_from([50, RELEASE_TIMEOUT, 1000]),
-          worker=st.sampled_from(["w1", "w2"]))
-    def claim(self, pick: int, keepalive: int, worker: str) -> None:
+          worker=st.sampled_from(["w1", "w2"]), claimant=CLAIMANTS)
+    def claim(self, pick: int, keepalive: int, worker: str, claimant: str) -> None:
+        """A delivery claims the active member; the same claimant again is its claim replayed."""
         thread_id, task_id, mtok, rtok = self.active_target(pick)
         self.same(self.gate.peek(thread_id, task_id, rtok),
                   self.model.peek(thread_id, task_id, mtok), "peek")
-        self.same(self.gate.claim(thread_id, task_id, rtok, keepalive, worker),
-                  self.model.claim(thread_id, task_id, mtok, keepalive, worker), "claim")
+        self.same(self.gate.claim(thread_id, task_id, rtok, keepalive, worker, claimant),
+                  self.model.claim(thread_id, task_id, mtok, keepalive, worker, claimant),
+                  "claim")
 
     @precondition(has_active)
-    @rule(pick=st.integers(0, 999), keepalive=st.sampled_from([50, RELEASE_TIMEOUT, 1000]))
-    def renew(self, pick: int, keepalive: int) -> None:
+    @rule(pick=st.integers(0, 999), keepalive=st.sampled_from([50, RELEASE_TIMEOUT, 1000]),
+          claimant=CLAIMANTS)
+    def renew(self, pick: int, keepalive: int, claimant: str) -> None:
+        """The claimant renews its lease; no claimant: a worker holding the release unclaimed."""
         thread_id, task_id, mtok, rtok = self.active_target(pick)
-        self.same(self.gate.renew(thread_id, task_id, rtok, keepalive),
-                  self.model.renew(thread_id, task_id, mtok, keepalive), "renew")
+        self.same(self.gate.renew(thread_id, task_id, rtok, keepalive, claimant),
+                  self.model.renew(thread_id, task_id, mtok, keepalive, claimant), "renew")
 
     @precondition(has_active)
     @rule(pick=st.integers(0, 999), bogus=st.booleans())
@@ -310,7 +317,7 @@ class GateMachine(RuleBasedStateMachine):
         """The in-process handoff: finish claims the next member for this worker; ``choice`` 0:
         the pool process cannot run it after all and gives it back (unclaim), or its stale token
         is given back."""
-        claim = (1000, "w-handoff")
+        claim = (1000, "w-handoff", "c-handoff")
         real = self.gate.finish(thread_id, task_id, rtok, keep_release=True, claim=claim)
         self.same_outcome(real, self.model.finish(thread_id, task_id, mtok, keep_release=True,
                                                   claim=claim), "finish+claim")
@@ -323,6 +330,11 @@ class GateMachine(RuleBasedStateMachine):
         elif choice == 1:
             self.same_outcome(self.gate.unclaim(thread_id, task_id, rtok),
                               self.model.unclaim(thread_id, task_id, mtok), "unclaim")
+        elif choice == 2:    # the same call again, as after its reply was lost
+            self.same_outcome(
+                self.gate.finish(thread_id, task_id, rtok, keep_release=True, claim=claim),
+                self.model.finish(thread_id, task_id, mtok, keep_release=True, claim=claim),
+                "finish+claim replayed")
 
     def _requeue(self, thread_id: str, task_id: str, mtok: str, rtok: str, retries: int,
                  at: bool, delay: int, offset: int, new_body: bool) -> None:
@@ -661,8 +673,11 @@ def test_enqueue_paths_release_the_member_they_admit(gate_url: str) -> None:
         assert (ran["cmdstat_zadd"], ran["cmdstat_zrem"], ran["cmdstat_hget"]) == (1, 0, 0), ran
         assert client.zscore(shard.leases, "a") is not None and client.zscore(shard.due, "a") is None
 
+        # A duplicate (an enqueue replayed after its reply was lost) of the RELEASED member
+        # adds nothing, and hands back its release with the message stored first, to publish.
         dup = gate.enqueue("a", "t1", b"other")
-        assert (dup.status, dup.release) == (0, None)
+        assert dup.status == 0 and dup.release is not None
+        assert (dup.release.token, dup.release.envelope) == (first.release.token, b"first\nbody")
         assert parse_record(client.hget(shard.tasks, task_field("t1")[0])).envelope == b"first\nbody"
 
         assert gate.enqueue("a", "t2", b"second").release is None          # behind t1

@@ -38,9 +38,10 @@ local NOW, TID, RELEASE_TIMEOUT, WAKE, DIRECT
 -- {keepalive ms, worker, claimant}: a script whose caller runs what it releases (finish with
 -- ARGV[9]) sets this, and the member it releases is claimed for that caller at once (activate).
 local CLAIM
--- {"<task>|<token>", status, info}: the active member this call has detached and the reply it
--- gives.  The member the call then releases keeps them ('prev', 'pst'), so that the same call
--- replayed (its reply lost, the client sending it again) gets the same reply (see replayed).
+-- {"<kind>|<task>|<token>", status, info}: the active member this call (of kind: f finish, k kill,
+-- r requeue, x fail, d delete) has detached and the reply it gives.  The member the call then
+-- releases keeps them ('prev', 'pst'), so that the same call replayed (its reply lost, the client
+-- sending it again) gets the same reply (see replayed).
 local DETACHED
 
 local function begin(keys, argv)
@@ -309,24 +310,26 @@ end
 -- The reply a call that detached the active member (task, token) gave, for the same call replayed
 -- after its reply was lost, while the member it released is still active: that release again when
 -- it is still RELEASED (the caller publishes it; a second copy loses the claim), or when it is
--- RUNNING for `claimant` (finish's handoff claim); else the reply without it.  nil when the
--- active member was not released by that call (none is, or a later call released it).
-local function replayed(task, token, claimant)
+-- RUNNING for `claimant` (a finish that claimed it for its caller: then never a RELEASED one);
+-- else the reply without it.  nil when the active member was not released by such a call (none
+-- is, or a later call released it).
+local function replayed(kind, task, token, claimant)
   local a = redis.call('HMGET', K_A, 'prev', 'pst', 'task', 'token', 'state', 'by', 'claimed')
-  if a[1] ~= task .. '|' .. token then return nil end
+  if a[1] ~= kind .. '|' .. task .. '|' .. token then return nil end
   local status, info = string.match(a[2], '^(%d+)|(.*)$')
   status = tonumber(status)
-  if a[5] == 'RELEASED' or (a[5] == 'RUNNING' and claimant ~= '' and a[6] == claimant) then
+  local mine = a[5] == 'RUNNING' and claimant ~= '' and a[6] == claimant
+  if mine or (a[5] == 'RELEASED' and claimant == '') then
     local _, rec = find_member(K_TASKS, a[3])
-    if a[5] == 'RUNNING' then info = a[7] end
+    if mine then info = a[7] end
     return reply(status, info, { a[3], a[4], rec })
   end
   return reply(status, info)
 end
 
--- Record what this call detached (the active member (task, token)) and the reply it gives.
-local function detached(task, token, status, info)
-  DETACHED = { task .. '|' .. token, status, info }
+-- Record what this call of `kind` detached (the active member (task, token)) and its reply.
+local function detached(kind, task, token, status, info)
+  DETACHED = { kind .. '|' .. task .. '|' .. token, status, info }
 end
 
 -- Detach the active member for good (it ended) and forget it.  `field`: its tasks-hash field

@@ -9,8 +9,9 @@ local field, rec = find_member(K_TASKS, task)
 if rec == false then
   if ARGV[8] == '1' then return reply(0, '') end
   local a = redis.call('HMGET', K_A, 'prev')
-  if a[1] and string.sub(a[1], 1, #task + 1) == task .. '|' then
-    local again = replayed(task, string.sub(a[1], #task + 2), '')
+  local mark = 'd|' .. task .. '|'
+  if a[1] and string.sub(a[1], 1, #mark) == mark then
+    local again = replayed('d', task, string.sub(a[1], #mark + 1), '')
     if again then return again end
   end
   if ended_lately(task) then return reply(1, 'ENDED') end
@@ -24,7 +25,7 @@ if state then
   if token ~= '' and not is_active(task, token) then return reply(0, state) end
   local current = redis.call('HGET', K_A, 'token')
   drop_active(task, field)
-  detached(task, current, 1, state)
+  detached('d', task, current, 1, state)
 else
   if token ~= '' then return reply(0, 'WAITING') end
   state = 'WAITING'

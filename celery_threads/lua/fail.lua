@@ -9,7 +9,7 @@ local task, token = ARGV[6], ARGV[7]
 local state = is_active(task, token)
 if state ~= 'RUNNING' then
   if state then return reply(0, '') end
-  local again = replayed(task, token, '')
+  local again = replayed('x', task, token, '')
   if again then return again end
   local _, rec = find_member(K_TASKS, task)
   if rec then return reply(3, task) end
@@ -17,5 +17,5 @@ if state ~= 'RUNNING' then
   return reply(0, '')
 end
 local status = fail_active(task, ARGV[8])
-detached(task, token, status, task)
+detached('x', task, token, status, task)
 return reply(status, task, release_head(true))

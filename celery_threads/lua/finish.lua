@@ -21,12 +21,12 @@ if ARGV[8] == '1' then
 end
 local state, long = is_active(task, token)
 if not state then
-  local again = replayed(task, token, claimant)
+  local again = replayed('f', task, token, claimant)
   if again then return again end
   if ended_lately(task) then return reply(1, '') end
   return reply(0, '')
 end
 drop_active(task, active_field(task, long))
-detached(task, token, 1, '')
+detached('f', task, token, 1, '')
 local released = release_head(true)
 return reply(1, (released and CLAIM) and tostring(NOW) or '', released)

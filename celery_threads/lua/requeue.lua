@@ -6,12 +6,12 @@
 -- replayed), or {1, ''} while the member waits (it was requeued).
 local task, token = ARGV[6], ARGV[7]
 if not is_active(task, token) then
-  local again = replayed(task, token, '')
+  local again = replayed('r', task, token, '')
   if again then return again end
   local _, rec = find_member(K_TASKS, task)
   if rec then return reply(1, '') end
   return reply(0, '')
 end
 requeue_active(task, schedule(ARGV[8], ARGV[9]), ARGV[10], ARGV[11])
-detached(task, token, 1, '')
+detached('r', task, token, 1, '')
 return reply(1, '', release_head(true))
