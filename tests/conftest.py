@@ -135,6 +135,7 @@ class CeleryProcess:
         self.cmd = [sys.executable, "-m", "celery", "-A", "tests.proj", kind, *args]
         self.env = {**os.environ, **env, "PYTHONPATH": str(ROOT)}
         self.proc: Optional[subprocess.Popen[bytes]] = None
+        self.nodename = ""
 
     def start(self) -> "CeleryProcess":
         self._logfile = open(self.log, "ab")
@@ -186,11 +187,14 @@ class Deployment:
         self.processes: list[CeleryProcess] = []
 
     def worker(self, name: str = "w1", pool: str = "prefork", concurrency: int = 2,
-               extra: Optional[list[str]] = None, wait: bool = True) -> CeleryProcess:
-        args = ["--loglevel", "INFO", "-P", pool, "-c", str(concurrency), "-n",
-                f"{name}-{uuid.uuid4().hex[:6]}@%h", "--without-gossip", "--without-mingle",
-                *(extra or [])]
-        proc = CeleryProcess("worker", self.env, args, name).start()
+               extra: Optional[list[str]] = None, wait: bool = True,
+               env: Optional[dict[str, str]] = None) -> CeleryProcess:
+        """``env``: this worker's own overrides of the deployment's environment."""
+        nodename = f"{name}-{uuid.uuid4().hex[:6]}@{socket.gethostname()}"
+        args = ["--loglevel", "INFO", "-P", pool, "-c", str(concurrency), "-n", nodename,
+                "--without-gossip", "--without-mingle", *(extra or [])]
+        proc = CeleryProcess("worker", {**self.env, **(env or {})}, args, name).start()
+        proc.nodename = nodename
         self.processes.append(proc)
         return proc.wait_ready() if wait else proc
 

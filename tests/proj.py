@@ -16,6 +16,8 @@ from celery.exceptions import Ignore, Reject
 from celery_threads import ThreadedTask
 
 REDIS_URL = os.environ.get("CT_REDIS_URL", "redis://127.0.0.1:6379/15")
+# Where the tasks write their history: the gate's Redis unless a test cuts the gate off.
+HISTORY_URL = os.environ.get("CT_HISTORY_URL") or REDIS_URL
 app = Celery("ctproj", broker=os.environ.get("CT_BROKER_URL", REDIS_URL),
              backend=os.environ.get("CT_BACKEND_URL", REDIS_URL))
 app.conf.update(
@@ -68,7 +70,7 @@ _history: "redis.Redis[bytes] | None" = None
 def history() -> "redis.Redis[bytes]":
     global _history
     if _history is None or getattr(_history, "_pid", None) != os.getpid():
-        _history = redis.Redis.from_url(REDIS_URL)
+        _history = redis.Redis.from_url(HISTORY_URL)
         _history._pid = os.getpid()  # type: ignore[attr-defined]
     return _history
 
@@ -202,6 +204,34 @@ def where(self, thread, label, sleep=0.0):
     with _Span(self, thread, label):
         history().rpush(f"pid:{thread}", os.getpid())
         time.sleep(sleep)
+    return label
+
+
+@app.task(base=ThreadedTask, bind=True, thread_key="thread", max_retries=0)
+def beater(self, thread, label, seconds=30.0, until=None):
+    """Runs up to `seconds`, writing a heartbeat (the Redis server's clock) into list
+    beats:<thread> every 10 ms; ends early once the key `until` exists."""
+    r = history()
+    with _Span(self, thread, label):
+        end = time.monotonic() + seconds
+        while time.monotonic() < end and not (until and r.exists(until)):
+            seconds_, micros = r.time()
+            r.rpush(f"beats:{thread}", f"{label}|{seconds_ * 1_000_000 + micros}")
+            time.sleep(0.01)
+    return label
+
+
+class SlowTail(ThreadedTask):
+    """A threaded task whose trace ends slowly: after_return takes `tail` seconds (kwargs)."""
+
+    def after_return(self, status, retval, task_id, args, kwargs, einfo):
+        time.sleep(float((kwargs or {}).get("tail", 0.0)))
+
+
+@app.task(base=SlowTail, bind=True, thread_key="thread", max_retries=3)
+def slow_tail(self, thread, label, tail=0.0):
+    with _Span(self, thread, label):
+        pass
     return label
 
 
