@@ -504,11 +504,15 @@ class Gate:
     # -- transitions --------------------------------------------------------------------------
     def enqueue(self, thread_id: str, task_id: str, envelope: bytes, *, delay_ms: int = 0,
                 at_ms: Optional[int] = None, max_retries: Optional[int] = None,
-                retry_delay_ms: int = 0) -> Outcome:
+                retry_delay_ms: int = 0, replaced: int = 0) -> Outcome:
+        """A new member.  ``replaced``: the ``replaced_task_nesting`` of a replacement
+        (``Task.replace``), admitted once although its task id (the replaced task's) ended in the
+        last minute (lua/enqueue.lua)."""
         mode, value = ("at", at_ms) if at_ms is not None else ("in", max(0, delay_ms))
+        extra = (replaced,) if replaced else ()
         return self._outcome(thread_id, self._run(
             "enqueue", thread_id, task_id, mode, value, _max_retries(max_retries), retry_delay_ms,
-            envelope), own=envelope)
+            envelope, *extra), own=envelope)
 
     def release(self, thread_id: str) -> Outcome:
         return self._call("release", thread_id)
@@ -585,6 +589,16 @@ class Gate:
                 envelope: bytes = b"") -> Outcome:
         mode, value = ("at", at_ms) if at_ms is not None else ("in", max(0, delay_ms))
         return self._call("requeue", thread_id, task_id, token, mode, value, retries, envelope)
+
+    def replace(self, thread_id: str, task_id: str, token: str, envelope: bytes, *,
+                at_ms: Optional[int] = None, max_retries: Optional[int] = None,
+                retry_delay_ms: int = 0) -> Outcome:
+        """The active member's replacement (``Task.replace``, same task id, same thread) takes its
+        place: the member re-enters WAITING with the replacement's message and retry settings,
+        retries 0, its arrival order and (unless ``at_ms`` is given) its scheduled_at kept."""
+        mode, value = ("at", at_ms) if at_ms is not None else ("keep", 0)
+        return self._call("requeue", thread_id, task_id, token, mode, value, 0, envelope,
+                          _max_retries(max_retries), retry_delay_ms)
 
     def kill(self, thread_id: str, task_id: str, token: str, meta: dict[str, Any], *,
              keep: bool = True) -> Outcome:

@@ -102,6 +102,18 @@ class ThreadedTask(Task):
     def apply_async(self, args: Any = None, kwargs: Any = None, task_id: Optional[str] = None,
                     producer: Any = None, link: Any = None, link_error: Any = None,
                     shadow: Any = None, **options: Any) -> Any:
+        """Store the call as a member of its thread; it is published when the thread releases it.
+
+        Calls from inside a running member (docs/internals.md, "Calls from inside a member"):
+        Celery's ``self.retry()`` (it names the member's task id and passes its request's
+        headers) re-enters the member once its body has unwound.  ``self.replace(sig)`` gives
+        ``sig`` the member's task id; a threaded replacement is applied once the body has unwound
+        as well: in the member's thread it takes the member's place (its arrival order and
+        scheduled_at, retries 0), in another thread it joins as a new arrival once the member has
+        ended.  Any other call carrying a member's headers (``headers=self.request.headers``) is a
+        new member: the internal headers are dropped, and the copied ``thread_id`` counts only
+        for a task without a ``thread_key``.
+        """
         explicit = options.pop("thread_id", None)
         app = self._get_app()
         if app.conf.task_always_eager:
@@ -109,11 +121,26 @@ class ThreadedTask(Task):
                                        link=link, link_error=link_error, shadow=shadow, **options)
         headers = dict(options.pop("headers", None) or {})
         token = headers.get(TOKEN_HEADER) or None
-        if explicit is None:
-            explicit = headers.get(THREAD_HEADER)
+        header_thread = headers.get(THREAD_HEADER)
         for key in OUR_HEADERS:
             headers.pop(key, None)
+        nesting = int(options.get("replaced_task_nesting") or 0)
+        current = _current_member(app) if token is not None or nesting else None
+        if token is not None and not (task_id is not None and (
+                (task_id, token) in _running or (task_id, token) == current)):
+            # Not Celery's retry of the member holding the token (which names its task id, with
+            # its request's headers): headers copied from a member's request into a new call
+            # (headers=self.request.headers).  Their thread id is the gate's, not the caller's
+            # choice, so it only counts for a task without a thread_key.
+            token = None
+            if self.thread_key is not None:
+                header_thread = None
+        if explicit is None:
+            explicit = header_thread
         thread_id = self.resolve_thread_id(args, kwargs, explicit)
+        # self.replace(sig) inside the running member: sig took the member's task id.
+        replaced = (_running.get(current) if token is None and nesting and current is not None
+                    and current[0] == task_id else None)
         if options.get("kwargsrepr") is None:
             # Flower shows kwargsrepr: the thread id is visible on every member there.
             options["kwargsrepr"] = f"{saferepr(kwargs or {}, 1024)} thread={thread_id!r}"
@@ -131,7 +158,14 @@ class ThreadedTask(Task):
             delay_ms = int(float(countdown or 0) * 1000)
             release = None
             added = False
-            if token is not None:
+            if replaced is not None:
+                # Applied once the member's body has unwound (as a retry's re-entry), so that the
+                # task id is never a member twice and at most one member of a thread runs.
+                replaced.reentry = Reentry(0, 0, at_ms if at_ms is not None else (
+                    replaced.server_now_ms() + delay_ms if delay_ms else None), capture.envelope,
+                    Replacement(thread_id, nesting, self.max_retries,
+                                int(float(self.default_retry_delay or 0) * 1000)))
+            elif token is not None:
                 reentry = Reentry(int(options.get("retries") or 0), delay_ms, at_ms,
                                   capture.envelope)
                 running = _running.get((task_id, token))
@@ -149,7 +183,8 @@ class ThreadedTask(Task):
                 outcome = runtime.gate.enqueue(
                     thread_id, task_id, capture.envelope, delay_ms=delay_ms, at_ms=at_ms,
                     max_retries=self.max_retries,
-                    retry_delay_ms=int(float(self.default_retry_delay or 0) * 1000))
+                    retry_delay_ms=int(float(self.default_retry_delay or 0) * 1000),
+                    replaced=nesting)
                 if not outcome.done:
                     logger.info("celery-threads: %s[%s] is already a member of thread %s, or "
                                 "ended less than a minute ago; not enqueued twice", self.name,
@@ -167,14 +202,50 @@ class ThreadedTask(Task):
     def _reenter(self, runtime: Runtime, thread_id: str, task_id: str, token: str,
                  reentry: "Reentry") -> Outcome:
         """The member (task, token) goes back to waiting with a retry's new message; returns the
-        gate's outcome (its release, of the next member, for the caller to publish)."""
-        outcome: Outcome = runtime.gate.requeue(
+        gate's outcome (its release, of the next member, for the caller to publish).  A
+        replacement (``self.replace``) takes the member's place in its thread, or ends it and
+        joins its own thread."""
+        replacement = reentry.replacement
+        if replacement is not None and replacement.thread_id != thread_id:
+            return self._replace_elsewhere(runtime, thread_id, task_id, token, reentry,
+                                           replacement)
+        if replacement is not None:
+            outcome: Outcome = runtime.gate.replace(
+                thread_id, task_id, token, reentry.envelope or b"", at_ms=reentry.at_ms,
+                max_retries=replacement.max_retries, retry_delay_ms=replacement.retry_delay_ms)
+            if not outcome.done:
+                logger.warning("celery-threads: replacement of %s[%s] dropped: the member no "
+                               "longer holds thread %s (deleted, or its lease lapsed)",
+                               self.name, task_id, thread_id)
+            return outcome
+        outcome = runtime.gate.requeue(
             thread_id, task_id, token, retries=reentry.retries, delay_ms=reentry.delay_ms,
             at_ms=reentry.at_ms, envelope=reentry.envelope or b"")
         if not outcome.done:
             logger.warning(
                 "celery-threads: retry of %s[%s] ignored: it no longer holds thread %s "
                 "(deleted, or its lease lapsed)", self.name, task_id, thread_id)
+        return outcome
+
+    def _replace_elsewhere(self, runtime: Runtime, thread_id: str, task_id: str, token: str,
+                           reentry: "Reentry", replacement: "Replacement") -> Outcome:
+        """The member ends, then its replacement joins the replacement's own thread as a new
+        arrival under the same task id; returns that enqueue's outcome."""
+        finished: Outcome = runtime.gate.finish(thread_id, task_id, token)
+        if not finished.done:
+            logger.warning("celery-threads: replacement of %s[%s] dropped: the member no longer "
+                           "holds thread %s (deleted, or its lease lapsed)", self.name, task_id,
+                           thread_id)
+            return finished
+        runtime.publish(finished.release)
+        outcome: Outcome = runtime.gate.enqueue(
+            replacement.thread_id, task_id, reentry.envelope or b"", at_ms=reentry.at_ms,
+            max_retries=replacement.max_retries, retry_delay_ms=replacement.retry_delay_ms,
+            replaced=replacement.nesting)
+        if not outcome.done:
+            logger.warning("celery-threads: replacement %s of %s could not join thread %s: that "
+                           "task id is a member there already", task_id, self.name,
+                           replacement.thread_id)
         return outcome
 
     # -- running ------------------------------------------------------------------------------
@@ -323,13 +394,26 @@ def gate_errors(runtime: Any, task_id: str) -> Iterator[None]:
         ) from exc
 
 
+class Replacement(NamedTuple):
+    """What a replacement (``self.replace``) brings besides its message: its thread, its
+    ``replaced_task_nesting`` and its retry settings."""
+
+    thread_id: str
+    nesting: int
+    max_retries: Optional[int]
+    retry_delay_ms: int
+
+
 class Reentry(NamedTuple):
-    """A retry's re-entry into the thread, held until the member's body has unwound."""
+    """A retry's re-entry into the thread, or the member's replacement, held until the member's
+    body has unwound.  A replacement's ``at_ms`` is ``None`` when it keeps the member's
+    scheduled_at."""
 
     retries: int
     delay_ms: int
     at_ms: Optional[int]
     envelope: Optional[bytes]
+    replacement: Optional[Replacement] = None
 
 
 class Running:
@@ -350,3 +434,11 @@ class Running:
 
 # (task id, token) of each member running in this process (a dict: a thread pool runs several).
 _running: dict[tuple[str, str], Running] = {}
+
+
+def _current_member(app: Any) -> Optional[tuple[str, str]]:
+    """(task id, token) of Celery's current task when it is a released member, else ``None``."""
+    request = getattr(app.current_task, "request", None)
+    token = (getattr(request, "headers", None) or {}).get(TOKEN_HEADER)
+    task_id = getattr(request, "id", None)
+    return (str(task_id), str(token)) if token and task_id else None

@@ -252,6 +252,48 @@ def plain(self, thread, label, sleep=0.0):
     return label
 
 
+def _replacement(how: str, thread: str, label: str, target: "str | None") -> object:
+    from celery import chain, group
+
+    if how == "same":
+        return record.si(thread, f"{label}-r")
+    if how == "other":
+        return record.si(target, f"{label}-o")
+    if how == "plain":
+        return plain.si(thread, f"{label}-p")
+    if how == "group":
+        return group(record.si(thread, f"{label}-g1"), record.si(thread, f"{label}-g2"))
+    if how == "chain":
+        return chain(record.si(thread, f"{label}-c1"), record.si(thread, f"{label}-c2"))
+    raise ValueError(how)
+
+
+@app.task(base=ThreadedTask, bind=True, thread_key="thread")
+def replacer(self, thread, label, how, target=None, until=None, linger=0.3):
+    """Replaces itself (self.replace) with the signature `how` names (_replacement), once the key
+    `until` exists (when given; at most 30 s), then keeps running `linger` seconds."""
+    with _Span(self, thread, label):
+        deadline = time.monotonic() + 30
+        while until and not history().exists(until) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        try:
+            return self.replace(_replacement(how, thread, label, target))
+        finally:
+            time.sleep(linger)
+
+
+@app.task(base=ThreadedTask, bind=True, thread_key="thread")
+def caller(self, thread, label, callee_thread=None, linger=0.3):
+    """Calls `record` (thread `callee_thread`, default its own) with its own request's headers,
+    as code propagating headers does, then keeps running `linger` seconds."""
+    with _Span(self, thread, label):
+        record.apply_async((callee_thread or thread, f"{label}-called"),
+                           headers=self.request.headers)
+        free.apply_async((f"{label}-free",), headers=self.request.headers)
+        time.sleep(linger)
+    return label
+
+
 from celery_threads.signals import member_dead  # noqa: E402
 
 

@@ -1,6 +1,9 @@
--- requeue: the active member re-enters WAITING (retry) at its old arrival order.
---   ARGV[6] task id   ARGV[7] token   ARGV[8] "at"|"in"   ARGV[9] ms   ARGV[10] retries
+-- requeue: the active member re-enters WAITING (retry, or its replacement) at its old arrival order.
+--   ARGV[6] task id   ARGV[7] token   ARGV[8] "at"|"in"|"keep"   ARGV[9] ms ("at": scheduled_at,
+--   "in": delay; "keep": unused, it keeps the scheduled_at it was released at)   ARGV[10] retries
 --   ARGV[11] new envelope, or "" to keep the stored one
+--   ARGV[12] max_retries (-1: unlimited), ARGV[13] retry delay ms (optional): a replacement's
+--            (Task.replace), which takes the member's place with its own retry settings
 -- Returns {1, ''} plus the release, or {0, ''} when (task, token) is not the active member.
 -- Replayed (its reply lost), it returns the same while the member it released is active (see
 -- replayed), or {1, ''} while the member waits (it was requeued).
@@ -12,6 +15,18 @@ if not is_active(task, token) then
   if rec then return reply(1, '') end
   return reply(0, '')
 end
-requeue_active(task, schedule(ARGV[8], ARGV[9]), ARGV[10], ARGV[11])
+local sched
+if ARGV[8] == 'keep' then
+  sched = tonumber(redis.call('HGET', K_A, 'sched')) or NOW
+else
+  sched = schedule(ARGV[8], ARGV[9])
+end
+local field, rec
+if ARGV[12] then
+  field, rec = find_member(K_TASKS, task)
+  local p = parse_record(rec)
+  rec = make_record(p.seq, p.retries, ARGV[12], ARGV[13], string.sub(rec, p.body_at), p.tail)
+end
+requeue_active(task, sched, ARGV[10], ARGV[11], field, rec)
 detached('r', task, token, 1, '')
 return reply(1, '', release_head(true))
