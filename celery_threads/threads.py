@@ -115,17 +115,19 @@ class Threads:
         """Re-enqueue a dead task as a brand-new arrival (same task id, retries reset).
 
         Returns its ``AsyncResult``.  Raises :class:`celery_threads.errors.UnknownTask` when it is
-        not in the dead-letter store.
+        not in the dead-letter store, :class:`celery_threads.errors.ConfigurationError` (and
+        keeps it there) when its task's ``max_retries`` or ``default_retry_delay`` is invalid.
         """
         from .errors import UnknownTask
+        from .task import retry_settings
 
         record = self.gate.dead_record(task_id)
         if record is None:
             raise UnknownTask(f"{task_id} is not in the dead-letter store (see Threads.dead())")
         task = self.app.tasks.get(task_name(record.envelope))
+        max_retries, retry_delay_ms = (retry_settings(task) if task is not None else (3, 0))
         outcome = self.gate.restart(
-            task_id, max_retries=getattr(task, "max_retries", 3),
-            retry_delay_ms=int(float(getattr(task, "default_retry_delay", 0) or 0) * 1000),
+            task_id, max_retries=max_retries, retry_delay_ms=retry_delay_ms,
             thread_id=str(record.meta["thread_id"]))
         if outcome.status == 2:
             raise UnknownTask(f"{task_id} is a live member again; it cannot be restarted twice")

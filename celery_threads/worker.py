@@ -29,6 +29,7 @@ from celery.worker.request import Request
 from celery.worker.strategy import default as default_strategy
 
 from . import handoff
+from .errors import ConfigurationError
 from .gate import RETRIED
 from .noack import CONSUMER_FLAG, hand_back_on_pool_close, mark_delivery
 from .publish import REPUBLISHED_HEADER, THREAD_HEADER, TOKEN_HEADER, request_member
@@ -125,9 +126,15 @@ def _enter_gate_from_worker(task: Any, runtime: Any, message: Any, ack: Any, rej
     """A threaded task's message that did not come through the gate (``send_task`` by name from
     another program, a dead letter sent back): the worker enqueues it into its thread."""
     from .publish import encode_envelope
-    from .task import _eta_ms
+    from .task import _eta_ms, retry_settings
 
     headers = dict(message.headers or {})
+    try:
+        max_retries, retry_delay_ms = retry_settings(task)
+    except ConfigurationError as exc:
+        logger.error("celery-threads: rejected %s[%s]: %s", task.name, headers.get("id"), exc)
+        reject()
+        return
     try:
         args, kwargs, _ = message.decode()
         thread_id = task.resolve_thread_id(args, kwargs, headers.get(THREAD_HEADER))
@@ -150,8 +157,7 @@ def _enter_gate_from_worker(task: Any, runtime: Any, message: Any, ack: Any, rej
     eta = headers.get("eta")
     outcome = runtime.gate.enqueue(
         thread_id, headers["id"], envelope, at_ms=_eta_ms(eta) if eta else None,
-        max_retries=task.max_retries,
-        retry_delay_ms=int(float(task.default_retry_delay or 0) * 1000))
+        max_retries=max_retries, retry_delay_ms=retry_delay_ms)
     runtime.publish(outcome.release)
     ack()
 

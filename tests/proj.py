@@ -186,6 +186,18 @@ def hard_limited(self, thread, label):
     time.sleep(30)
 
 
+@app.task(base=ThreadedTask, bind=True, thread_key="thread", default_retry_delay=-1)
+def negative_retry_delay(self, thread, label):
+    """Declared with a retry delay the gate cannot store: never enqueued."""
+    return label
+
+
+@app.task(base=ThreadedTask, bind=True, thread_key="thread", max_retries=-2)
+def negative_max_retries(self, thread, label):
+    """Declared with a retry count the gate cannot store: never enqueued."""
+    return label
+
+
 @app.task(base=ThreadedTask, bind=True, thread_key="thread", max_retries=1,
           default_retry_delay=0.1)
 def suicide(self, thread, label):
