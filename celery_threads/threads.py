@@ -30,6 +30,11 @@ class ThreadInfo(NamedTuple):
 
 
 class DeadTask(NamedTuple):
+    """A task in the dead-letter store.  ``args`` and ``kwargs`` are empty when its stored
+    message cannot be decoded here, or is of a content type the app's ``accept_content`` does not
+    accept (such a message is never deserialized: an app that accepts only JSON does not unpickle
+    a pickled one).  ``restart`` runs it all the same, on workers that accept it."""
+
     task_id: str
     thread_id: str
     name: str
@@ -90,7 +95,8 @@ class Threads:
 
     def dead(self, limit: Optional[int] = None) -> list[DeadTask]:
         """The dead-letter store, oldest first; with ``limit``, only the ``limit`` latest deaths
-        (``celery threads stats`` counts them all)."""
+        (``celery threads stats`` counts them all).  Arguments are decoded only in a content type
+        the app accepts (see :class:`DeadTask`)."""
         if limit is not None and limit < 0:
             raise ValueError(f"limit must be 0 or more, not {limit}")
         tasks = []
