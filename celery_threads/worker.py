@@ -14,10 +14,13 @@
 """
 from __future__ import annotations
 
+import functools
 import logging
+import os
+import select
 import threading
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from billiard.einfo import ExceptionWithTraceback
 from celery import bootsteps
@@ -168,10 +171,15 @@ class ThreadedRequest(Request):
     def on_timeout(self, soft: bool, timeout: float) -> None:
         thread_id, token = request_member(self)
         if not soft and token and not worker_state.should_terminate:
-            exc = TimeLimitExceeded(timeout)
-            get_runtime(self.task.app).kill(
-                thread_id, self.id, token, exc=exc, retries=int(self.request_dict.get("retries") or 0),
-                keep=self.task.dead_letter, reason=f"TimeLimitExceeded: hard time limit ({timeout}s)")
+            # billiard calls this before it signals the timed-out pool process (SIGTERM, then
+            # SIGKILL 0.1 s later): the member leaves its thread, and the next one is released,
+            # only once that process, still running the body, has exited.
+            runtime = get_runtime(self.task.app)
+            kill = functools.partial(
+                runtime.kill, thread_id, self.id, token, exc=TimeLimitExceeded(timeout),
+                retries=int(self.request_dict.get("retries") or 0), keep=self.task.dead_letter,
+                reason=f"TimeLimitExceeded: hard time limit ({timeout}s)")
+            when_gone(self.worker_pid, kill, runtime.config.keepalive, what=self.id)
         super().on_timeout(soft, timeout)
 
     def on_failure(self, exc_info: Any, send_failed_event: bool = True,
@@ -194,10 +202,12 @@ class ThreadedRequest(Request):
                                        int(self.request_dict.get("retries") or 0))
         if lost:
             _fail_handed_off(self, exc)
-        elif token and not lost and not isinstance(exc, (Retry, Ignore, Reject, Terminated)):
+        elif token and not lost and not isinstance(exc, (Retry, Ignore, Reject, Terminated,
+                                                         TimeLimitExceeded)):
             # The pool child reports every failure of a task body it ran; one it never reported
             # (the message could not be decoded, the task never started) would hold the thread.
-            # Fenced by the token: a no-op when the child did report it.
+            # Fenced by the token: a no-op when the child did report it.  A hard time limit
+            # (billiard reports it here, then calls on_timeout) is on_timeout's to end.
             kill_unrunnable(get_runtime(self.task.app), self.request_dict, exc)
         super().on_failure(exc_info, send_failed_event=send_failed_event, return_ok=return_ok)
 
@@ -211,6 +221,62 @@ class ThreadedRequest(Request):
         if self.task.acks_late:
             self.acknowledge()
         self.send_event("task-retried", exception=saferepr(exc), traceback=exc_info.traceback)
+
+
+def when_gone(pid: Optional[int], action: Callable[[], Any], timeout: float,
+              what: str = "") -> None:
+    """Run ``action`` once the process ``pid`` has exited (in a thread of its own), or at once
+    when ``pid`` is this process (a pool without processes) or no longer exists.  Past
+    ``timeout`` seconds it runs anyway, with a warning: as when a lease lapses."""
+    if not pid or pid == os.getpid():
+        _run_logged(action, what)
+        return
+    try:
+        fd: Optional[int] = os.pidfd_open(pid)
+    except ProcessLookupError:
+        _run_logged(action, what)
+        return
+    except (AttributeError, OSError):   # no pidfd (Linux before 5.3, another system): poll
+        fd = None
+
+    def wait() -> None:
+        if _wait_exit(pid, fd, timeout):
+            logger.debug("celery-threads: pool process %s exited; ending %s", pid, what)
+        else:
+            logger.warning("celery-threads: pool process %s still runs %ss after %s timed out; "
+                           "ending it in its thread all the same", pid, timeout, what)
+        _run_logged(action, what)
+
+    threading.Thread(target=wait, name="celery-threads-when-gone", daemon=True).start()
+
+
+def _wait_exit(pid: int, fd: Optional[int], timeout: float) -> bool:
+    """Whether process ``pid`` (``fd`` its pidfd, or ``None``) exited within ``timeout`` s."""
+    if fd is not None:
+        try:
+            poll = select.poll()
+            poll.register(fd, select.POLLIN)     # readable once the process has exited
+            return bool(poll.poll(timeout * 1000))
+        finally:
+            os.close(fd)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)     # succeeds until the pool reaps its exited process
+        except ProcessLookupError:
+            return True
+        except OSError:
+            pass
+        time.sleep(0.01)
+    return False
+
+
+def _run_logged(action: Callable[[], Any], what: str) -> None:
+    try:
+        action()
+    except Exception:
+        logger.exception("celery-threads: could not end %s in its thread; its lease will lapse",
+                         what)
 
 
 def _fail_handed_off(request: Any, exc: BaseException) -> None:
