@@ -18,6 +18,7 @@ import functools
 import logging
 import os
 import select
+import signal as _signal
 import threading
 import time
 from typing import Any, Callable, Optional
@@ -332,9 +333,20 @@ def _terminate_handed_off(runtime: Any, task_id: str, signal: Any) -> None:
     """``revoke(terminate=True)`` of a member a pool process runs by handoff (handoff.py), which
     Celery's own revoke does not know of.  As for a terminated task: the member leaves its thread
     (fenced by its token; the next is promoted), its process gets the signal, and the result
-    backend marks it REVOKED."""
-    import os
+    backend marks it REVOKED.
 
+    The signal is fenced too: it is sent only if, once the member has left the gate, the
+    process's slot still names that member under that token.  Until then the process may have
+    finished it and be running a later member (its finish handed it one): that one is not
+    signalled.  From the gate's delete on, the member's own finish can no longer hand the process
+    a later member, so a slot that still names it after the delete means that the process is
+    still in that member's pool job.  What remains is the time between the slot's last read and
+    the signal: the process would have to end that job and start another one, which only this
+    process (the worker's main process) gives it, from this same thread, and with Celery's
+    default ``-O fair`` only to an idle process (``-O fast`` may have queued one in its pipe
+    already, a window of the few microseconds before the signal).  Where the system has
+    pidfds, the signal goes through one opened at the first read, so it never reaches another
+    process that has taken the pid since."""
     from celery.platforms import signals as platform_signals
     from celery.worker.control import TERM_SIGNAME
 
@@ -342,12 +354,35 @@ def _terminate_handed_off(runtime: Any, task_id: str, signal: Any) -> None:
     if found is None:
         return
     pid, (_, _, token) = found
-    runtime.apply(runtime.gate.delete(task_id, token=token))
-    signum = platform_signals.signum(signal or TERM_SIGNAME)
-    logger.info("celery-threads: terminating %s, run by handoff in pool process %s (%s)",
-                task_id, pid, signal or TERM_SIGNAME)
-    os.kill(pid, signum)
+    pidfd = _open_pidfd(pid)      # from here on, the signal reaches that process or none
+    try:
+        runtime.apply(runtime.gate.delete(task_id, token=token))
+        if handoff.running(task_id) != found:
+            logger.info("celery-threads: not terminating %s: pool process %s no longer runs it "
+                        "by handoff (token %s)", task_id, pid, token)
+            return
+        signum = platform_signals.signum(signal or TERM_SIGNAME)
+        logger.info("celery-threads: terminating %s, run by handoff in pool process %s (%s)",
+                    task_id, pid, signal or TERM_SIGNAME)
+        try:
+            if pidfd is not None:
+                _signal.pidfd_send_signal(pidfd, signum)
+            else:
+                os.kill(pid, signum)
+        except ProcessLookupError:
+            pass    # it has just exited: the main process fails its member as lost
+    finally:
+        if pidfd is not None:
+            os.close(pidfd)
     runtime.mark_revoked(task_id)
+
+
+def _open_pidfd(pid: int) -> Optional[int]:
+    """A pidfd of ``pid`` (Linux 5.3+), or ``None``."""
+    try:
+        return os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        return None
 
 
 def wrap_revoke_command() -> None:
