@@ -15,7 +15,8 @@ class InvalidThreadId(ThreadsError, ValueError):
 
 
 class ConfigurationError(ThreadsError):
-    """A ``threads_*`` setting is missing or wrong; the message names the setting to fix."""
+    """A ``threads_*`` setting, or an option of a threaded task (``max_retries``,
+    ``default_retry_delay``), is missing or wrong; the message names what to fix."""
 
 
 class GateUnavailable(ThreadsError):

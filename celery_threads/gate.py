@@ -286,7 +286,8 @@ class DirectLine:
         local.conn, local.sock = conn, conn._sock
 
     def _load_library(self, conn: Any) -> bool:
-        """Whether the server has the library (loaded now, or by another process before)."""
+        """Whether the server has the library (loaded now, or by another process before, with
+        exactly this code: a library is trusted by its code, never by its name alone)."""
         if self._library is None:
             return False
         try:
@@ -294,7 +295,7 @@ class DirectLine:
             conn.read_response()
         except redis.ResponseError as exc:
             # A Redis before 7 (no FUNCTION command), or one that refuses it (ACL): scripts.
-            return "already exists" in str(exc)
+            return "already exists" in str(exc) and _holds_library(conn, self._library)
         return True
 
     def _drop(self) -> None:
@@ -302,6 +303,34 @@ class DirectLine:
         conn, local.conn, local.sock = local.conn, None, None
         if conn is not None:
             conn.disconnect()
+
+
+_foreign_libraries: set[str] = set()    # warned of once per process
+
+
+def _holds_library(conn: Any, library: Library) -> bool:
+    """Whether the library the server has under ``library.name`` holds exactly its code; when it
+    does not (loaded by hand, or a digest collision), the caller keeps to ``EVALSHA`` of the
+    scripts, which the server keys by their full SHA1."""
+    try:
+        conn.send_command("FUNCTION", "LIST", "LIBRARYNAME", library.name, "WITHCODE")
+        listed = conn.read_response() or []
+    except redis.ResponseError:     # refused (ACL): the scripts, as when LOAD is refused
+        return False
+    for entry in listed:
+        fields = entry if isinstance(entry, dict) else dict(zip(entry[::2], entry[1::2]))
+        fields = {_text(k): v for k, v in fields.items()}
+        if _text(fields.get("library_name", "")) == library.name:
+            if _text(fields.get("library_code", "")) == library.source:
+                return True
+            break
+    if library.name not in _foreign_libraries:
+        _foreign_libraries.add(library.name)
+        logger.warning("celery-threads: the Redis function library %s on the gate's server does "
+                       "not hold this version's code; calling the scripts (EVALSHA) instead. "
+                       "Remove it (FUNCTION DELETE %s) to use the library.", library.name,
+                       library.name)
+    return False
 
 
 class _Incomplete(Exception):

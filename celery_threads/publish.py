@@ -16,6 +16,7 @@ from celery import Celery
 from kombu import Exchange, Queue
 from kombu.serialization import dumps as _kombu_dumps
 from kombu.serialization import loads as _kombu_loads
+from kombu.serialization import prepare_accept_content
 
 from .gate import Release
 
@@ -152,7 +153,8 @@ def _dumps(body: Any, serializer: Optional[str]) -> tuple[str, str, Any]:
     return str(content_type), str(content_encoding), payload
 
 
-def _loads(body: bytes, content_type: str, content_encoding: str, accept: set[str]) -> Any:
+def _loads(body: bytes, content_type: str, content_encoding: str,
+           accept: Optional[set[str]]) -> Any:
     return _kombu_loads(body, content_type, content_encoding,  # type: ignore[no-untyped-call]
                         accept=accept)
 
@@ -182,10 +184,14 @@ def task_name(envelope: bytes) -> str:
 
 
 def decode_arguments(app: Celery, envelope: bytes) -> tuple[list[Any], dict[str, Any]]:
-    """The ``(args, kwargs)`` of a stored task message (protocol 2)."""
+    """The ``(args, kwargs)`` of a stored task message (protocol 2).
+
+    Decoded only when the app's ``accept_content`` accepts its content type, as its workers
+    would: else kombu's ``ContentDisallowed`` is raised and the body is never deserialized (a
+    pickled message is not unpickled by an app that accepts only JSON)."""
     header, body = decode_envelope(envelope)
-    payload = _loads(body, header["content_type"], header["content_encoding"],
-                     {*app.conf.accept_content, header["content_type"]})
+    accept = prepare_accept_content(app.conf.accept_content)  # type: ignore[no-untyped-call]
+    payload = _loads(body, header["content_type"], header["content_encoding"], accept)
     if isinstance(payload, (list, tuple)) and len(payload) == 3:
         return list(payload[0]), dict(payload[1])
     return list(payload.get("args", [])), dict(payload.get("kwargs", {}))

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import math
 import time
 from contextlib import contextmanager
 from datetime import datetime, timezone
@@ -16,7 +17,7 @@ from celery.utils import uuid
 from celery.utils.saferepr import saferepr
 
 from . import handoff
-from .errors import GateUnavailable, InvalidThreadId
+from .errors import ConfigurationError, GateUnavailable, InvalidThreadId
 from .gate import ALREADY_CLAIMED, CLAIMED, Outcome
 from .publish import OUR_HEADERS, THREAD_HEADER, TOKEN_HEADER, CapturingProducer
 from .lease import Keeper, Lease, keeper as lease_keeper, new_claimant
@@ -42,6 +43,30 @@ def normalize_thread_id(value: Any) -> str:
             f"thread id is {len(text.encode('utf-8'))} bytes long; the limit is "
             f"{MAX_THREAD_ID_BYTES} bytes")
     return text
+
+
+def retry_settings(task: Any) -> tuple[Optional[int], int]:
+    """A threaded task's ``(max_retries, default_retry_delay in ms)`` as the gate stores them with
+    each member, or :class:`ConfigurationError` when either cannot be: the gate keeps them in the
+    member's record, which a negative delay or a fractional or negative retry count would make
+    unreadable to every later transition of its thread."""
+    max_retries = task.max_retries
+    if max_retries is not None and (isinstance(max_retries, bool)
+                                    or not isinstance(max_retries, int) or max_retries < 0):
+        raise ConfigurationError(
+            f"task {task.name} has max_retries={max_retries!r}: a threaded task needs an int of 0 "
+            "or more, or None for unlimited retries. Fix the task's max_retries; nothing was "
+            "stored or sent")
+    delay = task.default_retry_delay
+    if delay is None:
+        delay = 0
+    if (isinstance(delay, bool) or not isinstance(delay, (int, float)) or not math.isfinite(delay)
+            or delay < 0):
+        raise ConfigurationError(
+            f"task {task.name} has default_retry_delay={delay!r}: a threaded task needs a number "
+            "of seconds, 0 or more. Fix the task's default_retry_delay; nothing was stored or "
+            "sent")
+    return max_retries, int(float(delay) * 1000)
 
 
 def _eta_ms(eta: Any) -> int:
@@ -141,6 +166,7 @@ class ThreadedTask(Task):
         # self.replace(sig) inside the running member: sig took the member's task id.
         replaced = (_running.get(current) if token is None and nesting and current is not None
                     and current[0] == task_id else None)
+        max_retries, retry_delay_ms = retry_settings(self) if token is None else (None, 0)
         if options.get("kwargsrepr") is None:
             # Flower shows kwargsrepr: the thread id is visible on every member there.
             options["kwargsrepr"] = f"{saferepr(kwargs or {}, 1024)} thread={thread_id!r}"
@@ -163,8 +189,7 @@ class ThreadedTask(Task):
                 # task id is never a member twice and at most one member of a thread runs.
                 replaced.reentry = Reentry(0, 0, at_ms if at_ms is not None else (
                     replaced.server_now_ms() + delay_ms if delay_ms else None), capture.envelope,
-                    Replacement(thread_id, nesting, self.max_retries,
-                                int(float(self.default_retry_delay or 0) * 1000)))
+                    Replacement(thread_id, nesting, max_retries, retry_delay_ms))
             elif token is not None:
                 reentry = Reentry(int(options.get("retries") or 0), delay_ms, at_ms,
                                   capture.envelope)
@@ -182,9 +207,7 @@ class ThreadedTask(Task):
             else:
                 outcome = runtime.gate.enqueue(
                     thread_id, task_id, capture.envelope, delay_ms=delay_ms, at_ms=at_ms,
-                    max_retries=self.max_retries,
-                    retry_delay_ms=int(float(self.default_retry_delay or 0) * 1000),
-                    replaced=nesting)
+                    max_retries=max_retries, retry_delay_ms=retry_delay_ms, replaced=nesting)
                 if not outcome.done:
                     logger.info("celery-threads: %s[%s] is already a member of thread %s, or "
                                 "ended less than a minute ago; not enqueued twice", self.name,

@@ -30,6 +30,11 @@ class ThreadInfo(NamedTuple):
 
 
 class DeadTask(NamedTuple):
+    """A task in the dead-letter store.  ``args`` and ``kwargs`` are empty when its stored
+    message cannot be decoded here, or is of a content type the app's ``accept_content`` does not
+    accept (such a message is never deserialized: an app that accepts only JSON does not unpickle
+    a pickled one).  ``restart`` runs it all the same, on workers that accept it."""
+
     task_id: str
     thread_id: str
     name: str
@@ -90,7 +95,8 @@ class Threads:
 
     def dead(self, limit: Optional[int] = None) -> list[DeadTask]:
         """The dead-letter store, oldest first; with ``limit``, only the ``limit`` latest deaths
-        (``celery threads stats`` counts them all)."""
+        (``celery threads stats`` counts them all).  Arguments are decoded only in a content type
+        the app accepts (see :class:`DeadTask`)."""
         if limit is not None and limit < 0:
             raise ValueError(f"limit must be 0 or more, not {limit}")
         tasks = []
@@ -115,17 +121,19 @@ class Threads:
         """Re-enqueue a dead task as a brand-new arrival (same task id, retries reset).
 
         Returns its ``AsyncResult``.  Raises :class:`celery_threads.errors.UnknownTask` when it is
-        not in the dead-letter store.
+        not in the dead-letter store, :class:`celery_threads.errors.ConfigurationError` (and
+        keeps it there) when its task's ``max_retries`` or ``default_retry_delay`` is invalid.
         """
         from .errors import UnknownTask
+        from .task import retry_settings
 
         record = self.gate.dead_record(task_id)
         if record is None:
             raise UnknownTask(f"{task_id} is not in the dead-letter store (see Threads.dead())")
         task = self.app.tasks.get(task_name(record.envelope))
+        max_retries, retry_delay_ms = (retry_settings(task) if task is not None else (3, 0))
         outcome = self.gate.restart(
-            task_id, max_retries=getattr(task, "max_retries", 3),
-            retry_delay_ms=int(float(getattr(task, "default_retry_delay", 0) or 0) * 1000),
+            task_id, max_retries=max_retries, retry_delay_ms=retry_delay_ms,
             thread_id=str(record.meta["thread_id"]))
         if outcome.status == 2:
             raise UnknownTask(f"{task_id} is a live member again; it cannot be restarted twice")

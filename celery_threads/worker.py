@@ -14,10 +14,14 @@
 """
 from __future__ import annotations
 
+import functools
 import logging
+import os
+import select
+import signal as _signal
 import threading
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from billiard.einfo import ExceptionWithTraceback
 from celery import bootsteps
@@ -29,6 +33,7 @@ from celery.worker.request import Request
 from celery.worker.strategy import default as default_strategy
 
 from . import handoff, lease
+from .errors import ConfigurationError
 from .gate import RETRIED, STALE
 from .noack import CONSUMER_FLAG, hand_back_on_pool_close, mark_delivery
 from .publish import REPUBLISHED_HEADER, THREAD_HEADER, TOKEN_HEADER, request_member
@@ -125,9 +130,15 @@ def _enter_gate_from_worker(task: Any, runtime: Any, message: Any, ack: Any, rej
     """A threaded task's message that did not come through the gate (``send_task`` by name from
     another program, a dead letter sent back): the worker enqueues it into its thread."""
     from .publish import encode_envelope
-    from .task import _eta_ms
+    from .task import _eta_ms, retry_settings
 
     headers = dict(message.headers or {})
+    try:
+        max_retries, retry_delay_ms = retry_settings(task)
+    except ConfigurationError as exc:
+        logger.error("celery-threads: rejected %s[%s]: %s", task.name, headers.get("id"), exc)
+        reject()
+        return
     try:
         args, kwargs, _ = message.decode()
         thread_id = task.resolve_thread_id(args, kwargs, headers.get(THREAD_HEADER))
@@ -150,8 +161,7 @@ def _enter_gate_from_worker(task: Any, runtime: Any, message: Any, ack: Any, rej
     eta = headers.get("eta")
     outcome = runtime.gate.enqueue(
         thread_id, headers["id"], envelope, at_ms=_eta_ms(eta) if eta else None,
-        max_retries=task.max_retries,
-        retry_delay_ms=int(float(task.default_retry_delay or 0) * 1000))
+        max_retries=max_retries, retry_delay_ms=retry_delay_ms)
     runtime.publish(outcome.release)
     ack()
 
@@ -162,10 +172,15 @@ class ThreadedRequest(Request):
     def on_timeout(self, soft: bool, timeout: float) -> None:
         thread_id, token = request_member(self)
         if not soft and token and not worker_state.should_terminate:
-            exc = TimeLimitExceeded(timeout)
-            get_runtime(self.task.app).kill(
-                thread_id, self.id, token, exc=exc, retries=int(self.request_dict.get("retries") or 0),
-                keep=self.task.dead_letter, reason=f"TimeLimitExceeded: hard time limit ({timeout}s)")
+            # billiard calls this before it signals the timed-out pool process (SIGTERM, then
+            # SIGKILL 0.1 s later): the member leaves its thread, and the next one is released,
+            # only once that process, still running the body, has exited.
+            runtime = get_runtime(self.task.app)
+            kill = functools.partial(
+                runtime.kill, thread_id, self.id, token, exc=TimeLimitExceeded(timeout),
+                retries=int(self.request_dict.get("retries") or 0), keep=self.task.dead_letter,
+                reason=f"TimeLimitExceeded: hard time limit ({timeout}s)")
+            when_gone(self.worker_pid, kill, runtime.config.keepalive, what=self.id)
         super().on_timeout(soft, timeout)
 
     def on_failure(self, exc_info: Any, send_failed_event: bool = True,
@@ -188,10 +203,12 @@ class ThreadedRequest(Request):
                                        int(self.request_dict.get("retries") or 0))
         if lost:
             _fail_handed_off(self, exc)
-        elif token and not lost and not isinstance(exc, (Retry, Ignore, Reject, Terminated)):
+        elif token and not lost and not isinstance(exc, (Retry, Ignore, Reject, Terminated,
+                                                         TimeLimitExceeded)):
             # The pool child reports every failure of a task body it ran; one it never reported
             # (the message could not be decoded, the task never started) would hold the thread.
-            # Fenced by the token: a no-op when the child did report it.
+            # Fenced by the token: a no-op when the child did report it.  A hard time limit
+            # (billiard reports it here, then calls on_timeout) is on_timeout's to end.
             kill_unrunnable(get_runtime(self.task.app), self.request_dict, exc)
         super().on_failure(exc_info, send_failed_event=send_failed_event, return_ok=return_ok)
 
@@ -205,6 +222,62 @@ class ThreadedRequest(Request):
         if self.task.acks_late:
             self.acknowledge()
         self.send_event("task-retried", exception=saferepr(exc), traceback=exc_info.traceback)
+
+
+def when_gone(pid: Optional[int], action: Callable[[], Any], timeout: float,
+              what: str = "") -> None:
+    """Run ``action`` once the process ``pid`` has exited (in a thread of its own), or at once
+    when ``pid`` is this process (a pool without processes) or no longer exists.  Past
+    ``timeout`` seconds it runs anyway, with a warning: as when a lease lapses."""
+    if not pid or pid == os.getpid():
+        _run_logged(action, what)
+        return
+    try:
+        fd: Optional[int] = os.pidfd_open(pid)
+    except ProcessLookupError:
+        _run_logged(action, what)
+        return
+    except (AttributeError, OSError):   # no pidfd (Linux before 5.3, another system): poll
+        fd = None
+
+    def wait() -> None:
+        if _wait_exit(pid, fd, timeout):
+            logger.debug("celery-threads: pool process %s exited; ending %s", pid, what)
+        else:
+            logger.warning("celery-threads: pool process %s still runs %ss after %s timed out; "
+                           "ending it in its thread all the same", pid, timeout, what)
+        _run_logged(action, what)
+
+    threading.Thread(target=wait, name="celery-threads-when-gone", daemon=True).start()
+
+
+def _wait_exit(pid: int, fd: Optional[int], timeout: float) -> bool:
+    """Whether process ``pid`` (``fd`` its pidfd, or ``None``) exited within ``timeout`` s."""
+    if fd is not None:
+        try:
+            poll = select.poll()
+            poll.register(fd, select.POLLIN)     # readable once the process has exited
+            return bool(poll.poll(timeout * 1000))
+        finally:
+            os.close(fd)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)     # succeeds until the pool reaps its exited process
+        except ProcessLookupError:
+            return True
+        except OSError:
+            pass
+        time.sleep(0.01)
+    return False
+
+
+def _run_logged(action: Callable[[], Any], what: str) -> None:
+    try:
+        action()
+    except Exception:
+        logger.exception("celery-threads: could not end %s in its thread; its lease will lapse",
+                         what)
 
 
 def _fail_handed_off(request: Any, exc: BaseException) -> None:
@@ -260,9 +333,20 @@ def _terminate_handed_off(runtime: Any, task_id: str, signal: Any) -> None:
     """``revoke(terminate=True)`` of a member a pool process runs by handoff (handoff.py), which
     Celery's own revoke does not know of.  As for a terminated task: the member leaves its thread
     (fenced by its token; the next is promoted), its process gets the signal, and the result
-    backend marks it REVOKED."""
-    import os
+    backend marks it REVOKED.
 
+    The signal is fenced too: it is sent only if, once the member has left the gate, the
+    process's slot still names that member under that token.  Until then the process may have
+    finished it and be running a later member (its finish handed it one): that one is not
+    signalled.  From the gate's delete on, the member's own finish can no longer hand the process
+    a later member, so a slot that still names it after the delete means that the process is
+    still in that member's pool job.  What remains is the time between the slot's last read and
+    the signal: the process would have to end that job and start another one, which only this
+    process (the worker's main process) gives it, from this same thread, and with Celery's
+    default ``-O fair`` only to an idle process (``-O fast`` may have queued one in its pipe
+    already, a window of the few microseconds before the signal).  Where the system has
+    pidfds, the signal goes through one opened at the first read, so it never reaches another
+    process that has taken the pid since."""
     from celery.platforms import signals as platform_signals
     from celery.worker.control import TERM_SIGNAME
 
@@ -270,12 +354,35 @@ def _terminate_handed_off(runtime: Any, task_id: str, signal: Any) -> None:
     if found is None:
         return
     pid, (_, _, token) = found
-    runtime.apply(runtime.gate.delete(task_id, token=token))
-    signum = platform_signals.signum(signal or TERM_SIGNAME)
-    logger.info("celery-threads: terminating %s, run by handoff in pool process %s (%s)",
-                task_id, pid, signal or TERM_SIGNAME)
-    os.kill(pid, signum)
+    pidfd = _open_pidfd(pid)      # from here on, the signal reaches that process or none
+    try:
+        runtime.apply(runtime.gate.delete(task_id, token=token))
+        if handoff.running(task_id) != found:
+            logger.info("celery-threads: not terminating %s: pool process %s no longer runs it "
+                        "by handoff (token %s)", task_id, pid, token)
+            return
+        signum = platform_signals.signum(signal or TERM_SIGNAME)
+        logger.info("celery-threads: terminating %s, run by handoff in pool process %s (%s)",
+                    task_id, pid, signal or TERM_SIGNAME)
+        try:
+            if pidfd is not None:
+                _signal.pidfd_send_signal(pidfd, signum)
+            else:
+                os.kill(pid, signum)
+        except ProcessLookupError:
+            pass    # it has just exited: the main process fails its member as lost
+    finally:
+        if pidfd is not None:
+            os.close(pidfd)
     runtime.mark_revoked(task_id)
+
+
+def _open_pidfd(pid: int) -> Optional[int]:
+    """A pidfd of ``pid`` (Linux 5.3+), or ``None``."""
+    try:
+        return os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        return None
 
 
 def wrap_revoke_command() -> None:

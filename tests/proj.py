@@ -188,6 +188,34 @@ def hard_limited(self, thread, label):
     time.sleep(30)
 
 
+@app.task(base=ThreadedTask, bind=True, thread_key="thread", time_limit=1, max_retries=0)
+def stubborn(self, thread, label):
+    """Ignores SIGTERM and writes heartbeats (the Redis server's clock, in µs, at
+    heartbeat:<thread>) until it is killed; records its pid (list pid:<thread>)."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    r = history()
+    r.rpush(f"pid:{thread}", os.getpid())
+    _record(thread, "start", label, self.request.id)
+    beat = r.register_script(
+        "local t = redis.call('TIME') "
+        "redis.call('SET', KEYS[1], t[1] .. string.format('%06d', t[2]))")
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        beat(keys=[f"heartbeat:{thread}"])
+
+
+@app.task(base=ThreadedTask, bind=True, thread_key="thread", default_retry_delay=-1)
+def negative_retry_delay(self, thread, label):
+    """Declared with a retry delay the gate cannot store: never enqueued."""
+    return label
+
+
+@app.task(base=ThreadedTask, bind=True, thread_key="thread", max_retries=-2)
+def negative_max_retries(self, thread, label):
+    """Declared with a retry count the gate cannot store: never enqueued."""
+    return label
+
+
 @app.task(base=ThreadedTask, bind=True, thread_key="thread", max_retries=1,
           default_retry_delay=0.1)
 def suicide(self, thread, label):

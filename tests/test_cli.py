@@ -270,6 +270,56 @@ def test_dead_when_empty(cli):
     assert as_json(cli("dead", "--json")) == []
 
 
+def _leave_marker(url: str, key: str) -> str:
+    """What unpickling a :class:`_Unpickled` runs: it leaves ``key`` in Redis."""
+    import redis
+
+    redis.Redis.from_url(url).set(key, 1)
+    return "unpickled"
+
+
+class _Unpickled:
+    def __init__(self, url: str, key: str) -> None:
+        self.url, self.key = url, key
+
+    def __reduce__(self):
+        return _leave_marker, (self.url, self.key)
+
+
+def test_dead_never_decodes_a_content_type_the_app_does_not_accept(app, cli):
+    """A dead task stored as pickle, in an app that accepts only JSON (Celery's default): its
+    arguments are not unpickled, neither by Threads.dead() nor by `celery threads dead`, and come
+    back empty.  Once the app accepts pickle, they are decoded (the marker proves it runs)."""
+    import redis
+
+    from celery_threads.publish import encode_envelope
+
+    url, marker = app.conf.threads_redis_url, f"unpickled-{tid()}"
+    r = redis.Redis.from_url(url)
+    assert list(app.conf.accept_content) == ["json"]
+    gate, thread = Threads(app).gate, tid("cli-pickle")
+    body = [[thread, _Unpickled(url, marker)], {}, {"callbacks": None, "errbacks": None,
+                                                   "chain": None, "chord": None}]
+    stored = encode_envelope(body, {"headers": {"task": "tests.proj.record", "id": "pickled",
+                                                "lang": "py"},
+                                    "serializer": "pickle", "exchange": "",
+                                    "routing_key": "celery"})
+    released = gate.enqueue(thread, "pickled", stored).release
+    assert released is not None and gate.claim(thread, "pickled", released.token, 30_000, "w")
+    assert gate.kill(thread, "pickled", released.token, {"exception": "E: x"}).done
+
+    [dead] = Threads(app).dead()
+    assert (dead.task_id, dead.name, dead.args, dead.kwargs) == (
+        "pickled", "tests.proj.record", [], {})
+    [listed] = as_json(cli("dead", "--json"))
+    assert (listed["args"], listed["kwargs"]) == ([], {})
+    assert r.exists(marker) == 0, "a content type the app does not accept was deserialized"
+
+    with pointed_at(app, accept_content=["json", "pickle"]):
+        [dead] = Threads(app).dead()
+    assert dead.args == [thread, "unpickled"] and r.exists(marker) == 1
+
+
 def test_restart_a_dead_task_as_a_new_arrival(proj, app, cli):
     thread = tid("cli-restart")
     kill_member(Threads(app).gate, thread, "to-restart")

@@ -7,7 +7,7 @@ import pytest
 from celery.exceptions import TimeLimitExceeded
 
 from celery_threads import Threads
-from tests.helpers import assert_serial, starts, tid, wait_for
+from tests.helpers import assert_serial, events, starts, tid, wait_for
 
 
 @pytest.fixture
@@ -124,6 +124,43 @@ def test_hard_time_limit_dies(proj, worker, r):
     assert "TimeLimitExceeded" in _dead(proj, result.id)[0].exception
     with pytest.raises(TimeLimitExceeded):
         result.get(timeout=5)
+
+
+def _gone(pid: int) -> bool:
+    """The process has exited (reaped, or a zombie its parent has not reaped yet)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+
+
+def test_hard_time_limit_releases_the_next_member_once_the_body_is_gone(proj, make_deployment,
+                                                                        r):
+    """billiard runs the request's on_timeout (where the member leaves its thread) before it
+    signals the timed-out pool process: SIGTERM, then SIGKILL 0.1 s later.  The next member,
+    sent to another worker, must not start before the timed-out body's last heartbeat (a body
+    that ignores SIGTERM writes them until SIGKILL)."""
+    d = make_deployment(CT_EVENTS="0")
+    first_q, next_q = f"{d.env['CT_QUEUE']}-limited", f"{d.env['CT_QUEUE']}-next"
+    d.worker("limited", concurrency=1, extra=["-Q", first_q])
+    d.worker("next", concurrency=1, extra=["-Q", next_q])
+    thread = tid("hard")
+    first = proj.stubborn.apply_async((thread, "first"), queue=first_q)
+    wait_for(lambda: starts(r, thread) == ["first"], what="the stubborn member")
+    nxt = proj.record.apply_async((thread, "next"), queue=next_q)
+    assert nxt.get(timeout=30) == "next"
+    with pytest.raises(TimeLimitExceeded):
+        first.get(timeout=10)
+    pid = int(r.lindex(f"pid:{thread}", 0))
+    wait_for(lambda: _gone(pid), what="the timed-out pool process to exit")
+    last_beat = int(r.get(f"heartbeat:{thread}"))
+    [next_start] = [e.at_us for e in events(r, thread) if e.label == "next"
+                    and e.kind == "start"]
+    assert next_start > last_beat, (
+        f"the next member started {(last_beat - next_start) / 1000:.1f} ms before the "
+        "timed-out body's last heartbeat")
+    assert "TimeLimitExceeded" in _dead(proj, first.id)[0].exception
 
 
 def test_pool_child_killed_counts_as_a_failed_attempt(proj, worker, r):

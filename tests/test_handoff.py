@@ -220,3 +220,85 @@ def test_terminating_a_handed_off_member(proj, make_deployment, r, how):
     ends = [e.at_us for e in events(r, thread) if e.label == "long" and e.kind == "end"]
     assert all(end - start < 10_000_000 for end in ends), "long ran on after its terminate"
     wait_for(lambda: Threads(proj.app).get(thread) is None, what="the thread to vanish")
+
+
+def _stand_in_pool_process(conn) -> None:
+    """A forked process that writes its handoff slot as a pool process does (handoff._note), for
+    each release the test sends, and answers each message once done."""
+    from celery_threads import handoff
+
+    handoff._slot_at = 0
+    while True:
+        release = conn.recv()
+        if release is not None:
+            handoff._note(release)
+        conn.send("done")
+
+
+def test_terminate_signals_a_handed_off_member_only_while_its_process_runs_it(proj):
+    """_terminate_handed_off reads the pool process from its handoff slot, deletes the member in
+    the gate, then signals the process.  While the delete waits on Redis (held here by CLIENT
+    PAUSE), the process may finish that member and run a later one its finish handed it: that
+    process is not signalled.  A process whose slot still names the member is."""
+    import multiprocessing
+    import shutil
+    import threading
+    from types import SimpleNamespace
+
+    import redis
+
+    from celery_threads import handoff
+    from celery_threads.gate import Release
+    from celery_threads.runtime import get_runtime
+    from celery_threads.worker import _terminate_handed_off
+    from tests.conftest import RedisServer
+    from tests.isolated import envelope, pointed_at
+
+    server = RedisServer()
+    server.start()
+    saved = (handoff._app, handoff._allowed, handoff._stopping, handoff._slots)
+    fork = multiprocessing.get_context("fork")
+    try:
+        with pointed_at(proj.app, threads_redis_url=server.url(0), broker_url=server.url(1),
+                        result_backend=server.url(2)):
+            handoff.prepare(SimpleNamespace(app=proj.app, task_events=False, concurrency=1))
+            runtime = get_runtime(proj.app)
+            thread = tid("fence")
+            released = runtime.gate.enqueue(thread, "x", envelope("x", thread)).release
+            assert released is not None
+            assert runtime.gate.claim(thread, "x", released.token, 30_000, "w") == 1
+            ours, theirs = fork.Pipe()
+            process = fork.Process(target=_stand_in_pool_process, args=(theirs,), daemon=True)
+            process.start()
+            theirs.close()
+
+            def tell(message):
+                try:
+                    ours.send(message)
+                    assert ours.recv() == "done"
+                except (EOFError, BrokenPipeError):
+                    raise AssertionError("the stand-in pool process was signalled") from None
+
+            tell(released)                          # its slot names (x, token)
+            client = redis.Redis(port=server.port)
+            client.client_pause(10_000, all=False)  # writes wait: the delete below waits
+            try:
+                terminating = threading.Thread(target=_terminate_handed_off,
+                                               args=(runtime, "x", None))
+                terminating.start()
+                wait_for(lambda: any("b" in c["flags"] for c in client.client_list()),
+                         what="the terminate's delete to wait on Redis")
+                tell(Release(thread, "later", "99", 0, b""))   # x ended; a later one runs
+            finally:
+                client.client_unpause()
+            terminating.join(20)
+            assert not terminating.is_alive()
+            assert runtime.gate.snapshot(thread) is None    # x left its thread all the same
+            tell(None)                              # alive: it was not signalled
+            _terminate_handed_off(runtime, "later", None)   # its slot names it: signalled
+            process.join(10)
+            assert process.exitcode == -15
+    finally:
+        handoff._app, handoff._allowed, handoff._stopping, handoff._slots = saved
+        server.stop()
+        shutil.rmtree(server.dir, ignore_errors=True)

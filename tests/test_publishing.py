@@ -4,11 +4,12 @@ from __future__ import annotations
 from datetime import datetime, timedelta, timezone
 
 import pytest
+import redis
 from celery import chain, chord, group
 from kombu.exceptions import EncodeError
 
 from celery_threads import InvalidThreadId, Threads, ThreadsError
-from celery_threads.errors import UnknownTask
+from celery_threads.errors import ConfigurationError, UnknownTask
 from tests.helpers import assert_serial, gate_keys, starts, tid, wait_for
 
 
@@ -203,3 +204,55 @@ def test_a_release_at_enqueue_is_published_as_its_stored_message(proj):
     assert plain(fast) == plain(slow)
     assert fast["headers"]["thread_token"] == "42" and fast["headers"]["custom"] == {"a": [1, 2]}
     assert fast["priority"] == 3 and fast["headers"]["timelimit"] in ((9, None), [9, None])
+
+
+def _gate_and_broker_are_empty(app) -> None:
+    """Nothing in the isolated gate's database, no message in the isolated broker's."""
+    from tests.isolated import BROKER_DB, GATE_DB
+
+    port = int(app.conf.threads_redis_url.rsplit(":", 1)[1].split("/")[0])
+    gate, broker = (redis.Redis(port=port, db=db) for db in (GATE_DB, BROKER_DB))
+    assert gate.keys() == []
+    assert [k for k in broker.keys() if broker.type(k) == b"list"] == []
+
+
+@pytest.mark.parametrize("name", ["negative_retry_delay", "negative_max_retries"])
+def test_invalid_retry_settings_store_and_send_nothing(proj, isolated_app, name):
+    """The gate stores max_retries and default_retry_delay with each member; values its record
+    cannot hold are refused at publish time, with what to fix."""
+    task = getattr(proj, name)
+    option = "default_retry_delay" if "delay" in name else "max_retries"
+    with pytest.raises(ConfigurationError, match=option) as info:
+        task.delay(tid(), "x")
+    assert isinstance(info.value, ThreadsError)
+    _gate_and_broker_are_empty(isolated_app)
+
+
+def test_restart_of_a_task_with_invalid_retry_settings_keeps_it_dead(proj, isolated_app):
+    from tests.isolated import envelope
+
+    gate = Threads(isolated_app).gate
+    thread = tid()
+    outcome = gate.enqueue(thread, "bad-1", envelope("bad-1", thread,
+                                                     name="tests.proj.negative_retry_delay"))
+    assert outcome.release is not None
+    assert gate.claim(thread, "bad-1", outcome.release.token, 30_000, "w") == 1
+    assert gate.kill(thread, "bad-1", outcome.release.token, {"exception": "E"}).done
+    with pytest.raises(ConfigurationError, match="default_retry_delay"):
+        Threads(isolated_app).restart("bad-1")
+    assert [d.task_id for d in Threads(isolated_app).dead()] == ["bad-1"]
+    assert Threads(isolated_app).get(thread) is None
+
+
+def test_a_message_sent_by_name_with_invalid_retry_settings_is_rejected(proj, make_deployment):
+    """A message that reaches a worker without the gate (send_task by name) enters its thread at
+    the worker, which refuses the same values: the message is rejected with a log line."""
+    d = make_deployment()
+    w = d.worker("bad-retry", concurrency=1)
+    thread = tid()
+    sent = proj.app.send_task("tests.proj.negative_retry_delay", (thread, "x"))
+    wait_for(lambda: f"rejected tests.proj.negative_retry_delay[{sent.id}]" in w.output(),
+             what="the worker to reject the message")
+    assert "default_retry_delay=-1" in w.output()
+    threads = Threads(proj.app)
+    assert threads.get(thread) is None and threads.gate.thread_of(sent.id) is None

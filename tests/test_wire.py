@@ -164,3 +164,29 @@ def test_the_hot_path_calls_the_library_and_recovers_it(own_redis):
     after = calls()
     assert after["fcall"] >= before["fcall"] + 5, after      # back on the library
     assert client.function_list()
+
+
+def test_a_library_of_our_name_with_other_code_is_not_called(own_redis, caplog):
+    """A library already on the server under the gate's library name is used only when it holds
+    exactly the gate's code: one of that name with other bodies (here, functions answering a
+    fixed reply) is never called; the transitions go through the scripts, and one warning names
+    the library."""
+    from celery_threads.gate import function_library, make_client
+
+    library = function_library()
+    client = make_client(own_redis.url())
+    client.function_load(f"#!lua name={library.name}\n" + "".join(
+        f"redis.register_function('{name}', function() return {{1, '0'}} end)\n"
+        for name in library.functions.values()))
+    caplog.set_level("WARNING", logger="celery_threads.gate")
+    for n in range(2):          # two gates: two lines, each checks the library, one warning
+        gate = Gate(client, Keys("L"), release_timeout_ms=1000)
+        for task in (f"a{n}", f"b{n}", f"c{n}"):
+            released = gate.enqueue("t", task, b"envelope").release
+            assert released is not None and released.task_id == task
+            assert gate.claim("t", task, released.token, 1000, "w") == 1
+            assert gate.finish("t", task, released.token).done
+            assert gate.snapshot("t") is None
+    assert client.info("commandstats").get("cmdstat_fcall", {}).get("calls", 0) == 0
+    warned = [r for r in caplog.records if library.name in r.getMessage()]
+    assert len(warned) == 1 and "EVALSHA" in warned[0].getMessage()
