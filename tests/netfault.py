@@ -8,7 +8,8 @@ Faults, each until ``heal()``:
 * ``refuse()``: every connection is closed and new ones are refused (a server that is down).
 * ``lose_reply(*markers)``: the next request containing one of ``markers`` reaches the server,
   its reply never comes back and every connection is cut (then the relay passes again): a call
-  that ran and whose reply was lost.  :func:`script_call` gives a gate transition's markers.
+  that ran and whose reply was lost.  An error reply (``NOSCRIPT``: the call did not run) passes,
+  and the next such request is the one.  :func:`script_call` gives a gate transition's markers.
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ class Relay:
         self.mode = "pass"                  # pass, silent, refuse
         self.markers: tuple[bytes, ...] = ()
         self.lost = 0                       # replies lost so far
-        self._swallow: set[int] = set()      # ids of connections whose next reply is lost
+        self._swallow: dict[int, tuple[bytes, ...]] = {}   # connection -> markers it matched
         self._pairs: list[tuple[socket.socket, socket.socket]] = []
         self._lock = threading.Lock()
         threading.Thread(target=self._accept, daemon=True).start()
@@ -92,7 +93,7 @@ class Relay:
                 markers = self.markers
                 if markers and any(marker in data for marker in markers):
                     self.markers = ()
-                    self._swallow.add(id(upstream))
+                    self._swallow[id(upstream)] = markers
                 upstream.sendall(data)
         except OSError:
             pass
@@ -102,8 +103,10 @@ class Relay:
             while data := upstream.recv(65536):
                 if self.mode == "silent":
                     continue
-                if id(upstream) in self._swallow:
-                    self._swallow.discard(id(upstream))
+                markers = self._swallow.pop(id(upstream), None)
+                if markers is not None and data.startswith(b"-"):
+                    self.markers = markers      # it did not run: the next one
+                elif markers is not None:
                     self.lost += 1
                     self.cut()          # the request ran; its reply is gone with the connection
                     return

@@ -41,6 +41,15 @@ def beats(r, thread: str, label: str) -> list[int]:
     return [int(at) for who, at in rows if who == label]
 
 
+def last_beat(r, thread: str, label: str, quiet: float = 0.5, timeout: float = 5.0) -> int:
+    """``label``'s last heartbeat, once it has not beaten for ``quiet`` seconds (or after
+    ``timeout`` seconds, when it goes on beating)."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end and now_us(r) - beats(r, thread, label)[-1] < quiet * 1e6:
+        time.sleep(0.05)
+    return beats(r, thread, label)[-1]
+
+
 def started_at(r, thread: str, label: str) -> int:
     [at] = [e.at_us for e in events(r, thread) if e.kind == "start" and e.label == label]
     return at
@@ -64,9 +73,9 @@ def test_a_worker_cut_off_from_the_gate_stops_its_member_before_the_lease_ends(
     cut_at = now_us(r)
     relay.silence()
     assert second.get(timeout=30) == "second"
-    last_beat, second_start = beats(r, thread, "first")[-1], started_at(r, thread, "second")
-    assert last_beat < second_start, (
-        f"first beat {(last_beat - second_start) / 1e6:.3f}s after second started")
+    first_end, second_start = last_beat(r, thread, "first"), started_at(r, thread, "second")
+    assert first_end < second_start, (
+        f"first beat {(first_end - second_start) / 1e6:.3f}s after second started")
     moved_on = (second_start - cut_at) / 1e6
     print(f"from the cut to the next member's start: {moved_on:.2f}s (keepalive 3s)")
     assert moved_on < 3 + 0.2 + 5, f"the thread moved on only {moved_on:.2f}s after the cut"
@@ -157,9 +166,7 @@ def test_a_delete_whose_reply_is_lost_still_stops_the_running_member(
     deleted_at = now_us(r)
     assert relay.lost == 1
     assert second.get(timeout=20) == "second"
-    wait_for(lambda: (now_us(r) - beats(r, thread, "first")[-1]) > 1_000_000, timeout=15,
-             what="the deleted member to stop beating")
-    stopped = (beats(r, thread, "first")[-1] - deleted_at) / 1e6
+    stopped = (last_beat(r, thread, "first", quiet=1.0, timeout=15) - deleted_at) / 1e6
     assert stopped < 5, f"the deleted member ran on {stopped:.2f}s after its delete"
 
 
