@@ -24,7 +24,7 @@ class GateUnavailable(ThreadsError):
 
     A publish that raises this sent nothing to the broker.  Unless the connection broke after
     Redis had received the call, it stored nothing either; calling again with the same task id is
-    safe in every case, since a member is never stored twice, nor stored again within a minute of
+    safe in every case, since a member is never stored twice, nor stored again within 30 s of
     its end.
     """
 

@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import threading
+import time
 import uuid
 from dataclasses import dataclass
 from importlib import resources
@@ -122,6 +123,13 @@ def task_field(task_id: str) -> tuple[bytes, Optional[bytes]]:
     return (raw if len(raw) < 14 else b"\x01" + raw), None
 
 
+def ended_member(task_id: str) -> bytes:
+    """A task id in the shard's ended index (``ended_member`` in lua/_member.lua): a UUID as its
+    16 bytes, another id as its tasks-hash field."""
+    field, tail = task_field(task_id)
+    return field + tail if tail is not None else field
+
+
 def find_record(client: Any, tasks_key: str, task_id: str) -> tuple[Optional[bytes], Optional[bytes]]:
     """``(field, record)`` of a member, or ``(None, None)`` (``find_member`` in lua/_member.lua):
     a UUID whose first 14 bytes another member held when it arrived is keyed by its long form."""
@@ -172,18 +180,46 @@ def parse_record(record: bytes) -> Record:
 #: How long a gate call waits for Redis to accept a connection, or to answer, before it counts as
 #: failed (and is retried): no call waits forever on a link that went silent.
 SOCKET_TIMEOUT = 5.0
+#: A call's retries give up this long after its first failure: the last replay of a call is sent
+#: at most this plus ``SOCKET_TIMEOUT`` after the call, within the gate's ENDED_WINDOW (30 s,
+#: lua/_common.lua) of remembering what ended.
+RETRY_BUDGET = 15.0
+
+
+class BoundedRetry(Retry):
+    """redis-py's :class:`~redis.retry.Retry`, which also gives up ``budget`` seconds after a
+    call's first failure (attempts on a silent link each wait ``SOCKET_TIMEOUT``)."""
+
+    def __init__(self, backoff: Any, retries: int, budget: float) -> None:
+        super().__init__(backoff, retries)
+        self.budget = budget
+
+    def call_with_retry(  # its signature varies across redis-py 5-8: the rest passes through
+            self, do: Callable[[], Any], fail: Callable[..., Any], *args: Any,
+            **kwargs: Any) -> Any:
+        started: list[float] = []
+
+        def fail_within_budget(error: Any, *count: Any) -> Any:
+            if not started:
+                started.append(time.monotonic())
+            result = fail(error, *count)
+            if time.monotonic() - started[0] > self.budget:
+                raise error
+            return result
+
+        return super().call_with_retry(do, fail_within_budget, *args, **kwargs)
 
 
 def make_client(url: str, options: Optional[dict[str, Any]] = None) -> "redis.Redis":
-    """A client that rides out short Redis outages: each command is retried with backoff for
-    about 15 s, and a connection that gives no answer for ``SOCKET_TIMEOUT`` seconds counts as
-    broken.  ``options``: keyword options for redis-py (``threads_redis_options``), over these.
+    """A client that rides out short Redis outages: each command is retried with backoff for at
+    most ``RETRY_BUDGET`` seconds, and a connection that gives no answer for ``SOCKET_TIMEOUT``
+    seconds counts as broken.  ``options``: keyword options for redis-py (``threads_redis_options``), over these.
 
     A script call replayed after its reply was lost gives the reply of the call that ran: each
     transition recognizes its own replay (lua/_common.lua ``replayed``; claim by its claimant).
     """
     kwargs: dict[str, Any] = {
-        "retry": Retry(ExponentialBackoff(cap=1.0, base=0.05), 20),
+        "retry": BoundedRetry(ExponentialBackoff(cap=1.0, base=0.05), 20, RETRY_BUDGET),
         "retry_on_error": [redis.ConnectionError, redis.TimeoutError],
         "health_check_interval": 30,
         "socket_keepalive": True,
@@ -536,7 +572,7 @@ class Gate:
                 retry_delay_ms: int = 0, replaced: int = 0) -> Outcome:
         """A new member.  ``replaced``: the ``replaced_task_nesting`` of a replacement
         (``Task.replace``), admitted once although its task id (the replaced task's) ended in the
-        last minute (lua/enqueue.lua)."""
+        last 30 s (lua/enqueue.lua)."""
         mode, value = ("at", at_ms) if at_ms is not None else ("in", max(0, delay_ms))
         extra = (replaced,) if replaced else ()
         return self._outcome(thread_id, self._run(

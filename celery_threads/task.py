@@ -210,7 +210,7 @@ class ThreadedTask(Task):
                     max_retries=max_retries, retry_delay_ms=retry_delay_ms, replaced=nesting)
                 if not outcome.done:
                     logger.info("celery-threads: %s[%s] is already a member of thread %s, or "
-                                "ended less than a minute ago; not enqueued twice", self.name,
+                                "ended less than 30 s ago; not enqueued twice", self.name,
                                 task_id, thread_id)
                 release, added = outcome.release, outcome.done
             capture.flush()
@@ -413,7 +413,7 @@ def gate_errors(runtime: Any, task_id: str) -> Iterator[None]:
             f"(threads_redis_url) to publish task {task_id}: {exc}. Nothing was sent to the "
             "broker. If the connection broke after Redis received the call, the member may be "
             "stored whole and will run; calling again with the same task_id is safe either way "
-            "(a member is never stored twice, nor again within a minute of its end)."
+            "(a member is never stored twice, nor again within 30 s of its end)."
         ) from exc
 
 
