@@ -254,11 +254,12 @@ class Watchdog:
                 if _expiries[i] != expires or pid <= 0:
                     continue            # renewed, or ended, meanwhile
                 _expiries[i] = 0.0
-                logger.error("celery-threads: killing pool process %s: the lease of the member "
-                             "it runs ends in %.2fs and no renewal got through (the gate is "
-                             "unreachable); the member must not run past it", pid,
-                             expires - now)
                 try:
                     os.kill(pid, signal.SIGKILL)
                 except OSError:
-                    pass
+                    continue
+                # Logged once the signal is sent (tools read the kill's time off this line).
+                logger.error("celery-threads: killed pool process %s: the lease of the member "
+                             "it ran ended %.2fs later and no renewal got through (the gate is "
+                             "unreachable); the member must not run past it", pid,
+                             expires - now)

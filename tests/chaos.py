@@ -13,9 +13,14 @@ countdowns, deaths and a few members longer than the keepalive; a deleter deleti
 waiting or active members.  Faults: a worker SIGKILLed (whole process group) and replaced every
 ``--kill-every`` seconds, a pool child SIGKILLed in the middle of a task every
 ``--child-kill-every`` seconds, broker redeliveries (``acks_late`` with a short visibility timeout
-on Redis; requeue of a dead consumer's messages on RabbitMQ), and ``--redis-restarts`` restarts
+on Redis; requeue of a dead consumer's messages on RabbitMQ), ``--redis-restarts`` restarts
 of the gate's Redis (SIGTERM, down for ``--outage`` seconds, started again on the same port
-with its append-only file).
+with its append-only file; an outage longer than the gate client's retries, 15 s, with a
+keepalive longer than the outage, is the long outage), and ``--partitions`` silent partitions
+between one worker and the gate (each worker reaches the gate through a relay of its own,
+tests/netfault.py, that drops everything for ``--partition`` seconds; the broker stays
+reachable).  The pool processes a worker kills when a lease ends unconfirmed ("killed pool
+process" in its log) count as kills of their own kind.
 
 The run is also the deployment's supervisor: a worker that exits, or whose consumer crashes (kombu's
 Redis transport does so when the broker restarts), is replaced at once, and how many healthy
@@ -49,6 +54,7 @@ import redis
 from tests.checker import (DeadLetter, Deletion, Enqueue, Event, GateState, Limits, Report,
                            check)
 from tests.conftest import CeleryProcess, RedisServer
+from tests.netfault import Relay
 
 AMQP_URL = "amqp://guest:guest@127.0.0.1:5672//"
 
@@ -72,6 +78,8 @@ class Options:
     delete_every: float = 2.5
     redis_restarts: int = 2
     outage: float = 1.5
+    partitions: int = 0
+    partition: float = 0.0            # seconds; 0: 1.5 x the keepalive
     quiesce_timeout: float = 90.0
     json_path: Optional[str] = None
     workdir: Optional[str] = None
@@ -95,6 +103,7 @@ class ChaosProcess(CeleryProcess):
     _read = 0
     is_ready = False
     crashed = False                 # its consumer hit an unrecoverable error (it winds down)
+    relay: Optional[Relay] = None   # its own way to the gate, with --partitions
 
     def poll_log(self) -> None:
         """Read what the log gained since the last call: ready yet?  crashed?"""
@@ -203,7 +212,13 @@ class Cluster:
         args = ["--loglevel", "INFO", "-P", "prefork", "-c", str(self.opts.concurrency),
                 "-n", f"chaos-{name}-{self.run_id}@%h", "--without-gossip", "--without-mingle",
                 "--without-heartbeat"]
-        proc = ChaosProcess("worker", self.env, args, name, self.logdir)
+        env = self.env
+        relay = None
+        if self.opts.partitions:
+            relay = Relay(self.gate_server.port)
+            env = {**env, "CHAOS_GATE_URL": relay.url(0)}
+        proc = ChaosProcess("worker", env, args, name, self.logdir)
+        proc.relay = relay
         proc.start()
         self._note(proc.proc)
         self.workers.append(proc)
@@ -279,6 +294,44 @@ class Cluster:
             time.sleep(0.2)
         return None
 
+    def partition_worker(self, rng: random.Random, busy_pids: set[int]) -> Optional[ChaosProcess]:
+        """Silence the link between a worker (preferably one running a member) and the gate."""
+        from tests.chaos_tasks import now_us, record
+
+        candidates = [w for w in self.workers if w.healthy() and w.relay is not None
+                      and w.relay.mode == "pass"]
+        if len(candidates) < 2:
+            return None                     # keep one worker connected
+        busy = [w for w in candidates if set(w.children()) & busy_pids]
+        victim = rng.choice(busy or candidates)
+        assert victim.relay is not None
+        lo = now_us()
+        victim.relay.silence()
+        record("partition", name=victim.name, pids=victim.group(), lo=lo)
+        return victim
+
+    def heal(self, worker: ChaosProcess) -> None:
+        from tests.chaos_tasks import record
+
+        if worker.relay is not None:
+            worker.relay.heal()
+        record("healed", name=worker.name)
+
+    def lease_kills(self) -> list[Event]:
+        """The pool processes the workers killed when a member's lease ended unconfirmed: their
+        logs say so right after the signal ("killed pool process <pid>"), in local time."""
+        found = []
+        for proc in [*self.workers, *self.retired]:
+            if not proc.log.exists():
+                continue
+            for line in proc.log.read_text(errors="replace").splitlines():
+                match = _LEASE_KILL.search(line)
+                if match:
+                    at = time.mktime(time.strptime(match["at"], "%Y-%m-%d %H:%M:%S"))
+                    t = int(at * 1e6) + int(match["ms"]) * 1000 + 1000   # the next ms, at most
+                    found.append(Event("kill", t, pids=(int(match["pid"]),), what="lease"))
+        return found
+
     def restart_redis(self, outage: float) -> None:
         from tests.chaos_tasks import record
 
@@ -345,6 +398,9 @@ class Cluster:
 
     # -- tear-down ------------------------------------------------------------------------
     def close(self) -> None:
+        for proc in [*self.workers, *self.retired]:
+            if proc.relay is not None:
+                proc.relay.close()
         for proc in [*self.workers, *self.retired, *([self.beat] if self.beat else [])]:
             try:
                 proc.stop()
@@ -358,6 +414,34 @@ class Cluster:
                 server.stop(kill=True)
         if self.opts.broker == "amqp" and self.env:
             _drop_amqp(self.env["CHAOS_QUEUE"], self.env["CHAOS_CONTROL_EXCHANGE"])
+
+
+_LEASE_KILL = __import__("re").compile(
+    r"^\[(?P<at>\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(?P<ms>\d{3}): ERROR/.*killed pool process "
+    r"(?P<pid>\d+)")
+
+
+def partition_recoveries(rows: list[dict[str, Any]]) -> list[float]:
+    """For each partition: the time from its start to the next start, on another worker, of each
+    thread whose member was running on the partitioned worker (seconds)."""
+    found = []
+    starts = [r for r in rows if r["k"] == "start"]
+    for p in (r for r in rows if r["k"] == "partition"):
+        pids, at = set(p["pids"]), int(p["lo"])
+        open_at: dict[str, str] = {}
+        for r in rows:
+            if r["t"] > at:
+                break
+            if r["k"] == "start" and r["pid"] in pids:
+                open_at[r["thread"]] = r["task"]
+            elif r["k"] in ("end", "fin") and r["pid"] in pids:
+                open_at.pop(r["thread"], None)
+        for thread in open_at:
+            later = [r["t"] for r in starts
+                     if r["thread"] == thread and r["t"] > at and r["pid"] not in pids]
+            if later:
+                found.append((min(later) - at) / 1e6)
+    return found
 
 
 def _drop_amqp(queue: str, exchange: str) -> None:
@@ -524,7 +608,11 @@ def run(opts: Options) -> Report:
         for th in pool:
             th.start()
 
-        faults = {"worker": 0, "child": 0, "redis": 0}
+        faults = {"worker": 0, "child": 0, "redis": 0, "partition": 0}
+        partition = opts.partition or 1.5 * opts.keepalive
+        partitions = [t0 + load * (i + 0.5) / (opts.partitions + 1)
+                      for i in range(opts.partitions)]
+        healing: list[tuple[float, ChaosProcess]] = []
         exits: list[str] = []
         next_kill = t0 + min(6.0, opts.kill_every)
         next_child = t0 + min(3.0, opts.child_kill_every)
@@ -552,6 +640,19 @@ def run(opts: Options) -> Report:
                 say(f"  {now - t0:5.1f}s gate Redis down for {opts.outage:g}s (SIGTERM, AOF)")
                 cluster.restart_redis(opts.outage)
                 faults["redis"] += 1
+            if partitions and now >= partitions[0]:
+                partitions.pop(0)
+                cut = cluster.partition_worker(
+                    rng, {int(r["pid"]) for r in open_spans(history, HISTORY_KEY)})
+                if cut is not None:
+                    faults["partition"] += 1
+                    healing.append((now + partition, cut))
+                    say(f"  {now - t0:5.1f}s worker {cut.name} cut off from the gate for "
+                        f"{partition:g}s")
+            for at, cut in [h for h in healing if now >= h[0]]:
+                healing.remove((at, cut))
+                cluster.heal(cut)
+                say(f"  {now - t0:5.1f}s worker {cut.name} reaches the gate again")
             for name in cluster.supervise():
                 exits.append(name)
                 say(f"  {now - t0:5.1f}s worker {name}; replacement started")
@@ -563,6 +664,8 @@ def run(opts: Options) -> Report:
             time.sleep(0.1)
 
         workload.stop.set()
+        for _, cut in healing:
+            cluster.heal(cut)
         for th in pool:
             th.join(30)
         say(f"  {time.time() - t0:5.1f}s load over: {workload.enqueued} members enqueued, "
@@ -583,6 +686,7 @@ def run(opts: Options) -> Report:
         (workdir / "history.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
         (workdir / "gate.json").write_text(json.dumps(asdict(gate), indent=1))
         events, enqueues, deletions = parse_history(rows)
+        events += cluster.lease_kills()
         report = check(events, gate, deletions, enqueues,
                        Limits(opts.keepalive, opts.dispatch_interval, opts.retry_delay))
         report.info.append(f"faults: {faults['worker']} worker SIGKILLs, {faults['child']} "
@@ -590,6 +694,15 @@ def run(opts: Options) -> Report:
                            f"({opts.outage:g}s each), acks_late"
                            + (f", visibility timeout {opts.visibility:g}s"
                               if opts.broker == "redis" else ""))
+        if faults["partition"]:
+            moved = partition_recoveries(rows)
+            report.info.append(
+                f"{faults['partition']} partition(s) of {partition:g}s between a worker and the "
+                f"gate; from a partition to its threads' next start elsewhere: "
+                + (f"worst {max(moved):.2f}s, median {sorted(moved)[len(moved) // 2]:.2f}s "
+                   f"({len(moved)} threads)" if moved else "no thread was running there"))
+            report.info.append(f"pool processes killed at a lease's end: "
+                               f"{sum(1 for e in events if e.what == 'lease')}")
         report.info.append(f"worker and beat logs: {logs or 'no errors'}")
         if exits:
             report.info.append(f"{len(exits)} worker(s) crashed or exited on their own and were "
@@ -628,12 +741,12 @@ def main(argv: Optional[list[str]] = None) -> int:
                         default=defaults.broker,
                         help="redis: the broker is database 1 of the gate's Redis, restarted with "
                              "it; redis-apart: on the history server, never restarted")
-    for name in ("workers", "concurrency", "threads", "seed", "redis_restarts"):
+    for name in ("workers", "concurrency", "threads", "seed", "redis_restarts", "partitions"):
         parser.add_argument("--" + name.replace("_", "-"), type=int,
                             default=getattr(defaults, name))
     for name in ("rate", "keepalive", "dispatch_interval", "release_timeout", "visibility",
                  "retry_delay", "kill_every", "child_kill_every", "delete_every", "outage",
-                 "quiesce_timeout"):
+                 "partition", "quiesce_timeout"):
         parser.add_argument("--" + name.replace("_", "-"), type=float,
                             default=getattr(defaults, name))
     parser.add_argument("--no-ack", action="store_true",

@@ -79,7 +79,7 @@ def test_a_worker_cut_off_from_the_gate_stops_its_member_before_the_lease_ends(
     moved_on = (second_start - cut_at) / 1e6
     print(f"from the cut to the next member's start: {moved_on:.2f}s (keepalive 3s)")
     assert moved_on < 3 + 0.2 + 5, f"the thread moved on only {moved_on:.2f}s after the cut"
-    assert "killing pool process" in cut.output()
+    assert "killed pool process" in cut.output()
     [dead] = [x for x in Threads(proj.app).dead() if x.task_id == first.id]
     assert "LeaseExpired" in dead.exception
 
