@@ -371,7 +371,8 @@ class Cluster:
                        for k, v in client.hgetall(shard.tasks).items()}
             gate = Gate(client, keys, release_timeout_ms=1000)
             dead = {r.task_id: DeadLetter(str(r.meta.get("thread_id", "")),
-                                          str(r.meta.get("exception", "")), r.died_at_ms)
+                                          str(r.meta.get("exception", "")), r.died_at_ms,
+                                          int(r.meta.get("retries", -1)))
                     for r in gate.dead_records()}
             thread_keys: dict[str, list[str]] = {}
             head = f"{shard.tag}:t:"
@@ -381,7 +382,22 @@ class Cluster:
             active = {t: {k.decode(): v.decode()
                           for k, v in client.hgetall(keys.thread(t).active).items()}
                       for t in set(due) | set(leases)}
-            return GateState(due, leases, members, dead, thread_keys, active)
+            notes: dict[str, int] = {}
+            note_head = shard.deleted_note("")
+            for raw in client.scan_iter(match=f"{note_head}*", count=1000):
+                notes[raw.decode()[len(note_head):]] = int(client.ttl(raw))
+            known = {shard.seq, shard.due, shard.leases, shard.tasks, shard.dead,
+                     shard.dead_records, shard.ended}
+            other = [k for k in (raw.decode() for raw in client.scan_iter(
+                match=f"{keys.prefix}:*", count=1000))
+                     if k not in known and not k.startswith((head, note_head))]
+            return GateState(
+                due, leases, members, dead, thread_keys, active,
+                dead_index=[k.decode() for k in client.zrange(shard.dead, 0, -1)],
+                dead_records=[k.decode() for k in client.hkeys(shard.dead_records)],
+                ended={k.decode(): v for k, v in client.zrange(shard.ended, 0, -1,
+                                                               withscores=True)},
+                notes=notes, other_keys=other)
         finally:
             client.close()
 
@@ -490,35 +506,62 @@ class Workload:
         self.long_until = 0.0
 
     def producer(self, until: float, long_until: float) -> None:
-        from tests.chaos_tasks import now_us, record, work
+        """Members at ``--rate``; one time in 16, a burst of three into one thread with the same
+        ``eta`` (a multiple of 250 ms, so exact on the gate's millisecond clock), whose order
+        must be their arrival order."""
+        from tests.chaos_tasks import now_us
 
         rng = random.Random(self.opts.seed)
         period = 1.0 / self.opts.rate
         n = 0
         while not self.stop.is_set() and time.time() < until:
-            n += 1
             thread = rng.choices(self.threads, self.weights)[0]
-            countdown_ms = 0 if rng.random() < 0.6 else rng.randint(100, 3000)
-            roll = rng.random()
-            if roll < 0.02 and time.time() < long_until:
-                sleep = round(self.opts.keepalive * 1.5, 2)         # outlives several renewals
+            if rng.random() < 1 / 16:
+                eta_ms = (now_us() // 1000 + 600) // 250 * 250 + 250
+                for _ in range(3):
+                    n += 1
+                    self._enqueue(thread, f"m{n}", self._kwargs(rng, long_until), eta_ms=eta_ms)
             else:
-                sleep = round(rng.uniform(0.02, 0.3), 3)
-            fails = rng.choices([0, 1, 2, 5], [65, 20, 10, 5])[0]   # 5: exhausts max_retries=3
-            die = rng.random() < 0.05
-            kwargs = {"sleep": sleep, "fails": fails, "die": die,
-                      "retry_ms": rng.randint(0, 1000)}
-            lo = now_us()
-            try:
-                result = work.apply_async((thread, f"m{n}"), kwargs,
-                                          countdown=countdown_ms / 1000.0 if countdown_ms else None)
-            except Exception as exc:
-                self.failed_enqueues.append(f"{type(exc).__name__}: {exc}")
-                record("enq_failed", thread=thread, error=repr(exc)[:300], lo=lo)
-            else:
-                record("enq", task=result.id, thread=thread, n=0, cd=countdown_ms * 1000, lo=lo)
-                self.enqueued += 1
+                n += 1
+                countdown_ms = 0 if rng.random() < 0.6 else rng.randint(100, 3000)
+                self._enqueue(thread, f"m{n}", self._kwargs(rng, long_until),
+                              countdown_ms=countdown_ms)
             self.stop.wait(period * rng.uniform(0.5, 1.5))
+
+    def _kwargs(self, rng: random.Random, long_until: float) -> dict[str, Any]:
+        roll = rng.random()
+        if roll < 0.02 and time.time() < long_until:
+            sleep = round(self.opts.keepalive * 1.5, 2)         # outlives several renewals
+        else:
+            sleep = round(rng.uniform(0.02, 0.3), 3)
+        fails = rng.choices([0, 1, 2, 5], [65, 20, 10, 5])[0]   # 5: exhausts max_retries=3
+        die = rng.random() < 0.05
+        return {"sleep": sleep, "fails": fails, "die": die, "retry_ms": rng.randint(0, 1000)}
+
+    def _enqueue(self, thread: str, label: str, kwargs: dict[str, Any], countdown_ms: int = 0,
+                 eta_ms: Optional[int] = None) -> None:
+        from datetime import datetime, timezone
+
+        from tests.chaos_tasks import now_us, record, work
+
+        lo = now_us()
+        try:
+            if eta_ms is not None:
+                result = work.apply_async(
+                    (thread, label), kwargs,
+                    eta=datetime.fromtimestamp(eta_ms / 1000, timezone.utc))
+            else:
+                result = work.apply_async(
+                    (thread, label), kwargs,
+                    countdown=countdown_ms / 1000.0 if countdown_ms else None)
+        except Exception as exc:
+            self.failed_enqueues.append(f"{type(exc).__name__}: {exc}")
+            record("enq_failed", thread=thread, error=repr(exc)[:300], lo=lo)
+        else:
+            exact = {} if eta_ms is None else {"at": eta_ms * 1000}
+            record("enq", task=result.id, thread=thread, n=0, cd=countdown_ms * 1000, lo=lo,
+                   **exact)
+            self.enqueued += 1
 
     def deleter(self, until: float) -> None:
         from celery_threads import Threads
@@ -564,7 +607,7 @@ def parse_history(rows: list[dict[str, Any]]) -> tuple[list[Event], list[Enqueue
                                 what=row["what"]))
         elif k == "enq":
             enqueues.append(Enqueue(row["task"], row["thread"], int(row["n"]), int(row["lo"]),
-                                    row["t"], int(row["cd"])))
+                                    row["t"], int(row["cd"]), exact=row.get("at")))
         elif k == "landed":
             landed[(row["task"], int(row["n"]))] = row["t"]
         elif k == "del":

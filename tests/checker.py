@@ -31,13 +31,17 @@ What is checked, and the approximations it rests on:
   release.  Attempts that were received but never started (a prefetched request a consumer
   restart dropped, one in a killed worker, a duplicate delivery that lost the claim) have no
   known end and are left out.  An attempt of a deleted member that had not ended when the
-  delete began is exempt ("deletion is authoritative; the thread does not wait for the worker").
+  delete began counts only until then: what runs beside it after is exempt ("deletion is
+  authoritative; the thread does not wait for the worker"), what overlapped it before is not.
 * **Endings.**  Per member: successes (``end`` with ``success``), the dead-letter store, the
   deletions, and whether it is still a member.  It must end exactly once.  A success whose
   process was killed before ``fin`` was written may or may not have reached the gate (the
   at-least-once window between user code returning and the gate's ``finish``); it counts only
   when nothing else ended the member, and a re-run after it is reported as information, not as
-  a violation.  A deleted member may also have one success (the delete raced the finish).
+  a violation.  A deleted member may also have one success (the delete raced the finish).  A
+  dead letter is a valid ending only when the history explains it: an attempt ended ``die``
+  (user code failed for good), or the attempt at the last retry the task allows failed without
+  an ending (killed, or no end), and the gate's count of retries says they were exhausted.
 * **Order.**  Exact release times and ``scheduled_at`` values live only inside the gate's
   scripts, so the check works with bounds and reports only *certain* violations.  Each attempt
   the run enqueued has ``scheduled_at`` in ``[before + countdown, after + countdown]`` (less
@@ -53,10 +57,21 @@ What is checked, and the approximations it rests on:
   Y was enqueued before X's earliest possible release time (the later of X's schedule, X's
   enqueue, and the end of any attempt of the thread released before X), Y's own release has a
   token above tx (so Y was still waiting), and Y's latest possible ``scheduled_at`` is before X's
-  earliest.  Ties of ``scheduled_at`` (arrival order) are not checked.
-* **Stuck threads and orphan keys.**  The run ends every member, so any thread still in the
+  earliest.  Ties: the producer sends some members in bursts with one exact ``eta`` (a multiple
+  of 250 ms); a release of one of them while a sibling with the same exact schedule that arrived
+  earlier (its enqueue returned before this one's began) certainly waited breaks arrival order.
+* **Not before scheduled_at.**  No attempt is received or started before its schedule's lower
+  bound: the producer's enqueue's ``sched_lo``; for a retry, the retrying attempt's ``recv``
+  (its claim, whose time the re-entry is scheduled from, came after it) plus the countdown, less
+  the clocks' resolution (``SLACK_US``).  The gate's own re-entries are not checked.
+* **Stuck threads and leftover keys.**  The run ends every member, so any thread still in the
   gate's ``due`` or ``leases`` index after it quiesced is stuck; a thread key, a ``tasks`` entry
-  or an index entry for a thread that is not in both places consistently is an orphan.
+  or an index entry for a thread that is not in both places consistently is an orphan.  So are
+  a dead index entry without its record (or the reverse), an ``ended`` entry at +inf, of a task
+  the run never had, or older than a minute before the newest (untrimmed), a deleted note
+  without a TTL or of a member that was not deleted, and any key under the prefix of no known
+  shape.  Deleted notes of deleted members (no worker announced them yet) are reported as
+  information: they expire.
 * **Recovery.**  For each SIGKILL, each attempt its processes held (started and not ended, or
   received by that worker's main process and not started, with no later release of the thread
   before the kill): the time from the kill to the thread's next activity seen by a worker (a
@@ -111,6 +126,9 @@ class Enqueue:
     # lapse plus the retry delay).  The producer's enqueue (attempt 0) is in the gate when the
     # call returns.
     in_gate_by: Optional[int] = None
+    # The exact scheduled_at (µs) when the producer gave an ``eta`` the gate takes as it is (a
+    # multiple of 250 ms, exact in binary), else None: the schedule is known only within bounds.
+    exact: Optional[int] = None
 
     @property
     def landed(self) -> bool:
@@ -122,10 +140,14 @@ class Enqueue:
 
     @property
     def sched_lo(self) -> int:
+        if self.exact is not None:
+            return self.exact
         return self.at_lo + self.countdown - SLACK_US
 
     @property
     def sched_hi(self) -> int:
+        if self.exact is not None:
+            return self.exact
         return self.at_hi + self.countdown + SLACK_US
 
 
@@ -141,6 +163,7 @@ class DeadLetter:
     thread: str
     reason: str
     died_at_ms: int
+    retries: int = -1               # the gate's count of failed attempts (-1: not read)
 
 
 @dataclass(frozen=True)
@@ -151,6 +174,12 @@ class GateState:
     dead: dict[str, DeadLetter] = field(default_factory=dict)  # the dead-letter store
     thread_keys: dict[str, list[str]] = field(default_factory=dict)  # thread -> its key names
     active: dict[str, dict[str, str]] = field(default_factory=dict)  # thread -> its active hash
+    # The shard's other keys, as read (None: not read, not checked).
+    dead_index: Optional[list[str]] = None       # the dead zset's members
+    dead_records: Optional[list[str]] = None     # the dead:records hash's fields
+    ended: Optional[dict[str, float]] = None     # the ended index: task -> ended_at (ms)
+    notes: Optional[dict[str, int]] = None       # deleted notes: task -> seconds to live (-1: none)
+    other_keys: Optional[list[str]] = None       # keys under the prefix of no known shape
 
 
 @dataclass(frozen=True)
@@ -158,6 +187,7 @@ class Limits:
     keepalive: float                # s
     dispatch_interval: float        # s
     retry_delay: float              # s: default_retry_delay, used by the gate's own re-entries
+    max_retries: int = 3            # the task's max_retries: a failed attempt past it dies
 
 
 @dataclass
@@ -174,7 +204,8 @@ class Attempt:
     outcome: str = ""
     fin: Optional[int] = None
     killed: Optional[int] = None
-    exempt: bool = False
+    exempt: bool = False            # deleted while it ran: its part after the delete is exempt
+    cut: Optional[int] = None       # when the delete of its member began (exempt attempts)
 
     @property
     def lo(self) -> int:
@@ -188,6 +219,12 @@ class Attempt:
         if self.killed is not None:
             return self.killed
         return INF
+
+    @property
+    def until(self) -> float:
+        """The end of the part of the attempt that must not overlap a sibling's: a deleted
+        member's attempt only until its delete began."""
+        return self.hi if self.cut is None else min(self.hi, self.cut)
 
     @property
     def tok(self) -> int:
@@ -213,8 +250,11 @@ class Report:
     overlaps: list[str] = field(default_factory=list)
     bad_endings: list[str] = field(default_factory=list)
     order_violations: list[str] = field(default_factory=list)
+    early_starts: list[str] = field(default_factory=list)
     releases_checked: int = 0
     waiting_compared: int = 0
+    ties_compared: int = 0
+    schedules_checked: int = 0
     stuck: list[str] = field(default_factory=list)
     orphans: list[str] = field(default_factory=list)
     recoveries: dict[str, list[float]] = field(default_factory=dict)   # kind -> seconds
@@ -226,12 +266,13 @@ class Report:
 
     @property
     def ok(self) -> bool:
-        return not (self.overlaps or self.bad_endings or self.order_violations or self.stuck
-                    or self.orphans)
+        return not (self.overlaps or self.bad_endings or self.order_violations
+                    or self.early_starts or self.stuck or self.orphans)
 
     def counts(self) -> dict[str, int]:
         return {"overlaps": len(self.overlaps), "bad_endings": len(self.bad_endings),
-                "order_violations": len(self.order_violations), "stuck": len(self.stuck),
+                "order_violations": len(self.order_violations),
+                "early_starts": len(self.early_starts), "stuck": len(self.stuck),
                 "orphans": len(self.orphans)}
 
     def as_dict(self) -> dict[str, Any]:
@@ -250,11 +291,15 @@ class Report:
             *_first(self.bad_endings, limit),
             f"order violations: {len(self.order_violations)} "
             f"({self.releases_checked} releases checked against {self.waiting_compared} "
-            "siblings certainly waiting at the time)",
+            f"siblings certainly waiting at the time, {self.ties_compared} of them tied on "
+            "scheduled_at)",
             *_first(self.order_violations, limit),
+            f"attempts received or started before their scheduled_at: {len(self.early_starts)} "
+            f"({self.schedules_checked} checked)",
+            *_first(self.early_starts, limit),
             f"stuck threads: {len(self.stuck)}",
             *_first(self.stuck, limit),
-            f"gate keys of threads that no longer exist: {len(self.orphans)}",
+            f"gate keys left over: {len(self.orphans)}",
             *_first(self.orphans, limit),
         ]
         bound = self.keepalive + self.dispatch_interval
@@ -362,7 +407,7 @@ def check(history: Sequence[Event], gate: GateState, deleted: Sequence[Deletion]
     for a in attempts:
         d = deletions.get(a.task)
         if d is not None and a.hi > d.lo:
-            a.exempt = True
+            a.exempt, a.cut = True, d.lo
 
     report.members = len(thread_of)
     report.attempts = sum(1 for a in attempts if a.start is not None)
@@ -370,10 +415,12 @@ def check(history: Sequence[Event], gate: GateState, deleted: Sequence[Deletion]
     if unended:
         report.info.append(f"{len(unended)} attempt(s) started and neither ended nor were killed: "
                            + "; ".join(a.describe() for a in unended[:5]))
+    first = {e.task: e for e in enqueues if e.attempt == 0}
     _check_overlaps(attempts, report)
-    _check_endings(thread_of, attempts, gate, deletions, report)
-    _check_order(attempts, known, unlanded, limits, report)
-    _check_gate(gate, report)
+    _check_endings(thread_of, attempts, kills, gate, deletions, limits, report)
+    _check_order(attempts, known, unlanded, first, limits, report)
+    _check_schedules(attempts, known, report)
+    _check_gate(gate, thread_of, deletions, report)
     _measure_recovery(history, attempts, kills, gate, deletions, known, limits, report)
     return report
 
@@ -386,21 +433,51 @@ def _by_thread(attempts: Iterable[Attempt]) -> dict[str, list[Attempt]]:
 
 
 def _check_overlaps(attempts: list[Attempt], report: Report) -> None:
-    started = [a for a in attempts if a.start is not None]
+    # A deleted member's attempt counts until its delete began: what it overlapped before is a
+    # violation, what runs beside it after is not (the thread does not wait for its worker).
+    started = [a for a in attempts if a.start is not None and a.until > a.lo]
     for thread, spans in sorted(_by_thread(started).items()):
         spans.sort(key=lambda a: a.lo)
         for i, a in enumerate(spans):
             for b in spans[i + 1:]:
-                if b.lo >= a.hi:
+                if b.lo >= a.until:
                     break
-                if a.exempt or b.exempt:
-                    continue
                 report.overlaps.append(f"thread {thread}: {a.describe()} overlaps "
-                                       f"{b.describe()}")
+                                       f"{b.describe()}" + (" before its delete" if a.cut or b.cut
+                                                           else ""))
 
 
-def _check_endings(thread_of: dict[str, str], attempts: list[Attempt], gate: GateState,
-                   deletions: dict[str, Deletion], report: Report) -> None:
+def _dead_letter_unexplained(dead: DeadLetter, rows: list[Attempt],
+                             kills: list[Event], limits: Limits) -> Optional[str]:
+    """Why the history does not explain a dead letter, or None when it does: an attempt's user
+    code failed for good (``end`` with ``die``), or an attempt that was the last one its retries
+    allowed failed without an ending (its process killed, or no end at all) and the gate counted
+    its retries as exhausted.  An attempt killed after its claim but before it wrote ``start``
+    leaves no row: a kill after the member's last row, with the previous attempt the last but
+    one, explains it too."""
+    if any(a.outcome == "die" for a in rows):
+        return None
+    if 0 <= dead.retries < limits.max_retries:
+        return (f"its retries were not exhausted ({dead.retries} of {limits.max_retries}) and "
+                f"no attempt failed for good: {dead.reason[:80]}")
+    started = [a for a in rows if a.start is not None]
+    if any(a.attempt >= limits.max_retries and a.end is None for a in started):
+        return None
+    last = max((a.attempt for a in started), default=-1)
+    seen = max((t for a in rows for t in (a.recv, a.start, a.end) if t is not None), default=0)
+    if last == limits.max_retries - 1 and any(k.t > seen for k in kills):
+        return None
+    return (f"no attempt failed for good and none at its last retry ({limits.max_retries}) was "
+            f"cut short (attempts seen: {sorted({a.attempt for a in rows})}): "
+            f"{dead.reason[:80]}")
+
+
+def _check_endings(thread_of: dict[str, str], attempts: list[Attempt], kills: list[Event],
+                   gate: GateState, deletions: dict[str, Deletion], limits: Limits,
+                   report: Report) -> None:
+    by_task: dict[str, list[Attempt]] = defaultdict(list)
+    for a in attempts:
+        by_task[a.task].append(a)
     completed: dict[str, int] = defaultdict(int)
     interrupted: dict[str, int] = defaultdict(int)
     for a in attempts:
@@ -437,6 +514,9 @@ def _check_endings(thread_of: dict[str, str], attempts: list[Attempt], gate: Gat
         else:
             if dead:
                 report.dead_lettered += 1
+                why = _dead_letter_unexplained(gate.dead[task], by_task[task], kills, limits)
+                if why is not None:
+                    report.bad_endings.append(f"{where} is dead-lettered but {why}")
             else:
                 report.succeeded += 1
             reruns += 1 if i else 0
@@ -446,8 +526,8 @@ def _check_endings(thread_of: dict[str, str], attempts: list[Attempt], gate: Gat
 
 
 def _check_order(attempts: list[Attempt], known: dict[tuple[str, int], Enqueue],
-                 unlanded: dict[tuple[str, int], Enqueue], limits: Limits,
-                 report: Report) -> None:
+                 unlanded: dict[tuple[str, int], Enqueue], first: dict[str, Enqueue],
+                 limits: Limits, report: Report) -> None:
     retry_delay_us = int(limits.retry_delay * 1e6)
     for thread, rows in sorted(_by_thread(attempts).items()):
         released = sorted((a for a in rows if a.tok >= 0), key=lambda a: a.tok)
@@ -498,9 +578,55 @@ def _check_order(attempts: list[Attempt], known: dict[tuple[str, int], Enqueue],
                         f"{y.task}#{y.attempt} (token {y_tok}, enqueued by {_s(y.in_gate)}, "
                         f"scheduled by {_s(y.sched_hi)})")
                     break
+                if _tied_and_first(y, enq, first, report):
+                    report.order_violations.append(
+                        f"thread {thread}: {x.task}#{x.attempt} (token {x.tok}) went before "
+                        f"{y.task}#{y.attempt} (token {y_tok}), both scheduled at exactly "
+                        f"{_s(sched_lo)}, although {y.task} arrived first (by "
+                        f"{_s(first[y.task].at_hi)}, {x.task} after {_s(first[x.task].at_lo)})")
+                    break
 
 
-def _check_gate(gate: GateState, report: Report) -> None:
+def _tied_and_first(y: Enqueue, x: Optional[Enqueue], first: dict[str, Enqueue],
+                    report: Report) -> bool:
+    """Whether ``y`` is certainly scheduled at the same time as ``x`` (both exact) and arrived
+    before it (its first enqueue returned before ``x``'s began): equal schedules go by arrival
+    order, which a retry keeps."""
+    if x is None or x.exact is None or y.exact != x.exact:
+        return False
+    report.ties_compared += 1
+    fy, fx = first.get(y.task), first.get(x.task)
+    return fy is not None and fx is not None and fy.at_hi < fx.at_lo
+
+
+def _check_schedules(attempts: list[Attempt], known: dict[tuple[str, int], Enqueue],
+                     report: Report) -> None:
+    """No attempt is received or started before its scheduled_at.  The producer's enqueue has a
+    schedule the gate computes on its own clock during the call (or takes exactly from an eta):
+    at least ``sched_lo``.  A retry's re-entry is scheduled from its claim's time (read on the
+    gate's clock after the retrying attempt was received) plus its countdown: at least that
+    attempt's ``recv`` plus the countdown, less the clock's resolution."""
+    ran = {(a.task, a.attempt): a.recv for a in attempts if a.start is not None and a.recv}
+    for a in attempts:
+        enq = known.get((a.task, a.attempt))
+        if enq is None:
+            continue
+        if a.attempt == 0:
+            bound = enq.sched_lo
+        else:
+            before = ran.get((a.task, a.attempt - 1))
+            if before is None:
+                continue
+            bound = before + enq.countdown - SLACK_US
+        report.schedules_checked += 1
+        if a.lo < bound:
+            report.early_starts.append(
+                f"thread {a.thread}: {a.describe()} began {(bound - a.lo) / 1e3:.1f} ms before "
+                f"its scheduled_at (at or after {_s(bound)})")
+
+
+def _check_gate(gate: GateState, thread_of: dict[str, str], deletions: dict[str, Deletion],
+                report: Report) -> None:
     indexed = set(gate.due) | set(gate.leases)
     for thread in sorted(set(gate.due) & set(gate.leases)):
         report.orphans.append(f"thread {thread} is in both the due and the leases index")
@@ -521,6 +647,48 @@ def _check_gate(gate: GateState, report: Report) -> None:
     for task, thread in sorted(gate.members.items()):
         if thread not in indexed:
             report.orphans.append(f"tasks entry {task} -> {thread}, a thread in no index")
+    _check_shard_keys(gate, thread_of, deletions, report)
+
+
+def _check_shard_keys(gate: GateState, thread_of: dict[str, str],
+                      deletions: dict[str, Deletion], report: Report) -> None:
+    """The shard's keys besides the threads' once the run quiesced: the dead store's two keys
+    name the same tasks; the ended index holds only members that ended, none at +inf (a member
+    keyed by its long form, which would still be a member) and none older than a minute before
+    the newest (each end trims them); a deleted note lives only with its TTL, for a member that
+    was deleted (a worker takes it when it announces the delete); and no key of another shape."""
+    if gate.dead_index is not None and gate.dead_records is not None:
+        index, records = set(gate.dead_index), set(gate.dead_records)
+        for task in sorted(index - records):
+            report.orphans.append(f"dead index entry {task} has no dead record")
+        for task in sorted(records - index):
+            report.orphans.append(f"dead record {task} is in no dead index")
+    if gate.ended is not None:
+        finite = [at for at in gate.ended.values() if at != INF]
+        newest = max(finite, default=0.0)
+        for task, at in sorted(gate.ended.items()):
+            if at == INF:
+                report.orphans.append(f"ended index entry {task} at +inf (a long-form member "
+                                      "that never ended)")
+            elif task not in thread_of:
+                report.orphans.append(f"ended index entry {task}: not a member of this run")
+            elif at < newest - 60_000:
+                report.orphans.append(f"ended index entry {task} at {at:.0f} ms, more than a "
+                                      f"minute before the newest ({newest:.0f}): not trimmed")
+    if gate.notes is not None:
+        pending = 0
+        for task, ttl in sorted(gate.notes.items()):
+            if task not in deletions:
+                report.orphans.append(f"deleted note of {task}, which was not deleted")
+            elif ttl < 0:
+                report.orphans.append(f"deleted note of {task} without a TTL")
+            else:
+                pending += 1
+        if pending:
+            report.info.append(f"{pending} deleted note(s) not taken by a worker (no "
+                               "task-revoked sent; they expire with their TTL)")
+    for key in sorted(gate.other_keys or ()):
+        report.orphans.append(f"gate key {key} of no known shape")
 
 
 def _impaired(history: Sequence[Event]) -> list[tuple[float, float]]:

@@ -292,6 +292,7 @@ def configure_client(app, **env: str) -> None:
         "threads_key_prefix": env.get("CT_KEY_PREFIX", "celery_threads"),
         "task_default_queue": env.get("CT_QUEUE", "celery"),
         "task_acks_late": env.get("CT_ACKS_LATE") == "1",
+        "threads_direct_release": env.get("CT_DIRECT_RELEASE", "1") == "1",
         **routing(env),
     })
 

@@ -28,6 +28,7 @@ app.conf.update(
     threads_dead_letter_queue=os.environ.get("CT_DLQ") or None,
     threads_key_prefix=os.environ.get("CT_KEY_PREFIX", "celery_threads"),
     threads_track_releases=os.environ.get("CT_TRACK_RELEASES") == "1",
+    threads_direct_release=os.environ.get("CT_DIRECT_RELEASE", "1") == "1",
     threads_local_handoff=float(os.environ.get("CT_LOCAL_HANDOFF", "1.0")),
     task_default_queue=os.environ.get("CT_QUEUE", "celery"),
     task_acks_late=os.environ.get("CT_ACKS_LATE") == "1",

@@ -5,7 +5,7 @@ from typing import Optional
 
 import pytest
 
-from tests.checker import (DeadLetter, Deletion, Enqueue, Event, GateState, Limits, Report,
+from tests.checker import (INF, DeadLetter, Deletion, Enqueue, Event, GateState, Limits, Report,
                            check)
 
 LIMITS = Limits(keepalive=8.0, dispatch_interval=0.5, retry_delay=0.3)
@@ -24,12 +24,14 @@ class History:
         self.pid = 100
 
     def enqueue(self, task: str, thread: str, at: int, countdown: int = 0,
-                attempt: int = 0, landed: Optional[int] = None) -> None:
+                attempt: int = 0, landed: Optional[int] = None,
+                eta: Optional[int] = None) -> None:
         """``landed``: for a retry (attempt >= 1), when the task saw the gate take the re-entry
-        (``None``: it never did)."""
+        (``None``: it never did).  ``eta``: the exact scheduled_at the producer gave."""
         self.enqueues.append(Enqueue(task, thread, attempt, at * MS, (at + 1) * MS,
                                      countdown * MS,
-                                     in_gate_by=None if landed is None else landed * MS))
+                                     in_gate_by=None if landed is None else landed * MS,
+                                     exact=None if eta is None else eta * MS))
 
     def attempt(self, task: str, thread: str, start: int, end: Optional[int],
                 outcome: str = "success", attempt: int = 0, recv: Optional[int] = None,
@@ -55,8 +57,9 @@ class History:
     def delete(self, task: str, at: int) -> None:
         self.deletions.append(Deletion(task, at * MS, (at + 1) * MS))
 
-    def die(self, task: str, thread: str, at: int) -> None:
-        self.dead[task] = DeadLetter(thread, "ValueError: dies", at)
+    def die(self, task: str, thread: str, at: int, reason: str = "ValueError: dies",
+            retries: int = -1) -> None:
+        self.dead[task] = DeadLetter(thread, reason, at, retries)
 
     def check(self, gate: Optional[GateState] = None) -> Report:
         gate = gate or GateState(dead=self.dead)
@@ -450,3 +453,132 @@ def test_a_child_kill_followed_by_its_workers_kill_counts_from_the_worker() -> N
     h.attempt("b", "t", 10_000, 10_100)
     report = h.check()
     assert report.recoveries == {"worker": [8.0]}
+
+
+# -- the stricter rules -----------------------------------------------------------------------
+
+def test_a_deleted_member_overlapping_a_sibling_before_its_delete_is_caught() -> None:
+    """Only what runs after the delete began is exempt: a sibling released while the member
+    still held the thread is an overlap, however the member ended."""
+    h = History()
+    h.enqueue("a", "t", 0)
+    h.enqueue("b", "t", 1)
+    h.attempt("a", "t", 10, 1_000)
+    h.attempt("b", "t", 100, 300)                  # before the delete: a still held the thread
+    h.delete("a", 500)
+    report = h.check()
+    assert len(report.overlaps) == 1 and "before its delete" in report.overlaps[0]
+    assert not report.ok
+
+
+def test_a_start_before_scheduled_at_is_caught() -> None:
+    h = History()
+    h.enqueue("a", "t", 0, countdown=1_000)        # scheduled at 1,000 ms or later
+    h.attempt("a", "t", 990, 1_100, recv=985)
+    report = h.check()
+    assert len(report.early_starts) == 1 and "a#0" in report.early_starts[0], report.format()
+    assert not report.ok
+    ok = History()
+    ok.enqueue("a", "t", 0, countdown=1_000)
+    ok.attempt("a", "t", 1_002, 1_100, recv=1_001)
+    report = ok.check()
+    assert report.ok and report.schedules_checked == 1, report.format()
+
+
+def test_a_retry_started_before_its_countdown_is_caught() -> None:
+    """A retry's re-entry is scheduled from its claim, after the retrying attempt's receipt."""
+    h = History()
+    h.enqueue("a", "t", 0)
+    h.attempt("a", "t", 10, 100, "retry", recv=5)
+    h.enqueue("a", "t", 100, countdown=500, attempt=1, landed=101)   # due at 505 or later
+    h.attempt("a", "t", 300, 400, attempt=1, recv=290)
+    report = h.check()
+    assert len(report.early_starts) == 1 and "a#1" in report.early_starts[0], report.format()
+
+
+def tied_pair(order: tuple[str, str], eta: Optional[int] = 2_000) -> Report:
+    """``first`` and ``second`` (arriving in that order) both scheduled at exactly ``eta`` (None:
+    a countdown, known within bounds only), released in ``order`` once a blocker ends."""
+    h = History()
+    h.enqueue("blocker", "t", 0)
+    h.enqueue("first", "t", 10, eta=eta, countdown=0 if eta else 1_990)
+    h.enqueue("second", "t", 20, eta=eta, countdown=0 if eta else 1_980)
+    h.attempt("blocker", "t", 5, 2_500)
+    h.attempt(order[0], "t", 2_510, 2_600, recv=2_505)
+    h.attempt(order[1], "t", 2_610, 2_700, recv=2_605)
+    return h.check()
+
+
+def test_tied_members_released_out_of_arrival_order_are_caught() -> None:
+    report = tied_pair(("second", "first"))
+    assert len(report.order_violations) == 1, report.format()
+    assert "exactly" in report.order_violations[0] and "second#0" in report.order_violations[0]
+    assert report.ties_compared == 1
+    # In arrival order, or tied only within bounds (countdowns, not exact): no violation.
+    assert tied_pair(("first", "second")).ok
+    assert tied_pair(("second", "first"), eta=None).ok
+
+
+@pytest.mark.parametrize("case", ["retries-left", "nothing-failed"])
+def test_a_dead_letter_the_history_does_not_explain_is_caught(case: str) -> None:
+    """A dead letter is a valid ending only for a member whose user code failed for good (an
+    ``end`` with ``die``) or whose last allowed attempt failed without an ending."""
+    h = History()
+    h.enqueue("a", "t", 0)
+    if case == "retries-left":
+        # killed on its first attempt, with 3 retries left: the gate must re-enter it
+        pid = h.attempt("a", "t", 10, None, recv=5)
+        h.kill(100, pid, what="child")
+        h.die("a", "t", 200, "WorkerLostError: gone", retries=0)
+    else:
+        h.attempt("a", "t", 10, 100, "retry", recv=5)      # retried, then nothing failed
+        h.die("a", "t", 200, "LeaseExpired: no keepalive", retries=3)
+    report = h.check()
+    assert any("dead-lettered but" in x for x in report.bad_endings), report.format()
+    assert not report.ok
+
+
+def test_dead_letters_of_exhausted_or_failed_members_pass() -> None:
+    h = History()
+    h.enqueue("a", "t", 0)                              # failed for good in user code
+    h.attempt("a", "t", 10, 100, "die", recv=5)
+    h.die("a", "t", 101, "ValueError: dies", retries=0)
+    h.enqueue("b", "u", 0)                              # its last retry's process killed
+    for n in range(3):
+        h.attempt("b", "u", 10 + 1_000 * n, 100 + 1_000 * n, "retry", attempt=n)
+    pid = h.attempt("b", "u", 3_010, None, attempt=3)
+    h.kill(3_050, pid, what="child")
+    h.die("b", "u", 3_100, "WorkerLostError: gone", retries=3)
+    h.enqueue("c", "v", 0)                              # its last retry killed before "start"
+    for n in range(3):
+        h.attempt("c", "v", 10 + 1_000 * n, 100 + 1_000 * n, "retry", attempt=n)
+    h.kill(2_500, 999)
+    h.die("c", "v", 12_000, "LeaseExpired: no keepalive", retries=3)
+    report = h.check()
+    assert report.ok, report.format()
+    assert report.dead_lettered == 3
+
+
+def test_leftover_shard_keys_are_caught() -> None:
+    h = History()
+    h.enqueue("a", "t", 0)
+    h.attempt("a", "t", 10, 100)
+    h.enqueue("b", "t", 1)
+    h.attempt("b", "t", 110, 200)
+    h.delete("c", 50)
+    h.delete("d", 60)
+    gate = GateState(dead_index=["x"], dead_records=["y"],
+                     ended={"a": 100.0, "b": 200_000.0, "z": 150_000.0, "u": INF},
+                     notes={"c": 590, "a": 300, "d": -1}, other_keys=["p:{0}:stray"])
+    report = h.check(gate)
+    text = "\n".join(report.orphans)
+    for expected in ("dead index entry x", "dead record y", "ended index entry u at +inf",
+                     "entry z: not a member", "entry a at 100 ms, more than a minute",
+                     "deleted note of a, which was not deleted", "deleted note of d without",
+                     "p:{0}:stray"):
+        assert expected in text, report.format()
+    assert not report.ok
+    assert any("1 deleted note(s) not taken" in x for x in report.info)
+    clean = GateState(dead_index=[], dead_records=[], ended={"a": 100.0, "b": 200.0},
+                      notes={}, other_keys=[])
+    assert h.check(clean).ok

@@ -5,7 +5,11 @@ redis-server, with an injected clock) and the reference model (:mod:`tests.model
 operations: enqueues (delay or absolute time, duplicate task ids), the dispatcher's tick (scan,
 release of due heads, lease sweep), stale dispatcher calls, claims, renewals, hand-backs at
 shutdown, the endings (finish, requeue, kill, fail), deletes, restarts and forgets of dead tasks,
-fenced calls with stale or bogus tokens, and clock advances.  After every step both must agree on
+fenced calls with stale or bogus tokens, clock advances, and jumps of the shard counter.  The
+counter (arrival numbers and tokens) starts unset or just below a byte boundary up to 3 * 2^48, and
+jumps forward to just below the next one during a run, with members arriving at once: members tied
+on scheduled_at then sit on both sides of it, and their order rests on the queue member's whole
+encoding (length byte, big-endian seq).  After every step both must agree on
 every thread (active member, waiting order, member records), on the due / leases / tasks indexes,
 on the dead letters, and no key of a thread that no longer exists may remain.
 
@@ -56,6 +60,23 @@ STEPS = int(os.environ.get("CT_MODEL_STEPS",
 
 Target = tuple[str, str, str, str]      # (thread id, task id, model token, gate token)
 
+# Where the shard counter (arrival numbers and tokens) starts: 0 (not set), or a little below
+# a byte boundary of the queue member's big-endian seq, m * 2^bits (bits 8 ... 48), so that
+# members tied on scheduled_at get arrival numbers on both sides of it and their order rests on
+# the encoding (lua/_member.lua, queue_member) at every length from one byte to seven: m = 1
+# changes the length byte (2^16 - 1 -> 2^16), m = 2 or 3 a byte above the last one at the same
+# length (0x1ff -> 0x200).  At most 3 * 2^48: Lua's numbers are exact below 2^53.
+BOUNDARY_BITS = [8, 16, 24, 32, 40, 48]
+
+
+def byte_boundary(bits: int, times: int, below: int) -> int:
+    return times * 2 ** bits - below if bits else 0
+
+
+MAX_COUNTER = 3 * 2 ** 48
+COUNTER_STARTS = st.builds(byte_boundary, st.sampled_from([0, *BOUNDARY_BITS]),
+                           st.sampled_from([1, 2, 3]), st.integers(1, 8))
+
 # What a run exercised: printed with -s; the outcome breakdown with CT_MODEL_VERBOSE=1.
 STATS: Counter[str] = Counter()
 OUTCOMES: Counter[str] = Counter()
@@ -99,6 +120,7 @@ class GateMachine(RuleBasedStateMachine):
         self.task_ids: list[str] = []            # every task id used so far
         self.serial = 0
         self.checks = 0
+        self.counter_start = 0                   # where the shard counter started (0: unset)
         STATS["examples"] += 1
 
     # -- helpers ----------------------------------------------------------------------------
@@ -173,11 +195,18 @@ class GateMachine(RuleBasedStateMachine):
         return pool[pick % len(pool)]
 
     # -- the outside world --------------------------------------------------------------------
-    @initialize(members=st.lists(st.tuples(st.sampled_from(THREAD_IDS), st.integers(0, 300),
+    @initialize(members=st.lists(st.tuples(st.sampled_from(THREAD_IDS),
+                                           st.one_of(st.just(0), st.integers(0, 300)),
                                            st.sampled_from([None, 0, 1, 2])),
-                                 min_size=1, max_size=8))
-    def seed(self, members: list[tuple[str, int, Optional[int]]]) -> None:
-        """Some members to begin with (the rule choice may leave enqueue out of an example)."""
+                                 min_size=1, max_size=10),
+                counter=COUNTER_STARTS)
+    def seed(self, members: list[tuple[str, int, Optional[int]]], counter: int) -> None:
+        """Some members to begin with (the rule choice may leave enqueue out of an example),
+        with the shard counter at ``counter`` first: a gate that has run for a while, whose
+        arrival numbers cross a byte boundary of their queue members during the example."""
+        if counter:
+            self.r.set(self.shard.seq, counter)
+            self.counter_start = counter
         for thread_id, delay, max_retries in members:
             task_id = self.next_task_id()
             body = self.envelope(task_id)
@@ -200,6 +229,27 @@ class GateMachine(RuleBasedStateMachine):
         """Time passes and the dispatcher ticks."""
         self.advance_clock(step)
         self.dispatch(500)
+
+    @rule(place=st.sampled_from([0, 0, 1, 2, 3]), below=st.integers(1, 3),
+          thread_id=st.sampled_from(THREAD_IDS),
+          arrivals=st.integers(0, 3), max_retries=st.sampled_from([None, 0, 1]))
+    def counter_jumps(self, place: int, below: int, thread_id: str, arrivals: int,
+                      max_retries: Optional[int]) -> None:
+        """Other threads of the shard spend arrival numbers meanwhile: the counter moves on to
+        just below the next multiple of 256^place (place 0, or at least the counter's length in
+        bytes: where arrival numbers grow a byte longer), and ``arrivals`` members arrive at
+        once, tied with each other and with the thread's members already waiting since this
+        instant, on both sides of the boundary.  The model keeps arrival order only, which a
+        jump forward does not change."""
+        current = int(self.r.get(self.shard.seq) or 0)
+        length = max(1, (current.bit_length() + 7) // 8)
+        unit = 256 ** (min(place, length) if place else length)
+        target = (current // unit + 1) * unit - below
+        if current < target <= MAX_COUNTER:
+            self.r.set(self.shard.seq, target)
+        for _ in range(arrivals):
+            self.enqueue(thread_id, dup=7, pick=0, at=False, delay=0, offset=0,
+                         max_retries=max_retries, retry_delay=RELEASE_TIMEOUT)
 
     @rule(thread_id=st.sampled_from(THREAD_IDS), dup=st.integers(0, 7), pick=st.integers(0, 999),
           at=st.booleans(), delay=st.one_of(st.just(0), st.integers(0, 3 * RELEASE_TIMEOUT)),
@@ -504,11 +554,21 @@ class GateMachine(RuleBasedStateMachine):
         waiting = [(named.get(member_field(m)), int(score)) for m, score in queue]
         expected = [(m.task_id, m.sched) for m in thread.waiting()]
         assert waiting == expected, f"{what}: waiting {waiting} vs model {expected}"
-        # A member is <n><seq, n bytes big-endian><field> (lua/_member.lua): its record's seq.
+        # A member is <n><seq, n bytes big-endian><field> (lua/_member.lua): its record's seq,
+        # an arrival number drawn from the shard counter after where it started.
         for m, _ in queue:
             record = members.get(named.get(member_field(m)))
             assert record is not None and int.from_bytes(m[1:1 + m[0]], "big") == record.seq, (
                 f"{what}: queue member {m!r} vs record {record}")
+            assert record.seq > self.counter_start, f"{what}: seq {record.seq} reused"
+        # Neighbours tied on scheduled_at whose arrival numbers differ in length, or at the same
+        # length above their last byte: their order (checked above against the model's) rests
+        # on the length byte, and on the byte order.
+        for (m1, s1), (m2, s2) in zip(queue, queue[1:]):
+            if s1 == s2 and m1[0] != m2[0]:
+                STATS["ties across a length"] += 1
+            elif s1 == s2 and m1[1:m1[0]] != m2[1:m2[0]]:
+                STATS["ties across a byte"] += 1
         records = {task_id: (r.retries, r.max_retries, r.retry_delay_ms, r.envelope)
                    for task_id, r in members.items()}
         expected_records = {m.task_id: (m.retries, m.max_retries, m.retry_delay_ms, m.envelope)
@@ -619,8 +679,11 @@ def test_gate_matches_model(gate_url: str, how: str) -> None:
     steps = STATS["checks"] - STATS["examples"]     # the invariant also runs once at the start
     print(f"\ngate model: {STATS['examples']} examples, {steps} steps, "
           f"{STATS['calls']} gate calls compared, {STATS['long UUID fields']} states with a UUID "
-          "keyed by its long form")
+          f"keyed by its long form; tied neighbours whose arrival numbers differ in length: "
+          f"{STATS['ties across a length']}, above their last byte: {STATS['ties across a byte']}")
     assert STATS["long UUID fields"] > 0, "no state had two members sharing a UUID's first bytes"
+    assert STATS["ties across a length"] > 0, "no queue held tied members of seqs of two lengths"
+    assert STATS["ties across a byte"] > 0, "no queue held tied members across a byte boundary"
     calls = {k: v["calls"] for k, v in redis.Redis.from_url(gate_url).info("commandstats").items()}
     if how == "fcall":
         assert calls.get("cmdstat_fcall", 0) > 1000, calls

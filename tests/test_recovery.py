@@ -5,12 +5,13 @@ import signal
 import time
 
 import pytest
+import redis
 from celery import Task
 
 from celery_threads import Threads
 from celery_threads.gate import Gate
 from celery_threads.runtime import get_runtime
-from tests.conftest import configure_client
+from tests.conftest import free_port
 from tests.helpers import assert_serial, events, starts, tid, wait_for
 
 
@@ -56,22 +57,37 @@ def test_lapsed_lease_without_retries_dies_naming_the_keepalive(proj, make_deplo
     assert "LeaseExpired" in dead.exception and "1.5s" in dead.exception
 
 
-def test_release_that_never_reached_the_broker_is_republished(proj, make_deployment, redis_server, r):
-    d = make_deployment(CT_RELEASE_TIMEOUT="1", CT_DISPATCH_INTERVAL="0.2")
-    d.worker("w", concurrency=1)
+@pytest.mark.parametrize("how", ["publish-failed", "message-lost"])
+def test_release_that_never_reached_the_broker_is_republished(proj, make_deployment, r, how):
+    """A released member whose message is in no broker queue: the producer's publish failed
+    (its broker unreachable; direct release off, so the gate's script does not push it
+    itself), or the broker lost the message before any worker took it.  The gate holds it
+    RELEASED; once the release timeout lapses the dispatcher (the worker's own loop)
+    republishes it, and it runs once."""
+    direct = "0" if how == "publish-failed" else "1"
+    d = make_deployment(CT_RELEASE_TIMEOUT="1", CT_DISPATCH_INTERVAL="0.2",
+                        CT_DIRECT_RELEASE=direct)
+    broker = redis.Redis.from_url(d.env["CT_BROKER_URL"])
+    queue = d.env["CT_QUEUE"]
     thread = tid("lost")
-    # A producer that died between the gate and the broker: stored and released, never published.
-    from celery_threads.publish import CapturingProducer
-
-    runtime = get_runtime(proj.app)
-    with proj.app.producer_or_acquire() as real:
-        capture = CapturingProducer(real)
-        result = Task.apply_async(proj.record, (thread, "lost"), producer=capture)
-    outcome = runtime.gate.enqueue(thread, result.id, capture.envelope)
-    assert outcome.release is not None                       # released, but nobody publishes it
-    assert Threads(proj.app).get(thread).active.state == "RELEASED"
-    assert result.get(timeout=30) == "lost"
+    if how == "publish-failed":
+        with proj.app.connection_for_write(f"redis://127.0.0.1:{free_port()}/1") as dead:
+            result = proj.record.apply_async(
+                (thread, "lost"), producer=dead.Producer(auto_declare=False),
+                retry_policy={"max_retries": 0})
+        assert broker.llen(queue) == 0
+    else:
+        result = proj.record.apply_async((thread, "lost"))
+        assert broker.llen(queue) == 1            # the gate's script pushed it ...
+        assert broker.delete(queue) == 1          # ... and the broker lost it
+    info = Threads(proj.app).get(thread)
+    assert info is not None and info.active.state == "RELEASED"
+    w = d.worker("w", concurrency=1)
+    assert result.get(timeout=20) == "lost"
     assert starts(r, thread) == ["lost"]
+    assert "within the release timeout; republishing it" in w.output()
+    assert w.output().count(f"{result.id}] received") == 1
+    broker.close()
 
 
 @pytest.mark.parametrize("track", [True, False], ids=["tracked", "untracked"])

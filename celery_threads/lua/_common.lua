@@ -110,7 +110,9 @@ end
 -- member's record, `field` its field.  Returns {task, token, record}.
 -- With CLAIM set, the member is RUNNING at once, claimed for CLAIM's worker (as claim.lua does).
 local function activate(task, field, sched, in_due, rec)
-  local token = tostring(next_seq())
+  -- %d, not tostring: Lua prints a number of 15 digits or more as '1e+14', and tokens would
+  -- repeat once the shard counter passes 10^14.
+  local token = string.format('%d', next_seq())
   local deadline
   -- 'l': whether the member is keyed by its long form, so that its end deletes its field without
   -- looking for that form in the tasks hash (see active_field).
