@@ -67,7 +67,8 @@ class Dispatcher:
         if outcome.status == REPUBLISH:
             report.republished += 1
             logger.warning("celery-threads: member %s of thread %s was released but no worker "
-                           "claimed it within the release timeout; republishing it",
+                           "claimed it within its release deadline; republishing it (or ending "
+                           "it, if it has expired)",
                            outcome.release and outcome.release.task_id, thread_id)
         elif outcome.status == RETRIED:
             report.retried += 1

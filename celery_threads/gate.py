@@ -672,12 +672,15 @@ class Gate:
                           json.dumps(meta, default=repr))
 
     def delete(self, task_id: str, *, token: str = "", only_waiting: bool = False,
-               thread_id: Optional[str] = None) -> Outcome:
-        """Detach a member; pass ``thread_id`` when it is known, to save looking it up."""
+               only_released: bool = False, thread_id: Optional[str] = None) -> Outcome:
+        """Detach a member; pass ``thread_id`` when it is known, to save looking it up.
+        ``only_waiting``: only a WAITING member; ``only_released``: only the active member
+        RELEASED under ``token`` (not once a worker has claimed it)."""
         thread_id = thread_id or self.thread_of(task_id)
         if thread_id is None:
             return Outcome(NOOP, "", None)
-        return self._call("delete", thread_id, task_id, token, "1" if only_waiting else "0")
+        mode = "1" if only_waiting else "2" if only_released else "0"
+        return self._call("delete", thread_id, task_id, token, mode)
 
     def expire(self, thread_id: str) -> Outcome:
         return self._call("expire", thread_id, MAX_REPUBLISH_BACKOFF, self._keepalive_text)

@@ -163,6 +163,11 @@ class UndecodableEnvelope(ValueError):
     """A stored envelope is not ``header_json \\n body``: it can never be published."""
 
 
+class ReleaseExpired(Exception):
+    """A released member's ``expires`` has passed: published, it could never run (a worker
+    revokes it on receipt, RabbitMQ drops it for its TTL), so it is not published."""
+
+
 def decode_envelope(envelope: bytes) -> tuple[dict[str, Any], bytes]:
     header, _, body = envelope.partition(b"\n")
     try:
@@ -199,12 +204,17 @@ def decode_arguments(app: Celery, envelope: bytes) -> tuple[list[Any], dict[str,
 
 def release_message(app: Celery, release: Release, extra_headers: Optional[dict[str, Any]] = None,
                     queue: Optional[str] = None,
-                    parts: Optional[tuple[dict[str, Any], bytes]] = None
-                    ) -> tuple[bytes, dict[str, Any]]:
+                    parts: Optional[tuple[dict[str, Any], bytes]] = None,
+                    expired_ok: bool = False) -> tuple[bytes, dict[str, Any]]:
     """The ``(body, Producer.publish keyword arguments)`` of a released member: its stored message,
     plus the thread id and fencing token.  ``parts``: the envelope's header and body as captured
     (:class:`CapturingProducer`), when the release is of the message the caller has just stored:
-    the same message, without decoding the envelope again."""
+    the same message, without decoding the envelope again.
+
+    The AMQP ``expiration`` (the broker's TTL, counted from the publish) is computed now from the
+    absolute ``expires`` header, never replayed as captured.  A member whose ``expires`` has
+    passed raises :class:`ReleaseExpired`, unless ``expired_ok`` (a dead letter: it goes out with
+    a TTL of 1 ms)."""
     header, body = parts if parts is not None else decode_envelope(release.envelope)
     headers = dict(header["headers"])
     headers["retries"] = release.retries
@@ -217,8 +227,8 @@ def release_message(app: Celery, release: Release, extra_headers: Optional[dict[
     properties.pop("expiration", None)
     remaining = _seconds_until(headers.get("expires"))
     if remaining is not None:
-        # The broker's TTL counts from now; an expired member still goes out, so the worker
-        # revokes it as expired and the thread moves on.
+        if remaining <= 0 and not expired_ok:
+            raise ReleaseExpired(f"task {release.task_id} expired at {headers['expires']}")
         properties["expiration"] = max(remaining, 0.001)
     exchange, routing_key = header["exchange"], header["routing_key"]
     declare = [app.amqp.queues[name] for name in header["declare"]]
@@ -242,8 +252,9 @@ def release_message(app: Celery, release: Release, extra_headers: Optional[dict[
 def publish_release(app: Celery, release: Release, producer: Any = None,
                     extra_headers: Optional[dict[str, Any]] = None, queue: Optional[str] = None
                     ) -> None:
-    """Publish a released member through ``producer`` (or one from the app's pool)."""
-    body, options = release_message(app, release, extra_headers, queue)
+    """Publish a dead member's message through ``producer`` (or one from the app's pool), expired
+    or not."""
+    body, options = release_message(app, release, extra_headers, queue, expired_ok=True)
     with app.producer_or_acquire(producer) as P:
         P.publish(body, **options)
 
@@ -269,18 +280,22 @@ class ReleasePublisher:
         self._declared: set[str] = set()
 
     def publish(self, release: Release, producer: Any = None, republish: bool = False,
-                parts: Optional[tuple[dict[str, Any], bytes]] = None) -> None:
+                parts: Optional[tuple[dict[str, Any], bytes]] = None) -> Optional[float]:
+        """Publish ``release``; returns the TTL it went out with (seconds), if it has
+        ``expires``.  :class:`ReleaseExpired` when that has passed: nothing is sent."""
         extra = {REPUBLISHED_HEADER: True} if republish else None
         body, options = release_message(self.app, release, extra, parts=parts)
+        ttl: Optional[float] = options.get("expiration")
         if producer is None and self._lock.acquire(blocking=False):
             try:
                 if self._publish_kept(body, options):
-                    return
+                    return ttl
             finally:
                 self._lock.release()
             options["headers"][REPUBLISHED_HEADER] = True
         with self.app.producer_or_acquire(producer) as P:
             P.publish(body, **options)
+        return ttl
 
     def _publish_kept(self, body: bytes, options: dict[str, Any]) -> bool:
         """Publish through the kept producer; ``False`` when that failed (nothing is known of

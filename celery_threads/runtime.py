@@ -13,13 +13,16 @@ from celery import Celery
 from .config import ThreadsConfig, read_config
 from .gate import ENDED, DeadRecord, DirectRelease, Gate, Outcome, Release, make_client
 from .keys import Keys
-from .publish import (THREAD_HEADER, ReleasePublisher, UndecodableEnvelope, publish_release,
-                      task_name)
+from .publish import (THREAD_HEADER, ReleaseExpired, ReleasePublisher, UndecodableEnvelope,
+                      publish_release, task_name)
 from .signals import member_dead
 
 logger = logging.getLogger(__name__)
 
 _ATTR = "_celery_threads_runtime"
+#: How long after its TTL ends a release published with one is given up on (see _deadline_at_ttl):
+#: the time a worker that received it just in time needs to start it.
+EXPIRY_GRACE_MS = 1000
 _lock = threading.Lock()
 
 
@@ -46,20 +49,66 @@ class Runtime:
         the gate, and the dispatcher republishes it after ``threads_release_timeout``.
         ``republish`` marks a release that was published before (the receiving worker then checks
         that it is not a duplicate).  ``parts``: the message as captured, when the release is of
-        the member the caller has just enqueued (see ``publish.release_message``)."""
-        if release is None or release.published:
+        the member the caller has just enqueued (see ``publish.release_message``).
+
+        A member whose ``expires`` has passed is not published: it ends (:meth:`end_expired`)
+        and the member promoted in its place is published instead."""
+        while release is not None and not release.published:
+            try:
+                ttl = self.publisher.publish(release, producer, republish=republish, parts=parts)
+            except ReleaseExpired:
+                release, republish, parts = self.end_expired(release), False, None
+                continue
+            except UndecodableEnvelope as exc:
+                # Republishing could never help: the member dies and its thread moves on.
+                self.kill(release.thread_id, release.task_id, release.token, exc=exc, retries=0,
+                          reason=f"UndecodableEnvelope: {exc}")
+            except Exception:
+                logger.exception(
+                    "celery-threads: could not publish member %s of thread %s; the dispatcher "
+                    "republishes it after threads_release_timeout (%ss)",
+                    release.task_id, release.thread_id, self.config.release_timeout)
+            else:
+                if ttl is not None:
+                    self._deadline_at_ttl(release, ttl)
+            return
+
+    def end_expired(self, release: Release) -> Optional[Release]:
+        """A released member whose ``expires`` has passed leaves its thread, as Celery's worker
+        ends an expired task: REVOKED (reason ``expired``) in the result backend, not retried,
+        not a dead letter.  ``delete`` rather than ``kill``: it detaches and promotes the next
+        member like a death, but records nothing in the dead-letter store and tells no
+        ``member_dead`` listener, since the task did not fail; fenced by its token, and only
+        while it is still RELEASED (a worker that claimed it in time runs it).  Returns the
+        release of the member promoted in its place, if any."""
+        try:
+            outcome = self.gate.delete(release.task_id, token=release.token, only_released=True,
+                                       thread_id=release.thread_id)
+        except Exception:
+            logger.exception("celery-threads: could not end expired member %s of thread %s; "
+                             "the dispatcher tries again after threads_release_timeout (%ss)",
+                             release.task_id, release.thread_id, self.config.release_timeout)
+            return None
+        if outcome.done and outcome.info == "RELEASED":
+            logger.info("celery-threads: member %s of thread %s expired before it was published; "
+                        "revoked", release.task_id, release.thread_id)
+            self.mark_revoked(release.task_id, "expired")
+        return outcome.release
+
+    def _deadline_at_ttl(self, release: Release, ttl: float) -> None:
+        """A release published with a TTL that ends before its release deadline: a broker that
+        drops it then (RabbitMQ) leaves no delivery to claim it, so its deadline is brought
+        forward to the TTL's end plus ``EXPIRY_GRACE_MS``.  The dispatcher then ends it
+        (:meth:`end_expired`, from its republish) instead of waiting the release timeout.  A
+        worker holding it unstarted renews the deadline as usual."""
+        ms = int(ttl * 1000) + EXPIRY_GRACE_MS
+        if ms >= self.config.release_timeout_ms:
             return
         try:
-            self.publisher.publish(release, producer, republish=republish, parts=parts)
-        except UndecodableEnvelope as exc:
-            # Republishing could never help: the member dies and its thread moves on.
-            self.kill(release.thread_id, release.task_id, release.token, exc=exc, retries=0,
-                      reason=f"UndecodableEnvelope: {exc}")
+            self.gate.renew(release.thread_id, release.task_id, release.token, ms)
         except Exception:
-            logger.exception(
-                "celery-threads: could not publish member %s of thread %s; the dispatcher "
-                "republishes it after threads_release_timeout (%ss)",
-                release.task_id, release.thread_id, self.config.release_timeout)
+            logger.debug("celery-threads: could not bring the release deadline of %s forward",
+                         release.task_id, exc_info=True)
 
     def apply(self, outcome: Outcome, producer: Any = None) -> Outcome:
         self.publish(outcome.release, producer)
@@ -88,9 +137,9 @@ class Runtime:
         self.app.control.revoke(task_id, terminate=running)
         return outcome.info
 
-    def mark_revoked(self, task_id: str) -> None:
+    def mark_revoked(self, task_id: str, reason: str = "deleted from its thread") -> None:
         try:
-            self.app.backend.mark_as_revoked(task_id, "deleted from its thread")
+            self.app.backend.mark_as_revoked(task_id, reason)
         except Exception:
             logger.debug("celery-threads: no result backend to mark %s revoked", task_id,
                          exc_info=True)

@@ -342,14 +342,16 @@ class Model:
         self._kill_active(self.threads[thread_id], keep, {"thread_id": thread_id, **meta})
         return Outcome(DONE, "", self._release_after(thread_id, "k", task_id, token, DONE, ""))
 
-    def delete(self, task_id: str, *, token: str = "", only_waiting: bool = False) -> Outcome:
+    def delete(self, task_id: str, *, token: str = "", only_waiting: bool = False,
+               only_released: bool = False) -> Outcome:
         thread_id = self.tasks.get(task_id)
         if thread_id is None:
             return Outcome(NOOP, "")
         thread = self.threads[thread_id]
         if thread.active is not None and thread.active.task_id == task_id:
             state = thread.active.state
-            if only_waiting or (token != "" and thread.active.token != token):
+            if (only_waiting or (token != "" and thread.active.token != token)
+                    or (only_released and state != RELEASED)):
                 return Outcome(NOOP, state)
             current = thread.active.token
             self._drop_active(thread)

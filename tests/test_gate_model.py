@@ -408,7 +408,7 @@ class GateMachine(RuleBasedStateMachine):
 
     # -- a worker holding an old (or a bogus) token ---------------------------------------------
     @rule(op=st.sampled_from(["peek", "claim", "renew", "finish", "requeue", "kill", "fail",
-                              "delete", "handback"]),
+                              "delete", "delete_expired", "handback"]),
           pick=st.integers(0, 999), bogus=st.integers(0, 4), flag=st.booleans())
     def fenced_call(self, op: str, pick: int, bogus: int, flag: bool) -> None:
         thread_id, task_id, mtok, rtok = self.stale_target(pick, bogus == 0)
@@ -433,6 +433,10 @@ class GateMachine(RuleBasedStateMachine):
         elif op == "handback":
             [outcome] = self.gate.hand_back([(thread_id, task_id, rtok)])
             self.same_outcome(outcome, self.model.hand_back(thread_id, task_id, mtok), "handback")
+        elif op == "delete_expired":   # an expired release, ended instead of published
+            self.same_outcome(self.gate.delete(task_id, token=rtok, only_released=True),
+                              self.model.delete(task_id, token=mtok, only_released=True),
+                              "delete")
         else:   # the worker's delete on revoke: fenced by its token
             self.same_outcome(self.gate.delete(task_id, token=rtok, only_waiting=flag),
                               self.model.delete(task_id, token=mtok, only_waiting=flag),

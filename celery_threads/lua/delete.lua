@@ -1,6 +1,8 @@
 -- delete: detach a member whatever its state and promote the next member at once.
 --   ARGV[6] task id   ARGV[7] token required when the member is active ("" = any)
---   ARGV[8] "1" to delete only a WAITING member (a plain revoke must not detach a running one)
+--   ARGV[8] "1" to delete only a WAITING member (a plain revoke must not detach a running one),
+--           "2" only the active member RELEASED under that token (one that expired unclaimed:
+--           a worker may have claimed it since)
 -- Returns {1, previous state} plus the release, or {0, ''} when nothing was deleted.  Replayed
 -- (its reply lost), it returns the same while the member it released is active (see replayed),
 -- else {1, 'ENDED'} when the member ended lately (it may have been RUNNING).
@@ -23,6 +25,7 @@ local state = active_state(task)
 if state then
   if ARGV[8] == '1' then return reply(0, state) end
   if token ~= '' and not is_active(task, token) then return reply(0, state) end
+  if ARGV[8] == '2' and state ~= 'RELEASED' then return reply(0, state) end
   local current = redis.call('HGET', K_A, 'token')
   drop_active(task, field)
   detached('d', task, current, 1, state)
