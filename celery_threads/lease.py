@@ -7,7 +7,9 @@ The gate's deadline is the Redis server's clock when the call ran, plus the same
 never earlier (clock rates apart, which the margin covers).  A :class:`Keeper` thread in the
 process renews every lease it holds every keepalive/3, fenced by the claim's claimant, and learns
 there when the gate no longer counts the member as this process's (deleted, lapsed, claimed again
-after a lost write).
+after a lost write).  It is a thread of the operating system also under gevent
+(:mod:`celery_threads.native`), with a gate client of its own there: a member's code that holds
+the hub does not hold up its renewals.
 
 Stopping a member whose lease is running out, or lost:
 
@@ -35,7 +37,8 @@ import time
 from contextlib import contextmanager
 from typing import Any, Iterator, Optional
 
-from .gate import RENEWED
+from . import native
+from .gate import RENEWED, Gate
 
 logger = logging.getLogger(__name__)
 
@@ -117,9 +120,8 @@ class Keeper:
         self.runtime = runtime
         self.keepalive = float(runtime.config.keepalive)
         self._leases: dict[int, Lease] = {}
-        self._lock = threading.Lock()
-        self._wake = threading.Event()
-        self._thread: Optional[threading.Thread] = None
+        self._lock = native.allocate_lock()     # shared by greenlets and the native thread
+        self._thread: Optional[native.NativeThread] = None
         self._pid = os.getpid()
 
     def lease(self, thread_id: str, task_id: str, token: str, claimant: str,
@@ -153,13 +155,15 @@ class Keeper:
             lease.running = False
             _publish(0.0)
 
-    def renew(self, lease: Lease) -> None:
-        """One renewal of ``lease``: on success its local end moves on; when the gate says the
-        member is no longer this claim's, it is lost (and stopped, if running)."""
+    def renew(self, lease: Lease, gate: Optional[Gate] = None) -> None:
+        """One renewal of ``lease`` (through ``gate``, by default the runtime's): on success its
+        local end moves on; when the gate says the member is no longer this claim's, it is lost
+        (and stopped, if running)."""
         sent = time.monotonic()
         try:
-            status = self.runtime.gate.renew(lease.thread_id, lease.task_id, lease.token,
-                                             self.runtime.config.keepalive_ms, lease.claimant)
+            status = (gate or self.runtime.gate).renew(
+                lease.thread_id, lease.task_id, lease.token, self.runtime.config.keepalive_ms,
+                lease.claimant)
         except Exception as exc:
             logger.warning("celery-threads: could not renew the lease of %s of thread %s (%s); "
                            "it ends in %.1fs unless a renewal gets through", lease.task_id,
@@ -189,22 +193,22 @@ class Keeper:
         if self._thread is not None and self._pid == os.getpid() and self._thread.is_alive():
             return
         self._pid = os.getpid()
-        self._thread = threading.Thread(target=self._loop, name="celery-threads-lease",
-                                        daemon=True)
+        self._thread = native.NativeThread(self._loop, "celery-threads-lease")
         self._thread.start()
 
     def _loop(self) -> None:
         period = self.keepalive / 3.0
         warned: set[int] = set()
+        gate = self.runtime.own_gate() if native.green() else self.runtime.gate
         while True:
-            self._wake.wait(min(period, 1.0))
+            native.sleep(min(period, 1.0))
             with self._lock:
                 leases = list(self._leases.values())
             for lease in leases:
                 if lease.lost:
                     continue
                 if lease.remaining() <= self.keepalive - period:
-                    self.renew(lease)
+                    self.renew(lease, gate)
                 if (lease.running and not stoppable() and id(lease) not in warned
                         and lease.remaining() <= 0):
                     warned.add(id(lease))

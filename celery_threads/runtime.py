@@ -34,13 +34,21 @@ class Runtime:
         self.config: ThreadsConfig = read_config(app)
         self.client = make_client(self.config.redis_url)
         self.keys = Keys(self.config.key_prefix, self.config.shards)
-        self.gate = Gate(self.client, self.keys,
-                         release_timeout_ms=self.config.release_timeout_ms,
-                         keepalive_ms=self.config.keepalive_ms,
-                         direct=direct_release(app, self.client) if self.config.direct_release
-                         else None)
+        self.gate = self._gate(self.client,
+                               direct_release(app, self.client) if self.config.direct_release
+                               else None)
         self.publisher = ReleasePublisher(app)
         self.pid = os.getpid()
+
+    def _gate(self, client: "redis.Redis", direct: Optional[DirectRelease]) -> Gate:
+        return Gate(client, self.keys, release_timeout_ms=self.config.release_timeout_ms,
+                    keepalive_ms=self.config.keepalive_ms, direct=direct)
+
+    def own_gate(self) -> Gate:
+        """The gate on a client of its own, for a native thread of a gevent worker
+        (:mod:`celery_threads.native`): a connection gevent made on one thread's hub cannot be
+        used from another thread."""
+        return self._gate(make_client(self.config.redis_url), self.gate.direct)
 
     def publish(self, release: Optional[Release], producer: Any = None,
                 republish: bool = False,

@@ -8,8 +8,9 @@
   shuts down before starting it stays RELEASED, so its redelivery runs elsewhere.
 * :class:`ThreadedRequest` ends members whose pool child could not: a killed child
   (``WorkerLostError``) and a hard time limit.
-* :class:`ThreadsWorkerStep` renews the leases of the members this worker holds (in its own
-  thread, so it works under prefork, threads and solo pools) and runs the worker's dispatch loop.
+* :class:`ThreadsWorkerStep` renews the release deadlines of the members this worker holds
+  unstarted (in a thread of the operating system, so it works under every pool, gevent's
+  included) and runs the worker's dispatch loop.
 * Deliveries the broker does not track are handled in :mod:`celery_threads.noack`.
 """
 from __future__ import annotations
@@ -32,7 +33,7 @@ from celery.worker import state as worker_state
 from celery.worker.request import Request
 from celery.worker.strategy import default as default_strategy
 
-from . import handoff, lease
+from . import handoff, lease, native
 from .errors import ConfigurationError
 from .gate import RETRIED, STALE
 from .noack import CONSUMER_FLAG, hand_back_on_pool_close, mark_delivery
@@ -420,17 +421,17 @@ class LeaseRenewer:
     """Every keepalive/3, renews the release deadline of each threaded member this worker holds
     unclaimed in its prefetch buffer.  A claimed member's lease is renewed by the process that
     claimed it, with its claimant (:class:`celery_threads.lease.Keeper`); the gate refuses this
-    renewal for it."""
+    renewal for it.  A native thread (:mod:`celery_threads.native`): under gevent, a member's code
+    holding the hub does not hold up these renewals either."""
 
     def __init__(self, runtime: Any, tick: Any = None) -> None:
         self.runtime = runtime
         self.tick = tick
-        self._stop = threading.Event()
-        self._thread: Optional[threading.Thread] = None
+        self._stop = native.Flag()
+        self._thread: Optional[native.NativeThread] = None
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="celery-threads-renew",
-                                        daemon=True)
+        self._thread = native.NativeThread(self._run, "celery-threads-renew")
         self._thread.start()
 
     def stop(self) -> None:
@@ -446,13 +447,14 @@ class LeaseRenewer:
 
     def _run(self) -> None:
         period = self.runtime.config.keepalive / 3.0
+        gate = self.runtime.own_gate() if native.green() else self.runtime.gate
         while True:
             members = self.held()
             if self._stop.is_set() and not members:
                 return
             if members:
                 try:
-                    renewed = self.runtime.gate.renew_many(members, self.runtime.config.keepalive_ms)
+                    renewed = gate.renew_many(members, self.runtime.config.keepalive_ms)
                     for (thread_id, task_id, _), status in zip(members, renewed):
                         if status == STALE:
                             logger.debug("celery-threads: %s no longer holds thread %s", task_id,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
 
 import redis
@@ -247,6 +248,32 @@ def beater(self, thread, label, seconds=30.0, until=None):
             seconds_, micros = r.time()
             r.rpush(f"beats:{thread}", f"{label}|{seconds_ * 1_000_000 + micros}")
             time.sleep(0.01)
+    return label
+
+
+def _unpatched_sleep(seconds: float) -> None:
+    """``time.sleep`` as it was before gevent patched it: it does not yield to gevent's hub."""
+    monkey = sys.modules.get("gevent.monkey")
+    if monkey is not None and monkey.is_module_patched("time"):
+        monkey.get_original("time", "sleep")(seconds)
+    else:
+        time.sleep(seconds)
+
+
+@app.task(base=ThreadedTask, bind=True, thread_key="thread", max_retries=3,
+          default_retry_delay=0.2)
+def hog(self, thread, label, seconds=5.0, how="sleep", lead=0.0):
+    """Holds its process for `seconds` without yielding to gevent's hub: `how` "sleep" calls the
+    unpatched time.sleep (a blocking C call), "spin" loops on the CPU.  First sleeps `lead`
+    seconds as usual (yielding)."""
+    with _Span(self, thread, label):
+        time.sleep(lead)
+        if how == "spin":
+            end = time.monotonic() + seconds
+            while time.monotonic() < end:
+                pass
+        else:
+            _unpatched_sleep(seconds)
     return label
 
 
