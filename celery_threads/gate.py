@@ -11,6 +11,7 @@ import hashlib
 import json
 import logging
 import os
+import secrets
 import threading
 import time
 import uuid
@@ -633,46 +634,50 @@ class Gate:
         to publish (also when it was still RELEASED)."""
         return self._call("handback", thread_id, task_id, token, "1")
 
+    # Every ending takes ``caller``: the call's own id (lua/_common.lua CALLER), by which the gate
+    # tells the call sent again after its reply was lost from any other call.  A fresh one by
+    # default: the client's own retries send the same arguments; a caller that sends an ending
+    # again itself (a pool process keeping it through an outage) passes the same id each time.
     def finish(self, thread_id: str, task_id: str, token: str, *,
                keep_release: bool = False,
-               claim: Optional[tuple[int, str, str]] = None) -> Outcome:
+               claim: Optional[tuple[int, str, str]] = None,
+               caller: Optional[str] = None) -> Outcome:
         """The member ended; the next one is released.  ``keep_release``: the release comes back
         to the caller, who runs it (in-process handoff), even where the gate would publish it.
         ``claim`` (with ``keep_release``): ``(keepalive_ms, worker, claimant)``, and the released
         member is also claimed for the caller; the outcome's ``info`` is then the claim's time on
         the Redis server's clock (ms), else empty."""
-        if claim is not None:
-            if not keep_release:
-                raise ValueError("finish(claim=...) needs keep_release=True")
-            return self._call("finish", thread_id, task_id, token, "1", *claim)
-        if keep_release:
-            return self._call("finish", thread_id, task_id, token, "1")
-        return self._call("finish", thread_id, task_id, token)
+        if claim is not None and not keep_release:
+            raise ValueError("finish(claim=...) needs keep_release=True")
+        handoff = ("1", *(claim or ("", "", ""))) if keep_release else ("", "", "", "")
+        return self._call("finish", thread_id, task_id, token, *handoff, call_id(caller))
 
     def requeue(self, thread_id: str, task_id: str, token: str, *, retries: int,
                 delay_ms: int = 0, at_ms: Optional[int] = None,
-                envelope: bytes = b"") -> Outcome:
+                envelope: bytes = b"", caller: Optional[str] = None) -> Outcome:
         mode, value = ("at", at_ms) if at_ms is not None else ("in", max(0, delay_ms))
-        return self._call("requeue", thread_id, task_id, token, mode, value, retries, envelope)
+        return self._call("requeue", thread_id, task_id, token, mode, value, retries, envelope,
+                          "", "", call_id(caller))
 
     def replace(self, thread_id: str, task_id: str, token: str, envelope: bytes, *,
                 at_ms: Optional[int] = None, max_retries: Optional[int] = None,
-                retry_delay_ms: int = 0) -> Outcome:
+                retry_delay_ms: int = 0, caller: Optional[str] = None) -> Outcome:
         """The active member's replacement (``Task.replace``, same task id, same thread) takes its
         place: the member re-enters WAITING with the replacement's message and retry settings,
         retries 0, its arrival order and (unless ``at_ms`` is given) its scheduled_at kept."""
         mode, value = ("at", at_ms) if at_ms is not None else ("keep", 0)
         return self._call("requeue", thread_id, task_id, token, mode, value, 0, envelope,
-                          _max_retries(max_retries), retry_delay_ms)
+                          _max_retries(max_retries), retry_delay_ms, call_id(caller))
 
     def kill(self, thread_id: str, task_id: str, token: str, meta: dict[str, Any], *,
-             keep: bool = True) -> Outcome:
+             keep: bool = True, caller: Optional[str] = None) -> Outcome:
         meta = {"thread_id": thread_id, **meta}
         return self._call("kill", thread_id, task_id, token, "1" if keep else "0",
-                          json.dumps(meta, default=repr))
+                          json.dumps(meta, default=repr), call_id(caller))
 
     def delete(self, task_id: str, *, token: str = "", only_waiting: bool = False,
-               only_released: bool = False, thread_id: Optional[str] = None) -> Outcome:
+               only_released: bool = False, thread_id: Optional[str] = None,
+               caller: Optional[str] = None) -> Outcome:
         """Detach a member; pass ``thread_id`` when it is known, to save looking it up.
         ``only_waiting``: only a WAITING member; ``only_released``: only the active member
         RELEASED under ``token`` (not once a worker has claimed it)."""
@@ -680,14 +685,15 @@ class Gate:
         if thread_id is None:
             return Outcome(NOOP, "", None)
         mode = "1" if only_waiting else "2" if only_released else "0"
-        return self._call("delete", thread_id, task_id, token, mode)
+        return self._call("delete", thread_id, task_id, token, mode, call_id(caller))
 
     def expire(self, thread_id: str) -> Outcome:
         return self._call("expire", thread_id, MAX_REPUBLISH_BACKOFF, self._keepalive_text)
 
-    def fail(self, thread_id: str, task_id: str, token: str, reason: str) -> Outcome:
+    def fail(self, thread_id: str, task_id: str, token: str, reason: str, *,
+             caller: Optional[str] = None) -> Outcome:
         """A failed attempt the task itself could not report: retry if retries remain, else die."""
-        return self._call("fail", thread_id, task_id, token, reason)
+        return self._call("fail", thread_id, task_id, token, reason, call_id(caller))
 
     def restart(self, task_id: str, *, max_retries: Optional[int] = None,
                 retry_delay_ms: int = 0, thread_id: Optional[str] = None) -> Outcome:
@@ -935,8 +941,15 @@ class DeadRecord:
 
     @classmethod
     def parse(cls, task_id: str, raw: bytes) -> "DeadRecord":
+        """``died_at_ms[|caller] \n meta_json \n envelope`` (the caller: the call that killed
+        it, lua/_common.lua ``kill_active``)."""
         died_at, meta, envelope = raw.split(b"\n", 2)
-        return cls(task_id, json.loads(meta), envelope, int(died_at))
+        return cls(task_id, json.loads(meta), envelope, int(died_at.split(b"|", 1)[0]))
+
+
+def call_id(caller: Optional[str] = None) -> str:
+    """``caller``, or a fresh id for a call that is its own (see ``Gate.finish``)."""
+    return caller or secrets.token_hex(8)
 
 
 def _max_retries(value: Optional[int]) -> int:

@@ -92,12 +92,14 @@ _claimed: Optional[tuple[str, str, int, Lease]] = None
 
 class Ending:
     """What a member's ending keeps across its attempts (the gate may not answer one, and the
-    ending is sent again): the claimant the next member is claimed for, when the first attempt
-    sent (monotonic), and whether it took the handoff's way.  A replay must be the same call."""
+    ending is sent again): the call's id (``caller``: the member's claimant), the claimant the
+    next member is claimed for, when the first attempt sent (monotonic), and whether it took the
+    handoff's way.  A replay must be the same call."""
 
-    __slots__ = ("claimant", "sent", "handoff")
+    __slots__ = ("caller", "claimant", "sent", "handoff")
 
-    def __init__(self, claimant: str) -> None:
+    def __init__(self, caller: str, claimant: str) -> None:
+        self.caller = caller
         self.claimant = claimant
         self.sent: Optional[float] = None
         self.handoff: Optional[bool] = None
@@ -227,12 +229,13 @@ def finish(runtime: Any, task: Any, thread_id: str, task_id: str, token: str,
     if ending.sent is None:
         ending.sent = time.monotonic()
     if not ending.handoff or job is None:
-        runtime.apply(runtime.gate.finish(thread_id, task_id, token))
+        runtime.apply(runtime.gate.finish(thread_id, task_id, token, caller=ending.caller))
         return
     # One round trip: the next member is released and claimed for this process at once.
     outcome = runtime.gate.finish(
         thread_id, task_id, token, keep_release=True,
-        claim=(runtime.config.keepalive_ms, task.request.hostname or "", ending.claimant))
+        claim=(runtime.config.keepalive_ms, task.request.hostname or "", ending.claimant),
+        caller=ending.caller)
     release = outcome.release
     if release is None:
         return

@@ -154,13 +154,14 @@ class Runtime:
 
     def kill(self, thread_id: str, task_id: str, token: str, *, exc: BaseException,
              retries: int, keep: bool = True, einfo: Any = None,
-             reason: Optional[str] = None) -> Outcome:
+             reason: Optional[str] = None, caller: Optional[str] = None) -> Outcome:
         """The member died: record it (unless ``keep`` is false), tell listeners, promote the next."""
         exception = reason or f"{type(exc).__name__}: {exc}"
         trace = (getattr(einfo, "traceback", None)
                  or "".join(tb.format_exception(type(exc), exc, exc.__traceback__)))
         meta = {"retries": retries, "exception": exception, "traceback": trace}
-        outcome = self.apply(self.gate.kill(thread_id, task_id, token, meta, keep=keep))
+        outcome = self.apply(self.gate.kill(thread_id, task_id, token, meta, keep=keep,
+                                            caller=caller))
         if outcome.done:
             self.announce_death(thread_id, task_id, exception, retries)
         return outcome

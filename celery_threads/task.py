@@ -223,7 +223,7 @@ class ThreadedTask(Task):
         return result
 
     def _reenter(self, runtime: Runtime, thread_id: str, task_id: str, token: str,
-                 reentry: "Reentry") -> Outcome:
+                 reentry: "Reentry", caller: Optional[str] = None) -> Outcome:
         """The member (task, token) goes back to waiting with a retry's new message; returns the
         gate's outcome (its release, of the next member, for the caller to publish).  A
         replacement (``self.replace``) takes the member's place in its thread, or ends it and
@@ -231,11 +231,12 @@ class ThreadedTask(Task):
         replacement = reentry.replacement
         if replacement is not None and replacement.thread_id != thread_id:
             return self._replace_elsewhere(runtime, thread_id, task_id, token, reentry,
-                                           replacement)
+                                           replacement, caller)
         if replacement is not None:
             outcome: Outcome = runtime.gate.replace(
                 thread_id, task_id, token, reentry.envelope or b"", at_ms=reentry.at_ms,
-                max_retries=replacement.max_retries, retry_delay_ms=replacement.retry_delay_ms)
+                max_retries=replacement.max_retries, retry_delay_ms=replacement.retry_delay_ms,
+                caller=caller)
             if not outcome.done:
                 logger.warning("celery-threads: replacement of %s[%s] dropped: the member no "
                                "longer holds thread %s (deleted, or its lease lapsed)",
@@ -243,7 +244,7 @@ class ThreadedTask(Task):
             return outcome
         outcome = runtime.gate.requeue(
             thread_id, task_id, token, retries=reentry.retries, delay_ms=reentry.delay_ms,
-            at_ms=reentry.at_ms, envelope=reentry.envelope or b"")
+            at_ms=reentry.at_ms, envelope=reentry.envelope or b"", caller=caller)
         if not outcome.done:
             logger.warning(
                 "celery-threads: retry of %s[%s] ignored: it no longer holds thread %s "
@@ -251,10 +252,11 @@ class ThreadedTask(Task):
         return outcome
 
     def _replace_elsewhere(self, runtime: Runtime, thread_id: str, task_id: str, token: str,
-                           reentry: "Reentry", replacement: "Replacement") -> Outcome:
+                           reentry: "Reentry", replacement: "Replacement",
+                           caller: Optional[str] = None) -> Outcome:
         """The member ends, then its replacement joins the replacement's own thread as a new
         arrival under the same task id; returns that enqueue's outcome."""
-        finished: Outcome = runtime.gate.finish(thread_id, task_id, token)
+        finished: Outcome = runtime.gate.finish(thread_id, task_id, token, caller=caller)
         if not finished.done:
             logger.warning("celery-threads: replacement of %s[%s] dropped: the member no longer "
                            "holds thread %s (deleted, or its lease lapsed)", self.name, task_id,
@@ -305,7 +307,7 @@ class ThreadedTask(Task):
                 finally:
                     _running.pop(key, None)
             # The member's code has returned (its lease's end is no longer watched): its ending.
-            ending = handoff.Ending(new_claimant(hostname))
+            ending = handoff.Ending(lease.claimant, new_claimant(hostname))
             _record_end(runtime, lease, lambda: self._ended(
                 runtime, thread_id, task_id, token, retries, failure, running.reentry, ending))
             if failure is not None:
@@ -345,20 +347,24 @@ class ThreadedTask(Task):
         gate = runtime.gate
         if reentry is not None:
             # self.retry() was called (also with throw=False): it wins however the body ended.
-            runtime.publish(self._reenter(runtime, thread_id, task_id, token, reentry).release)
+            runtime.publish(self._reenter(runtime, thread_id, task_id, token, reentry,
+                                          ending.caller).release)
         elif exc is None or isinstance(exc, Ignore):
             handoff.finish(runtime, self, thread_id, task_id, token, ending)
         elif isinstance(exc, Retry):
             # Retry raised by hand, without self.retry() publishing: re-enter now.
-            runtime.apply(gate.requeue(thread_id, task_id, token, retries=retries + 1))
+            runtime.apply(gate.requeue(thread_id, task_id, token, retries=retries + 1,
+                                       caller=ending.caller))
         elif isinstance(exc, Reject) and exc.requeue:
-            runtime.apply(gate.requeue(thread_id, task_id, token, retries=retries))
+            runtime.apply(gate.requeue(thread_id, task_id, token, retries=retries,
+                                       caller=ending.caller))
         elif isinstance(exc, Reject):
             runtime.kill(thread_id, task_id, token, exc=exc, retries=retries,
-                         keep=self.dead_letter, reason=f"Rejected: {exc.reason!r}")
+                         keep=self.dead_letter, reason=f"Rejected: {exc.reason!r}",
+                         caller=ending.caller)
         elif isinstance(exc, Exception):
             runtime.kill(thread_id, task_id, token, exc=exc, retries=retries,
-                         keep=self.dead_letter)
+                         keep=self.dead_letter, caller=ending.caller)
         # Anything else (SystemExit, ...): the process is going away; the lease lapses and the
         # gate counts a failed attempt.
 

@@ -46,8 +46,9 @@ class Active:
     by: Optional[str] = None        # the claimant
     claimed: Optional[int] = None   # when it was claimed, ms
     # The call that released it, had it detached the previous active member: (kind, task id,
-    # token) and its reply (status, info), for that call replayed (lua/_common.lua replayed).
-    prev: Optional[tuple[str, str, str]] = None
+    # token, caller) and its reply (status, info), for that call replayed (lua/_common.lua
+    # replayed; caller None: a call of its own, never replayed).
+    prev: Optional[tuple[str, str, str, Optional[str]]] = None
     pst: Optional[tuple[int, str]] = None
 
 
@@ -109,7 +110,9 @@ class Model:
         self._arrivals = itertools.count(1)
         self._tokens = itertools.count(1)
         # What the current call detached, for the member it releases (see Active.prev).
-        self._detached: Optional[tuple[tuple[str, str, str], tuple[int, str]]] = None
+        self._detached: Optional[tuple[tuple[str, str, str, Optional[str]],
+                                       tuple[int, str]]] = None
+        self.dead_callers: dict[str, Optional[str]] = {}   # task id -> the call that killed it
 
     # -- helpers ---------------------------------------------------------------------------
     def _schedule(self, delay_ms: int, at_ms: Optional[int]) -> int:
@@ -149,21 +152,23 @@ class Model:
         return self._release_of(thread)
 
     def _release_after(self, thread_id: str, kind: str, task_id: str, token: str, status: int,
-                       info: str) -> Optional[Release]:
+                       info: str, caller: Optional[str]) -> Optional[Release]:
         """``_release_head`` after a call of ``kind`` detached the active (task_id, token)."""
-        self._detached = ((kind, task_id, token), (status, info))
+        self._detached = ((kind, task_id, token, caller), (status, info))
         try:
             return self._release_head(thread_id)
         finally:
             self._detached = None
 
     def _replayed(self, thread_id: str, kind: str, task_id: str, token: str,
-                  claimant: str = "") -> Optional[Outcome]:
-        """The reply a call of ``kind`` that detached (task_id, token) gave, while the member it
-        released is active (RELEASED, or RUNNING for ``claimant``); else ``None``."""
+                  caller: Optional[str], claimant: str = "") -> Optional[Outcome]:
+        """The reply the call ``caller`` of ``kind`` that detached (task_id, token) gave, while
+        the member it released is active (RELEASED, or RUNNING for ``claimant``); else
+        ``None``."""
         thread = self.threads.get(thread_id)
         active = thread.active if thread is not None else None
-        if active is None or active.prev != (kind, task_id, token) or active.pst is None:
+        if (not caller or active is None or active.prev != (kind, task_id, token, caller)
+                or active.pst is None):
             return None
         status, info = active.pst
         mine = active.state == RUNNING and claimant != "" and active.by == claimant
@@ -209,15 +214,20 @@ class Model:
             m.envelope = envelope
         thread.active = None
 
-    def _kill_active(self, thread: Thread, keep: bool, meta: dict[str, Any]) -> None:
+    def _kill_active(self, thread: Thread, keep: bool, meta: dict[str, Any],
+                     caller: Optional[str] = None) -> None:
         assert thread.active is not None
         m = thread.members[thread.active.task_id]
         if keep:   # a task id that died before goes to the end of the death order
             self.dead.pop(m.task_id, None)
             self.dead[m.task_id] = Dead(m.task_id, meta, m.envelope, self.now)
+            self.dead_callers[m.task_id] = caller
         self._drop_active(thread)
 
-    def _fail_active(self, thread: Thread, reason: str) -> int:
+    def _killed_by(self, task_id: str, caller: Optional[str]) -> bool:
+        return bool(caller) and task_id in self.dead and self.dead_callers.get(task_id) == caller
+
+    def _fail_active(self, thread: Thread, reason: str, caller: Optional[str] = None) -> int:
         """A failed attempt: retry at now + retry delay while retries remain, else die."""
         assert thread.active is not None
         m = thread.members[thread.active.task_id]
@@ -226,7 +236,7 @@ class Model:
             return RETRIED
         meta = {"thread_id": thread.thread_id, "retries": m.retries, "exception": reason,
                 "traceback": ""}
-        self._kill_active(thread, True, meta)
+        self._kill_active(thread, True, meta, caller)
         return DIED
 
     # -- transitions (mirroring Gate) --------------------------------------------------------
@@ -291,17 +301,17 @@ class Model:
         return active.state
 
     def finish(self, thread_id: str, task_id: str, token: str, *, keep_release: bool = False,
-               claim: Optional[tuple[Any, ...]] = None) -> Outcome:
+               claim: Optional[tuple[Any, ...]] = None, caller: Optional[str] = None) -> Outcome:
         """``claim``: ``(keepalive_ms, worker[, claimant])``; the member released is claimed for
         that worker at once (the in-process handoff's one round trip), and ``info`` is the time."""
         claimant = str(claim[2]) if claim is not None and len(claim) > 2 else ""
         if self._active(thread_id, task_id, token) is None:
-            again = self._replayed(thread_id, "f", task_id, token, claimant)
+            again = self._replayed(thread_id, "f", task_id, token, caller, claimant)
             if again is not None:
                 return again
             return Outcome(DONE, "") if self._ended_lately(task_id) else Outcome(NOOP, "")
         self._drop_active(self.threads[thread_id])
-        release = self._release_after(thread_id, "f", task_id, token, DONE, "")
+        release = self._release_after(thread_id, "f", task_id, token, DONE, "", caller)
         if release is None or claim is None:
             return Outcome(DONE, "", release)
         active = self.threads[thread_id].active
@@ -321,26 +331,28 @@ class Model:
 
     def requeue(self, thread_id: str, task_id: str, token: str, *, retries: int,
                 delay_ms: int = 0, at_ms: Optional[int] = None,
-                envelope: bytes = b"") -> Outcome:
+                envelope: bytes = b"", caller: Optional[str] = None) -> Outcome:
         if self._active(thread_id, task_id, token) is None:
-            again = self._replayed(thread_id, "r", task_id, token)
+            again = self._replayed(thread_id, "r", task_id, token, caller)
             if again is not None:
                 return again
             return Outcome(DONE, "") if task_id in self.tasks else Outcome(NOOP, "")
         self._requeue_active(self.threads[thread_id], self._schedule(delay_ms, at_ms), retries,
                              envelope)
-        return Outcome(DONE, "", self._release_after(thread_id, "r", task_id, token, DONE, ""))
+        return Outcome(DONE, "", self._release_after(thread_id, "r", task_id, token, DONE, "",
+                                                     caller))
 
     def kill(self, thread_id: str, task_id: str, token: str, meta: dict[str, Any], *,
-             keep: bool = True) -> Outcome:
+             keep: bool = True, caller: Optional[str] = None) -> Outcome:
         if self._active(thread_id, task_id, token) is None:
-            again = self._replayed(thread_id, "k", task_id, token)
+            again = self._replayed(thread_id, "k", task_id, token, caller)
             if again is not None:
                 return again
-            done = task_id in self.dead if keep else self._ended_lately(task_id)
-            return Outcome(DONE, "") if done else Outcome(NOOP, "")
-        self._kill_active(self.threads[thread_id], keep, {"thread_id": thread_id, **meta})
-        return Outcome(DONE, "", self._release_after(thread_id, "k", task_id, token, DONE, ""))
+            return Outcome(DONE, "") if self._killed_by(task_id, caller) else Outcome(NOOP, "")
+        self._kill_active(self.threads[thread_id], keep, {"thread_id": thread_id, **meta},
+                          caller)
+        return Outcome(DONE, "", self._release_after(thread_id, "k", task_id, token, DONE, "",
+                                                     caller))
 
     def delete(self, task_id: str, *, token: str = "", only_waiting: bool = False,
                only_released: bool = False) -> Outcome:
@@ -355,8 +367,8 @@ class Model:
                 return Outcome(NOOP, state)
             current = thread.active.token
             self._drop_active(thread)
-            return Outcome(DONE, state,
-                           self._release_after(thread_id, "d", task_id, current, DONE, state))
+            return Outcome(DONE, state, self._release_after(thread_id, "d", task_id, current,
+                                                            DONE, state, None))
         else:
             if token != "":
                 return Outcome(NOOP, WAITING)
@@ -385,20 +397,19 @@ class Model:
         status = self._fail_active(thread, reason)
         return Outcome(status, task_id, self._release_head(thread_id))
 
-    def fail(self, thread_id: str, task_id: str, token: str, reason: str) -> Outcome:
+    def fail(self, thread_id: str, task_id: str, token: str, reason: str, *,
+             caller: Optional[str] = None) -> Outcome:
         active = self._active(thread_id, task_id, token)
         if active is None:
-            again = self._replayed(thread_id, "x", task_id, token)
+            again = self._replayed(thread_id, "x", task_id, token, caller)
             if again is not None:
                 return again
-            if task_id in self.tasks:
-                return Outcome(RETRIED, task_id)
-            return Outcome(DIED, task_id) if self._ended_lately(task_id) else Outcome(NOOP, "")
+            return Outcome(DIED, task_id) if self._killed_by(task_id, caller) else Outcome(NOOP, "")
         if active.state != RUNNING:
             return Outcome(NOOP, "")
-        status = self._fail_active(self.threads[thread_id], reason)
-        return Outcome(status, task_id,
-                       self._release_after(thread_id, "x", task_id, token, status, task_id))
+        status = self._fail_active(self.threads[thread_id], reason, caller)
+        return Outcome(status, task_id, self._release_after(thread_id, "x", task_id, token,
+                                                            status, task_id, caller))
 
     def restart(self, task_id: str, *, max_retries: Optional[int] = None,
                 retry_delay_ms: int = 0) -> Outcome:

@@ -118,6 +118,8 @@ class GateMachine(RuleBasedStateMachine):
         self.r2m: dict[str, str] = {}
         self.issued: list[Target] = []           # every release so far
         self.task_ids: list[str] = []            # every task id used so far
+        self.caller: Optional[str] = None        # the current ending's own id (None: a fresh one)
+        self.last_ending: Optional[tuple[str, Any, Any]] = None
         self.serial = 0
         self.checks = 0
         self.counter_start = 0                   # where the shard counter started (0: unset)
@@ -351,11 +353,13 @@ class GateMachine(RuleBasedStateMachine):
         a new envelope when ``flag``), death (kept in the dead letters when ``flag``), or a lost
         pool child (fail)."""
         thread_id, task_id, mtok, rtok = self.active_target(pick)
+        self.caller = f"call-{len(self.task_ids)}-{STATS['calls']}"  # this ending's own id
         if how == "finish" and flag:
             self._finish_and_claim(thread_id, task_id, mtok, rtok, retries)
         elif how == "finish":
-            self.same_outcome(self.gate.finish(thread_id, task_id, rtok),
-                              self.model.finish(thread_id, task_id, mtok), "finish")
+            self._ending("finish", lambda: self.gate.finish(thread_id, task_id, rtok,
+                                                            caller=self.caller),
+                         lambda: self.model.finish(thread_id, task_id, mtok, caller=self.caller))
         elif how == "requeue":
             self._requeue(thread_id, task_id, mtok, rtok, retries, at, delay, offset, flag)
         elif how == "kill":
@@ -369,9 +373,13 @@ class GateMachine(RuleBasedStateMachine):
         the pool process cannot run it after all and gives it back (unclaim), or its stale token
         is given back."""
         claim = (1000, "w-handoff", "c-handoff")
-        real = self.gate.finish(thread_id, task_id, rtok, keep_release=True, claim=claim)
-        self.same_outcome(real, self.model.finish(thread_id, task_id, mtok, keep_release=True,
-                                                  claim=claim), "finish+claim")
+        caller = self.caller
+        real = self._ending(
+            "finish+claim",
+            lambda: self.gate.finish(thread_id, task_id, rtok, keep_release=True, claim=claim,
+                                     caller=caller),
+            lambda: self.model.finish(thread_id, task_id, mtok, keep_release=True, claim=claim,
+                                      caller=caller))
         if real.release is not None and choice == 0:
             rnext = real.release.token
             mnext = self.r2m[rnext]
@@ -382,29 +390,47 @@ class GateMachine(RuleBasedStateMachine):
             self.same_outcome(self.gate.unclaim(thread_id, task_id, rtok),
                               self.model.unclaim(thread_id, task_id, mtok), "unclaim")
         elif choice == 2:    # the same call again, as after its reply was lost
-            self.same_outcome(
-                self.gate.finish(thread_id, task_id, rtok, keep_release=True, claim=claim),
-                self.model.finish(thread_id, task_id, mtok, keep_release=True, claim=claim),
-                "finish+claim replayed")
+            self.replay_ending()
 
     def _requeue(self, thread_id: str, task_id: str, mtok: str, rtok: str, retries: int,
                  at: bool, delay: int, offset: int, new_body: bool) -> None:
         kw: dict[str, Any] = dict(retries=retries, delay_ms=delay,
                                   at_ms=self.model.now + offset if at else None,
                                   envelope=self.envelope(task_id) if new_body else b"")
-        self.same_outcome(self.gate.requeue(thread_id, task_id, rtok, **kw),
-                          self.model.requeue(thread_id, task_id, mtok, **kw), "requeue")
+        kw["caller"] = self.caller
+        self._ending("requeue", lambda: self.gate.requeue(thread_id, task_id, rtok, **kw),
+                     lambda: self.model.requeue(thread_id, task_id, mtok, **kw))
 
     def _kill(self, thread_id: str, task_id: str, mtok: str, rtok: str, keep: bool,
               retries: int) -> None:
         meta = {"retries": retries, "exception": "ValueError: boom", "traceback": "tb\nline"}
-        self.same_outcome(self.gate.kill(thread_id, task_id, rtok, meta, keep=keep),
-                          self.model.kill(thread_id, task_id, mtok, meta, keep=keep), "kill")
+        caller = self.caller
+        self._ending("kill", lambda: self.gate.kill(thread_id, task_id, rtok, meta, keep=keep,
+                                                    caller=caller),
+                     lambda: self.model.kill(thread_id, task_id, mtok, meta, keep=keep,
+                                             caller=caller))
 
     def _fail(self, thread_id: str, task_id: str, mtok: str, rtok: str) -> None:
         reason = "WorkerLostError: gone; no retries were left"
-        self.same_outcome(self.gate.fail(thread_id, task_id, rtok, reason),
-                          self.model.fail(thread_id, task_id, mtok, reason), "fail")
+        caller = self.caller
+        self._ending("fail", lambda: self.gate.fail(thread_id, task_id, rtok, reason,
+                                                    caller=caller),
+                     lambda: self.model.fail(thread_id, task_id, mtok, reason, caller=caller))
+
+    def _ending(self, what: str, real: Any, model: Any) -> Any:
+        """Run an ending on both sides, and keep it to send again (:meth:`replay_ending`)."""
+        self.last_ending = (what, real, model)
+        outcome = real()
+        self.same_outcome(outcome, model(), what)
+        return outcome
+
+    @precondition(lambda self: self.last_ending is not None)
+    @rule()
+    def replay_ending(self) -> None:
+        """The last ending sent again under its own caller id, as after its reply was lost
+        (whatever happened since): the same outcome while what it released is active."""
+        what, real, model = self.last_ending
+        self.same_outcome(real(), model(), f"{what} replayed")
 
     # -- a worker holding an old (or a bogus) token ---------------------------------------------
     @rule(op=st.sampled_from(["peek", "claim", "renew", "finish", "requeue", "kill", "fail",
@@ -412,6 +438,7 @@ class GateMachine(RuleBasedStateMachine):
           pick=st.integers(0, 999), bogus=st.integers(0, 4), flag=st.booleans())
     def fenced_call(self, op: str, pick: int, bogus: int, flag: bool) -> None:
         thread_id, task_id, mtok, rtok = self.stale_target(pick, bogus == 0)
+        self.caller = None          # a call of its own, never taken for a replay
         if op == "peek":     # the worker's filter of stale deliveries on receipt
             self.same(self.gate.peek(thread_id, task_id, rtok),
                       self.model.peek(thread_id, task_id, mtok), "peek")
@@ -522,7 +549,10 @@ class GateMachine(RuleBasedStateMachine):
         dead_parsed = {}
         for task_id, raw in dead_records.items():
             died_at, meta, body = raw.split(b"\n", 2)
-            dead_parsed[task_id.decode()] = (int(died_at), json.loads(meta), body)
+            at, _, caller = died_at.decode().partition("|")     # the call that killed it
+            dead_parsed[task_id.decode()] = (int(at), json.loads(meta), body)
+            named_caller = model.dead_callers.get(task_id.decode())
+            assert named_caller is None or caller == named_caller, (task_id, caller, named_caller)
         expected_dead = {d.task_id: (d.died_at_ms, d.meta, d.envelope) for d in model.dead.values()}
         assert dead_parsed == expected_dead, f"dead records {dead_parsed} vs {expected_dead}"
 

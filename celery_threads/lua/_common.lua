@@ -39,11 +39,15 @@ local NOW, TID, RELEASE_TIMEOUT, WAKE, DIRECT
 -- {keepalive ms, worker, claimant}: a script whose caller runs what it releases (finish with
 -- ARGV[9]) sets this, and the member it releases is claimed for that caller at once (activate).
 local CLAIM
--- {"<kind>|<task>|<token>", status, info}: the active member this call (of kind: f finish, k kill,
--- r requeue, x fail, d delete) has detached and the reply it gives.  The member the call then
--- releases keeps them ('prev', 'pst'), so that the same call replayed (its reply lost, the client
--- sending it again) gets the same reply (see replayed).
+-- {"<kind>|<task>|<token>|<caller>", status, info}: the active member this call (of kind: f
+-- finish, k kill, r requeue, x fail, d delete) has detached and the reply it gives.  The member
+-- the call then releases keeps them ('prev', 'pst'), so that the same call replayed (its reply
+-- lost, the client sending it again) gets the same reply (see replayed).
 local DETACHED
+-- The call's own id (an ending script's last ARGV): the same for its replays, another for any
+-- other call (a pool process's ending is sent again under its claim; the main process's report
+-- of the same member is another call).  '' (a caller that names none): never taken for a replay.
+local CALLER
 
 local function begin(keys, argv)
   K_SEQ, K_DUE, K_LEASES, K_TASKS = keys[1], keys[2], keys[3], keys[4]
@@ -55,6 +59,7 @@ local function begin(keys, argv)
   DIRECT = argv[5]
   CLAIM = nil
   DETACHED = nil
+  CALLER = ''
 end
 
 -- How long an ended member's task id is remembered, so that an enqueue replayed after a lost reply
@@ -318,8 +323,9 @@ end
 -- else the reply without it.  nil when the active member was not released by such a call (none
 -- is, or a later call released it).
 local function replayed(kind, task, token, claimant)
+  if CALLER == '' then return nil end
   local a = redis.call('HMGET', K_A, 'prev', 'pst', 'task', 'token', 'state', 'by', 'claimed')
-  if a[1] ~= kind .. '|' .. task .. '|' .. token then return nil end
+  if a[1] ~= kind .. '|' .. task .. '|' .. token .. '|' .. CALLER then return nil end
   local status, info = string.match(a[2], '^(%d+)|(.*)$')
   status = tonumber(status)
   local mine = a[5] == 'RUNNING' and claimant ~= '' and a[6] == claimant
@@ -333,7 +339,16 @@ end
 
 -- Record what this call of `kind` detached (the active member (task, token)) and its reply.
 local function detached(kind, task, token, status, info)
-  DETACHED = { kind .. '|' .. task .. '|' .. token, status, info }
+  DETACHED = { kind .. '|' .. task .. '|' .. token .. '|' .. CALLER, status, info }
+end
+
+-- Whether `task` is in the dead-letter store by this call (kill_active keeps the caller).
+local function killed_by_caller(task)
+  if CALLER == '' then return false end
+  local rec = redis.call('HGET', K_DEADREC, task)
+  if not rec then return false end
+  local first = string.sub(rec, 1, (string.find(rec, '\n', 1, true) or 1) - 1)
+  return string.match(first, '|(.*)$') == CALLER
 end
 
 -- Detach the active member for good (it ended) and forget it.  `field`: its tasks-hash field
@@ -362,7 +377,9 @@ local function kill_active(task, keep, meta_json, field, rec)
     local p = parse_record(rec)
     -- Scored by the shard counter, so deaths in one millisecond keep their order.
     redis.call('ZADD', K_DEAD, next_seq(), task)
-    redis.call('HSET', K_DEADREC, task, string.format('%d', NOW) .. '\n' .. meta_json .. '\n' ..
+    -- The first line: when it died, and the call that killed it (killed_by_caller).
+    local died = string.format('%d', NOW) .. (CALLER ~= '' and '|' .. CALLER or '')
+    redis.call('HSET', K_DEADREC, task, died .. '\n' .. meta_json .. '\n' ..
       string.sub(rec, p.body_at))
   end
   drop_active(task, field)

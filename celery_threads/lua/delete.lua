@@ -3,17 +3,21 @@
 --   ARGV[8] "1" to delete only a WAITING member (a plain revoke must not detach a running one),
 --           "2" only the active member RELEASED under that token (one that expired unclaimed:
 --           a worker may have claimed it since)
+--   ARGV[9] caller: the call's own id, the same when it is sent again (CALLER in _common.lua)
 -- Returns {1, previous state} plus the release, or {0, ''} when nothing was deleted.  Replayed
 -- (its reply lost), it returns the same while the member it released is active (see replayed),
 -- else {1, 'ENDED'} when the member ended lately (it may have been RUNNING).
 local task, token = ARGV[6], ARGV[7]
+CALLER = ARGV[9] or ''
 local field, rec = find_member(K_TASKS, task)
 if rec == false then
   if ARGV[8] == '1' then return reply(0, '') end
   local a = redis.call('HMGET', K_A, 'prev')
   local mark = 'd|' .. task .. '|'
-  if a[1] and string.sub(a[1], 1, #mark) == mark then
-    local again = replayed('d', task, string.sub(a[1], #mark + 1), '')
+  local was = a[1] and string.sub(a[1], 1, #mark) == mark
+    and string.match(string.sub(a[1], #mark + 1), '^([^|]*)|')
+  if was then
+    local again = replayed('d', task, was, '')
     if again then return again end
   end
   if ended_lately(task) then return reply(1, 'ENDED') end

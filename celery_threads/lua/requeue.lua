@@ -4,10 +4,12 @@
 --   ARGV[11] new envelope, or "" to keep the stored one
 --   ARGV[12] max_retries (-1: unlimited), ARGV[13] retry delay ms (optional): a replacement's
 --            (Task.replace), which takes the member's place with its own retry settings
+--   ARGV[14] caller: the call's own id, the same when it is sent again (CALLER in _common.lua)
 -- Returns {1, ''} plus the release, or {0, ''} when (task, token) is not the active member.
 -- Replayed (its reply lost), it returns the same while the member it released is active (see
 -- replayed), or {1, ''} while the member waits (it was requeued).
 local task, token = ARGV[6], ARGV[7]
+CALLER = ARGV[14] or ''
 if not is_active(task, token) then
   local again = replayed('r', task, token, '')
   if again then return again end
@@ -22,7 +24,7 @@ else
   sched = schedule(ARGV[8], ARGV[9])
 end
 local field, rec
-if ARGV[12] then
+if ARGV[12] and ARGV[12] ~= '' then
   field, rec = find_member(K_TASKS, task)
   local p = parse_record(rec)
   rec = make_record(p.seq, p.retries, ARGV[12], ARGV[13], string.sub(rec, p.body_at), p.tail)
