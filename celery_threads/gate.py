@@ -131,6 +131,13 @@ def ended_member(task_id: str) -> bytes:
     return field + tail if tail is not None else field
 
 
+def ended_task(member: bytes) -> str:
+    """The task id of an ended index entry (the inverse of :func:`ended_member`)."""
+    if len(member) == 16:
+        return str(uuid.UUID(bytes=member))
+    return (member[1:] if member[:1] == b"\x01" else member).decode()
+
+
 def find_record(client: Any, tasks_key: str, task_id: str) -> tuple[Optional[bytes], Optional[bytes]]:
     """``(field, record)`` of a member, or ``(None, None)`` (``find_member`` in lua/_member.lua):
     a UUID whose first 14 bytes another member held when it arrived is keyed by its long form."""

@@ -94,6 +94,7 @@ from typing import Any, Iterable, Optional, Sequence
 
 INF = float("inf")
 SLACK_US = 2_000        # the gate's clock is in ms, and countdowns are truncated to ms
+ENDED_WINDOW_MS = 30_000  # ENDED_WINDOW in lua/_common.lua: how long the ended index keeps an entry
 
 
 @dataclass(frozen=True)
@@ -654,7 +655,7 @@ def _check_shard_keys(gate: GateState, thread_of: dict[str, str],
                       deletions: dict[str, Deletion], report: Report) -> None:
     """The shard's keys besides the threads' once the run quiesced: the dead store's two keys
     name the same tasks; the ended index holds only members that ended, none at +inf (a member
-    keyed by its long form, which would still be a member) and none older than a minute before
+    keyed by its long form, which would still be a member) and none older than the window before
     the newest (each end trims them); a deleted note lives only with its TTL, for a member that
     was deleted (a worker takes it when it announces the delete); and no key of another shape."""
     if gate.dead_index is not None and gate.dead_records is not None:
@@ -672,9 +673,10 @@ def _check_shard_keys(gate: GateState, thread_of: dict[str, str],
                                       "that never ended)")
             elif task not in thread_of:
                 report.orphans.append(f"ended index entry {task}: not a member of this run")
-            elif at < newest - 60_000:
-                report.orphans.append(f"ended index entry {task} at {at:.0f} ms, more than a "
-                                      f"minute before the newest ({newest:.0f}): not trimmed")
+            elif at < newest - ENDED_WINDOW_MS:
+                report.orphans.append(f"ended index entry {task} at {at:.0f} ms, more than "
+                                      f"{ENDED_WINDOW_MS} ms before the newest ({newest:.0f}): "
+                                      "not trimmed")
     if gate.notes is not None:
         pending = 0
         for task, ttl in sorted(gate.notes.items()):

@@ -85,7 +85,7 @@ def test_release_that_never_reached_the_broker_is_republished(proj, make_deploym
     w = d.worker("w", concurrency=1)
     assert result.get(timeout=20) == "lost"
     assert starts(r, thread) == ["lost"]
-    assert "within the release timeout; republishing it" in w.output()
+    assert "within its release deadline; republishing it" in w.output()
     assert w.output().count(f"{result.id}] received") == 1
     broker.close()
 
