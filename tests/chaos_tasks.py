@@ -124,8 +124,8 @@ class ChaosTask(ThreadedTask):
     member to its lapsing lease instead, scheduled at the lapse plus the retry delay."""
 
     def _reenter(self, runtime: Any, thread_id: str, task_id: str, token: str,
-                 reentry: Any) -> Any:
-        outcome = super()._reenter(runtime, thread_id, task_id, token, reentry)
+                 reentry: Any, *rest: Any, **kwargs: Any) -> Any:
+        outcome = super()._reenter(runtime, thread_id, task_id, token, reentry, *rest, **kwargs)
         if outcome.done:
             record("landed", task=task_id, thread=thread_id, n=int(reentry.retries))
         return outcome
