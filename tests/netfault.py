@@ -6,8 +6,9 @@ Faults, each until ``heal()``:
 * ``silence()``: nothing goes through either way any more, and nothing is closed (packets
   dropped on a link that went quiet); new connections are accepted and stay silent too.
 * ``refuse()``: every connection is closed and new ones are refused (a server that is down).
-* ``lose_reply(*markers)``: the next request containing one of ``markers`` reaches the server,
-  its reply never comes back and every connection is cut (then the relay passes again): a call
+* ``lose_reply(*markers, then="pass")``: the next request containing one of ``markers`` reaches
+  the server, its reply never comes back and every connection is cut (then the relay passes
+  again, or with ``then="refuse"`` refuses, as a server that died right after the call): a call
   that ran and whose reply was lost.  An error reply (``NOSCRIPT``: the call did not run) passes,
   and the next such request is the one.  :func:`script_call` gives a gate transition's markers.
 """
@@ -24,6 +25,7 @@ class Relay:
         self.port = self.server.getsockname()[1]
         self.mode = "pass"                  # pass, silent, refuse
         self.markers: tuple[bytes, ...] = ()
+        self.then = "pass"                  # the mode after a reply is lost
         self.lost = 0                       # replies lost so far
         self._swallow: dict[int, tuple[bytes, ...]] = {}   # connection -> markers it matched
         self._pairs: list[tuple[socket.socket, socket.socket]] = []
@@ -41,8 +43,8 @@ class Relay:
         self.mode = "refuse"
         self.cut()
 
-    def lose_reply(self, *markers: bytes) -> None:
-        self.markers = markers
+    def lose_reply(self, *markers: bytes, then: str = "pass") -> None:
+        self.markers, self.then = markers, then
 
     def heal(self) -> None:
         self.mode = "pass"
@@ -108,6 +110,7 @@ class Relay:
                     self.markers = markers      # it did not run: the next one
                 elif markers is not None:
                     self.lost += 1
+                    self.mode = self.then
                     self.cut()          # the request ran; its reply is gone with the connection
                     return
                 client.sendall(data)

@@ -13,7 +13,6 @@ import json
 import pickle
 import re
 import shutil
-import socket
 import threading
 import time
 import uuid
@@ -34,6 +33,7 @@ from tests.checker import Limits, check
 from tests.conftest import IN_CI
 from tests.helpers import wait_for
 from tests.isolated import pointed_at
+from tests.netfault import Relay
 
 
 def _cluster(tmp: Path, **options: Any) -> Iterator[Cluster]:
@@ -231,79 +231,7 @@ def test_gate_unreachable_when_publishing_raises_and_stores_nothing(
 
 
 # A script call, by its command name (the library's source, sent by FUNCTION LOAD, names both).
-SCRIPT_CALL = re.compile(rb"\*\d+\r\n\$\d+\r\n(EVALSHA|FCALL)\r\n", re.IGNORECASE)
-
-
-class FlakyLink:
-    """A TCP relay in front of the gate's Redis that can lose the reply to the next script call
-    (the script runs; its answer never comes back) and then refuse every connection, as a Redis
-    that dies right after executing a command."""
-
-    def __init__(self, target_port: int) -> None:
-        self.target_port = target_port
-        self.server = socket.create_server(("127.0.0.1", 0))
-        self.port = self.server.getsockname()[1]
-        self.mode = "pass"              # "pass", "lose-next-reply", "swallow", "down"
-        self.scripts_run = 0
-        self._pairs: list[tuple[socket.socket, socket.socket]] = []
-        self._lock = threading.Lock()
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self.server.accept()
-            except OSError:
-                return
-            if self.mode == "down":
-                client.close()
-                continue
-            upstream = socket.create_connection(("127.0.0.1", self.target_port))
-            with self._lock:
-                self._pairs.append((client, upstream))
-            threading.Thread(target=self._pump_requests, args=(client, upstream),
-                             daemon=True).start()
-            threading.Thread(target=self._pump, args=(upstream, client), daemon=True).start()
-
-    def _pump_requests(self, client: socket.socket, upstream: socket.socket) -> None:
-        try:
-            while data := client.recv(65536):
-                if self.mode == "lose-next-reply" and SCRIPT_CALL.match(data):
-                    self.mode = "swallow"          # the reply to this one never comes back
-                upstream.sendall(data)
-        except OSError:
-            pass
-
-    def _pump(self, source: socket.socket, sink: socket.socket) -> None:
-        try:
-            while data := source.recv(65536):
-                if self.mode == "swallow":         # the script ran; its reply is dropped and
-                    self.mode = "down"             # the server "dies" with it
-                    self.scripts_run += 1
-                    self.cut()
-                    return
-                sink.sendall(data)
-        except OSError:
-            pass
-
-    def cut(self) -> None:
-        with self._lock:
-            pairs, self._pairs = self._pairs, []
-        for pair in pairs:
-            for sock in pair:
-                try:
-                    sock.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-                sock.close()
-
-    def close(self) -> None:
-        self.mode = "down"
-        self.server.close()
-        self.cut()
+SCRIPT_CALLS = (b"\r\nEVALSHA\r\n", b"\r\nFCALL\r\n")
 
 
 def test_reply_lost_when_publishing_is_safe_to_call_again(
@@ -312,18 +240,18 @@ def test_reply_lost_when_publishing_is_safe_to_call_again(
     client's whole retry budget.  apply_async raises GateUnavailable, saying the member may be
     stored (it is, whole: the script is atomic) and that calling again with the same task id is
     safe.  Calling again once Redis is back runs the member exactly once."""
-    link = FlakyLink(cluster.gate_server.port)
+    link = Relay(cluster.gate_server.port)
     thread, task_id = _thread("reply-lost"), str(uuid.uuid4())
     try:
         with pointed_at(tasks.app, threads_redis_url=link.url()):
             tasks.work.delay(_thread("warm-up"), "warm-up")   # the enqueue script is loaded
             slept: list[float] = []
             monkeypatch.setattr(redis.retry, "sleep", slept.append)
-            link.mode = "lose-next-reply"
+            link.lose_reply(*SCRIPT_CALLS, then="refuse")   # a Redis that died with it
             with pytest.raises(GateUnavailable) as info:
                 tasks.work.apply_async((thread, "reply-lost"), task_id=task_id)
             monkeypatch.undo()
-        assert link.scripts_run == 1
+        assert link.lost == 1
     finally:
         link.close()
         tasks.configure(cluster.env)
@@ -406,7 +334,7 @@ def test_releases_still_go_out_after_the_broker_connection_breaks(proj: Any, iso
     from celery_threads.gate import Release
     from tests.isolated import BROKER_DB
 
-    link = FlakyLink(redis_server.port)
+    link = Relay(redis_server.port)
     broker = redis.Redis(port=redis_server.port, db=BROKER_DB)
     try:
         with pointed_at(isolated_app, broker_url=f"redis://127.0.0.1:{link.port}/{BROKER_DB}"):
@@ -420,9 +348,8 @@ def test_releases_still_go_out_after_the_broker_connection_breaks(proj: Any, iso
             link.cut()                        # every connection through the link is closed
             runtime.publish(Release("T", "second", "2", 0, capture.envelope))
             runtime.publish(Release("T", "third", "3", 0, capture.envelope))
-            link.mode = "down"                # the broker refuses connections for 0.3 s
-            link.cut()
-            threading.Timer(0.3, lambda: setattr(link, "mode", "pass")).start()
+            link.refuse()                     # the broker refuses connections for 0.3 s
+            threading.Timer(0.3, link.heal).start()
             runtime.publish(Release("T", "fourth", "4", 0, capture.envelope))
     finally:
         link.close()
