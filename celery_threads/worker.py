@@ -24,6 +24,7 @@ import threading
 import time
 from typing import Any, Callable, Optional
 
+import redis
 from billiard.einfo import ExceptionWithTraceback
 from celery import bootsteps
 from celery.exceptions import (Ignore, NotRegistered, Reject, Retry, Terminated, TimeLimitExceeded,
@@ -58,12 +59,27 @@ def threaded_strategy(task: Any, app: Any, consumer: Any, **kwargs: Any) -> Any:
         headers = message.headers or {}
         token = headers.get(TOKEN_HEADER)
         if not token:
-            return _enter_gate_from_worker(task, runtime, message,
-                                           lambda: drop(ack),
-                                           lambda: reject(logger, connection_errors, False))
+            try:
+                return _enter_gate_from_worker(task, runtime, message,
+                                               lambda: drop(ack),
+                                               lambda: reject(logger, connection_errors, False))
+            except redis.RedisError as exc:
+                # The gate is unreachable: the message goes back to the broker, for a worker
+                # that reaches it (or this one, later).
+                logger.warning("celery-threads: %s[%s] could not enter its thread: the gate at "
+                               "%s did not answer (%s); requeued", task.name, headers.get("id"),
+                               runtime.config.redis_url, exc)
+                reject(logger, connection_errors, True)
+                return None
         thread_id, task_id = str(headers.get(THREAD_HEADER)), str(headers.get("id"))
-        state = (runtime.gate.peek(thread_id, task_id, token) if may_be_duplicate(message)
-                 else "RELEASED")
+        try:
+            state = (runtime.gate.peek(thread_id, task_id, token) if may_be_duplicate(message)
+                     else "RELEASED")
+        except redis.RedisError as exc:
+            # Unchecked, it goes on: its claim, when it starts, lets one delivery run.
+            logger.warning("celery-threads: could not check %s[%s] of thread %s against the "
+                           "gate (%s); its claim decides", task.name, task_id, thread_id, exc)
+            state = "RELEASED"
         if state != "RELEASED":
             # RUNNING under this token: a redelivery of a member another attempt has started;
             # anything else: a stale release.  Either way the live task is not touched.

@@ -37,6 +37,7 @@ import dataclasses
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -318,8 +319,10 @@ class Cluster:
         record("healed", name=worker.name)
 
     def lease_kills(self) -> list[Event]:
-        """The pool processes the workers killed when a member's lease ended unconfirmed: their
-        logs say so right after the signal ("killed pool process <pid>"), in local time."""
+        """The pool processes the workers killed when a member's lease ended unconfirmed (their
+        logs say so right after the signal: "killed pool process <pid>"), and the endings a pool
+        process could not record in the gate while the member's lease held ("could not record
+        the end of <task>"), in local time."""
         found = []
         for proc in [*self.workers, *self.retired]:
             if not proc.log.exists():
@@ -327,9 +330,11 @@ class Cluster:
             for line in proc.log.read_text(errors="replace").splitlines():
                 match = _LEASE_KILL.search(line)
                 if match:
-                    at = time.mktime(time.strptime(match["at"], "%Y-%m-%d %H:%M:%S"))
-                    t = int(at * 1e6) + int(match["ms"]) * 1000 + 1000   # the next ms, at most
-                    found.append(Event("kill", t, pids=(int(match["pid"]),), what="lease"))
+                    found.append(Event("kill", _log_time(match) + 1000,  # the next ms, at most
+                                       pids=(int(match["pid"]),), what="lease"))
+                match = _UNRECORDED.search(line)
+                if match:
+                    found.append(Event("unrecorded", _log_time(match), task=match["task"]))
         return found
 
     def restart_redis(self, outage: float) -> None:
@@ -432,9 +437,15 @@ class Cluster:
             _drop_amqp(self.env["CHAOS_QUEUE"], self.env["CHAOS_CONTROL_EXCHANGE"])
 
 
-_LEASE_KILL = __import__("re").compile(
-    r"^\[(?P<at>\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(?P<ms>\d{3}): ERROR/.*killed pool process "
-    r"(?P<pid>\d+)")
+_LOG_TIME = r"^\[(?P<at>\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(?P<ms>\d{3}): ERROR/"
+_LEASE_KILL = re.compile(_LOG_TIME + r".*killed pool process (?P<pid>\d+)")
+_UNRECORDED = re.compile(_LOG_TIME + r".*could not record the end of (?P<task>\S+) of thread")
+
+
+def _log_time(match: "re.Match[str]") -> int:
+    """A Celery log line's time (local time, ms) in µs since the epoch."""
+    at = time.mktime(time.strptime(match["at"], "%Y-%m-%d %H:%M:%S"))
+    return int(at * 1e6) + int(match["ms"]) * 1000
 
 
 def partition_recoveries(rows: list[dict[str, Any]]) -> list[float]:

@@ -206,6 +206,7 @@ class Attempt:
     fin: Optional[int] = None
     killed: Optional[int] = None
     exempt: bool = False            # deleted while it ran: its part after the delete is exempt
+    unrecorded: bool = False        # its worker could not record its end in the gate in time
     cut: Optional[int] = None       # when the delete of its member began (exempt attempts)
 
     @property
@@ -366,6 +367,12 @@ def build_attempts(history: Sequence[Event]) -> tuple[list[Attempt], list[Event]
                     mine[0].end, mine[0].outcome = e.t, e.outcome
                 else:
                     mine[0].fin = e.t
+        elif e.kind == "unrecorded":
+            # The worker logged that this task's ending could not reach the gate while its lease
+            # held (the gate counts the attempt as failed): its latest attempt that had ended.
+            ended = [a for a in attempts if a.task == e.task and a.end is not None and a.end <= e.t]
+            if ended:
+                ended[-1].unrecorded = True
         elif e.kind == "kill":
             kills.append(e)
             pids = set(e.pids)
@@ -484,7 +491,7 @@ def _check_endings(thread_of: dict[str, str], attempts: list[Attempt], kills: li
     for a in attempts:
         if a.outcome != "success":
             continue
-        if a.fin is None and a.killed is not None:
+        if (a.fin is None and a.killed is not None) or a.unrecorded:
             interrupted[a.task] += 1
         else:
             completed[a.task] += 1
@@ -522,7 +529,8 @@ def _check_endings(thread_of: dict[str, str], attempts: list[Attempt], kills: li
                 report.succeeded += 1
             reruns += 1 if i else 0
     if reruns:
-        report.info.append(f"{reruns} member(s) ran again after their process was killed between "
+        report.info.append(f"{reruns} member(s) ran again after their process was killed, or "
+                           "their ending could not reach the gate while their lease held, between "
                            "the end of user code and the gate's finish (at-least-once window)")
 
 

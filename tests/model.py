@@ -334,9 +334,7 @@ class Model:
                 envelope: bytes = b"", caller: Optional[str] = None) -> Outcome:
         if self._active(thread_id, task_id, token) is None:
             again = self._replayed(thread_id, "r", task_id, token, caller)
-            if again is not None:
-                return again
-            return Outcome(DONE, "") if task_id in self.tasks else Outcome(NOOP, "")
+            return again if again is not None else Outcome(NOOP, "")
         self._requeue_active(self.threads[thread_id], self._schedule(delay_ms, at_ms), retries,
                              envelope)
         return Outcome(DONE, "", self._release_after(thread_id, "r", task_id, token, DONE, "",

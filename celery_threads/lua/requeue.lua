@@ -7,14 +7,13 @@
 --   ARGV[14] caller: the call's own id, the same when it is sent again (CALLER in _common.lua)
 -- Returns {1, ''} plus the release, or {0, ''} when (task, token) is not the active member.
 -- Replayed (its reply lost), it returns the same while the member it released is active (see
--- replayed), or {1, ''} while the member waits (it was requeued).
+-- replayed); else {0, ''}: a member waiting again may have been requeued by this call or by the
+-- lapse of its lease, which this call must not be told it did.
 local task, token = ARGV[6], ARGV[7]
 CALLER = ARGV[14] or ''
 if not is_active(task, token) then
   local again = replayed('r', task, token, '')
   if again then return again end
-  local _, rec = find_member(K_TASKS, task)
-  if rec then return reply(1, '') end
   return reply(0, '')
 end
 local sched
