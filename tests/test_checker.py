@@ -228,6 +228,25 @@ def test_a_rerun_after_a_kill_in_the_ending_window_is_information() -> None:
     assert any("at-least-once window" in x for x in report.info)
 
 
+def test_a_rerun_after_an_ending_the_worker_could_not_record_is_information() -> None:
+    """The worker logged that the ending could not reach the gate while the lease held (a
+    partition longer than the keepalive): the gate ran the member again, as it must."""
+    h = History()
+    h.enqueue("a", "t", 0)
+    h.attempt("a", "t", 10, 100)
+    h.events.append(Event("unrecorded", 900 * MS, task="a"))
+    h.attempt("a", "t", 2_000, 2_100, attempt=1)
+    report = h.check()
+    assert report.ok, report.format()
+    assert report.succeeded == 1
+    assert any("could not reach the gate" in x for x in report.info)
+    without = History()                             # the same runs, nothing logged: a violation
+    without.enqueue("a", "t", 0)
+    without.attempt("a", "t", 10, 100)
+    without.attempt("a", "t", 2_000, 2_100, attempt=1)
+    assert not without.check().ok
+
+
 def test_a_success_killed_before_fin_counts_when_nothing_else_ended_it() -> None:
     h = History()
     h.enqueue("a", "t", 0)
