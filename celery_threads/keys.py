@@ -56,8 +56,7 @@ class ShardKeys:
 
     @property
     def ended(self) -> str:
-        """ZSET task id (``gate.ended_member``) -> ended_at (ms) of the members that left in the
-        last 30 s: an enqueue
+        """ZSET task id -> ended_at (ms) of the members that left in the last 30 s: an enqueue
         of one of them (a replay after a lost reply) is a duplicate, not a new member.  A UUID
         member keyed by its long form is here at +inf until it ends (lua/_common.lua,
         add_member)."""

@@ -10,9 +10,8 @@
 --   KEYS[7] queue    ZSET    this thread's waiting members (seq, field) -> scheduled_at (ms)
 --   KEYS[8] active   HASH    this thread's active member: task, token, state, since, deadline,
 --                            worker, by (the claimant), n, l, prev and pst (see DETACHED)
---   KEYS[9] ended    ZSET    task id (its ended_member form) -> ended_at (ms) of members that
---                            ended in the last ENDED_WINDOW; +inf: a UUID member keyed by its long
---                            form (add_member)
+--   KEYS[9] ended    ZSET    task id -> ended_at (ms) of members that ended in the last
+--                            ENDED_WINDOW; +inf: a UUID member keyed by its long form (add_member)
 -- ARGV (common head):
 --   ARGV[1] now      "" to use the Redis server's TIME, else milliseconds (tests only)
 --   ARGV[2] thread   thread id
@@ -300,7 +299,7 @@ end
 -- The index itself vanishes ENDED_WINDOW after the last ending, unless it holds a +inf entry (a
 -- live member's, add_member), which must stay while that member lives.
 local function mark_ended(task)
-  redis.call('ZADD', K_ENDED, NOW, ended_member(task))
+  redis.call('ZADD', K_ENDED, NOW, task)
   redis.call('ZREMRANGEBYSCORE', K_ENDED, '-inf', '(' .. (NOW - ENDED_WINDOW))
   local last = redis.call('ZRANGE', K_ENDED, -1, -1, 'WITHSCORES')
   if last[2] == 'inf' then
@@ -312,7 +311,7 @@ end
 
 -- Whether `task` ended (left the gate for good) within ENDED_WINDOW.
 local function ended_lately(task)
-  local at = redis.call('ZSCORE', K_ENDED, ended_member(task))
+  local at = redis.call('ZSCORE', K_ENDED, task)
   return at and at ~= 'inf' and tonumber(at) >= NOW - ENDED_WINDOW
 end
 
@@ -395,7 +394,7 @@ local function add_member(task, sched, retries, maxr, delay, envelope, again)
     -- One read refuses both an id that ended in the window and a UUID that is a member keyed by
     -- its long form (its short field was taken): such a member is in the ended index at +inf
     -- until it ends (below), so an enqueue does not look for that form in the tasks hash.
-    local ended = redis.call('ZSCORE', K_ENDED, ended_member(task))
+    local ended = redis.call('ZSCORE', K_ENDED, task)
     if ended and (ended == 'inf' or tonumber(ended) >= NOW - ENDED_WINDOW) then return false end
   elseif tail and redis.call('HEXISTS', K_TASKS, '\1' .. task) == 1 then
     return false
@@ -409,7 +408,7 @@ local function add_member(task, sched, retries, maxr, delay, envelope, again)
     -- Another UUID with the same first 14 bytes holds the field: this one takes its long form.
     field, rec = '\1' .. task, make_record(seq, retries, maxr, delay, envelope)
     redis.call('HSET', K_TASKS, field, rec)
-    redis.call('ZADD', K_ENDED, '+inf', ended_member(task))     -- until it ends (mark_ended)
+    redis.call('ZADD', K_ENDED, '+inf', task)     -- until it ends (mark_ended)
     redis.call('PERSIST', K_ENDED)
   end
   if redis.call('EXISTS', K_A) == 1 then

@@ -64,14 +64,6 @@ local function find_member(tasks, task)
   return field, redis.call('HGET', tasks, field)
 end
 
--- A task id in the shard's ended index: a UUID as its 16 bytes (its field and the two bytes its
--- record keeps), another id as its field; the forms never meet (a UUID's field is 14 bytes, another
--- id's fewer than 14 or more than 16).  A 36-character UUID would take about 20 bytes more per entry.
-local function ended_member(task)
-  local field, tail = task_field(task)
-  return tail and field .. tail or field
-end
-
 local function queue_member(seq, field)
   seq = tonumber(seq)
   local digits = {}
