@@ -125,18 +125,6 @@ def task_field(task_id: str) -> tuple[bytes, Optional[bytes]]:
     return (raw if len(raw) < 14 else b"\x01" + raw), None
 
 
-def ended_member(task_id: str) -> bytes:
-    """A task id as the shard's ended index holds it: its text.  (Its compact field, 16 bytes for
-    a UUID, would save 21 of ~158 bytes an entry but cost 4-7 µs of Redis time per enqueue and
-    finish to compute in Lua: measured with ``python -m bench.callcost``.)"""
-    return task_id.encode()
-
-
-def ended_task(member: bytes) -> str:
-    """The task id of an ended index entry (the inverse of :func:`ended_member`)."""
-    return member.decode()
-
-
 def find_record(client: Any, tasks_key: str, task_id: str) -> tuple[Optional[bytes], Optional[bytes]]:
     """``(field, record)`` of a member, or ``(None, None)`` (``find_member`` in lua/_member.lua):
     a UUID whose first 14 bytes another member held when it arrived is keyed by its long form."""

@@ -49,9 +49,10 @@ WATCH_INTERVAL = 0.05
 def margin(keepalive: float) -> float:
     """How long before a lease's local end its member is stopped: 5% of the keepalive, at least
     0.25 s.  It covers the watchdog's reading interval (50 ms) and a late wake-up of its thread on
-    a busy host (measured under the suite's load: below 100 ms), the kill itself (immediate), and a
-    drift between this host's monotonic clock and the Redis server's (NTP slews at most 500 ppm:
-    15 ms over 30 s).  What it does not cover is a step of the Redis server's wall clock."""
+    a busy host (not measured: the 0.25 s floor leaves five reading intervals for it), the kill
+    itself (immediate), and a drift between this host's monotonic clock and the Redis server's
+    (NTP slews at most 500 ppm: 15 ms over 30 s).  What it does not cover is a step of the Redis
+    server's wall clock."""
     return max(0.25, 0.05 * keepalive)
 
 

@@ -362,7 +362,7 @@ class Cluster:
             client.close()
 
     def gate_state(self) -> GateState:
-        from celery_threads.gate import Gate, ended_task, parse_record, record_task
+        from celery_threads.gate import Gate, parse_record, record_task
         from celery_threads.keys import Keys
 
         keys = Keys(self.env["CHAOS_KEY_PREFIX"])
@@ -400,7 +400,7 @@ class Cluster:
                 due, leases, members, dead, thread_keys, active,
                 dead_index=[k.decode() for k in client.zrange(shard.dead, 0, -1)],
                 dead_records=[k.decode() for k in client.hkeys(shard.dead_records)],
-                ended={ended_task(k): v for k, v in client.zrange(shard.ended, 0, -1,
+                ended={k.decode(): v for k, v in client.zrange(shard.ended, 0, -1,
                                                                withscores=True)},
                 notes=notes, other_keys=other)
         finally:

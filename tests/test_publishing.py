@@ -10,7 +10,6 @@ from kombu.exceptions import EncodeError
 
 from celery_threads import InvalidThreadId, Threads, ThreadsError
 from celery_threads.errors import ConfigurationError, UnknownTask
-from celery_threads.gate import ended_member
 from tests.helpers import assert_serial, gate_keys, starts, tid, wait_for
 
 
@@ -147,7 +146,7 @@ def test_a_task_id_that_just_ended_is_not_enqueued_again(proj, worker, r):
     after = proj.record.delay(thread, "after")
     assert after.get(timeout=30) == "after"
     assert starts(r, thread) == ["once", "after"]
-    assert gate.client.zscore(gate.keys.thread(thread).shard.ended, ended_member(ran.id)) is not None
+    assert gate.client.zscore(gate.keys.thread(thread).shard.ended, ran.id) is not None
 
 
 def test_restart_and_forget_of_unknown_task(proj):
