@@ -7,10 +7,10 @@ from typing import Any
 from celery import signals
 from celery._state import connect_on_app_finalize
 
+from .protocol import BEAT_ENTRY, DISPATCH_TASK
+
 logger = logging.getLogger(__name__)
 
-DISPATCH_TASK = "celery_threads.dispatch"
-BEAT_ENTRY = "celery-threads-dispatch"
 
 
 def install(app: Any) -> None:
@@ -55,8 +55,8 @@ def _add_worker_step(sender: Any = None, **kwargs: Any) -> None:
 
 
 def _add_steps(app: Any) -> None:
-    from .noack import NoAckQueues
-    from .worker import ThreadsWorkerStep
+    from .worker.noack import NoAckQueues
+    from .worker.step import ThreadsWorkerStep
 
     app.steps["worker"].add(ThreadsWorkerStep)
     app.steps["consumer"].add(NoAckQueues)
@@ -64,8 +64,8 @@ def _add_steps(app: Any) -> None:
 
 @signals.worker_process_init.connect
 def _on_pool_process_start(**kwargs: Any) -> None:
-    from . import lease
-    from .handoff import on_pool_process_start
+    from .worker import lease
+    from .worker.handoff import on_pool_process_start
 
     lease.on_pool_process_start()
     on_pool_process_start()
@@ -73,20 +73,20 @@ def _on_pool_process_start(**kwargs: Any) -> None:
 
 @signals.task_revoked.connect
 def _on_task_revoked(sender: Any = None, **kwargs: Any) -> None:
-    from .worker import on_task_revoked
+    from .worker.step import on_task_revoked
 
     on_task_revoked(sender=sender, **kwargs)
 
 
 @signals.task_unknown.connect
 def _on_task_unknown(sender: Any = None, **kwargs: Any) -> None:
-    from .worker import on_unrunnable_message
+    from .worker.step import on_unrunnable_message
 
     on_unrunnable_message(sender=sender, **kwargs)
 
 
 @signals.task_rejected.connect
 def _on_task_rejected(sender: Any = None, **kwargs: Any) -> None:
-    from .worker import on_unrunnable_message
+    from .worker.step import on_unrunnable_message
 
     on_unrunnable_message(sender=sender, **kwargs)

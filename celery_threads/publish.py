@@ -19,13 +19,9 @@ from kombu.serialization import loads as _kombu_loads
 from kombu.serialization import prepare_accept_content
 
 from .gate import Release
+from .protocol import OUR_HEADERS, REPUBLISHED_HEADER, THREAD_HEADER, TOKEN_HEADER
 
 logger = logging.getLogger(__name__)
-
-THREAD_HEADER = "thread_id"
-TOKEN_HEADER = "thread_token"
-REPUBLISHED_HEADER = "thread_republished"  # a release that may reach the broker twice
-OUR_HEADERS = (THREAD_HEADER, TOKEN_HEADER, REPUBLISHED_HEADER)
 
 _PROPERTY_KEYS = ("correlation_id", "reply_to", "priority", "delivery_mode", "expiration",
                   "message_id", "user_id", "app_id", "type", "timestamp")

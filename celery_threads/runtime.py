@@ -10,11 +10,12 @@ from typing import Any, Optional
 import redis
 from celery import Celery
 
-from .config import ThreadsConfig, read_config
+from .config import ThreadsConfig, forget_config, read_config
 from .gate import ENDED, DeadRecord, DirectRelease, Gate, Outcome, Release, make_client
 from .keys import Keys
-from .publish import (THREAD_HEADER, ReleaseExpired, ReleasePublisher, UndecodableEnvelope,
-                      publish_release, task_name)
+from .protocol import THREAD_HEADER
+from .publish import (ReleaseExpired, ReleasePublisher, UndecodableEnvelope, publish_release,
+                      task_name)
 from .signals import member_dead
 
 logger = logging.getLogger(__name__)
@@ -46,7 +47,7 @@ class Runtime:
 
     def own_gate(self) -> Gate:
         """The gate on a client of its own, for a native thread of a gevent worker
-        (:mod:`celery_threads.native`): a connection gevent made on one thread's hub cannot be
+        (:mod:`celery_threads.worker.native`): a connection gevent made on one thread's hub cannot be
         used from another thread."""
         return self._gate(make_client(self.config.redis_url), self.gate.direct)
 
@@ -237,8 +238,6 @@ def reset(app: Celery) -> None:
     pooled broker connections, queues and routes, and result backend.  For tools and tests that
     point one app at another Redis or broker after it has been used; the next use reads
     ``app.conf`` again."""
-    from .config import forget_config
-
     forget_config(app)
     runtime = getattr(app, _ATTR, None)
     if runtime is not None:

@@ -3,10 +3,8 @@ from __future__ import annotations
 
 import inspect
 import logging
-import math
 import time
 from contextlib import contextmanager
-from datetime import datetime, timezone
 from typing import Any, Callable, Iterator, NamedTuple, Optional, Union
 
 import redis
@@ -16,65 +14,19 @@ from celery.exceptions import Ignore, Reject, Retry
 from celery.utils import uuid
 from celery.utils.saferepr import saferepr
 
-from . import handoff
-from .errors import ConfigurationError, GateUnavailable, InvalidThreadId
+from .errors import GateUnavailable, InvalidThreadId
 from .gate import ALREADY_CLAIMED, CLAIMED, Outcome
-from .publish import OUR_HEADERS, THREAD_HEADER, TOKEN_HEADER, CapturingProducer
-from .lease import Keeper, Lease, keeper as lease_keeper, new_claimant
+from .install import install
+from .protocol import (OUR_HEADERS, THREAD_HEADER, TOKEN_HEADER, eta_ms,
+                       normalize_thread_id, retry_settings)
+from .publish import CapturingProducer
 from .runtime import Runtime, get_runtime
+from .worker import handoff
+from .worker.lease import Keeper, Lease, keeper as lease_keeper, new_claimant
 
 logger = logging.getLogger(__name__)
 
-MAX_THREAD_ID_BYTES = 1024
-
 ThreadKey = Union[str, Callable[[tuple[Any, ...], dict[str, Any]], Any], None]
-
-
-def normalize_thread_id(value: Any) -> str:
-    """A valid thread id as a string, or :class:`InvalidThreadId`."""
-    if isinstance(value, bool) or not isinstance(value, (str, int)):
-        raise InvalidThreadId(
-            f"thread id {value!r} is a {type(value).__name__}: use a non-empty str or an int")
-    text = str(value)
-    if not text:
-        raise InvalidThreadId("thread id is empty: use a non-empty str or an int")
-    if len(text.encode("utf-8")) > MAX_THREAD_ID_BYTES:
-        raise InvalidThreadId(
-            f"thread id is {len(text.encode('utf-8'))} bytes long; the limit is "
-            f"{MAX_THREAD_ID_BYTES} bytes")
-    return text
-
-
-def retry_settings(task: Any) -> tuple[Optional[int], int]:
-    """A threaded task's ``(max_retries, default_retry_delay in ms)`` as the gate stores them with
-    each member, or :class:`ConfigurationError` when either cannot be: the gate keeps them in the
-    member's record, which a negative delay or a fractional or negative retry count would make
-    unreadable to every later transition of its thread."""
-    max_retries = task.max_retries
-    if max_retries is not None and (isinstance(max_retries, bool)
-                                    or not isinstance(max_retries, int) or max_retries < 0):
-        raise ConfigurationError(
-            f"task {task.name} has max_retries={max_retries!r}: a threaded task needs an int of 0 "
-            "or more, or None for unlimited retries. Fix the task's max_retries; nothing was "
-            "stored or sent")
-    delay = task.default_retry_delay
-    if delay is None:
-        delay = 0
-    if (isinstance(delay, bool) or not isinstance(delay, (int, float)) or not math.isfinite(delay)
-            or delay < 0):
-        raise ConfigurationError(
-            f"task {task.name} has default_retry_delay={delay!r}: a threaded task needs a number "
-            "of seconds, 0 or more. Fix the task's default_retry_delay; nothing was stored or "
-            "sent")
-    return max_retries, int(float(delay) * 1000)
-
-
-def _eta_ms(eta: Any) -> int:
-    if isinstance(eta, str):
-        eta = datetime.fromisoformat(eta)
-    if eta.tzinfo is None:
-        eta = eta.replace(tzinfo=timezone.utc)
-    return int(eta.timestamp() * 1000)
 
 
 class ThreadedTask(Task):
@@ -88,16 +40,15 @@ class ThreadedTask(Task):
     thread_key: ThreadKey = None
     dead_letter: bool = True
 
-    Strategy = "celery_threads.worker:threaded_strategy"
-    Request = "celery_threads.worker:ThreadedRequest"
+    Strategy = "celery_threads.worker.step:threaded_strategy"
+    Request = "celery_threads.worker.step:ThreadedRequest"
+    __celery_threads__ = True   # protocol.is_threaded: how lower layers recognise it
 
     # Celery's own worker-lost retry would publish from the main process; the gate does it instead.
     retry_on_worker_lost = False
 
     @classmethod
     def on_bound(cls, app: Any) -> None:
-        from .install import install
-
         install(app)
 
     # -- publishing ---------------------------------------------------------------------------
@@ -180,7 +131,7 @@ class ThreadedTask(Task):
                                          link=link, link_error=link_error, shadow=shadow,
                                          headers=headers, **options)
             assert capture.envelope is not None, "Celery published no task message"
-            at_ms = _eta_ms(eta) if eta is not None else None
+            at_ms = eta_ms(eta) if eta is not None else None
             delay_ms = int(float(countdown or 0) * 1000)
             release = None
             added = False
@@ -410,7 +361,7 @@ def _record_end(runtime: Runtime, lease: Lease, end: Callable[[], Any]) -> None:
 
 
 @contextmanager
-def gate_errors(runtime: Any, task_id: str) -> Iterator[None]:
+def gate_errors(runtime: Runtime, task_id: str) -> Iterator[None]:
     try:
         yield
     except redis.RedisError as exc:

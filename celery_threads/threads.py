@@ -6,7 +6,9 @@ from typing import Any, Iterator, NamedTuple, Optional
 
 from celery import Celery
 
+from .errors import UnknownTask
 from .gate import ThreadSnapshot, parse_record
+from .protocol import normalize_thread_id, retry_settings
 from .publish import decode_arguments, task_name
 from .runtime import get_runtime
 
@@ -60,8 +62,6 @@ class Threads:
 
     def get(self, thread_id: Any) -> Optional[ThreadInfo]:
         """The thread's active and waiting members, or ``None`` when the thread does not exist."""
-        from .task import normalize_thread_id
-
         snapshot = self.gate.snapshot(normalize_thread_id(thread_id))
         return None if snapshot is None else self._info(snapshot)
 
@@ -124,9 +124,6 @@ class Threads:
         not in the dead-letter store, :class:`celery_threads.errors.ConfigurationError` (and
         keeps it there) when its task's ``max_retries`` or ``default_retry_delay`` is invalid.
         """
-        from .errors import UnknownTask
-        from .task import retry_settings
-
         record = self.gate.dead_record(task_id)
         if record is None:
             raise UnknownTask(f"{task_id} is not in the dead-letter store (see Threads.dead())")
@@ -156,7 +153,6 @@ class Threads:
     def status(self, thread_id: Any) -> Optional[ThreadStatus]:
         """The thread's members with their health (lease expiry, worker, ages), or ``None`` when
         the thread does not exist."""
-        from .task import normalize_thread_id
 
         thread_id = normalize_thread_id(thread_id)
         now = self.gate.now_ms()

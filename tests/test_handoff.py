@@ -225,7 +225,7 @@ def test_terminating_a_handed_off_member(proj, make_deployment, r, how):
 def _stand_in_pool_process(conn) -> None:
     """A forked process that writes its handoff slot as a pool process does (handoff._note), for
     each release the test sends, and answers each message once done."""
-    from celery_threads import handoff
+    from celery_threads.worker import handoff
 
     handoff._slot_at = 0
     while True:
@@ -247,10 +247,10 @@ def test_terminate_signals_a_handed_off_member_only_while_its_process_runs_it(pr
 
     import redis
 
-    from celery_threads import handoff
+    from celery_threads.worker import handoff
     from celery_threads.gate import Release
     from celery_threads.runtime import get_runtime
-    from celery_threads.worker import _terminate_handed_off
+    from celery_threads.worker.step import _terminate_handed_off
     from tests.conftest import RedisServer
     from tests.isolated import envelope, pointed_at
 

@@ -216,7 +216,7 @@ def test_a_noack_delivery_makes_no_broker_call_when_acked_or_rejected(redis_serv
     no Redis server."""
     from kombu import Connection, Queue
 
-    from celery_threads.noack import is_no_ack_delivery, mark_delivery
+    from celery_threads.worker.noack import is_no_ack_delivery, mark_delivery
 
     url = redis_server.url(5)
     name = f"marked-{uuid.uuid4().hex[:8]}"
@@ -275,8 +275,8 @@ def test_untrack_releases_keeps_only_threaded_deliveries_out(redis_server):
     tracked and acked as kombu does."""
     from kombu import Connection, Queue
 
-    from celery_threads.noack import mark_delivery, untrack_releases
-    from celery_threads.publish import TOKEN_HEADER
+    from celery_threads.worker.noack import mark_delivery, untrack_releases
+    from celery_threads.protocol import TOKEN_HEADER
 
     url = redis_server.url(5)
     queue = Queue(f"untracked-{uuid.uuid4().hex[:8]}")

@@ -15,7 +15,7 @@ the member cannot run here after all (the conditions below), it is given back, R
 the same token, and published. From the claim on, this process's slot names the member, so
 that the worker's main process fails it at once if the process is lost (a failed attempt, as
 for any member whose process dies); otherwise its lease lapses. While it runs, this process
-holds its lease (:mod:`celery_threads.lease`) from the moment of the claim, through the rest of
+holds its lease (:mod:`celery_threads.worker.lease`) from the moment of the claim, through the rest of
 the previous member's trace, and starts it only while that lease holds.  The main process learns of
 it only from the slot, to fail it or to terminate it on ``revoke(terminate=True)``.
 
@@ -40,9 +40,11 @@ import os
 import time
 from typing import Any, Callable, Iterator, NamedTuple, Optional
 
-from .gate import Release
+from ..gate import Release
 from .lease import Lease, keeper
-from .publish import THREAD_HEADER, TOKEN_HEADER, UndecodableEnvelope, decode_envelope
+from ..protocol import THREAD_HEADER, TOKEN_HEADER, is_threaded
+from ..publish import UndecodableEnvelope, decode_envelope
+from ..runtime import Runtime, get_runtime
 
 logger = logging.getLogger(__name__)
 
@@ -178,8 +180,6 @@ def on_pool_process_start() -> None:
     process names them; a pool process looks them up by name when it unpickles a job)."""
     if _app is None or _allowed is None:
         return
-    from .runtime import get_runtime
-
     if get_runtime(_app).config.local_handoff <= 0:
         return
     from billiard.process import current_process
@@ -219,7 +219,7 @@ def _wrap(original: Callable[..., Any]) -> Callable[..., Any]:
     return run_job
 
 
-def finish(runtime: Any, task: Any, thread_id: str, task_id: str, token: str,
+def finish(runtime: Runtime, task: Any, thread_id: str, task_id: str, token: str,
            ending: Ending) -> None:
     """``finish`` of a member that ended in this process: the next member runs here when it can,
     else its release is published (or the gate has published it)."""
@@ -264,8 +264,6 @@ def take_claim(task_id: str, token: str) -> Optional[tuple[int, Lease]]:
 def _give_back(release: Release, lease: Optional[Lease]) -> None:
     """A member ``finish`` claimed for this process, which will not run it: RELEASED again under
     its token, and published."""
-    from .runtime import get_runtime
-
     runtime = get_runtime(_app)
     if lease is not None:
         keeper(runtime).drop(lease)
@@ -277,7 +275,7 @@ def _give_back(release: Release, lease: Optional[Lease]) -> None:
                          release.thread_id)
 
 
-def _may_take(runtime: Any, task: Any, job: _Job) -> bool:
+def _may_take(runtime: Runtime, task: Any, job: _Job) -> bool:
     return (_allowed is not None and _allowed.value != OFF
             and time.monotonic() - job.started < runtime.config.local_handoff
             and not _time_limited(task, task.request.timelimit))
@@ -317,11 +315,9 @@ def _time_limited(task: Any, timelimit: Any) -> bool:
     return bool(timelimit) and any(timelimit)
 
 
-def _runnable(runtime: Any, release: Release) -> Optional[Taken]:
+def _runnable(runtime: Runtime, release: Release) -> Optional[Taken]:
     """The pool job's arguments for running ``release`` here, or ``None`` when a broker delivery
     must take it (see the module's conditions)."""
-    from .task import ThreadedTask
-
     app = runtime.app
     try:
         header, body = decode_envelope(release.envelope)
@@ -331,7 +327,7 @@ def _runnable(runtime: Any, release: Release) -> Optional[Taken]:
     name = str(headers.get("task") or "")
     task = app.tasks.get(name)
     content_type = header.get("content_type")
-    if (not isinstance(task, ThreadedTask) or headers.get("expires")
+    if (not is_threaded(task) or headers.get("expires")
             or header.get("compression") or not isinstance(content_type, str)
             or content_type not in _worker_facts(app).accepted
             or _time_limited(task, headers.get("timelimit"))
@@ -377,8 +373,6 @@ def _run(original: Callable[..., Any], taken: Taken) -> None:
                          taken.name, release.task_id, release.thread_id)
     finally:
         _claimed = None
-        from .runtime import get_runtime
-
         keeper(get_runtime(_app)).drop(lease)   # when the trace never reached the task's call
 
 

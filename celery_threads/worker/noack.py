@@ -36,9 +36,9 @@ from typing import Any, Callable
 from celery import bootsteps
 from celery.worker import state as worker_state
 
-from .install import DISPATCH_TASK
-from .publish import TOKEN_HEADER, request_member
-from .runtime import get_runtime
+from ..protocol import DISPATCH_TASK, TOKEN_HEADER, is_threaded
+from ..publish import request_member
+from ..runtime import get_runtime
 
 logger = logging.getLogger(__name__)
 
@@ -299,13 +299,11 @@ def guard_plain_tasks(c: Any, queues: set[str]) -> None:
     routed there, and at the first delivery of each task name that arrives there.  The delivery
     check wraps the plain tasks' strategies, again whenever Celery rebuilds them (a consumer
     restart, ``pool_restart`` with reload)."""
-    from .task import ThreadedTask
-
     app = c.app
     if not c.__dict__.get("_celery_threads_routes_checked"):
         c._celery_threads_routes_checked = True
         for name, task in sorted(app.tasks.items()):
-            if (isinstance(task, ThreadedTask) or name.startswith("celery.")
+            if (is_threaded(task) or name.startswith("celery.")
                     or name == DISPATCH_TASK):
                 continue
             try:
@@ -319,7 +317,7 @@ def guard_plain_tasks(c: Any, queues: set[str]) -> None:
     def wrap() -> None:
         for name, strategy in list(c.strategies.items()):
             task = app.tasks.get(name)
-            if (task is not None and not isinstance(task, ThreadedTask)
+            if (task is not None and not is_threaded(task)
                     and not getattr(strategy, "_celery_threads", False)):
                 c.strategies[name] = _guarded(name, strategy, warned)
 

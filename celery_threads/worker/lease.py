@@ -8,7 +8,7 @@ never earlier (clock rates apart, which the margin covers).  A :class:`Keeper` t
 process renews every lease it holds every keepalive/3, fenced by the claim's claimant, and learns
 there when the gate no longer counts the member as this process's (deleted, lapsed, claimed again
 after a lost write).  It is a thread of the operating system also under gevent
-(:mod:`celery_threads.native`), with a gate client of its own there: a member's code that holds
+(:mod:`celery_threads.worker.native`), with a gate client of its own there: a member's code that holds
 the hub does not hold up its renewals.
 
 Stopping a member whose lease is running out, or lost:
@@ -37,8 +37,9 @@ import time
 from contextlib import contextmanager
 from typing import Any, Iterator, Optional
 
+from ..gate import RENEWED, Gate
+from ..runtime import Runtime
 from . import native
-from .gate import RENEWED, Gate
 
 logger = logging.getLogger(__name__)
 
@@ -117,7 +118,7 @@ def _publish(expires: float) -> None:
 class Keeper:
     """Renews the leases this process holds, every keepalive/3, with their claimants."""
 
-    def __init__(self, runtime: Any) -> None:
+    def __init__(self, runtime: Runtime) -> None:
         self.runtime = runtime
         self.keepalive = float(runtime.config.keepalive)
         self._leases: dict[int, Lease] = {}
@@ -220,7 +221,7 @@ _keepers: dict[int, Keeper] = {}
 _keepers_lock = threading.Lock()
 
 
-def keeper(runtime: Any) -> Keeper:
+def keeper(runtime: Runtime) -> Keeper:
     """The process's keeper for ``runtime`` (one per runtime, made again in a forked child)."""
     key = id(runtime)
     found = _keepers.get(key)

@@ -11,7 +11,7 @@
 * :class:`ThreadsWorkerStep` renews the release deadlines of the members this worker holds
   unstarted (in a thread of the operating system, so it works under every pool, gevent's
   included) and runs the worker's dispatch loop.
-* Deliveries the broker does not track are handled in :mod:`celery_threads.noack`.
+* Deliveries the broker does not track are handled in :mod:`celery_threads.worker.noack`.
 """
 from __future__ import annotations
 
@@ -35,12 +35,14 @@ from celery.worker.request import Request
 from celery.worker.strategy import default as default_strategy
 
 from . import handoff, lease, native
-from .compat import ensure_utf8_bodies
-from .errors import ConfigurationError
-from .gate import RETRIED, STALE
+from ..compat import ensure_utf8_bodies
+from ..errors import ConfigurationError
+from ..gate import RETRIED, STALE
 from .noack import CONSUMER_FLAG, hand_back_on_pool_close, mark_delivery
-from .publish import REPUBLISHED_HEADER, THREAD_HEADER, TOKEN_HEADER, request_member
-from .runtime import get_runtime
+from ..protocol import (REPUBLISHED_HEADER, THREAD_HEADER, TOKEN_HEADER, eta_ms, is_threaded,
+                        retry_settings)
+from ..publish import encode_envelope, request_member
+from ..runtime import Runtime, get_runtime
 
 logger = logging.getLogger(__name__)
 
@@ -114,7 +116,7 @@ def may_be_duplicate(message: Any) -> bool:
     return bool((message.delivery_info or {}).get("redelivered"))
 
 
-def kill_unrunnable(runtime: Any, headers: dict[str, Any], exc: BaseException) -> None:
+def kill_unrunnable(runtime: Runtime, headers: dict[str, Any], exc: BaseException) -> None:
     """A released member whose message no worker can run dies now, instead of being republished
     forever: it goes to the dead letters with the reason, and its thread moves on."""
     token = headers.get(TOKEN_HEADER)
@@ -147,9 +149,6 @@ def on_unrunnable_message(sender: Any = None, message: Any = None, exc: Any = No
 def _enter_gate_from_worker(task: Any, runtime: Any, message: Any, ack: Any, reject: Any) -> None:
     """A threaded task's message that did not come through the gate (``send_task`` by name from
     another program, a dead letter sent back): the worker enqueues it into its thread."""
-    from .publish import encode_envelope
-    from .task import _eta_ms, retry_settings
-
     headers = dict(message.headers or {})
     try:
         max_retries, retry_delay_ms = retry_settings(task)
@@ -178,7 +177,7 @@ def _enter_gate_from_worker(task: Any, runtime: Any, message: Any, ack: Any, rej
     })
     eta = headers.get("eta")
     outcome = runtime.gate.enqueue(
-        thread_id, headers["id"], envelope, at_ms=_eta_ms(eta) if eta else None,
+        thread_id, headers["id"], envelope, at_ms=eta_ms(eta) if eta else None,
         max_retries=max_retries, retry_delay_ms=retry_delay_ms)
     runtime.publish(outcome.release)
     ack()
@@ -322,9 +321,7 @@ def _fail_handed_off(request: Any, exc: BaseException) -> None:
 def on_task_revoked(sender: Any = None, request: Any = None, terminated: bool = False,
                     expired: bool = False, **kwargs: Any) -> None:
     """A revoked member (revoke on receipt, terminate while running, expired) leaves its thread."""
-    from .task import ThreadedTask
-
-    if not isinstance(sender, ThreadedTask) or request is None:
+    if not is_threaded(sender) or request is None:
         return
     headers = request.headers or {}
     token = headers.get(TOKEN_HEADER)
@@ -334,7 +331,7 @@ def on_task_revoked(sender: Any = None, request: Any = None, terminated: bool = 
     runtime.apply(runtime.gate.delete(request.id, token=token))
 
 
-def _end_revoked_member(runtime: Any, consumer: Any, task_id: str) -> None:
+def _end_revoked_member(runtime: Runtime, consumer: Any, task_id: str) -> None:
     """A waiting member revoked by a plain ``revoke`` leaves its thread here; one deleted by
     ``Threads.delete`` is announced here.  Either way this worker sends ``task-revoked``."""
     deleted = runtime.apply(runtime.gate.delete(task_id, only_waiting=True)).done
@@ -347,7 +344,7 @@ def _end_revoked_member(runtime: Any, consumer: Any, task_id: str) -> None:
                             expired=False)
 
 
-def _terminate_handed_off(runtime: Any, task_id: str, signal: Any) -> None:
+def _terminate_handed_off(runtime: Runtime, task_id: str, signal: Any) -> None:
     """``revoke(terminate=True)`` of a member a pool process runs by handoff (handoff.py), which
     Celery's own revoke does not know of.  As for a terminated task: the member leaves its thread
     (fenced by its token; the next is promoted), its process gets the signal, and the result
@@ -437,11 +434,11 @@ def wrap_revoke_command() -> None:
 class LeaseRenewer:
     """Every keepalive/3, renews the release deadline of each threaded member this worker holds
     unclaimed in its prefetch buffer.  A claimed member's lease is renewed by the process that
-    claimed it, with its claimant (:class:`celery_threads.lease.Keeper`); the gate refuses this
-    renewal for it.  A native thread (:mod:`celery_threads.native`): under gevent, a member's code
+    claimed it, with its claimant (:class:`celery_threads.worker.lease.Keeper`); the gate refuses this
+    renewal for it.  A native thread (:mod:`celery_threads.worker.native`): under gevent, a member's code
     holding the hub does not hold up these renewals either."""
 
-    def __init__(self, runtime: Any, tick: Any = None) -> None:
+    def __init__(self, runtime: Runtime, tick: Any = None) -> None:
         self.runtime = runtime
         self.tick = tick
         self._stop = native.Flag()
@@ -508,7 +505,7 @@ class ThreadsWorkerStep(bootsteps.StartStopStep):
         lease.prepare(handoff.pool_size(worker))
 
     def start(self, worker: Any) -> None:
-        from .dispatcher import DispatchLoop
+        from ..dispatcher import DispatchLoop
 
         runtime = get_runtime(worker.app)
         wrap_revoke_command()

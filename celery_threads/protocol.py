@@ -1,0 +1,82 @@
+"""The protocol's names and rules, shared by every layer: message header names, the dispatch
+task's name, what a valid thread id is, how a threaded task's retry settings and an ``eta`` become
+the gate's numbers, and how any module recognises a threaded task without importing the task class.
+
+Nothing here imports another module of the package but :mod:`celery_threads.errors`.
+"""
+from __future__ import annotations
+
+import math
+from datetime import datetime, timezone
+from typing import Any, Optional
+
+from .errors import ConfigurationError, InvalidThreadId
+
+#: Message headers a threaded delivery carries (and the ones ``apply_async`` takes as options).
+THREAD_HEADER = "thread_id"
+TOKEN_HEADER = "thread_token"
+REPUBLISHED_HEADER = "thread_republished"  # a release that may reach the broker twice
+OUR_HEADERS = (THREAD_HEADER, TOKEN_HEADER, REPUBLISHED_HEADER)
+
+#: The dispatcher's task and its beat entry.
+DISPATCH_TASK = "celery_threads.dispatch"
+BEAT_ENTRY = "celery-threads-dispatch"
+
+#: The class attribute that marks a threaded task (``ThreadedTask`` sets it).
+THREADED_MARK = "__celery_threads__"
+
+
+def is_threaded(task: Any) -> bool:
+    """Whether ``task`` is a threaded task (an instance of ``ThreadedTask``)."""
+    return getattr(task, THREADED_MARK, False) is True
+
+
+MAX_THREAD_ID_BYTES = 1024
+
+
+def normalize_thread_id(value: Any) -> str:
+    """A valid thread id as a string, or :class:`InvalidThreadId`."""
+    if isinstance(value, bool) or not isinstance(value, (str, int)):
+        raise InvalidThreadId(
+            f"thread id {value!r} is a {type(value).__name__}: use a non-empty str or an int")
+    text = str(value)
+    if not text:
+        raise InvalidThreadId("thread id is empty: use a non-empty str or an int")
+    if len(text.encode("utf-8")) > MAX_THREAD_ID_BYTES:
+        raise InvalidThreadId(
+            f"thread id is {len(text.encode('utf-8'))} bytes long; the limit is "
+            f"{MAX_THREAD_ID_BYTES} bytes")
+    return text
+
+
+def retry_settings(task: Any) -> tuple[Optional[int], int]:
+    """A threaded task's ``(max_retries, default_retry_delay in ms)`` as the gate stores them with
+    each member, or :class:`ConfigurationError` when either cannot be: the gate keeps them in the
+    member's record, which a negative delay or a fractional or negative retry count would make
+    unreadable to every later transition of its thread."""
+    max_retries = task.max_retries
+    if max_retries is not None and (isinstance(max_retries, bool)
+                                    or not isinstance(max_retries, int) or max_retries < 0):
+        raise ConfigurationError(
+            f"task {task.name} has max_retries={max_retries!r}: a threaded task needs an int of 0 "
+            "or more, or None for unlimited retries. Fix the task's max_retries; nothing was "
+            "stored or sent")
+    delay = task.default_retry_delay
+    if delay is None:
+        delay = 0
+    if (isinstance(delay, bool) or not isinstance(delay, (int, float)) or not math.isfinite(delay)
+            or delay < 0):
+        raise ConfigurationError(
+            f"task {task.name} has default_retry_delay={delay!r}: a threaded task needs a number "
+            "of seconds, 0 or more. Fix the task's default_retry_delay; nothing was stored or "
+            "sent")
+    return max_retries, int(float(delay) * 1000)
+
+
+def eta_ms(eta: Any) -> int:
+    """An ``eta`` (a datetime, naive meaning UTC, or its ISO text) as epoch milliseconds."""
+    if isinstance(eta, str):
+        eta = datetime.fromisoformat(eta)
+    if eta.tzinfo is None:
+        eta = eta.replace(tzinfo=timezone.utc)
+    return int(eta.timestamp() * 1000)
