@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from .gate import DIED, REPUBLISH, RETRIED, Outcome
+from .gate import Lapse, Outcome
 from .keys import ShardKeys
 from .runtime import Runtime
 
@@ -64,17 +64,17 @@ class Dispatcher:
             self._after_expire(thread_id, outcome, report)
 
     def _after_expire(self, thread_id: str, outcome: Outcome, report: TickReport) -> None:
-        if outcome.status == REPUBLISH:
+        if outcome.status == Lapse.REPUBLISH:
             report.republished += 1
             logger.warning("celery-threads: member %s of thread %s was released but no worker "
                            "claimed it within its release deadline; republishing it (or ending "
                            "it, if it has expired)",
                            outcome.release and outcome.release.task_id, thread_id)
-        elif outcome.status == RETRIED:
+        elif outcome.status == Lapse.RETRIED:
             report.retried += 1
             logger.warning("celery-threads: lease of member %s of thread %s lapsed (worker "
                            "lost?); it will run again", outcome.info, thread_id)
-        elif outcome.status == DIED:
+        elif outcome.status == Lapse.DIED:
             report.died += 1
             record = self.runtime.gate.dead_record(outcome.info)
             exception = record.meta.get("exception", "") if record else "LeaseExpired"
@@ -82,7 +82,7 @@ class Dispatcher:
             self.runtime.announce_death(thread_id, outcome.info, exception,
                                         int(record.meta.get("retries", 0)) if record else 0,
                                         record)
-        self.runtime.publish(outcome.release, republish=outcome.status == REPUBLISH)
+        self.runtime.publish(outcome.release, republish=outcome.status == Lapse.REPUBLISH)
 
     def _mark_failed(self, task_id: str, exception: str) -> None:
         """The worker that ran it is gone, so nobody else records the failure in the backend."""

@@ -16,6 +16,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
+from enum import IntEnum
 from importlib import resources
 from typing import Any, Callable, Iterator, NamedTuple, Optional, Sequence
 
@@ -34,11 +35,56 @@ SCRIPT_NAMES = ("enqueue", "release", "claim", "renew", "finish", "requeue", "ki
 DEAD_CHUNK = 500           # dead records read per HMGET
 MAX_REPUBLISH_BACKOFF = 6  # a lost release is republished after 1, 2, 4, ... 64 release timeouts
 
-# Reply statuses shared by the scripts.
-DONE, NOOP = 1, 0
-CLAIMED, ALREADY_CLAIMED, STALE = 1, 2, 0
-RENEWED, NOT_YOURS = 1, 2     # renew (else STALE)
-REPUBLISH, RETRIED, DIED = 2, 3, 4
+
+
+# Each script's reply status, named (the Lua scripts' headers say when each is returned).
+class Done(IntEnum):
+    """enqueue, release, finish, requeue (and replace), kill, delete: whether it happened."""
+    NOOP = 0
+    DONE = 1
+
+
+class Claim(IntEnum):
+    """claim: the release no longer holds its thread, or it is now the caller's, or another
+    delivery's."""
+    STALE = 0
+    CLAIMED = 1
+    ALREADY_CLAIMED = 2
+
+
+class Renewal(IntEnum):
+    """renew: the token no longer holds the thread, or the lease (release deadline) is renewed,
+    or the member is claimed by another delivery (or its claim is gone)."""
+    STALE = 0
+    RENEWED = 1
+    NOT_YOURS = 2
+
+
+class Lapse(IntEnum):
+    """expire, fail, handback: what became of an active member whose release or lease lapsed, or
+    whose attempt failed: nothing, published again under its token, re-entered for a retry, or
+    dead."""
+    NOOP = 0
+    REPUBLISH = 2
+    RETRIED = 3
+    DIED = 4
+
+
+class Restart(IntEnum):
+    """restart: not in the dead-letter store, back in its thread, or a member again already."""
+    UNKNOWN = 0
+    RESTARTED = 1
+    ALREADY_MEMBER = 2
+
+
+#: The statuses each script replies with (``Done`` for the others).
+REPLIES: dict[str, type[IntEnum]] = {"claim": Claim, "renew": Renewal, "expire": Lapse,
+                                     "fail": Lapse, "handback": Lapse, "restart": Restart}
+# The names callers use most.
+DONE, NOOP = Done.DONE, Done.NOOP
+CLAIMED, ALREADY_CLAIMED, STALE = Claim.CLAIMED, Claim.ALREADY_CLAIMED, Claim.STALE
+RENEWED, NOT_YOURS = Renewal.RENEWED, Renewal.NOT_YOURS
+REPUBLISH, RETRIED, DIED = Lapse.REPUBLISH, Lapse.RETRIED, Lapse.DIED
 #: delete's info when a replayed call finds the member already gone (it may have been RUNNING).
 ENDED = "ENDED"
 
@@ -101,7 +147,7 @@ class Release:
 
 @dataclass(frozen=True)
 class Outcome:
-    status: int
+    status: int         # the script's status, as its enum (:data:`REPLIES`)
     info: str
     release: Optional[Release]
 
@@ -544,9 +590,11 @@ class Gate:
         script_keys, argv = arguments or self._arguments(thread_id, args)
         return self._scripts[name](keys=script_keys, args=argv, client=client or self.client)
 
-    def _outcome(self, thread_id: str, reply: Sequence[Any], own: bytes = b"") -> Outcome:
-        """``own``: the envelope the call sent, which a reply releasing it leaves out."""
-        status, info = int(reply[0]), _text(reply[1])
+    def _outcome(self, name: str, thread_id: str, reply: Sequence[Any],
+                 own: bytes = b"") -> Outcome:
+        """``name``'s reply; ``own``: the envelope the call sent, which a reply releasing it
+        leaves out."""
+        status, info = REPLIES.get(name, Done)(int(reply[0])), _text(reply[1])
         release = None
         if len(reply) > 5:
             published = int(reply[5]) == 1
@@ -559,7 +607,7 @@ class Gate:
         return Outcome(status, info, release)
 
     def _call(self, name: str, thread_id: str, *args: Any) -> Outcome:
-        return self._outcome(thread_id, self._run(name, thread_id, *args))
+        return self._outcome(name, thread_id, self._run(name, thread_id, *args))
 
     # -- transitions --------------------------------------------------------------------------
     def enqueue(self, thread_id: str, task_id: str, envelope: bytes, *, delay_ms: int = 0,
@@ -570,7 +618,7 @@ class Gate:
         last 30 s (lua/enqueue.lua)."""
         mode, value = ("at", at_ms) if at_ms is not None else ("in", max(0, delay_ms))
         extra = (replaced,) if replaced else ()
-        return self._outcome(thread_id, self._run(
+        return self._outcome("enqueue", thread_id, self._run(
             "enqueue", thread_id, task_id, mode, value, _max_retries(max_retries), retry_delay_ms,
             envelope, *extra), own=envelope)
 
@@ -578,18 +626,18 @@ class Gate:
         return self._call("release", thread_id)
 
     def claim(self, thread_id: str, task_id: str, token: str, keepalive_ms: int,
-              worker: str, claimant: str = "") -> int:
+              worker: str, claimant: str = "") -> Claim:
         return self.claim_at(thread_id, task_id, token, keepalive_ms, worker, claimant)[0]
 
     def claim_at(self, thread_id: str, task_id: str, token: str, keepalive_ms: int,
-                 worker: str, claimant: str = "") -> tuple[int, int]:
+                 worker: str, claimant: str = "") -> tuple[Claim, int]:
         """``claim``'s status, and the Redis server's time of the claim (ms; 0 unless claimed).
 
         ``claimant``: this delivery's own id; only it renews the lease (:meth:`renew`), and the
         same claimant's claim replayed is answered ``CLAIMED`` with the first claim's time."""
         reply = self._run("claim", thread_id, task_id, token, keepalive_ms, worker, claimant)
-        status = int(reply[0])
-        return status, int(_text(reply[1])) if status == CLAIMED else 0
+        status = Claim(int(reply[0]))
+        return status, int(_text(reply[1])) if status == Claim.CLAIMED else 0
 
     def peek(self, thread_id: str, task_id: str, token: str) -> Optional[str]:
         """The state of (task, token) when it is the thread's active member, else ``None``.
@@ -603,24 +651,26 @@ class Gate:
         return _text(state)
 
     def renew(self, thread_id: str, task_id: str, token: str, keepalive_ms: int,
-              claimant: str = "") -> int:
+              claimant: str = "") -> Renewal:
         """Renew the lease of a RUNNING member for its ``claimant``, or (no claimant) the release
         deadline of a RELEASED one: ``RENEWED``, ``STALE`` (the token no longer holds the
         thread), or ``NOT_YOURS`` (claimed by another delivery, or the claim is gone)."""
-        return int(self._run("renew", thread_id, task_id, token, keepalive_ms, claimant)[0])
+        return Renewal(int(self._run("renew", thread_id, task_id, token, keepalive_ms,
+                                     claimant)[0]))
 
-    def renew_many(self, members: Sequence[tuple[str, str, str]], keepalive_ms: int) -> list[int]:
+    def renew_many(self, members: Sequence[tuple[str, str, str]],
+                   keepalive_ms: int) -> list[Renewal]:
         """Renew the release deadlines of ``(thread_id, task_id, token)`` members a worker holds
         unclaimed, in one round trip; a status per member as :meth:`renew`'s."""
         replies = self._pipeline("renew", [(t, (k, tok, keepalive_ms)) for t, k, tok in members])
-        return [int(r[0]) for r in replies]
+        return [Renewal(int(r[0])) for r in replies]
 
     def hand_back(self, members: Sequence[tuple[str, str, str]]) -> list[Outcome]:
         """Return ``(thread_id, task_id, token)`` releases a worker holds unstarted, in one round
         trip: each still RELEASED under its token comes back as a ``REPUBLISH`` outcome, for the
         caller to publish again under the same token."""
         replies = self._pipeline("handback", [(t, (k, tok)) for t, k, tok in members])
-        return [self._outcome(m[0], r) for m, r in zip(members, replies)]
+        return [self._outcome("handback", m[0], r) for m, r in zip(members, replies)]
 
     def unclaim(self, thread_id: str, task_id: str, token: str) -> Outcome:
         """Give back a member that ``finish(claim=...)`` claimed for the caller, who cannot run it
@@ -725,7 +775,7 @@ class Gate:
 
     def _pipelined(self, name: str, thread_ids: Sequence[str], *args: Any) -> list[Outcome]:
         replies = self._pipeline(name, [(t, args) for t in thread_ids])
-        return [self._outcome(t, r) for t, r in zip(thread_ids, replies)]
+        return [self._outcome(name, t, r) for t, r in zip(thread_ids, replies)]
 
     def _pipeline(self, name: str, calls: Sequence[tuple[str, Sequence[Any]]]) -> list[Any]:
         """Run ``name`` once per ``(thread_id, args)`` in one round trip; the raw replies."""

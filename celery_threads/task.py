@@ -15,7 +15,7 @@ from celery.utils import uuid
 from celery.utils.saferepr import saferepr
 
 from .errors import GateUnavailable, InvalidThreadId
-from .gate import ALREADY_CLAIMED, CLAIMED, Outcome
+from .gate import Claim, Outcome
 from .install import install
 from .protocol import (OUR_HEADERS, THREAD_HEADER, TOKEN_HEADER, eta_ms,
                        normalize_thread_id, retry_settings)
@@ -282,10 +282,10 @@ class ThreadedTask(Task):
                            "release or lease lapses", self.name, task_id, thread_id,
                            runtime.config.redis_url, exc)
             raise Ignore() from exc
-        if status != CLAIMED:
+        if status != Claim.CLAIMED:
             # Another delivery of this release started first (or it went stale in between).
             logger.info("celery-threads: not running %s[%s] of thread %s: %s", self.name, task_id,
-                        thread_id, "claimed by another delivery" if status == ALREADY_CLAIMED
+                        thread_id, "claimed by another delivery" if status == Claim.ALREADY_CLAIMED
                         else "stale release")
             raise Ignore()
         return claimed_ms, keeper.lease(thread_id, task_id, token, claimant, sent)

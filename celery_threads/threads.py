@@ -7,7 +7,7 @@ from typing import Any, Iterator, NamedTuple, Optional
 from celery import Celery
 
 from .errors import UnknownTask
-from .gate import ThreadSnapshot, parse_record
+from .gate import Restart, ThreadSnapshot, parse_record
 from .protocol import normalize_thread_id, retry_settings
 from .publish import decode_arguments, task_name
 from .runtime import get_runtime
@@ -132,7 +132,7 @@ class Threads:
         outcome = self.gate.restart(
             task_id, max_retries=max_retries, retry_delay_ms=retry_delay_ms,
             thread_id=str(record.meta["thread_id"]))
-        if outcome.status == 2:
+        if outcome.status == Restart.ALREADY_MEMBER:
             raise UnknownTask(f"{task_id} is a live member again; it cannot be restarted twice")
         self.runtime.apply(outcome)
         return self.app.AsyncResult(task_id)

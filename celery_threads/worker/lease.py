@@ -37,7 +37,7 @@ import time
 from contextlib import contextmanager
 from typing import Any, Iterator, Optional
 
-from ..gate import RENEWED, Gate
+from ..gate import Gate, Renewal
 from ..runtime import Runtime
 from . import native
 
@@ -171,7 +171,7 @@ class Keeper:
                            "it ends in %.1fs unless a renewal gets through", lease.task_id,
                            lease.thread_id, exc, max(lease.remaining(), 0.0))
             return
-        if status == RENEWED:
+        if status == Renewal.RENEWED:
             lease.expires = max(lease.expires, sent + self.keepalive)
             if lease.running:
                 _publish(lease.expires)

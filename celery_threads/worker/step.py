@@ -37,7 +37,7 @@ from celery.worker.strategy import default as default_strategy
 from . import handoff, lease, native
 from ..compat import ensure_utf8_bodies
 from ..errors import ConfigurationError
-from ..gate import RETRIED, STALE
+from ..gate import Lapse, Renewal
 from .noack import CONSUMER_FLAG, hand_back_on_pool_close, mark_delivery
 from ..protocol import (REPUBLISHED_HEADER, THREAD_HEADER, TOKEN_HEADER, eta_ms, is_threaded,
                         retry_settings)
@@ -212,10 +212,10 @@ class ThreadedRequest(Request):
             outcome = runtime.gate.fail(thread_id, self.id, token,
                                         f"WorkerLostError: {exc}; no retries were left")
             runtime.apply(outcome)
-            if outcome.status == RETRIED:
+            if outcome.status == Lapse.RETRIED:
                 self._announce_lost_retry(exc, exc_info)
                 return
-            if outcome.status == 4:
+            if outcome.status == Lapse.DIED:
                 runtime.announce_death(thread_id, self.id, f"WorkerLostError: {exc}",
                                        int(self.request_dict.get("retries") or 0))
         if lost:
@@ -311,7 +311,7 @@ def _fail_handed_off(request: Any, exc: BaseException) -> None:
                                                   f"WorkerLostError: {exc}; no retries were left"))
         logger.warning("celery-threads: the pool process running %s of thread %s by handoff was "
                        "lost (%s)", task_id, thread_id, exc)
-        if outcome.status == 4:
+        if outcome.status == Lapse.DIED:
             runtime.announce_death(thread_id, task_id, f"WorkerLostError: {exc}", 0)
     except Exception:
         logger.exception("celery-threads: could not fail %s of thread %s; its lease will lapse",
@@ -470,7 +470,7 @@ class LeaseRenewer:
                 try:
                     renewed = gate.renew_many(members, self.runtime.config.keepalive_ms)
                     for (thread_id, task_id, _), status in zip(members, renewed):
-                        if status == STALE:
+                        if status == Renewal.STALE:
                             logger.debug("celery-threads: %s no longer holds thread %s", task_id,
                                          thread_id)
                 except Exception:
