@@ -10,6 +10,7 @@ from typing import Any, Optional
 import redis
 from celery import Celery
 
+from .access import check_access
 from .config import ThreadsConfig, read_config
 from .gate import ENDED, DeadRecord, DirectRelease, Gate, Outcome, Release, make_client
 from .keys import Keys
@@ -34,6 +35,7 @@ class Runtime:
         self.config: ThreadsConfig = read_config(app)
         self.client = make_client(self.config.redis_url, self.config.redis_options)
         self.keys = Keys(self.config.key_prefix, self.config.shards)
+        check_access(self.client, self.keys, self.config.redis_url)
         self.gate = self._gate(self.client,
                                direct_release(app, self.client) if self.config.direct_release
                                else None)
