@@ -77,7 +77,7 @@ def _probe(pool: "redis.ConnectionPool", keys: Keys) -> Optional[list[tuple[str,
     """The ``(command, error)`` pairs Redis refused, or ``None`` when it could not be asked."""
     own = redis.ConnectionPool(connection_class=pool.connection_class, max_connections=2,
                                **{**pool.connection_kwargs, "retry": Retry(NoBackoff(), 0)})
-    client = redis.Redis(connection_pool=own)
+    client: Any = redis.Redis(connection_pool=own)
     refused: list[tuple[str, str]] = []
     base = f"{keys.prefix}:{{access}}"
     z, h, s, channel = f"{base}:z", f"{base}:h", f"{base}:s", f"{base}:probe"
