@@ -36,6 +36,9 @@ from tests.helpers import assert_serial, starts, tid, wait_for
 from tests.isolated import point_app
 
 ROOT = Path(__file__).resolve().parent.parent
+#: What kombu's Redis transport and a Celery worker need as an ACL user (broker database 1).
+BROKER_RULES = ("~{queue}* ~_kombu.* ~unacked* ~*.celery.pidbox* &/{db}.* &/{db}.celery.pidbox "
+                "+@all -@dangerous")
 
 
 def _openssl(cwd: Path, *args: str) -> None:
@@ -111,13 +114,13 @@ def ssl_options(pki: Path, reqs: Any = "required") -> dict[str, Any]:
 
 @contextmanager
 def deployed(redis_server: Any, proj: Any, gate_url: str, broker_url: str,
-             conf: dict[str, Any], prefix: str = "") -> Iterator[Deployment]:
+             conf: dict[str, Any], prefix: str = "", queue: str = "") -> Iterator[Deployment]:
     """Workers (``celery -A tests.conf_proj``) and the in-test app pointed at this gate and
     broker, with ``conf`` over tests/proj.py's settings on both sides."""
     name = uuid.uuid4().hex[:8]
     env = deployment_env(redis_server, broker_url, CT_REDIS_URL=gate_url,
                          CT_HISTORY_URL=redis_server.url(0), CT_KEY_PREFIX=prefix or f"ct-{name}",
-                         CT_QUEUE=f"q-{name}", CT_CONF_JSON=json.dumps(conf))
+                         CT_QUEUE=queue or f"q-{name}", CT_CONF_JSON=json.dumps(conf))
     d = Deployment(env)
     configure_client(proj.app, **env)
     point_app(proj.app, conf)
@@ -269,3 +272,20 @@ def test_a_user_missing_a_right_is_told_which_at_start(tls_redis: TlsRedis, redi
         worker.stop()
         assert "command 'hset'" in worker.output()
     assert tls_redis.admin.keys(f"{prefix}:*") == []
+
+
+def test_one_acl_user_for_the_broker_and_the_gate_pushes_releases_itself(
+        tls_redis: TlsRedis, redis_server: Any, proj: Any) -> None:
+    """Broker and gate on one server as one ACL user: the gate's rules plus the broker's
+    (docs/redis-tls-acl.md), and the releases the scripts push onto the broker's queue."""
+    prefix, queue = f"ct-acl-{uuid.uuid4().hex[:6]}", f"q-acl-{uuid.uuid4().hex[:6]}"
+    url = _acl_user(tls_redis, prefix)
+    user = url.split("//")[1].split(":")[0]
+    tls_redis.admin.execute_command("ACL", "SETUSER", user, *BROKER_RULES.format(queue=queue,
+                                                                                db=1).split())
+    with deployed(redis_server, proj, url, url[:-1] + "1", {}, prefix, queue=queue) as d:
+        assert get_runtime(proj.app).gate.direct is not None
+        start_worker(d)
+        run_threads(proj, redis.Redis(port=redis_server.port))
+    refused = [entry for entry in tls_redis.admin.acl_log() if entry.get("username") == user]
+    assert refused == []
