@@ -289,3 +289,9 @@ def test_one_acl_user_for_the_broker_and_the_gate_pushes_releases_itself(
         run_threads(proj, redis.Redis(port=redis_server.port))
     refused = [entry for entry in tls_redis.admin.acl_log() if entry.get("username") == user]
     assert refused == []
+
+
+def test_the_docs_give_the_rules_these_tests_grant() -> None:
+    doc = (ROOT / "docs" / "redis-tls-acl.md").read_text()
+    assert acl_rules("celery_threads", "gate", "secret") in doc
+    assert "ACL SETUSER gate " + BROKER_RULES.format(queue="celery", db=1) in doc
