@@ -53,8 +53,8 @@ def acl_rules(prefix: str, user: str = "gate", password: str = "secret",
 def check_access(client: "redis.Redis", keys: Keys, url: str) -> None:
     """Raise :class:`ConfigurationError` naming each right the gate's Redis user lacks.  Once per
     process and server; an unreachable server is not checked now (the gate's calls report it)."""
-    pool = client.connection_pool
-    if type(pool) is not redis.ConnectionPool:   # Sentinel and others: their own clients
+    pool = getattr(client, "connection_pool", None)
+    if type(pool) is not redis.ConnectionPool:   # Sentinel, Cluster: not probed here
         return
     kwargs = pool.connection_kwargs
     target = (pool.connection_class, kwargs.get("host"), kwargs.get("port"), kwargs.get("path"),

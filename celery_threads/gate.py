@@ -26,7 +26,7 @@ from redis.retry import Retry
 
 from .compat import health_check_interval
 from .keys import Keys, ShardKeys, ThreadKeys
-from .redis_options import client_kwargs
+from .redis_options import checked, client_kwargs
 
 logger = logging.getLogger(__name__)
 
@@ -224,7 +224,7 @@ def make_client(url: str, options: Optional[dict[str, Any]] = None) -> "redis.Re
         "socket_connect_timeout": SOCKET_TIMEOUT,
     }
     kwargs.update(client_kwargs(options))
-    return redis.Redis.from_url(url, **kwargs)
+    return checked(redis.Redis.from_url(url, **kwargs))
 
 
 @dataclass(frozen=True)

@@ -79,6 +79,21 @@ def client_kwargs(options: Optional[Mapping[str, Any]]) -> dict[str, Any]:
     return {key: value for key, value in (options or {}).items() if key not in TOPOLOGY_KEYS}
 
 
+def checked(client: "redis.Redis") -> "redis.Redis":
+    """``client``, once its connection class takes the options (it connects only when used, and
+    an option redis-py does not know would fail there, on first use)."""
+    pool = getattr(client, "connection_pool", None)
+    if type(pool) is redis.ConnectionPool:      # Sentinel and Cluster pools build their own
+        try:
+            pool.connection_class(**pool.connection_kwargs)
+        except TypeError as exc:
+            raise ConfigurationError(
+                f"threads_redis_options (or the broker's options, on its server): "
+                f"{pool.connection_class.__name__} does not take them ({exc}); fix or remove "
+                "that option.") from None
+    return client
+
+
 def cert_reqs(value: Any) -> Any:
     """``ssl_cert_reqs`` as redis-py takes it: kombu and Celery accept ``ssl.CERT_REQUIRED`` and
     the strings ``"CERT_REQUIRED"`` or ``"required"`` (any case); redis-py only the constant or the

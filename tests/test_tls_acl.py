@@ -11,8 +11,8 @@ import json
 import os
 import shutil
 import signal
-import ssl
 import socket
+import ssl
 import subprocess
 import tempfile
 import uuid
@@ -24,14 +24,24 @@ import pytest
 import redis
 from celery import Celery
 
-from celery_threads import Threads
-from celery_threads.access import acl_rules
+from celery_threads import Threads, access
+from celery_threads.access import acl_rules, check_access
 from celery_threads.config import read_config
 from celery_threads.errors import ConfigurationError
 from celery_threads.gate import make_client
+from celery_threads.keys import Keys
 from celery_threads.runtime import get_runtime
-from tests.conftest import (CeleryProcess, Deployment, _missing, configure_client,
-                            default_redis_binary, deployment_env, free_port)
+from tests.conftest import (
+    CeleryProcess,
+    Deployment,
+    RedisServer,
+    _missing,
+    configure_client,
+    default_redis_binary,
+    deployment_env,
+    free_port,
+    redis_binaries,
+)
 from tests.helpers import assert_serial, starts, tid, wait_for
 from tests.isolated import point_app
 
@@ -196,10 +206,12 @@ def test_the_broker_options_apply_to_a_gate_on_the_brokers_server() -> None:
     ({"ssl_cert_reqs": "sometimes"}, "ssl_cert_reqs"),
     ({"socket_timeout": None}, "socket_timeout"),
     ({"socket_connect_timeout": 0}, "socket_connect_timeout"),
+    ({"ssl_ca_cert": "/ca.pem"}, "ssl_ca_cert"),
 ])
 def test_options_the_gate_cannot_use_are_refused(options: dict[str, Any], named: str) -> None:
     with pytest.raises(ConfigurationError, match=named):
-        _config(broker_url="redis://h/0", threads_redis_options=options)
+        config = _config(broker_url="redis://h/0", threads_redis_options=options)
+        make_client(config.redis_url, config.redis_options)
 
 
 # -- TLS ---------------------------------------------------------------------------------------
@@ -295,3 +307,35 @@ def test_the_docs_give_the_rules_these_tests_grant() -> None:
     doc = (ROOT / "docs" / "redis-tls-acl.md").read_text()
     assert acl_rules("celery_threads", "gate", "secret") in doc
     assert "ACL SETUSER gate " + BROKER_RULES.format(queue="celery", db=1) in doc
+
+
+@pytest.mark.parametrize("version", sorted(redis_binaries()))
+def test_each_missing_right_is_named(version: str) -> None:
+    """On each Redis here: the documented rights pass the check (Redis 6.2 without the function
+    library's); a command, the key pattern or the channel pattern taken away is named."""
+    server = RedisServer(binary=redis_binaries()[version])
+    server.start()
+    try:
+        admin = redis.Redis(port=server.port, db=2)
+        optional = not version.startswith("6.")
+        url = f"redis://gate:secret@127.0.0.1:{server.port}/2"
+
+        def check(*remove: str) -> None:
+            admin.execute_command(*acl_rules("ct", optional=optional).split())
+            if remove:
+                admin.execute_command("ACL", "SETUSER", "gate", *remove)
+            access._checked.clear()
+            check_access(make_client(url), Keys("ct"), url)
+
+        check()
+        for remove, named in (("-zadd", r"command 'zadd'.*\+zadd"),
+                              ("-select", r"command 'select'.*\+select"),
+                              ("-subscribe", r"command 'subscribe'.*\+subscribe"),
+                              ("resetkeys", r"keys matching 'ct:\*'.*~ct:\*"),
+                              ("resetchannels", r"channels matching 'ct:\*'.*&ct:\*")):
+            with pytest.raises(ConfigurationError, match=named):
+                check(remove)
+        assert admin.keys("*") == []
+    finally:
+        server.stop()
+        shutil.rmtree(server.dir, ignore_errors=True)
