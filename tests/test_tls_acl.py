@@ -23,6 +23,8 @@ from typing import Any, Iterator
 import pytest
 import redis
 from celery import Celery
+from celery.bin.celery import celery as celery_command
+from click.testing import CliRunner, Result
 
 from celery_threads import Threads, access
 from celery_threads.access import acl_rules, check_access
@@ -153,6 +155,11 @@ def start_worker(d: Deployment, wait: bool = True) -> CeleryProcess:
     return proc.wait_ready() if wait else proc
 
 
+def cli(*args: str) -> Result:
+    """``celery -A tests.proj threads ARGS`` in this process (the in-test app's settings)."""
+    return CliRunner().invoke(celery_command, ["-A", "tests.proj", "threads", *args])
+
+
 def run_threads(proj: Any, history: redis.Redis, threads: int = 2, members: int = 3) -> None:
     """Members of a few threads run end to end, each thread one member at a time, in order."""
     names = [tid("tls") for _ in range(threads)]
@@ -241,6 +248,7 @@ def test_threaded_tasks_run_on_a_tls_broker_and_gate_with_a_private_ca(
         start_worker(d)
         run_threads(proj, redis.Redis(port=redis_server.port))
         assert "certificate" not in d.processes[0].output()
+        assert cli("stats", "--json").exit_code == 0
 
 
 # -- ACL -----------------------------------------------------------------------------------------
@@ -287,6 +295,8 @@ def test_a_user_missing_a_right_is_told_which_at_start(tls_redis: TlsRedis, redi
             proj.record.apply_async((tid("acl"), "m0"))
         with pytest.raises(ConfigurationError, match=r"\+hset"):
             Threads(proj.app)
+        refused = cli("ls")
+        assert refused.exit_code == 78 and "command 'hset'" in refused.stderr
         worker = start_worker(d, wait=False)
         assert worker.proc is not None
         worker.proc.wait(60)
