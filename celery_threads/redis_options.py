@@ -29,9 +29,11 @@ from .errors import ConfigurationError
 #: Options that choose the kind of client rather than configure a connection.
 TOPOLOGY_KEYS = ("master_name", "sentinel_kwargs", "cluster")
 #: ``broker_transport_options`` that kombu's Redis transport passes on to redis-py (kombu
-#: ``redis.Channel._connparams``), plus the Sentinel ones its Sentinel transport reads.
+#: ``redis.Channel._connparams``), plus the Sentinel ones its Sentinel transport reads.  Not
+#: ``max_connections``: it sizes kombu's pool, and a gate client that reached it would fail its
+#: calls ("Too many connections") instead of waiting.
 BROKER_CONNECTION_KEYS = ("socket_timeout", "socket_connect_timeout", "socket_keepalive",
-                          "socket_keepalive_options", "max_connections", "health_check_interval",
+                          "socket_keepalive_options", "health_check_interval",
                           "retry_on_timeout", "client_name", "master_name", "sentinel_kwargs")
 #: Options that must stay bounded: every gate call times out (docs/internals.md, the lease).
 TIMEOUT_KEYS = ("socket_timeout", "socket_connect_timeout")

@@ -185,7 +185,8 @@ def test_the_broker_options_apply_to_a_gate_on_the_brokers_server() -> None:
         broker_url="rediss://h:6380/1", threads_redis_url="rediss://h:6380/0",
         broker_use_ssl={"ssl_cert_reqs": "CERT_REQUIRED", "ssl_ca_certs": "/ca.pem"},
         broker_transport_options={"visibility_timeout": 10, "socket_timeout": 7,
-                                  "global_keyprefix": "x", "master_name": "m"},
+                                  "global_keyprefix": "x", "master_name": "m",
+                                  "max_connections": 10},
         threads_redis_options={"socket_connect_timeout": 2})
     assert config.redis_options == {
         "ssl_cert_reqs": ssl.CERT_REQUIRED, "ssl_ca_certs": "/ca.pem", "socket_timeout": 7,
