@@ -126,13 +126,15 @@ def ssl_options(pki: Path, reqs: Any = "required") -> dict[str, Any]:
 
 @contextmanager
 def deployed(redis_server: Any, proj: Any, gate_url: str, broker_url: str,
-             conf: dict[str, Any], prefix: str = "", queue: str = "") -> Iterator[Deployment]:
+             conf: dict[str, Any], prefix: str = "", queue: str = "", **overrides: str
+             ) -> Iterator[Deployment]:
     """Workers (``celery -A tests.conf_proj``) and the in-test app pointed at this gate and
     broker, with ``conf`` over tests/proj.py's settings on both sides."""
     name = uuid.uuid4().hex[:8]
     env = deployment_env(redis_server, broker_url, CT_REDIS_URL=gate_url,
                          CT_HISTORY_URL=redis_server.url(0), CT_KEY_PREFIX=prefix or f"ct-{name}",
-                         CT_QUEUE=queue or f"q-{name}", CT_CONF_JSON=json.dumps(conf))
+                         CT_QUEUE=queue or f"q-{name}", CT_CONF_JSON=json.dumps(conf),
+                         **overrides)
     d = Deployment(env)
     configure_client(proj.app, **env)
     point_app(proj.app, conf)
@@ -144,10 +146,10 @@ def deployed(redis_server: Any, proj: Any, gate_url: str, broker_url: str,
         configure_client(proj.app, **deployment_env(redis_server))
 
 
-def start_worker(d: Deployment, wait: bool = True) -> CeleryProcess:
-    """A prefork worker of ``celery -A tests.conf_proj`` (CT_CONF_JSON applied)."""
+def start_worker(d: Deployment, wait: bool = True, pool: str = "prefork") -> CeleryProcess:
+    """A worker of ``celery -A tests.conf_proj`` (CT_CONF_JSON applied)."""
     nodename = f"tls-{uuid.uuid4().hex[:6]}@{socket.gethostname()}"
-    proc = CeleryProcess("worker", d.env, ["--loglevel", "INFO", "-P", "prefork", "-c", "2",
+    proc = CeleryProcess("worker", d.env, ["--loglevel", "INFO", "-P", pool, "-c", "2",
                                            "-n", nodename, "--without-gossip", "--without-mingle"],
                          "tls")
     proc.cmd[proc.cmd.index("tests.proj")] = "tests.conf_proj"
@@ -236,17 +238,24 @@ def test_a_tls_gate_verifies_with_the_ca_given_in_the_url_or_the_options(tls_red
         make_client(tls_redis.tls_url(), {**no_client_cert, "retry": None}).ping()
 
 
+@pytest.mark.parametrize("pool", ["prefork", "gevent"])
 def test_threaded_tasks_run_on_a_tls_broker_and_gate_with_a_private_ca(
-        tls_redis: TlsRedis, pki: Path, redis_server: Any, proj: Any) -> None:
+        tls_redis: TlsRedis, pki: Path, redis_server: Any, proj: Any, pool: str) -> None:
     """The issue's case: a ``rediss://`` broker with a private CA and client certificates in
     ``broker_use_ssl``; the gate on the same server verifies with the broker's settings (and
-    pushes releases onto the broker's queue itself)."""
+    pushes releases onto the broker's queue itself).  Under gevent the lease keeper's native
+    threads make gate clients of their own (``Runtime.own_gate``), with the same options."""
+    if pool == "gevent":
+        pytest.importorskip("gevent")
     conf = {"broker_use_ssl": ssl_options(pki)}
     with deployed(redis_server, proj, tls_redis.tls_url(0), tls_redis.tls_url(1), conf) as d:
         runtime = get_runtime(proj.app)
         assert runtime.client.connection_pool.connection_class is redis.SSLConnection
         assert runtime.gate.direct is not None
-        start_worker(d)
+        own = runtime.own_gate().client.connection_pool
+        assert own.connection_class is redis.SSLConnection
+        assert own.connection_kwargs["ssl_certfile"] == str(pki / "client.pem")
+        start_worker(d, pool=pool)
         run_threads(proj, redis.Redis(port=redis_server.port))
         assert "certificate" not in d.processes[0].output()
         assert cli("stats", "--json").exit_code == 0
