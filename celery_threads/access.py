@@ -8,8 +8,9 @@ from here) and turns every ``NOPERM`` into one :class:`ConfigurationError` that 
 to grant.  ``ACL DRYRUN`` would need rights such a user rarely has; trying needs none.
 
 Optional rights are not probed: ``FUNCTION LOAD``/``FCALL`` (without them the gate runs its
-scripts), ``CLIENT SETINFO`` (Redis 7.2+; redis-py ignores a refusal), and the releases the scripts push onto
-the broker's queues (a refused push leaves the publish to kombu).  docs/redis-tls-acl.md lists them.
+scripts), ``CLIENT SETINFO`` (Redis 7.2+; redis-py ignores a refusal), and the releases the
+scripts push onto the broker's queues (a refused push leaves the publish to kombu).
+docs/redis-tls-acl.md lists them.
 """
 from __future__ import annotations
 

@@ -301,7 +301,8 @@ def test_a_user_missing_a_right_is_told_which_at_start(tls_redis: TlsRedis, redi
     prefix = f"ct-acl-{uuid.uuid4().hex[:6]}"
     url = _acl_user(tls_redis, prefix, "-hset")     # run only inside the gate's scripts
     with deployed(redis_server, proj, url, redis_server.url(1), {}, prefix) as d:
-        with pytest.raises(ConfigurationError, match=r"command 'hset'.*ACL SETUSER gate-\w+ \+hset"):
+        named = r"command 'hset'.*ACL SETUSER gate-\w+ \+hset"
+        with pytest.raises(ConfigurationError, match=named):
             proj.record.apply_async((tid("acl"), "m0"))
         with pytest.raises(ConfigurationError, match=r"\+hset"):
             Threads(proj.app)
