@@ -57,8 +57,9 @@ def gate_redis_options(app: Celery, gate_url: str) -> dict[str, Any]:
     for key in TIMEOUT_KEYS:
         if key in options and not _positive(options[key]):
             raise ConfigurationError(
-                f"threads_redis_options {key}={options[key]!r}: use a positive number of "
-                "seconds (a gate call must never wait forever).")
+                f"{key}={options[key]!r} in threads_redis_options (or the broker's "
+                "broker_transport_options, which apply on its server): use a positive number "
+                "of seconds (a gate call must never wait forever).")
     if any(key.startswith("ssl_") for key in options) and _scheme(gate_url) == "redis":
         options.setdefault("connection_class", redis.SSLConnection)  # as kombu does
     return options
