@@ -10,6 +10,7 @@ from typing import Any, Optional
 import redis
 from celery import Celery
 
+from .access import check_access
 from .config import ThreadsConfig, forget_config, read_config
 from .gate import ENDED, DeadRecord, DirectRelease, Gate, Outcome, Release, make_client
 from .keys import Keys
@@ -33,8 +34,9 @@ class Runtime:
     def __init__(self, app: Celery) -> None:
         self.app = app
         self.config: ThreadsConfig = read_config(app)
-        self.client = make_client(self.config.redis_url)
+        self.client = make_client(self.config.redis_url, self.config.redis_options)
         self.keys = Keys(self.config.key_prefix, self.config.shards)
+        check_access(self.client, self.keys, self.config.redis_url)
         self.gate = self._gate(self.client,
                                direct_release(app, self.client) if self.config.direct_release
                                else None)
@@ -49,7 +51,8 @@ class Runtime:
         """The gate on a client of its own, for a native thread of a gevent worker
         (:mod:`celery_threads.worker.native`): a connection gevent made on one thread's hub cannot be
         used from another thread."""
-        return self._gate(make_client(self.config.redis_url), self.gate.direct)
+        return self._gate(make_client(self.config.redis_url, self.config.redis_options),
+                          self.gate.direct)
 
     def publish(self, release: Optional[Release], producer: Any = None,
                 republish: bool = False,
@@ -202,8 +205,9 @@ def direct_release(app: Celery, client: Any) -> Optional[DirectRelease]:
         return None
     conn.release()   # only its parsed URL is read: it never connects
     options = client.connection_pool.connection_kwargs
-    if (conn.transport_cls != "redis"
-            or client.connection_pool.connection_class is not redis.Connection
+    if (conn.transport_cls not in ("redis", "rediss")
+            or client.connection_pool.connection_class not in (redis.Connection,
+                                                               redis.SSLConnection)
             or (conn.hostname or "localhost").lower() != str(options.get("host", "")).lower()
             or int(conn.port or 6379) != int(options.get("port") or 6379)
             or (conn.password or None) != (options.get("password") or None)
