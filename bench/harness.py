@@ -654,18 +654,66 @@ def _revision() -> str:
     return rev + (" + uncommitted changes" if dirty else "")
 
 
+# Where ``report`` also records its table (``python -m bench`` sets it from ``--results``).
+RESULTS_FILE: Optional[Path] = None
+
+
 def report(title: str, command: str, quick: bool, where: str, load: str,
            header: Sequence[str], rows: Sequence[Sequence[Any]], notes: Sequence[str],
            problems: Sequence[str] = (), options: str = "") -> None:
     """Print a benchmark's table: the command that produced it (``python -m bench <command>``,
     ``--quick`` and ``options`` appended), the machine, the load, and the worker/beat log problems
-    seen, if any."""
+    seen, if any; and record it in :data:`RESULTS_FILE` when one is set."""
     notes = list(notes)
     if problems:
         notes.append("worker/beat log problems: " + " / ".join(problems[:5]))
     flags = (" --quick" if quick else "") + options
-    print(table(title, [f"command: `python -m bench {command}{flags}`", f"machine: {where}",
+    command_line = f"python -m bench {command}{flags}"
+    print(table(title, [f"command: `{command_line}`", f"machine: {where}",
                         f"load: {load}"], header, rows, notes))
+    if RESULTS_FILE is not None:
+        record_result(RESULTS_FILE, {
+            "title": title, "command": command_line, "machine": where, "load": load,
+            "finished": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "header": list(header), "rows": [[_json_cell(c) for c in row] for row in rows],
+            "notes": notes})
+        progress(f"recorded in {RESULTS_FILE}")
+
+
+def _json_cell(value: Any) -> Any:
+    """A table cell as JSON holds it: NaN (no value) becomes null; numbers stay numbers."""
+    if isinstance(value, float) and value != value:
+        return None
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return str(value)
+
+
+def default_results_file() -> Path:
+    """``bench/results/<UTC date>-<commit>.json``: one file per day and commit measured."""
+    rev = _revision().split(" ", 1)[0].strip("()") or "unknown"
+    if " + " in _revision():
+        rev += "-dirty"
+    day = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d")
+    return ROOT / "bench" / "results" / f"{day}-{rev}.json"
+
+
+def record_result(path: Path, entry: dict[str, Any]) -> None:
+    """Add one benchmark's table to the results file ``path``; a table of the same command
+    recorded earlier in that file is replaced (the file holds one result per command)."""
+    import json
+
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        data = {"results": []}
+    results = [r for r in data.get("results", []) if r.get("command") != entry["command"]]
+    results.append(entry)
+    data["results"] = results
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=1, ensure_ascii=False) + "\n")
+    tmp.replace(path)
 
 
 def table(title: str, context: Sequence[str], header: Sequence[str],

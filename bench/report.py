@@ -1,0 +1,121 @@
+"""``python -m bench.report FILE [--write DOC]``: render a results file as Markdown.
+
+A results file (``bench/results/<date>-<commit>.json``) holds the last table each ``python -m bench
+<name>`` command recorded in it.  This prints the run's machine and a summary of every row that has
+a target, then each benchmark's full table; ``--write docs/benchmarks.md`` replaces the part of
+that document between its ``<!-- results:begin -->`` and ``<!-- results:end -->`` lines instead.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+from bench.harness import ROOT, fmt, table
+
+BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
+# The order the document presents the benchmarks in; others follow in the file's order.
+ORDER = ("throughput", "handoff", "lockretry", "scale", "dispatch")
+# The columns of a per-side table (lockretry) the summary quotes.
+SIDE_COLUMNS = ("makespan", "x ideal", "wasted", "out of order", "double runs")
+
+
+def _key(result: dict[str, Any]) -> tuple[int, str]:
+    name = result["command"].split()[3] if len(result["command"].split()) > 3 else ""
+    return (ORDER.index(name) if name in ORDER else len(ORDER), result["command"])
+
+
+def _machine(results: list[dict[str, Any]]) -> str:
+    """The part of the machine line every table shares (its load average and time differ)."""
+    first = results[0]["machine"]
+    return re.sub(r"; load average at start [^;]*; [0-9-]+ [0-9:]+ UTC$", "", first)
+
+
+def _summary(results: list[dict[str, Any]]) -> str:
+    """Every row with a target, one line each: what was measured against what."""
+    rows = []
+    for result in results:
+        header = result["header"]
+        if "target" not in header:
+            continue
+        t, v = header.index("target"), header.index("verdict")
+        ratio = header.index("ratio") if "ratio" in header else None
+        for row in result["rows"]:
+            if row[t] in (None, "-"):
+                continue
+            values = " vs ".join(fmt(c) for c in row[1:ratio if ratio else t]) if ratio else \
+                ", ".join(fmt(c) for c in row[1:t])
+            rows.append([result["title"].split(" ")[0], row[0], values,
+                         fmt(row[ratio]) if ratio is not None else "-", row[t], row[v]])
+    for result in results:                      # lockretry: one row per side, the verdict last
+        header = result["header"]
+        if "target" in header or "verdict" not in header:
+            continue
+        v = header.index("verdict")
+        for row in result["rows"]:
+            if row[v] not in (None, "-"):
+                cells = ", ".join(f"{h} {fmt(c)}" for h, c in zip(header[1:v], row[1:v])
+                                  if h.startswith(SIDE_COLUMNS))
+                target = next((n.split(": ", 1)[1].rstrip(".") for n in result["notes"]
+                               if n.startswith(f"target ({row[0]})")), "-")
+                rows.append([result["title"].split(" ")[0], row[0], cells, "-", target, row[v]])
+    return table("Targets", [], ["benchmark", "measure", "measured", "ratio", "target",
+                                 "verdict"], rows).replace("\n\n\n", "\n\n")
+
+
+def render(path: Path) -> str:
+    data = json.loads(path.read_text())
+    results = sorted(data["results"], key=_key)
+    if not results:
+        raise SystemExit(f"{path}: no results")
+    finished = sorted(r["finished"] for r in results)
+    try:
+        shown = path.resolve().relative_to(ROOT)
+    except ValueError:
+        shown = path
+    out = [f"Results file: `{shown}` (rendered by `python -m bench.report {shown}`).  ",
+           f"Machine: {_machine(results)}.  ",
+           f"Run: {finished[0]} to {finished[-1]}.", ""]
+    out += [_summary(results), ""]
+    for result in results:
+        out += [table(result["title"], [f"command: `{result['command']}`",
+                                       f"load: {result['load']}; load average at start "
+                                       + _load(result["machine"])],
+                      result["header"], result["rows"], result["notes"]), ""]
+    return "\n".join(out).rstrip() + "\n"
+
+
+def _load(machine: str) -> str:
+    match = re.search(r"load average at start ([^;]*); (.*)$", machine)
+    return f"{match.group(1)} at {match.group(2)}" if match else "-"
+
+
+def write(doc: Path, text: str) -> None:
+    content = doc.read_text()
+    start, end = content.find(BEGIN), content.find(END)
+    if start < 0 or end < start:
+        raise SystemExit(f"{doc} has no {BEGIN} ... {END} section")
+    doc.write_text(content[:start + len(BEGIN)] + "\n\n" + text.replace("### ", "#### ")
+                   + "\n" + content[end:])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.report", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("file", type=Path, help="a results file (bench/results/*.json)")
+    parser.add_argument("--write", type=Path, metavar="DOC", default=None,
+                        help="replace DOC's results section (e.g. docs/benchmarks.md)")
+    args = parser.parse_args(argv)
+    text = render(args.file)
+    if args.write is not None:
+        write(args.write, text)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
