@@ -29,9 +29,37 @@ def _key(result: dict[str, Any]) -> tuple[int, str]:
 
 
 def _machine(results: list[dict[str, Any]]) -> str:
-    """The part of the machine line every table shares (its load average and time differ)."""
-    first = results[0]["machine"]
-    return re.sub(r"; load average at start [^;]*; [0-9-]+ [0-9:]+ UTC$", "", first)
+    """The part of the machine line every table shares (its load average and time differ), with
+    every commit the tables name, and whether their ``celery_threads/`` is the same."""
+    first = re.sub(r"; load average at start [^;]*; [0-9-]+ [0-9:]+ UTC$", "", results[0]["machine"])
+    revisions = list(dict.fromkeys(
+        m.group(1) for r in results if (m := re.search(r"celery-threads ([^;]*)", r["machine"]))))
+    if len(revisions) > 1:
+        same = _same_package(revisions)
+        first = re.sub(r"celery-threads [^;]*", "celery-threads " + ", ".join(revisions) + (
+            " (the same celery_threads/)" if same else " (celery_threads/ differs between them)"),
+            first)
+    return first
+
+
+def _same_package(revisions: list[str]) -> bool:
+    """Whether every one of these commits has the same ``celery_threads/`` (git diff)."""
+    import subprocess
+
+    commits = [r.split(" ")[0] for r in revisions]
+    if any(" " in r for r in revisions):
+        return False                                # "+ uncommitted changes"
+    for other in commits[1:]:
+        done = subprocess.run(["git", "diff", "--quiet", commits[0], other, "--", "celery_threads"],
+                              cwd=ROOT, capture_output=True)
+        if done.returncode != 0:
+            return False
+    return True
+
+
+def _started(result: dict[str, Any]) -> str:
+    match = re.search(r"; ([0-9-]+ [0-9:]+ UTC)$", result["machine"])
+    return match.group(1) if match else result["finished"]
 
 
 def _summary(results: list[dict[str, Any]]) -> str:
@@ -48,7 +76,7 @@ def _summary(results: list[dict[str, Any]]) -> str:
                 continue
             values = " vs ".join(fmt(c) for c in row[1:ratio if ratio else t]) if ratio else \
                 ", ".join(fmt(c) for c in row[1:t])
-            rows.append([result["title"].split(" ")[0], row[0], values,
+            rows.append([result["title"], row[0], values,
                          fmt(row[ratio]) if ratio is not None else "-", row[t], row[v]])
     for result in results:                      # lockretry: one row per side, the verdict last
         header = result["header"]
@@ -61,7 +89,7 @@ def _summary(results: list[dict[str, Any]]) -> str:
                                   if h.startswith(SIDE_COLUMNS))
                 target = next((n.split(": ", 1)[1].rstrip(".") for n in result["notes"]
                                if n.startswith(f"target ({row[0]})")), "-")
-                rows.append([result["title"].split(" ")[0], row[0], cells, "-", target, row[v]])
+                rows.append([result["title"], row[0], cells, "-", target, row[v]])
     return table("Targets", [], ["benchmark", "measure", "measured", "ratio", "target",
                                  "verdict"], rows).replace("\n\n\n", "\n\n")
 
@@ -71,14 +99,15 @@ def render(path: Path) -> str:
     results = sorted(data["results"], key=_key)
     if not results:
         raise SystemExit(f"{path}: no results")
-    finished = sorted(r["finished"] for r in results)
+    started = min(_started(r) for r in results)
+    finished = max(r["finished"] for r in results)
     try:
         shown = path.resolve().relative_to(ROOT)
     except ValueError:
         shown = path
     out = [f"Results file: `{shown}` (rendered by `python -m bench.report {shown}`).  ",
            f"Machine: {_machine(results)}.  ",
-           f"Run: {finished[0]} to {finished[-1]}.", ""]
+           f"Run: {started} to {finished}, one command at a time.", ""]
     out += [_summary(results), ""]
     for result in results:
         out += [table(result["title"], [f"command: `{result['command']}`",
