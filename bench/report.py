@@ -63,35 +63,45 @@ def _started(result: dict[str, Any]) -> str:
 
 
 def _summary(results: list[dict[str, Any]]) -> str:
-    """Every row with a target, one line each: what was measured against what."""
-    rows = []
+    """Every row with a target, one line each, in the tables' order: what was measured against
+    what (a per-side table, lockretry's, gives the side's row whose verdict is set)."""
+    rows, pairs = [], []
     for result in results:
         header = result["header"]
-        if "target" not in header:
+        v = header.index("verdict") if "verdict" in header else None
+        if v is None:
             continue
-        t, v = header.index("target"), header.index("verdict")
-        ratio = header.index("ratio") if "ratio" in header else None
+        if "target" in header:
+            t = header.index("target")
+            ratio = header.index("ratio") if "ratio" in header else None
+            pair = " vs ".join(header[1:ratio if ratio is not None else t])
+            parent = ""
+            for row in result["rows"]:
+                label = str(row[0])
+                if not label.startswith(" "):
+                    parent = label
+                elif parent:                        # a sub-row: "parent: of which ..."
+                    label = f"{parent}: {label.strip()}"
+                if row[t] in (None, "-"):
+                    continue
+                values = [c for c in row[1:ratio if ratio is not None else t] if c not in (None, "-")]
+                rows.append([result["title"], label,
+                             " vs ".join(fmt(c) for c in values),
+                             fmt(row[ratio]) if ratio is not None else "-", row[t], row[v]])
+                if pair not in pairs:
+                    pairs.append(pair)
+            continue
         for row in result["rows"]:
-            if row[t] in (None, "-"):
+            if row[v] in (None, "-"):
                 continue
-            values = " vs ".join(fmt(c) for c in row[1:ratio if ratio else t]) if ratio else \
-                ", ".join(fmt(c) for c in row[1:t])
-            rows.append([result["title"], row[0], values,
-                         fmt(row[ratio]) if ratio is not None else "-", row[t], row[v]])
-    for result in results:                      # lockretry: one row per side, the verdict last
-        header = result["header"]
-        if "target" in header or "verdict" not in header:
-            continue
-        v = header.index("verdict")
-        for row in result["rows"]:
-            if row[v] not in (None, "-"):
-                cells = ", ".join(f"{h} {fmt(c)}" for h, c in zip(header[1:v], row[1:v])
-                                  if h.startswith(SIDE_COLUMNS))
-                target = next((n.split(": ", 1)[1].rstrip(".") for n in result["notes"]
-                               if n.startswith(f"target ({row[0]})")), "-")
-                rows.append([result["title"], row[0], cells, "-", target, row[v]])
-    return table("Targets", [], ["benchmark", "measure", "measured", "ratio", "target",
-                                 "verdict"], rows).replace("\n\n\n", "\n\n")
+            cells = ", ".join(f"{h} {fmt(c)}" for h, c in zip(header[1:v], row[1:v])
+                              if h.startswith(SIDE_COLUMNS))
+            target = next((n.split(": ", 1)[1].rstrip(".") for n in result["notes"]
+                           if n.startswith(f"target ({row[0]})")), "-")
+            rows.append([result["title"], row[0], cells, "-", target, row[v]])
+    text = table("Targets", [], ["benchmark", "measure", "measured", "ratio", "target", "verdict"],
+                 rows, ["measured: " + "; ".join(pairs) + "."] if pairs else ())
+    return text.replace("\n\n\n", "\n\n")
 
 
 def render(path: Path) -> str:

@@ -64,7 +64,8 @@ def test_benchmark_runs_and_prints_its_table(argv: list[str], tmp_path: Path) ->
         assert "tasks hash growing (transient)" in out and "the growth amortized" in out, out
     # The table is recorded in the results file, and bench.report renders the same table from it.
     recorded = json.loads(results.read_text())["results"]
-    assert [r["command"] for r in recorded] == [f"python -m bench {' '.join(argv)} --quick"]
+    assert [r["command"] for r in recorded] == [
+        " ".join(["python -m bench", argv[0], "--quick", *argv[1:]])]
     rendered = report.render(results)
     assert out.splitlines()[0] in rendered and lines[header] in rendered, rendered
     assert all(row in rendered for row in rows), rendered
