@@ -1,9 +1,13 @@
-"""``python -m bench <name> [--quick] [--repeats N] [...]``: run one benchmark, print its table."""
+"""``python -m bench <name> [--quick] [--repeats N] [--results FILE] [...]``: run one benchmark, print
+its table and record it in a results file (``python -m bench.report FILE`` renders one)."""
 from __future__ import annotations
 
 import argparse
 import importlib
 import sys
+from pathlib import Path
+
+from bench import harness
 
 BENCHMARKS = {
     "throughput": "no-op threaded vs plain tasks through a prefork worker (2 processes)",
@@ -28,6 +32,10 @@ def main(argv: list[str] | None = None) -> int:
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         p.add_argument("--quick", action="store_true",
                        help="shrink the run to seconds (CI: checks that it runs and prints)")
+        p.add_argument("--results", default=None, metavar="FILE",
+                       help="record the table in this JSON file (default: "
+                            "bench/results/<date>-<commit>.json; none with --quick); "
+                            "'-' records nothing; render with python -m bench.report FILE")
         p.add_argument("--repeats", type=int, default=None,
                        help=f"repeats of each side (default: {_repeats(module)}, or 1 with "
                             "--quick)")
@@ -36,6 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     module = importlib.import_module(f"bench.{args.name}")
     if args.repeats is None:
         args.repeats = 1 if args.quick else _repeats(module)
+    if args.results != "-" and (args.results or not args.quick):
+        harness.RESULTS_FILE = Path(args.results) if args.results else harness.default_results_file()
     return int(module.run(args) or 0)
 
 

@@ -43,7 +43,7 @@ def _one_way(gate: Any, client: Any, calls: int, tag: str) -> dict[str, tuple[fl
     return out
 
 
-def main(argv: "list[str] | None" = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.callcost", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--calls", type=int, default=5000, help="lives per way and repeat (5,000)")

@@ -118,7 +118,7 @@ def _lateness_part(stack: h.Stack, server: h.RedisServer, args: argparse.Namespa
             for i in range(members):
                 task.apply_async((f"due-{side}-{rep}-{i}", key, str(i)),
                                  countdown=1.0 + i * spacing)
-            h.wait_until(lambda: client.llen(key) >= members, 60 + members * spacing,
+            h.wait_until(lambda key=key: client.llen(key) >= members, 60 + members * spacing,
                          f"{members} {side} countdown members", stack=stack)
             late: list[float] = []
             parts: dict[str, list[float]] = {"released": [], "claimed": [], "started": []}
@@ -168,7 +168,7 @@ def run(args: argparse.Namespace) -> int:
          "-", "-", "-", "-"],
         [f"{due:,} due heads: release and publish them all (ms)", med("due_total"), "-", "-",
          "-", "-"],
-        [f"  per head (µs); ticks; longest tick (ms)",
+        ["  per head (µs); ticks; longest tick (ms)",
          f"{med('due_per_head'):.0f}; {med('due_ticks'):.0f}; {med('due_max_tick'):.0f}",
          "-", "-", "-", "-"],
     ]

@@ -77,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
         server = stack.redis()
         client = server.client()
         env = h.celery_env(server, broker=args.broker)
-        app = tasks.configure(env)
+        tasks.configure(env)
         where = h.machine(server)
         stack.worker(env, concurrency=args.concurrency, ready_client=client)
         stack.beat(env, ready_client=client)

@@ -27,8 +27,9 @@ import tempfile
 import time
 import uuid
 from collections import Counter
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Iterable, Optional, Sequence
+from typing import Any, Callable, Optional
 
 import redis
 
@@ -71,7 +72,7 @@ class Proc:
         self.log = Path(self.logdir) / f"{name}.log"
         self.proc: Optional[subprocess.Popen[bytes]] = None
 
-    def start(self) -> "Proc":
+    def start(self) -> Proc:
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(self.cmd, env=self.env, cwd=ROOT, stdout=log,
                                          stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -136,10 +137,10 @@ class RedisServer(Proc):
     def url(self, db: int = GATE_DB) -> str:
         return f"redis://127.0.0.1:{self.port}/{db}"
 
-    def client(self, db: int = GATE_DB) -> "redis.Redis":
+    def client(self, db: int = GATE_DB) -> redis.Redis:
         return redis.Redis(host="127.0.0.1", port=self.port, db=db)
 
-    def start(self) -> "RedisServer":
+    def start(self) -> RedisServer:
         super().start()
         client = self.client()
         for _ in range(250):
@@ -174,7 +175,7 @@ class CeleryProc(Proc):
         super().__init__(name, [sys.executable, "-m", "celery", "-A", "bench.tasks", kind, *args],
                          env, logdir)
 
-    def wait_ready(self, client: "redis.Redis", timeout: float = 60.0) -> "CeleryProc":
+    def wait_ready(self, client: redis.Redis, timeout: float = 60.0) -> CeleryProc:
         end = time.monotonic() + timeout
         while time.monotonic() < end:
             if client.exists(self.ready_key):
@@ -208,7 +209,7 @@ class Stack:
         self._after: list[Callable[[], None]] = []
         self._queues: set[str] = set()
 
-    def __enter__(self) -> "Stack":
+    def __enter__(self) -> Stack:
         for sig in (signal.SIGTERM, signal.SIGHUP):
             self._saved[sig] = signal.signal(sig, _raise_exit)
         atexit.register(self.close)
@@ -366,7 +367,7 @@ def rabbitmq_pid() -> Optional[int]:
     return None
 
 
-def redis_broker_client(env: dict[str, str]) -> "redis.Redis":
+def redis_broker_client(env: dict[str, str]) -> redis.Redis:
     """A client of a Redis broker's database (kombu keeps a queue as a list named after it)."""
     return redis.Redis.from_url(env["BENCH_BROKER_URL"])
 
@@ -469,7 +470,7 @@ class Recorder:
         return int(seconds) * 1_000_000 + int(micros)
 
 
-def read_stamps(client: "redis.Redis", key: str) -> list[list[str]]:
+def read_stamps(client: redis.Redis, key: str) -> list[list[str]]:
     """The entries of a stamp list, split on ``|``."""
     rows = client.lrange(key, 0, -1)
     return [(row.decode() if isinstance(row, bytes) else str(row)).split("|") for row in rows]
@@ -522,8 +523,9 @@ def enqueue_many(gate: Any, rows: list[tuple[str, str, int]], envelope: bytes,
 
 
 class Probe:
-    """``with Probe(client):`` counts what the commands sent meanwhile cost the server: SLOWLOG (every command with its
-    execution time; those run inside a script have no client address) and INFO commandstats."""
+    """``with Probe(client):`` counts what the commands sent meanwhile cost the server: SLOWLOG
+    (every command with its execution time; those run inside a script have no client address) and
+    INFO commandstats."""
 
     def __init__(self, client: Any) -> None:
         import hashlib
@@ -536,7 +538,7 @@ class Probe:
         # the hot path's calls of the same transitions as the library's functions (Redis 7+)
         self.shas.update({f: n for n, f in function_library().functions.items()})
 
-    def __enter__(self) -> "Probe":
+    def __enter__(self) -> Probe:
         c = self.client
         c.config_set("slowlog-max-len", 2_000_000)
         c.slowlog_reset()
@@ -654,18 +656,66 @@ def _revision() -> str:
     return rev + (" + uncommitted changes" if dirty else "")
 
 
+# Where ``report`` also records its table (``python -m bench`` sets it from ``--results``).
+RESULTS_FILE: Optional[Path] = None
+
+
 def report(title: str, command: str, quick: bool, where: str, load: str,
            header: Sequence[str], rows: Sequence[Sequence[Any]], notes: Sequence[str],
            problems: Sequence[str] = (), options: str = "") -> None:
     """Print a benchmark's table: the command that produced it (``python -m bench <command>``,
     ``--quick`` and ``options`` appended), the machine, the load, and the worker/beat log problems
-    seen, if any."""
+    seen, if any; and record it in :data:`RESULTS_FILE` when one is set."""
     notes = list(notes)
     if problems:
         notes.append("worker/beat log problems: " + " / ".join(problems[:5]))
     flags = (" --quick" if quick else "") + options
-    print(table(title, [f"command: `python -m bench {command}{flags}`", f"machine: {where}",
+    command_line = f"python -m bench {command}{flags}"
+    print(table(title, [f"command: `{command_line}`", f"machine: {where}",
                         f"load: {load}"], header, rows, notes))
+    if RESULTS_FILE is not None:
+        record_result(RESULTS_FILE, {
+            "title": title, "command": command_line, "machine": where, "load": load,
+            "finished": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "header": list(header), "rows": [[_json_cell(c) for c in row] for row in rows],
+            "notes": notes})
+        progress(f"recorded in {RESULTS_FILE}")
+
+
+def _json_cell(value: Any) -> Any:
+    """A table cell as JSON holds it: NaN (no value) becomes null; numbers stay numbers."""
+    if isinstance(value, float) and value != value:
+        return None
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return str(value)
+
+
+def default_results_file() -> Path:
+    """``bench/results/<UTC date>-<commit>.json``: one file per day and commit measured."""
+    rev = _revision().split(" ", 1)[0].strip("()") or "unknown"
+    if " + " in _revision():
+        rev += "-dirty"
+    day = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d")
+    return ROOT / "bench" / "results" / f"{day}-{rev}.json"
+
+
+def record_result(path: Path, entry: dict[str, Any]) -> None:
+    """Add one benchmark's table to the results file ``path``; a table of the same command
+    recorded earlier in that file is replaced (the file holds one result per command)."""
+    import json
+
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        data = {"results": []}
+    results = [r for r in data.get("results", []) if r.get("command") != entry["command"]]
+    results.append(entry)
+    data["results"] = results
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=1, ensure_ascii=False) + "\n")
+    tmp.replace(path)
 
 
 def table(title: str, context: Sequence[str], header: Sequence[str],

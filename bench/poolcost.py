@@ -28,7 +28,7 @@ def _per_call(times: list[float]) -> str:
     return f"{h.median(times) * 1e6:,.0f}"
 
 
-def main(argv: "list[str] | None" = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.poolcost", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--broker", choices=("redis", "amqp"), default="redis")
@@ -58,13 +58,13 @@ def main(argv: "list[str] | None" = None) -> int:
                     calls()
                     rows.setdefault(name, []).append((time.process_time() - start) / n)
 
-                timed("plain task: apply_async (producer)", lambda: [
+                timed("plain task: apply_async (producer)", lambda tag=tag: [
                     tasks.noop_plain.apply_async((f"{tag}-p{i}", "k", n)) for i in range(n)])
-                timed("threaded task: apply_async (producer; 10 members per thread)", lambda: [
+                timed("threaded task: apply_async (producer; 10 members per thread)", lambda tag=tag: [
                     tasks.noop_threaded.apply_async((f"{tag}-t{i % (n // 10 or 1)}", "k", n))
                     for i in range(n)])
                 timed("threaded task: apply_async (producer; each to an idle thread, so "
-                      "enqueued and published)", lambda: [
+                      "enqueued and published)", lambda tag=tag: [
                           tasks.noop_threaded.apply_async((f"{tag}-i{i}", "k", n))
                           for i in range(n)])
                 # The pool's part: two members per thread, the first released at enqueue.

@@ -33,8 +33,9 @@ the top-level commands, logged with ``slowlog-log-slower-than 0`` during the pro
 memory per waiting member beyond its message bytes (``used_memory`` before/after adding the waiting
 members, minus the stored envelope), and Redis commands per life (``INFO commandstats``: script
 calls, every command including those run inside scripts).
-Targets: large within 1.2x of small (settled, and with the growth amortized); at most 200 bytes of gate overhead per waiting member; at most
-three script calls per member life on the hot path (idle and busy threads).
+Targets: large within 1.2x of small (settled, and with the growth amortized); at most 200 bytes
+of gate overhead per waiting member; at most three script calls per member life on the hot path
+(idle and busy threads).
 """
 from __future__ import annotations
 
@@ -349,12 +350,12 @@ def run(args: argparse.Namespace) -> int:
         for kind in KINDS if source else ():
             for what, label in (("p50", "client wall time per life, p50 (µs)"),
                                 ("server_us", "Redis execution time per life (µs)")):
-                s, l = med("small", kind, what, source), med("large", kind, what, source)
-                r = h.ratio(l, s)
+                s, big = med("small", kind, what, source), med("large", kind, what, source)
+                r = h.ratio(big, s)
                 # The target is the steady state's, and the amortized growth's below: a growth
                 # lasts about as many operations as the hash has entries (the note says more).
                 target = source is results
-                rows.append([f"{kind}{state}: {label}", s, l, r, "<= 1.2x" if target else "-",
+                rows.append([f"{kind}{state}: {label}", s, big, r, "<= 1.2x" if target else "-",
                              h.verdict(r <= 1.2) if target else "-"])
     amortized = None
     if growth is not None and results_growing:
@@ -367,15 +368,15 @@ def run(args: argparse.Namespace) -> int:
                      for kind in KINDS)
         amortized = (during + growth["extra_us"]) / growth["room"]
         for kind in KINDS:
-            s, l = med("small", kind, "server_us"), med("large", kind, "server_us") + amortized
-            r = h.ratio(l, s)
+            s, big = med("small", kind, "server_us"), med("large", kind, "server_us") + amortized
+            r = h.ratio(big, s)
             rows.append([f"{kind}, the growth amortized: Redis execution time per life (µs)",
-                         s, l, r, "<= 1.2x", h.verdict(r <= 1.2)])
+                         s, big, r, "<= 1.2x", h.verdict(r <= 1.2)])
     for kind in KINDS:
-        s, l = med("small", kind, "scripts"), med("large", kind, "scripts")
+        s, big = med("small", kind, "scripts"), med("large", kind, "scripts")
         hot = kind != "dispatcher"
-        rows.append([f"{kind}: script calls per life", s, l, "-", "<= 3" if hot else "-",
-                     h.verdict(max(s, l) <= 3) if hot else "-"])
+        rows.append([f"{kind}: script calls per life", s, big, "-", "<= 3" if hot else "-",
+                     h.verdict(max(s, big) <= 3) if hot else "-"])
         rows.append([f"{kind}: top-level commands / all commands per life",
                      f"{med('small', kind, 'top'):.2f} / {med('small', kind, 'all'):.1f}",
                      f"{med('large', kind, 'top'):.2f} / {med('large', kind, 'all'):.1f}",
@@ -422,15 +423,15 @@ def run(args: argparse.Namespace) -> int:
         f"commandstats, median over repeats, small / large): {inner(results)}"
         + (f"; tasks hash growing: {inner(results_growing)}" if results_growing else "") + ".",
         "memory by key, bytes per member (MEMORY USAGE, large case: sampled threads' queues, "
-        "the tasks hash whose records hold the message): " + ", ".join(f"{k} {v:.0f}" for k, v in breakdown_mem.items())
-        + ".",
+        "the tasks hash whose records hold the message): "
+        + ", ".join(f"{k} {v:.0f}" for k, v in breakdown_mem.items()) + ".",
         "the dispatcher kind's client time is per member of a 100-member batch (its scan and "
         "release are one pipelined round trip each for the whole batch).",
     ]
     def per_repeat(source: Results) -> str:
         return "; ".join(f"{kind} " + ", ".join(
-            f"{h.ratio(l['server_us'], s['server_us']):.2f}"
-            for s, l in zip(source[("small", kind)], source[("large", kind)])) for kind in KINDS)
+            f"{h.ratio(big['server_us'], s['server_us']):.2f}"
+            for s, big in zip(source[("small", kind)], source[("large", kind)])) for kind in KINDS)
 
     notes.append("per-repeat ratios of Redis execution time per life (large / small; each repeat "
                  f"alternates the servers every {CHUNK} lives): settled: {per_repeat(results)}"

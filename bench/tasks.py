@@ -77,7 +77,7 @@ def recorder() -> Recorder:
     return rec
 
 
-def locks() -> "redis.Redis":
+def locks() -> redis.Redis:
     """The users' own Redis client for their locks (on the same server, as most setups have it)."""
     client = _state.get("locks")
     if client is None or _state.get("locks_pid") != os.getpid():

@@ -39,7 +39,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "e0558c4)")
     p.add_argument("--events", action="store_true",
                    help="the worker sends task events (worker_send_task_events, as for Flower), "
-                        "both sides; this turns the in-process handoff off")
+                        "both sides (the pool process sends a handed-off member's own)")
 
 
 def _publish(task: Any, tag: str, n: int, threads: int, key: str) -> None:
@@ -109,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
                 for q in queues:
                     _control(app, worker, q, consume=True)
                 h.progress(f"repeat {rep + 1}/{args.repeats} {side}: draining")
-                h.wait_until(lambda: int(client.get(key) or 0) >= n, timeout,
+                h.wait_until(lambda key=key: int(client.get(key) or 0) >= n, timeout,
                              f"{side} drain of {n} tasks", stack=stack)
                 after = _calls(client)
                 cpu1 = h.cpu_snapshot(worker, server, broker_pid)
@@ -132,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
                 p0 = rec.now_us()
                 _publish(task, f"{tag}e", n, threads, key)
                 p1 = rec.now_us()
-                h.wait_until(lambda: int(client.get(key) or 0) >= n, timeout,
+                h.wait_until(lambda key=key: int(client.get(key) or 0) >= n, timeout,
                              f"{side} end-to-end run of {n} tasks", stack=stack)
                 cpu1 = {**h.cpu_snapshot(worker, server, broker_pid),
                         "producer": time.process_time()}
@@ -206,7 +206,7 @@ def run(args: argparse.Namespace) -> int:
         " --events" if args.events else "")
     if args.events:
         notes.append("--events: the worker sent task events (worker_send_task_events=True), to "
-                     "no consumer; the in-process handoff is off while it does.")
+                     "no consumer; a pool process sent the events of the members it ran by handoff.")
     if args.track_releases:
         notes.append("--track-releases: threads_track_releases=True, threaded deliveries tracked "
                      "in the broker's unacked index and acknowledged like plain ones.")

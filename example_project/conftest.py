@@ -15,7 +15,8 @@ import socket
 import subprocess
 import tempfile
 import uuid
-from typing import Any, Iterator, Optional
+from collections.abc import Iterator
+from typing import Any, Optional
 
 import pytest
 import redis

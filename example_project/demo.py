@@ -7,7 +7,6 @@ account's timeline and the checks that matter.  Exit status 1 when a check fails
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import socket

@@ -30,10 +30,10 @@ app.conf.update(
     broker_connection_retry_on_startup=True,
 )
 
-_redis: "redis.Redis[bytes] | None" = None
+_redis: redis.Redis[bytes] | None = None
 
 
-def store() -> "redis.Redis[bytes]":
+def store() -> redis.Redis[bytes]:
     global _redis
     if _redis is None or getattr(_redis, "pid", None) != os.getpid():
         _redis = redis.Redis.from_url(REDIS_URL)

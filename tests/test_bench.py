@@ -5,12 +5,15 @@ redis-server, workers and beat (RabbitMQ for ``--broker amqp``) and stops them b
 """
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
+from bench import report
 from bench.harness import ROOT, rabbitmq_available, redis_binary
 
 IN_CI = os.environ.get("CI") == "1"
@@ -42,12 +45,13 @@ def _run(module_argv: list[str], timeout: float) -> str:
     ["scale"],
     ["dispatch"],
 ], ids=lambda argv: "-".join(argv).replace("--broker-", ""))
-def test_benchmark_runs_and_prints_its_table(argv: list[str]) -> None:
+def test_benchmark_runs_and_prints_its_table(argv: list[str], tmp_path: Path) -> None:
     if redis_binary() is None:
         _missing("redis-server")
     if "amqp" in argv and not rabbitmq_available():
         _missing("RabbitMQ on 127.0.0.1:5672")
-    out = _run(["bench", *argv, "--quick"], timeout=220)
+    results = tmp_path / "results.json"
+    out = _run(["bench", *argv, "--quick", "--results", str(results)], timeout=220)
     assert out.startswith(f"### {argv[0]}"), out
     lines = out.splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith("| "))
@@ -58,6 +62,47 @@ def test_benchmark_runs_and_prints_its_table(argv: list[str]) -> None:
     if argv == ["scale"] and "gives no DEBUG HTSTATS-KEY" not in out:
         # --quick fills the large case just past a power of two: the growth's path runs too
         assert "tasks hash growing (transient)" in out and "the growth amortized" in out, out
+    # The table is recorded in the results file, and bench.report renders the same table from it.
+    recorded = json.loads(results.read_text())["results"]
+    assert [r["command"] for r in recorded] == [
+        " ".join(["python -m bench", argv[0], "--quick", *argv[1:]])]
+    rendered = report.render(results)
+    assert out.splitlines()[0] in rendered and lines[header] in rendered, rendered
+    assert all(row in rendered for row in rows), rendered
+
+
+def test_results_file_keeps_one_table_per_command_and_renders_into_a_document(
+        tmp_path: Path) -> None:
+    """A command run again replaces its table in the results file; ``--write`` replaces only the
+    document's section between the markers."""
+    from bench import harness
+
+    path = tmp_path / "results.json"
+    entry = {"title": "handoff (redis broker)", "command": "python -m bench handoff",
+             "machine": "2 cores; load average at start 0.10, 0.20, 0.30; 2026-12-05 10:00 UTC",
+             "load": "one thread", "finished": "2026-12-05 10:01 UTC",
+             "header": ["measure", "threaded", "plain", "ratio", "target", "verdict"],
+             "rows": [["p50 (ms)", 0.5, 2.5, 0.2, "<= 1.2x", "met"],
+                      ["max (ms)", 3.0, None, None, "-", "-"]],
+             "notes": ["a note."]}
+    harness.record_result(path, entry)
+    harness.record_result(path, {**entry, "command": "python -m bench throughput",
+                                 "title": "throughput (redis broker)"})
+    harness.record_result(path, {**entry, "rows": [["p50 (ms)", 0.6, 2.5, 0.24, "<= 1.2x", "met"]]})
+    commands = [r["command"] for r in json.loads(path.read_text())["results"]]
+    assert sorted(commands) == ["python -m bench handoff", "python -m bench throughput"]
+    text = report.render(path)
+    summary = [[c.strip() for c in line.split("|")[1:-1]] for line in text.splitlines()
+               if line.startswith("| handoff (redis broker)")]
+    assert summary == [["handoff (redis broker)", "p50 (ms)", "0.60 vs 2.50", "0.24", "<= 1.2x",
+                        "met"]], text
+    assert text.index("### throughput") < text.index("### handoff (redis broker)"), text
+    doc = tmp_path / "doc.md"
+    doc.write_text(f"# Title\n\nkept\n\n{report.BEGIN}\nold\n{report.END}\n\nkept too\n")
+    report.write(doc, text)
+    written = doc.read_text()
+    assert "old" not in written and written.startswith("# Title\n\nkept\n")
+    assert written.endswith(f"{report.END}\n\nkept too\n") and "#### handoff" in written
 
 
 @pytest.mark.timeout(120)
