@@ -210,6 +210,23 @@ class Deployment:
             time.sleep(0.05)
         return proc
 
+    def dump_stacks(self) -> None:
+        """Have every process still running (main processes and pool children) write its threads'
+        stacks into its log (tests/proj.py registers the handler), and print where the logs are:
+        what a test that hung leaves behind to read."""
+        dumped = []
+        for proc in self.processes:
+            if proc.proc is not None and proc.proc.poll() is None:
+                size = proc.log.stat().st_size
+                os.killpg(proc.proc.pid, signal.SIGUSR2)
+                dumped.append((proc, size))
+        for proc, size in dumped:
+            end = time.time() + 5
+            while time.time() < end and b"most recent call first" not in proc.log.read_bytes()[size:]:
+                time.sleep(0.1)
+        for proc in self.processes:
+            print(f"--- {proc.kind} {proc.name}: {proc.log}")
+
     def stop(self) -> None:
         for proc in reversed(self.processes):
             proc.stop()
@@ -237,8 +254,16 @@ def deployment_env(server: RedisServer, broker: Optional[str] = None, **override
     return env
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Keep each phase's report on the test item, for fixtures' teardown to see a failure."""
+    outcome = yield
+    report = outcome.get_result()
+    setattr(item, f"rep_{report.when}", report)
+
+
 @pytest.fixture
-def make_deployment(redis_server: RedisServer, proj) -> Iterator:
+def make_deployment(redis_server: RedisServer, proj, request) -> Iterator:
     """Workers of their own: own key prefix and queue, so no other test's members reach them.
 
     The in-test client app is pointed at the newest deployment until the test ends.
@@ -254,6 +279,10 @@ def make_deployment(redis_server: RedisServer, proj) -> Iterator:
         return d
 
     yield make
+    failed = getattr(request.node, "rep_call", None)
+    if failed is not None and failed.failed:
+        for d in made:
+            d.dump_stacks()
     for d in made:
         d.stop()
     configure_client(proj.app, **deployment_env(redis_server))

@@ -5,6 +5,7 @@ broker: CT_REDIS_URL (gate and results), CT_BROKER_URL, and CT_* overrides of se
 """
 from __future__ import annotations
 
+import faulthandler
 import os
 import signal
 import sys
@@ -15,6 +16,11 @@ from celery import Celery
 from celery.exceptions import Ignore, Reject
 
 from celery_threads import ThreadedTask
+
+# A failed test's deployment asks every process for its threads' stacks (tests/conftest.py
+# Deployment.dump_stacks): they go to the process's log.  Pool processes inherit the handler.
+if f"{os.sep}celery{os.sep}" in sys.argv[0]:
+    faulthandler.register(signal.SIGUSR2, file=sys.__stderr__, all_threads=True)
 
 REDIS_URL = os.environ.get("CT_REDIS_URL", "redis://127.0.0.1:6379/15")
 # Where the tasks write their history: the gate's Redis unless a test cuts the gate off.
