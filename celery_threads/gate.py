@@ -24,6 +24,7 @@ from redis.backoff import ExponentialBackoff
 from redis.commands.core import Script
 from redis.retry import Retry
 
+from . import cluster
 from .compat import health_check_interval
 from .keys import Keys, ShardKeys, ThreadKeys
 
@@ -208,7 +209,8 @@ class BoundedRetry(Retry):
 def make_client(url: str, options: Optional[dict[str, Any]] = None) -> "redis.Redis":
     """A client that rides out short Redis outages: each command is retried with backoff for at
     most ``RETRY_BUDGET`` seconds, and a connection that gives no answer for ``SOCKET_TIMEOUT``
-    seconds counts as broken.  ``options``: keyword options for redis-py (``threads_redis_options``), over these.
+    seconds counts as broken.  ``options``: keyword options for redis-py (``threads_redis_options``), over these;
+    ``cluster: True`` makes it a Redis Cluster client (:mod:`celery_threads.cluster`).
 
     A script call replayed after its reply was lost gives the reply of the call that ran: each
     transition recognizes its own replay (lua/_common.lua ``replayed``; claim by its claimant).
@@ -222,6 +224,8 @@ def make_client(url: str, options: Optional[dict[str, Any]] = None) -> "redis.Re
         "socket_connect_timeout": SOCKET_TIMEOUT,
     }
     kwargs.update(options or {})
+    if kwargs.get("cluster"):
+        return cluster.make_cluster_client(url, kwargs, RETRY_BUDGET)  # type: ignore[return-value]
     return redis.Redis.from_url(url, **kwargs)
 
 
@@ -494,7 +498,9 @@ class Gate:
             name: client.register_script(source) for name, source in script_sources().items()
         }
         self.library = function_library()
-        self._direct = DirectLine(client, self.library if functions else None)
+        # A cluster routes each call by its slot: no line of the gate's own (cluster.py).
+        self._direct = (None if cluster.is_cluster(client)
+                        else DirectLine(client, self.library if functions else None))
         self._packers = [_Packer(shard, release_timeout_ms, self._direct_arg)
                          for shard in keys.all_shards()]
         self._heads = {name: self._packers[0].head(script.sha)
@@ -535,7 +541,7 @@ class Gate:
     def _run(self, name: str, thread_id: str, *args: Any, client: Any = None) -> Any:
         # The clock is read once per call, whichever way the call goes.
         arguments = self._arguments(thread_id, args) if self.clock is not None else None
-        if client is None:
+        if client is None and self._direct is not None:
             reply = self._direct.call(
                 lambda functions: self._command(name, thread_id, args, arguments, functions))
             if reply is not _MISSED:
@@ -734,7 +740,15 @@ class Gate:
         pipe = self.client.pipeline(transaction=False)
         for thread_id, args in calls:
             self._run(name, thread_id, *args, client=pipe)
-        return list(pipe.execute())
+        replies = list(pipe.execute(raise_on_error=False))
+        for i, reply in enumerate(replies):
+            if isinstance(reply, Exception):
+                # A cluster's pipeline leaves a call its master refused unrun (NOSCRIPT from a
+                # master without the script, TRYAGAIN while its slot moves): run it on its own.
+                if not cluster.not_run(reply):
+                    raise reply
+                replies[i] = self._run(name, calls[i][0], *calls[i][1])
+        return replies
 
     # -- inspection ---------------------------------------------------------------------------
     def thread_of(self, task_id: str) -> Optional[str]:

@@ -10,6 +10,7 @@ from typing import Any, Optional
 import redis
 from celery import Celery
 
+from .cluster import check_shards, is_cluster, redis_options
 from .config import ThreadsConfig, read_config
 from .gate import ENDED, DeadRecord, DirectRelease, Gate, Outcome, Release, make_client
 from .keys import Keys
@@ -32,10 +33,17 @@ class Runtime:
     def __init__(self, app: Celery) -> None:
         self.app = app
         self.config: ThreadsConfig = read_config(app)
-        self.client = make_client(self.config.redis_url)
+        self.client = make_client(self.config.redis_url, redis_options(app))
         self.keys = Keys(self.config.key_prefix, self.config.shards)
+        try:
+            check_shards(self.client, self.keys)
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            logger.warning("celery-threads: could not check threads_shards=%s against the gate "
+                           "(%r); going on unchecked", self.config.shards, exc)
+        # On a Redis Cluster, releases go through kombu (the broker is not the cluster).
         self.gate = self._gate(self.client,
-                               direct_release(app, self.client) if self.config.direct_release
+                               direct_release(app, self.client)
+                               if self.config.direct_release and not is_cluster(self.client)
                                else None)
         self.publisher = ReleasePublisher(app)
         self.pid = os.getpid()
@@ -48,7 +56,8 @@ class Runtime:
         """The gate on a client of its own, for a native thread of a gevent worker
         (:mod:`celery_threads.native`): a connection gevent made on one thread's hub cannot be
         used from another thread."""
-        return self._gate(make_client(self.config.redis_url), self.gate.direct)
+        return self._gate(make_client(self.config.redis_url, redis_options(self.app)),
+                          self.gate.direct)
 
     def publish(self, release: Optional[Release], producer: Any = None,
                 republish: bool = False,
