@@ -740,15 +740,8 @@ class Gate:
         pipe = self.client.pipeline(transaction=False)
         for thread_id, args in calls:
             self._run(name, thread_id, *args, client=pipe)
-        replies = list(pipe.execute(raise_on_error=False))
-        for i, reply in enumerate(replies):
-            if isinstance(reply, Exception):
-                # A cluster's pipeline leaves a call its master refused unrun (NOSCRIPT from a
-                # master without the script, TRYAGAIN while its slot moves): run it on its own.
-                if not cluster.not_run(reply):
-                    raise reply
-                replies[i] = self._run(name, calls[i][0], *calls[i][1])
-        return replies
+        return _rerun_unrun(pipe.execute(raise_on_error=False),
+                            lambda i: self._run(name, calls[i][0], *calls[i][1]))
 
     # -- inspection ---------------------------------------------------------------------------
     def thread_of(self, task_id: str) -> Optional[str]:
@@ -846,14 +839,18 @@ class Gate:
         for i, thread_id in enumerate(thread_ids):
             by_shard.setdefault(self.keys.shard_of(thread_id), []).append(i)
         pipe = self.client.pipeline(transaction=False)
+        calls: list[list[str]] = []
         for shard, indexes in by_shard.items():
             keys = [self.keys.shard(shard).tasks]
             for i in indexes:
                 thread = self.keys.thread(thread_ids[i])
                 keys += [thread.active, thread.queue]
+            calls.append(keys)
             self._summaries(keys=keys, args=[], client=pipe)
         rows: list[Any] = [None] * len(thread_ids)
-        for indexes, replies in zip(by_shard.values(), pipe.execute()):
+        results = _rerun_unrun(pipe.execute(raise_on_error=False),
+                               lambda n: self._summaries(keys=calls[n], args=[]))
+        for indexes, replies in zip(by_shard.values(), results):
             for i, (active, waiting, head, at) in zip(indexes, replies):
                 rows[i] = ({_text(k): _text(v) for k, v in zip(active[::2], active[1::2])},
                            int(waiting), (_text(head), int(at)) if at not in (b"", "") else None)
@@ -953,6 +950,19 @@ class DeadRecord:
         it, lua/_common.lua ``kill_active``)."""
         died_at, meta, envelope = raw.split(b"\n", 2)
         return cls(task_id, json.loads(meta), envelope, int(died_at.split(b"|", 1)[0]))
+
+
+def _rerun_unrun(replies: Sequence[Any], rerun: Callable[[int], Any]) -> list[Any]:
+    """A pipeline's replies, each call a cluster's master refused unrun (NOSCRIPT from a master
+    without the script: a cluster's pipeline does not load scripts; TRYAGAIN while its slot
+    moves) run again on its own (``rerun(index)``), which loads the script where needed."""
+    results = list(replies)
+    for i, reply in enumerate(results):
+        if isinstance(reply, Exception):
+            if not cluster.not_run(reply):
+                raise reply
+            results[i] = rerun(i)
+    return results
 
 
 def call_id(caller: Optional[str] = None) -> str:
