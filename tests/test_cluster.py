@@ -99,9 +99,19 @@ class RedisClusterServers:
         return {port: sum(1 for _ in self.node(port).scan_iter(match=f"{prefix}:*"))
                 for port in self.ports}
 
-    def migrate_slot(self, slot: int, to_port: int, batch: int = 2) -> None:
-        """Move ``slot`` as ``redis-cli --cluster reshard`` does, a few keys per MIGRATE, so calls
-        meet the slot half moved (ASK, TRYAGAIN) before it is handed over (MOVED)."""
+    def redirections(self) -> dict[str, int]:
+        """Redirections and refusals the masters answered so far (Redis 7 ``INFO errorstats``)."""
+        counts = {"MOVED": 0, "ASK": 0, "TRYAGAIN": 0}
+        for port in self.ports:
+            stats = self.node(port).info("errorstats")
+            for kind in counts:
+                counts[kind] += int(stats.get(f"errorstat_{kind}", {}).get("count", 0))
+        return counts
+
+    def migrate_slot(self, slot: int, to_port: int, batch: int = 1, pace: float = 0.01) -> None:
+        """Move ``slot`` as ``redis-cli --cluster reshard`` does, key by key (``pace`` between
+        MIGRATEs, as a busy reshard would take), so calls meet the slot half moved (ASK,
+        TRYAGAIN) before it is handed over (MOVED)."""
         src_port = self.owner(slot)
         src, dst = self.node(src_port), self.node(to_port)
         dst.execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", self.node_id(src_port))
@@ -111,6 +121,7 @@ class RedisClusterServers:
             if not keys:
                 break
             src.execute_command("MIGRATE", "127.0.0.1", to_port, "", 0, 5000, "KEYS", *keys)
+            time.sleep(pace)
         for port in (to_port, src_port, *[p for p in self.ports if p not in (to_port, src_port)]):
             self.node(port).execute_command("CLUSTER", "SETSLOT", slot, "NODE",
                                             self.node_id(to_port))
@@ -316,6 +327,7 @@ def test_cluster_slot_migration_during_a_run(proj, sharded, redis_cluster, r):
         finally:
             moved.set()
 
+    redirected = redis_cluster.redirections()
     mover = threading.Thread(target=migrate)
     mover.start()
     before = {i: redis_cluster.owner(key_slot(keys.shard(i).seq.encode())) for i in range(3)}
@@ -326,6 +338,9 @@ def test_cluster_slot_migration_during_a_run(proj, sharded, redis_cluster, r):
     mover.join(5)
     after = {i: redis_cluster.owner(key_slot(keys.shard(i).seq.encode())) for i in range(3)}
     assert all(before[i] != after[i] for i in range(3)), (before, after)
+    redirected = {k: v - redirected[k] for k, v in redis_cluster.redirections().items()}
+    print("redirections during the run:", redirected)
+    assert redirected["MOVED"] > 0, redirected
     assert sorted(x.get(timeout=90) for x in results) == sorted(
         f"m{n}" for n in range(per_thread) for _ in threads)
     for thread in threads:
