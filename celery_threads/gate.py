@@ -501,6 +501,8 @@ class Gate:
         # A cluster routes each call by its slot: no line of the gate's own (cluster.py).
         self._direct = (None if cluster.is_cluster(client)
                         else DirectLine(client, self.library if functions else None))
+        self._functions = (cluster.Functions(client, self.library.source, self.library.functions)
+                           if functions and cluster.is_cluster(client) else None)
         self._packers = [_Packer(shard, release_timeout_ms, self._direct_arg)
                          for shard in keys.all_shards()]
         self._heads = {name: self._packers[0].head(script.sha)
@@ -548,6 +550,9 @@ class Gate:
                 return reply
         # Loads the script when the server does not have it; rides out outages with retries.
         script_keys, argv = arguments or self._arguments(thread_id, args)
+        if client is None and self._functions is not None:
+            return self._functions.call(name, script_keys, argv, functools.partial(
+                self._scripts[name], keys=script_keys, args=argv, client=self.client))
         return self._scripts[name](keys=script_keys, args=argv, client=client or self.client)
 
     def _outcome(self, thread_id: str, reply: Sequence[Any], own: bytes = b"") -> Outcome:
