@@ -287,6 +287,19 @@ def test_cluster_semantics_spread_and_listing(proj, sharded, redis_cluster, r):
             Threads(proj.app).delete(member.task_id)
 
 
+def test_cluster_wake_reaches_the_dispatch_loop(proj, sharded, redis_cluster, r):
+    """The workers' loop sleeps for its whole interval (30 s) when nothing is due: a countdown
+    member that becomes a shard's earliest head is published on that shard's wake channel, and
+    the loop, subscribed on one node, hears it from every master."""
+    d = sharded(redis_cluster.url(), 3, True, CT_DISPATCH_INTERVAL="30")
+    d.worker("w1", concurrency=1)
+    threads = spread(Keys(d.env["CT_KEY_PREFIX"], 3), 1, "wake")
+    t0 = time.monotonic()
+    results = [proj.record.apply_async((thread, "soon"), countdown=1.0) for thread in threads]
+    assert [x.get(timeout=20) for x in results] == ["soon"] * 3
+    assert time.monotonic() - t0 < 15, "released by the loop's interval, not by its wake-up"
+
+
 def test_cluster_crash_recovery(proj, sharded, redis_cluster, r):
     d = sharded(redis_cluster.url(), 3, True, CT_KEEPALIVE="2", CT_DISPATCH_INTERVAL="0.2")
     victim = d.worker("victim", concurrency=1)
