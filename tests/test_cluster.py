@@ -282,6 +282,10 @@ def test_cluster_semantics_spread_and_listing(proj, sharded, redis_cluster, r):
     assert {row["task_id"] for row in dead} >= set(seen["dead"].values()), dead
     info = Threads(proj.app).get(threads[0])
     assert info is not None and [m.state for m in info.waiting] == ["WAITING"]
+    shown = _threads_cli(d.env, "show", threads[1])
+    assert shown["thread_id"] == threads[1] and shown["members"] == 1, shown
+    stats = Threads(proj.app).stats()
+    assert stats.threads >= 3 and stats.members["WAITING"] >= 3 and stats.dead >= 6, stats
     for thread in threads[:3]:
         for member in Threads(proj.app).get(thread).waiting:
             Threads(proj.app).delete(member.task_id)
