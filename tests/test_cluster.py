@@ -228,6 +228,35 @@ def spread(keys: Keys, per_shard: int, prefix: str) -> list[str]:
     return [thread for ids in zip(*found.values()) for thread in ids]
 
 
+def test_cluster_gate_reloads_what_a_master_lost(redis_cluster):
+    """A master without the library or the scripts (restarted, or new) gets them again: calls on
+    their own (FCALL, then EVALSHA where FUNCTION is refused) and pipelined ones (EVALSHA)."""
+    gate = Gate(make_client(redis_cluster.url(), {"cluster": True}),
+                Keys(f"rl-{uuid.uuid4().hex[:6]}", 3), release_timeout_ms=60_000)
+    threads = spread(gate.keys, 2, "rl")
+
+    def forget_everything() -> None:
+        for port in redis_cluster.ports:
+            redis_cluster.node(port).function_flush()
+            redis_cluster.node(port).script_flush()
+
+    released = []
+    for thread in threads:
+        outcome = gate.enqueue(thread, str(uuid.uuid4()), b"first")
+        assert outcome.release is not None
+        forget_everything()
+        assert gate.claim(thread, outcome.release.task_id, outcome.release.token, 30_000,
+                          "w", "c") == 1
+        gate.enqueue(thread, str(uuid.uuid4()), b"second")
+        forget_everything()
+        ended = gate.finish(thread, outcome.release.task_id, outcome.release.token)
+        assert ended.done and ended.release is not None
+        released.append((thread, ended.release.task_id, ended.release.token))
+    forget_everything()
+    assert gate.renew_many(released, 30_000) == [1] * len(released)    # pipelined: RENEWED
+    assert all(gate.snapshot(t).active["state"] == "RELEASED" for t in threads)
+
+
 # -- with workers --------------------------------------------------------------------------------
 def _run_mixed_load(proj, r, threads: list[str]) -> dict[str, Any]:
     """Per thread: three ordered members (the second fails once and retries), one that dies and
