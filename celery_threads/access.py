@@ -32,7 +32,7 @@ logger = logging.getLogger(__name__)
 #: Commands the gate needs, each on its own keys and channels (``<prefix>:*``).
 REQUIRED_COMMANDS = (
     "ping", "select", "time", "evalsha", "script|load", "script|exists", "subscribe",
-    "unsubscribe", "publish", "del", "exists", "set", "getdel", "incr", "pexpire", "persist",
+    "unsubscribe", "publish", "del", "exists", "get", "set", "getdel", "incr", "pexpire", "persist",
     "hget", "hgetall", "hmget", "hset", "hsetnx", "hdel", "hexists", "hlen",
     "zadd", "zcard", "zcount", "zrange", "zrangebyscore", "zrem", "zremrangebyscore", "zscore",
     "zscan")
@@ -108,6 +108,7 @@ def _probe(pool: "redis.ConnectionPool", keys: Keys) -> Optional[list[tuple[str,
         run("zcount", "ZCOUNT", z, "-inf", "+inf")
         run("hlen", "HLEN", h)
         run("set", "SET", s, 1, "PX", 1000)
+        run("get", "GET", s)
         run("getdel", "GETDEL", s)
         pubsub = client.pubsub()
         try:

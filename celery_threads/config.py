@@ -109,8 +109,10 @@ def read_config(app: Celery) -> ThreadsConfig:
         raise ConfigurationError(
             "threads_local_handoff must be a number of seconds, 0 or more (0 turns the "
             "in-process handoff off).")
-    if config.shards != 1:
-        raise ConfigurationError("threads_shards: only 1 shard is supported in this version.")
+    if config.shards < 1:
+        raise ConfigurationError(
+            f"threads_shards={config.shards}: the gate needs at least 1 shard (one per hash tag; "
+            "on a Redis Cluster, a few per master spread the threads over them).")
     setattr(app, _ATTR, config)
     return config
 

@@ -25,6 +25,7 @@ from redis.backoff import ExponentialBackoff
 from redis.commands.core import Script
 from redis.retry import Retry
 
+from . import cluster
 from .compat import health_check_interval
 from .keys import Keys, ShardKeys, ThreadKeys
 from .redis_options import checked, client_kwargs
@@ -257,6 +258,7 @@ def make_client(url: str, options: Optional[dict[str, Any]] = None) -> "redis.Re
     most ``RETRY_BUDGET`` seconds, and a connection that gives no answer for ``SOCKET_TIMEOUT``
     seconds counts as broken.  ``options``: ``ThreadsConfig.redis_options`` (TLS, timeouts...),
     over these; a URL's query (``?ssl_ca_certs=...``) wins over both, as in redis-py.
+    ``cluster: True`` makes it a Redis Cluster client (:mod:`celery_threads.cluster`).
 
     A script call replayed after its reply was lost gives the reply of the call that ran: each
     transition recognizes its own replay (lua/_common.lua ``replayed``; claim by its claimant).
@@ -269,7 +271,10 @@ def make_client(url: str, options: Optional[dict[str, Any]] = None) -> "redis.Re
         "socket_timeout": SOCKET_TIMEOUT,
         "socket_connect_timeout": SOCKET_TIMEOUT,
     }
+    cluster_mode = bool((options or {}).get("cluster"))
     kwargs.update(client_kwargs(options))
+    if cluster_mode:
+        return cluster.make_cluster_client(url, kwargs, RETRY_BUDGET)  # type: ignore[return-value]
     return checked(redis.Redis.from_url(url, **kwargs))
 
 
@@ -542,7 +547,11 @@ class Gate:
             name: client.register_script(source) for name, source in script_sources().items()
         }
         self.library = function_library()
-        self._direct = DirectLine(client, self.library if functions else None)
+        # A cluster routes each call by its slot: no line of the gate's own (cluster.py).
+        self._direct = (None if cluster.is_cluster(client)
+                        else DirectLine(client, self.library if functions else None))
+        self._functions = (cluster.Functions(client, self.library.source, self.library.functions)
+                           if functions and cluster.is_cluster(client) else None)
         self._packers = [_Packer(shard, release_timeout_ms, self._direct_arg)
                          for shard in keys.all_shards()]
         self._heads = {name: self._packers[0].head(script.sha)
@@ -583,13 +592,16 @@ class Gate:
     def _run(self, name: str, thread_id: str, *args: Any, client: Any = None) -> Any:
         # The clock is read once per call, whichever way the call goes.
         arguments = self._arguments(thread_id, args) if self.clock is not None else None
-        if client is None:
+        if client is None and self._direct is not None:
             reply = self._direct.call(
                 lambda functions: self._command(name, thread_id, args, arguments, functions))
             if reply is not _MISSED:
                 return reply
         # Loads the script when the server does not have it; rides out outages with retries.
         script_keys, argv = arguments or self._arguments(thread_id, args)
+        if client is None and self._functions is not None:
+            return self._functions.call(name, script_keys, argv, functools.partial(
+                self._scripts[name], keys=script_keys, args=argv, client=self.client))
         return self._scripts[name](keys=script_keys, args=argv, client=client or self.client)
 
     def _outcome(self, name: str, thread_id: str, reply: Sequence[Any],
@@ -786,7 +798,8 @@ class Gate:
         pipe = self.client.pipeline(transaction=False)
         for thread_id, args in calls:
             self._run(name, thread_id, *args, client=pipe)
-        return list(pipe.execute())
+        return _rerun_unrun(pipe.execute(raise_on_error=False),
+                            lambda i: self._run(name, calls[i][0], *calls[i][1]))
 
     # -- inspection ---------------------------------------------------------------------------
     def thread_of(self, task_id: str) -> Optional[str]:
@@ -884,14 +897,18 @@ class Gate:
         for i, thread_id in enumerate(thread_ids):
             by_shard.setdefault(self.keys.shard_of(thread_id), []).append(i)
         pipe = self.client.pipeline(transaction=False)
+        calls: list[list[str]] = []
         for shard, indexes in by_shard.items():
             keys = [self.keys.shard(shard).tasks]
             for i in indexes:
                 thread = self.keys.thread(thread_ids[i])
                 keys += [thread.active, thread.queue]
+            calls.append(keys)
             self._summaries(keys=keys, args=[], client=pipe)
         rows: list[Any] = [None] * len(thread_ids)
-        for indexes, replies in zip(by_shard.values(), pipe.execute()):
+        results = _rerun_unrun(pipe.execute(raise_on_error=False),
+                               lambda n: self._summaries(keys=calls[n], args=[]))
+        for indexes, replies in zip(by_shard.values(), results):
             for i, (active, waiting, head, at) in zip(indexes, replies):
                 rows[i] = ({_text(k): _text(v) for k, v in zip(active[::2], active[1::2])},
                            int(waiting), (_text(head), int(at)) if at not in (b"", "") else None)
@@ -991,6 +1008,19 @@ class DeadRecord:
         it, lua/_common.lua ``kill_active``)."""
         died_at, meta, envelope = raw.split(b"\n", 2)
         return cls(task_id, json.loads(meta), envelope, int(died_at.split(b"|", 1)[0]))
+
+
+def _rerun_unrun(replies: Sequence[Any], rerun: Callable[[int], Any]) -> list[Any]:
+    """A pipeline's replies, each call a cluster's master refused unrun (NOSCRIPT from a master
+    without the script: a cluster's pipeline does not load scripts; TRYAGAIN while its slot
+    moves) run again on its own (``rerun(index)``), which loads the script where needed."""
+    results = list(replies)
+    for i, reply in enumerate(results):
+        if isinstance(reply, Exception):
+            if not cluster.not_run(reply):
+                raise reply
+            results[i] = rerun(i)
+    return results
 
 
 def call_id(caller: Optional[str] = None) -> str:

@@ -1,12 +1,32 @@
 """Every Redis key name of the gate, built from one prefix.
 
-All keys of one shard share the hash tag ``{<shard>}``, so each script touches a single Redis
-Cluster slot.  A thread's keys carry the tag of the shard its id hashes to.
+All keys of one shard share one hash tag, so each script touches a single Redis Cluster slot.  A
+thread's keys carry the tag of the shard its id hashes to (crc32 of the id, modulo the shard count).
+With one shard the tag is ``{0}``; with ``n`` shards, shard ``i``'s tag is the first ``i.k`` whose
+Cluster slot lies in the ``i``-th of ``n`` equal ranges of the 16,384 slots (:func:`shard_tag`), so
+the shards spread over a cluster's masters as evenly as its slot ranges do.
 """
 from __future__ import annotations
 
+import functools
 import zlib
 from dataclasses import dataclass
+
+from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
+
+
+@functools.lru_cache(maxsize=None)
+def shard_tag(shard: int, shards: int) -> str:
+    """The hash tag's content of shard ``shard`` of ``shards``: ``0`` for a single shard, else the
+    first ``<shard>.<k>`` whose slot is in the shard's range (a few dozen tries at most)."""
+    if shards == 1:
+        return "0"
+    low = shard * REDIS_CLUSTER_HASH_SLOTS // shards
+    high = (shard + 1) * REDIS_CLUSTER_HASH_SLOTS // shards
+    k = 0
+    while not low <= key_slot(f"{shard}.{k}".encode()) < high:
+        k += 1
+    return f"{shard}.{k}"
 
 
 @dataclass(frozen=True)
@@ -15,10 +35,11 @@ class ShardKeys:
 
     prefix: str
     shard: int
+    shards: int = 1
 
     @property
     def tag(self) -> str:
-        return f"{self.prefix}:{{{self.shard}}}"
+        return f"{self.prefix}:{{{shard_tag(self.shard, self.shards)}}}"
 
     @property
     def seq(self) -> str:
@@ -115,7 +136,13 @@ class Keys:
         return zlib.crc32(thread_id.encode()) % self.shards
 
     def shard(self, index: int) -> ShardKeys:
-        return ShardKeys(self.prefix, index)
+        return ShardKeys(self.prefix, index, self.shards)
+
+    @property
+    def meta(self) -> str:
+        """STRING: the shard count the gate's members were stored with (see
+        :func:`celery_threads.cluster.check_shards`)."""
+        return f"{self.prefix}:shards"
 
     def all_shards(self) -> list[ShardKeys]:
         return [self.shard(i) for i in range(self.shards)]

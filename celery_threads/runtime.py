@@ -11,6 +11,7 @@ import redis
 from celery import Celery
 
 from .access import check_access
+from .cluster import check_shards, is_cluster
 from .config import ThreadsConfig, forget_config, read_config
 from .gate import ENDED, DeadRecord, DirectRelease, Gate, Outcome, Release, make_client
 from .keys import Keys
@@ -37,8 +38,15 @@ class Runtime:
         self.client = make_client(self.config.redis_url, self.config.redis_options)
         self.keys = Keys(self.config.key_prefix, self.config.shards)
         check_access(self.client, self.keys, self.config.redis_url)
+        try:
+            check_shards(self.client, self.keys)
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            logger.warning("celery-threads: could not check threads_shards=%s against the gate "
+                           "(%r); going on unchecked", self.config.shards, exc)
+        # On a Redis Cluster, releases go through kombu (the broker is not the cluster).
         self.gate = self._gate(self.client,
-                               direct_release(app, self.client) if self.config.direct_release
+                               direct_release(app, self.client)
+                               if self.config.direct_release and not is_cluster(self.client)
                                else None)
         self.publisher = ReleasePublisher(app)
         self.pid = os.getpid()

@@ -392,7 +392,7 @@ class Cluster:
             for raw in client.scan_iter(match=f"{note_head}*", count=1000):
                 notes[raw.decode()[len(note_head):]] = int(client.ttl(raw))
             known = {shard.seq, shard.due, shard.leases, shard.tasks, shard.dead,
-                     shard.dead_records, shard.ended}
+                     shard.dead_records, shard.ended, keys.meta}
             other = [k for k in (raw.decode() for raw in client.scan_iter(
                 match=f"{keys.prefix}:*", count=1000))
                      if k not in known and not k.startswith((head, note_head))]

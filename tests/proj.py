@@ -37,6 +37,8 @@ app.conf.update(
     threads_track_releases=os.environ.get("CT_TRACK_RELEASES") == "1",
     threads_direct_release=os.environ.get("CT_DIRECT_RELEASE", "1") == "1",
     threads_local_handoff=float(os.environ.get("CT_LOCAL_HANDOFF", "1.0")),
+    threads_shards=int(os.environ.get("CT_SHARDS", "1")),
+    threads_redis_options={"cluster": True} if os.environ.get("CT_CLUSTER") == "1" else {},
     task_default_queue=os.environ.get("CT_QUEUE", "celery"),
     task_acks_late=os.environ.get("CT_ACKS_LATE") == "1",
     worker_prefetch_multiplier=int(os.environ.get("CT_PREFETCH", "4")),

@@ -1,0 +1,155 @@
+"""The gate on a Redis Cluster, and the shard count a gate's members were stored with.
+
+With ``threads_redis_options={"cluster": True}`` the gate's client is redis-py's
+:class:`~redis.cluster.RedisCluster`.  Every script call names only keys of one shard, so one hash
+tag and one slot (:mod:`celery_threads.keys`), and redis-py sends it to the master of that slot:
+``EVALSHA`` is routed by its first key, ``SCRIPT LOAD`` goes to every master, and a ``NOSCRIPT``
+reply (a master that joined, or one that restarted) loads the script on every master and runs the
+call again.  redis-py follows ``MOVED`` and ``ASK`` itself.  While a slot moves, a script whose keys
+are not all on one side (some of a gate's keys never exist, so the slot's scripts wait for the
+move to finish) is answered ``TRYAGAIN``: :class:`GateCluster` waits and sends it again, within
+the client's retry budget, as redis-py's own few quick tries can run out before the slot is moved.
+A refused call never ran, so sending it again is safe; a call whose reply was lost is recognized
+by its script (lua/_common.lua ``replayed``).
+
+What a cluster turns off: the direct line (:class:`celery_threads.gate.DirectLine`, one raw
+connection per thread) and direct releases (scripts pushing into kombu's queue on the gate's
+server): kombu's broker is not a cluster, so releases are published through kombu.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Optional
+
+import redis
+from redis.cluster import RedisCluster
+from redis.exceptions import ClusterDownError, ClusterError, SlotNotCoveredError, TryAgainError
+
+from .errors import ConfigurationError
+from .keys import Keys
+
+#: Errors of a call that did not run because its slot was moving or unassigned.
+_NOT_RUN = (TryAgainError, ClusterDownError, SlotNotCoveredError)
+
+
+def is_cluster(client: Any) -> bool:
+    return isinstance(client, RedisCluster)
+
+
+def not_run(error: BaseException) -> bool:
+    """Whether a call's error says it never ran: its slot was moving or being served elsewhere
+    (``TRYAGAIN``, ``CLUSTERDOWN``, redis-py's redirections run out), or the script was not loaded
+    on the master that holds the slot now (``NOSCRIPT``)."""
+    return (isinstance(error, (_NOT_RUN, redis.exceptions.NoScriptError))
+            or (type(error) is ClusterError and "TTL exhausted" in str(error)))
+
+
+class GateCluster(RedisCluster):
+    """redis-py's cluster client, which sends a call refused while its slot moves again, backing
+    off, for at most ``budget`` seconds."""
+
+    def __init__(self, *args: Any, budget: float = 15.0, **kwargs: Any) -> None:
+        self.budget = budget
+        super().__init__(*args, **kwargs)
+
+    def execute_command(self, *args: Any, **kwargs: Any) -> Any:
+        run: Callable[[], Any] = lambda: super(GateCluster, self).execute_command(  # type: ignore[no-untyped-call]
+            *args, **kwargs)
+        return _until_run(run, self.budget)
+
+
+def _until_run(call: Callable[[], Any], budget: float) -> Any:
+    started, pause = time.monotonic(), 0.02
+    while True:
+        try:
+            return call()
+        except (ClusterError, *_NOT_RUN) as exc:
+            if not not_run(exc) or time.monotonic() - started > budget:
+                raise
+        time.sleep(pause)
+        pause = min(pause * 2, 0.5)
+
+
+class Functions:
+    """The transitions as ``FCALL`` of the gate's function library on a cluster (a third of the
+    Redis time of ``EVALSHA``, which defines the prelude again on every call): when a master
+    answers that it lacks a function (one that joined or restarted), the library is loaded on
+    every master (``FUNCTION LOAD REPLACE``: the library's name carries its code's digest) and
+    the call sent again.  Servers that cannot load it (Redis before 7, an ACL user without
+    ``FUNCTION``) get ``EVALSHA`` (``fallback``) from then on."""
+
+    def __init__(self, client: Any, source: str, functions: dict[str, str]) -> None:
+        self.client, self.source, self.functions = client, source, functions
+        self.usable = True
+
+    def call(self, name: str, keys: list[str], args: list[Any],
+             fallback: Callable[[], Any]) -> Any:
+        if self.usable:
+            for attempt in (0, 1):
+                try:
+                    return self.client.fcall(self.functions[name], len(keys), *keys, *args)
+                except redis.ResponseError as exc:
+                    message = str(exc).lower()
+                    if attempt or not ("function not found" in message
+                                       or "unknown command" in message):
+                        raise
+                if not self._load():
+                    self.usable = False
+                    break
+        return fallback()
+
+    def _load(self) -> bool:
+        try:
+            self.client.function_load(self.source, replace=True)
+        except redis.ResponseError:
+            return False
+        return True
+
+
+def make_cluster_client(url: str, kwargs: dict[str, Any], budget: float) -> GateCluster:
+    """A cluster client from one node's URL (the others are discovered), with the gate client's
+    socket settings.  redis-py's cluster client takes no ``retry_on_error`` (it retries on
+    connection errors and timeouts itself); ``db`` must be 0 on a cluster."""
+    kwargs = {k: v for k, v in kwargs.items() if k not in ("cluster", "retry_on_error")}
+    client: GateCluster = GateCluster.from_url(url, budget=budget, **kwargs)  # type: ignore[assignment]
+    return client
+
+
+def redis_options(app: Any) -> dict[str, Any]:
+    """``threads_redis_options`` as written in ``app.conf`` (``cluster: True`` selects the cluster
+    client)."""
+    return dict(app.conf.get("threads_redis_options") or {})
+
+
+def check_shards(client: Any, keys: Keys) -> None:
+    """Record the shard count in the gate (``keys.meta``) the first time, and refuse a different
+    one while the gate holds members or dead letters stored under the recorded count: their
+    threads would hash to other shards and be lost from view.  An empty gate takes the new
+    count."""
+    stored = _stored_shards(client, keys)
+    if stored is None:
+        # A gate from before the count was recorded has its members under one shard.
+        if keys.shards != 1 and _holds_members(client, Keys(keys.prefix, 1)):
+            stored = 1
+        else:
+            client.set(keys.meta, keys.shards, nx=True)
+            stored = _stored_shards(client, keys)
+    if stored is None or stored == keys.shards:
+        return
+    if _holds_members(client, Keys(keys.prefix, stored)):
+        raise ConfigurationError(
+            f"threads_shards={keys.shards}, but the gate under prefix {keys.prefix!r} holds "
+            f"members or dead letters stored with threads_shards={stored}. Set threads_shards "
+            f"back to {stored}, or let the gate drain (no members, dead letters forgotten) "
+            "before changing it; members are not moved between shards.")
+    client.set(keys.meta, keys.shards)
+
+
+def _stored_shards(client: Any, keys: Keys) -> Optional[int]:
+    value = client.get(keys.meta)
+    return None if value is None else int(value)
+
+
+def _holds_members(client: Any, keys: Keys) -> bool:
+    return any(int(client.hlen(shard.tasks)) or int(client.zcard(shard.dead))
+               for shard in keys.all_shards())

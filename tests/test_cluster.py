@@ -1,0 +1,396 @@
+"""The gate spread over shards: on one Redis (``threads_shards=4``) and on a real 3-master Redis
+Cluster the suite starts, with real workers.  The broker, result backend and the tasks' history
+stay on the suite's plain redis-server; the heartbeats' clock is that server's ``TIME``, one clock
+for every node's members.
+"""
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+import uuid
+from typing import Any, Iterator
+
+import pytest
+import redis
+from celery.bin.celery import celery as celery_command
+from click.testing import CliRunner
+from redis.crc import key_slot
+
+from celery_threads import Threads
+from celery_threads.cluster import check_shards
+from celery_threads.errors import ConfigurationError
+from celery_threads.gate import Gate, make_client
+from celery_threads.keys import Keys, shard_tag
+from tests.conftest import Deployment, RedisServer, configure_client, deployment_env, redis_binaries
+from tests.helpers import assert_serial, starts, tid, wait_for
+from tests.isolated import point_app
+
+REDIS_CLI = shutil.which("redis-cli", path="/usr/bin:/usr/local/bin") or "redis-cli"
+
+
+def cluster_port() -> int:
+    """A free port whose cluster bus port (+10000) is free too, so at most 55535."""
+    while True:
+        port = random.randrange(20000, 30000)
+        try:
+            with socket.socket() as a, socket.socket() as b:
+                a.bind(("127.0.0.1", port))
+                b.bind(("127.0.0.1", port + 10000))
+            return port
+        except OSError:
+            continue
+
+
+class RedisClusterServers:
+    """Three ``redis-server --cluster-enabled yes`` masters joined by ``redis-cli --cluster
+    create``."""
+
+    def __init__(self, masters: int = 3) -> None:
+        self.binary = next(iter(redis_binaries().values()))
+        self.dir = tempfile.mkdtemp(prefix="ct-cluster-")
+        self.ports = [cluster_port() for _ in range(masters)]
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    def start(self) -> None:
+        for port in self.ports:
+            self.procs.append(subprocess.Popen(
+                [self.binary, "--port", str(port), "--bind", "127.0.0.1", "--cluster-enabled",
+                 "yes", "--cluster-config-file", f"{self.dir}/nodes-{port}.conf", "--save", "",
+                 "--appendonly", "no", "--dir", self.dir, "--logfile", f"{self.dir}/{port}.log"],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        for port in self.ports:
+            wait_for(lambda: self._pings(port), timeout=10, what=f"redis-server on {port}")
+        subprocess.run([REDIS_CLI, "--cluster", "create",
+                        *[f"127.0.0.1:{p}" for p in self.ports], "--cluster-replicas", "0",
+                        "--cluster-yes"], check=True, capture_output=True, timeout=60)
+        wait_for(lambda: all(self.node(p).cluster("info")["cluster_state"] == "ok"
+                             for p in self.ports), timeout=30, what="the cluster to be ok")
+
+    def _pings(self, port: int) -> bool:
+        try:
+            return bool(redis.Redis(port=port).ping())
+        except redis.ConnectionError:
+            return False
+
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.ports[0]}/0"
+
+    def node(self, port: int) -> "redis.Redis[bytes]":
+        return redis.Redis(port=port)
+
+    def node_id(self, port: int) -> str:
+        return str(self.node(port).execute_command("CLUSTER", "MYID").decode())
+
+    def owner(self, slot: int) -> int:
+        for port in self.ports:
+            for start, end, *nodes in self.node(port).execute_command("CLUSTER", "SLOTS"):
+                if start <= slot <= end:
+                    return int(nodes[0][1])
+        raise AssertionError(f"slot {slot} unassigned")
+
+    def keys_per_node(self, prefix: str) -> dict[int, int]:
+        return {port: sum(1 for _ in self.node(port).scan_iter(match=f"{prefix}:*"))
+                for port in self.ports}
+
+    def redirections(self) -> dict[str, int]:
+        """Redirections and refusals the masters answered so far (Redis 7 ``INFO errorstats``)."""
+        counts = {"MOVED": 0, "ASK": 0, "TRYAGAIN": 0}
+        for port in self.ports:
+            stats = self.node(port).info("errorstats")
+            for kind in counts:
+                counts[kind] += int(stats.get(f"errorstat_{kind}", {}).get("count", 0))
+        return counts
+
+    def migrate_slot(self, slot: int, to_port: int, batch: int = 1, pace: float = 0.01) -> None:
+        """Move ``slot`` as ``redis-cli --cluster reshard`` does, key by key (``pace`` between
+        MIGRATEs, as a busy reshard would take), so calls meet the slot half moved (ASK,
+        TRYAGAIN) before it is handed over (MOVED)."""
+        src_port = self.owner(slot)
+        src, dst = self.node(src_port), self.node(to_port)
+        dst.execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", self.node_id(src_port))
+        src.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", self.node_id(to_port))
+        while True:
+            keys = src.execute_command("CLUSTER", "GETKEYSINSLOT", slot, batch)
+            if not keys:
+                break
+            src.execute_command("MIGRATE", "127.0.0.1", to_port, "", 0, 5000, "KEYS", *keys)
+            time.sleep(pace)
+        for port in (to_port, src_port, *[p for p in self.ports if p not in (to_port, src_port)]):
+            self.node(port).execute_command("CLUSTER", "SETSLOT", slot, "NODE",
+                                            self.node_id(to_port))
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                proc.wait(10)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def redis_cluster(redis_server: RedisServer) -> Iterator[RedisClusterServers]:
+    if shutil.which(REDIS_CLI) is None:
+        pytest.skip("redis-cli is not available")
+    servers = RedisClusterServers()
+    try:
+        servers.start()
+        yield servers
+    finally:
+        servers.stop()
+
+
+@pytest.fixture
+def r(proj):
+    return proj.history()
+
+
+@pytest.fixture
+def sharded(proj, redis_server: RedisServer) -> Iterator[Any]:
+    """``make(gate_url, shards, cluster, **env)``: a deployment whose gate is at ``gate_url``
+    with that many shards, the broker, backend and history on the suite's redis-server; the
+    in-test app pointed at it until the test ends."""
+    made: list[Deployment] = []
+
+    def make(gate_url: str, shards: int, cluster: bool, **overrides: str) -> Deployment:
+        name = uuid.uuid4().hex[:8]
+        env = deployment_env(redis_server, **{
+            "CT_KEY_PREFIX": f"ct-{name}", "CT_QUEUE": f"q-{name}", "CT_REDIS_URL": gate_url,
+            "CT_HISTORY_URL": redis_server.url(0), "CT_SHARDS": str(shards),
+            "CT_CLUSTER": "1" if cluster else "0", **overrides})
+        d = Deployment(env)
+        configure_client(proj.app, **env)
+        point_app(proj.app, {"threads_shards": shards,
+                             "threads_redis_options": {"cluster": True} if cluster else {}})
+        made.append(d)
+        return d
+
+    yield make
+    for d in made:
+        d.stop()
+    point_app(proj.app, {"threads_shards": 1, "threads_redis_options": {}})
+    configure_client(proj.app, **deployment_env(redis_server))
+
+
+def _threads_cli(env: dict[str, str], *args: str) -> Any:
+    cli_env = {**env, "COLUMNS": "200"}
+    result = CliRunner().invoke(celery_command, ["-A", "tests.proj", "threads", *args, "--json"],
+                                env=cli_env)
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+# -- shards without a server ---------------------------------------------------------------------
+def test_shard_tags_spread_over_the_slots_and_one_shard_keeps_its_tag():
+    assert Keys("p").shard(0).seq == "p:{0}:seq"
+    for shards in (2, 3, 4, 16):
+        slots = [key_slot(Keys("p", shards).shard(i).seq.encode()) for i in range(shards)]
+        assert [s * shards // 16384 for s in slots] == list(range(shards)), slots
+        assert len({shard_tag(i, shards) for i in range(shards)}) == shards
+    keys = Keys("p", 4).thread("acct-1")
+    assert len({key_slot(k.encode()) for k in keys.script_keys()}) == 1
+
+
+def test_changing_the_shard_count_is_refused_while_the_gate_holds_members(redis_server):
+    client = make_client(redis_server.url(12))
+    prefix = f"sc-{uuid.uuid4().hex[:6]}"
+    four = Keys(prefix, 4)
+    check_shards(client, four)
+    gate = Gate(client, four, release_timeout_ms=60_000)
+    outcome = gate.enqueue("acct-1", str(uuid.uuid4()), b"envelope")
+    check_shards(client, four)
+    with pytest.raises(ConfigurationError, match="threads_shards=4"):
+        check_shards(client, Keys(prefix, 2))
+    assert outcome.release is not None
+    gate.delete(outcome.release.task_id, thread_id="acct-1")
+    check_shards(client, Keys(prefix, 2))     # an empty gate takes the new count
+    assert int(client.get(Keys(prefix).meta)) == 2
+    # A gate from before the count was recorded holds its members under the one-shard tag.
+    legacy = f"sc-{uuid.uuid4().hex[:6]}"
+    Gate(client, Keys(legacy), release_timeout_ms=60_000).enqueue("a", "t-1", b"envelope")
+    with pytest.raises(ConfigurationError, match="threads_shards=1"):
+        check_shards(client, Keys(legacy, 4))
+
+
+def spread(keys: Keys, per_shard: int, prefix: str) -> list[str]:
+    """Thread ids, ``per_shard`` of them in each shard of ``keys``."""
+    found: dict[int, list[str]] = {i: [] for i in range(keys.shards)}
+    while any(len(ids) < per_shard for ids in found.values()):
+        thread = tid(prefix)
+        if len(found[keys.shard_of(thread)]) < per_shard:
+            found[keys.shard_of(thread)].append(thread)
+    return [thread for ids in zip(*found.values()) for thread in ids]
+
+
+def test_cluster_gate_reloads_what_a_master_lost(redis_cluster):
+    """A master without the library or the scripts (restarted, or new) gets them again: calls on
+    their own (FCALL, then EVALSHA where FUNCTION is refused) and pipelined ones (EVALSHA)."""
+    gate = Gate(make_client(redis_cluster.url(), {"cluster": True}),
+                Keys(f"rl-{uuid.uuid4().hex[:6]}", 3), release_timeout_ms=60_000)
+    threads = spread(gate.keys, 2, "rl")
+
+    def forget_everything() -> None:
+        for port in redis_cluster.ports:
+            redis_cluster.node(port).function_flush()
+            redis_cluster.node(port).script_flush()
+
+    released = []
+    for thread in threads:
+        outcome = gate.enqueue(thread, str(uuid.uuid4()), b"first")
+        assert outcome.release is not None
+        forget_everything()
+        assert gate.claim(thread, outcome.release.task_id, outcome.release.token, 30_000,
+                          "w", "c") == 1
+        gate.enqueue(thread, str(uuid.uuid4()), b"second")
+        forget_everything()
+        ended = gate.finish(thread, outcome.release.task_id, outcome.release.token)
+        assert ended.done and ended.release is not None
+        released.append((thread, ended.release.task_id, ended.release.token))
+    forget_everything()
+    assert gate.renew_many(released, 30_000) == [1] * len(released)    # pipelined: RENEWED
+    assert all(gate.snapshot(t).active["state"] == "RELEASED" for t in threads)
+
+
+# -- with workers --------------------------------------------------------------------------------
+def _run_mixed_load(proj, r, threads: list[str]) -> dict[str, Any]:
+    """Per thread: three ordered members (the second fails once and retries), one that dies and
+    one that is deleted while it waits; returns what a test checks."""
+    results = {}
+    for thread in threads:
+        results[thread] = [proj.record.delay(thread, "a", sleep=0.05),
+                           proj.record.delay(thread, "b", fail_times=1, countdown=0.1),
+                           proj.record.delay(thread, "c")]
+    dead = {thread: proj.boom.delay(thread, "d") for thread in threads}
+    deleted = {thread: proj.record.apply_async((thread, "x"), countdown=60) for thread in threads}
+    t = Threads(proj.app)
+    listed = set(t.ids())
+    for thread in threads:
+        assert t.delete(deleted[thread].id)
+    for thread in threads:
+        assert [x.get(timeout=60) for x in results[thread]] == ["a", "b", "c"]
+    wait_for(lambda: all(len(starts(r, thread)) == 5 for thread in threads), timeout=60,
+             what="the deaths")
+    for thread in threads:
+        # b's retry waits its countdown, behind c and d, which arrived before it re-entered.
+        assert starts(r, thread) == ["a", "b", "c", "d", "b"]
+        assert_serial(r, thread)
+    return {"listed": listed, "dead": {thread: dead[thread].id for thread in threads}}
+
+
+def test_four_shards_on_one_redis(proj, sharded, redis_server, r):
+    d = sharded(redis_server.url(0), 4, False)
+    d.worker("w1", concurrency=2)
+    threads = spread(Keys(d.env["CT_KEY_PREFIX"], 4), 2, "s4")
+    seen = _run_mixed_load(proj, r, threads)
+    assert set(threads) <= seen["listed"]
+    dead = {x.task_id: x.thread_id for x in Threads(proj.app).dead()}
+    assert all(dead.get(task_id) == thread for thread, task_id in seen["dead"].items())
+    wait_for(lambda: all(Threads(proj.app).get(t) is None for t in threads), what="threads to end")
+
+
+def test_cluster_semantics_spread_and_listing(proj, sharded, redis_cluster, r):
+    d = sharded(redis_cluster.url(), 3, True)
+    d.worker("w1", concurrency=2)
+    threads = spread(Keys(d.env["CT_KEY_PREFIX"], 3), 3, "cl")   # the first 3: one per shard
+    for thread in threads[:3]:   # still waiting while the listing is read
+        proj.record.apply_async((thread, "later"), countdown=120)
+    prefix = d.env["CT_KEY_PREFIX"]
+    per_node = redis_cluster.keys_per_node(prefix)
+    assert all(per_node.values()), per_node
+    listing = _threads_cli(d.env, "ls")
+    assert {row["thread_id"] for row in listing} >= set(threads[:3]), listing
+    seen = _run_mixed_load(proj, r, threads[3:])
+    assert set(threads) <= seen["listed"]
+    dead = _threads_cli(d.env, "dead")
+    assert {row["task_id"] for row in dead} >= set(seen["dead"].values()), dead
+    info = Threads(proj.app).get(threads[0])
+    assert info is not None and [m.state for m in info.waiting] == ["WAITING"]
+    shown = _threads_cli(d.env, "show", threads[1])
+    assert shown["thread_id"] == threads[1] and shown["members"] == 1, shown
+    stats = Threads(proj.app).stats()
+    assert stats.threads >= 3 and stats.members["WAITING"] >= 3 and stats.dead >= 6, stats
+    for thread in threads[:3]:
+        for member in Threads(proj.app).get(thread).waiting:
+            Threads(proj.app).delete(member.task_id)
+
+
+def test_cluster_wake_reaches_the_dispatch_loop(proj, sharded, redis_cluster, r):
+    """The workers' loop sleeps for its whole interval (30 s) when nothing is due: a countdown
+    member that becomes a shard's earliest head is published on that shard's wake channel, and
+    the loop, subscribed on one node, hears it from every master."""
+    d = sharded(redis_cluster.url(), 3, True, CT_DISPATCH_INTERVAL="30")
+    d.worker("w1", concurrency=1)
+    threads = spread(Keys(d.env["CT_KEY_PREFIX"], 3), 1, "wake")
+    t0 = time.monotonic()
+    results = [proj.record.apply_async((thread, "soon"), countdown=1.0) for thread in threads]
+    assert [x.get(timeout=20) for x in results] == ["soon"] * 3
+    assert time.monotonic() - t0 < 15, "released by the loop's interval, not by its wake-up"
+
+
+def test_cluster_crash_recovery(proj, sharded, redis_cluster, r):
+    d = sharded(redis_cluster.url(), 3, True, CT_KEEPALIVE="2", CT_DISPATCH_INTERVAL="0.2")
+    victim = d.worker("victim", concurrency=1)
+    thread = tid("clcrash")
+    doomed = proj.record.delay(thread, "doomed", sleep=30)
+    nxt = proj.record.delay(thread, "next")
+    wait_for(lambda: starts(r, thread) == ["doomed"], what="doomed to start")
+    d.worker("survivor", concurrency=1)
+    victim.kill(signal.SIGKILL)
+    assert nxt.get(timeout=30) == "next"
+    wait_for(lambda: starts(r, thread)[:3] == ["doomed", "next", "doomed"], timeout=30,
+             what="doomed to run again")
+    Threads(proj.app).delete(doomed.id)
+
+
+def test_cluster_slot_migration_during_a_run(proj, sharded, redis_cluster, r):
+    """Each shard's slot moves to the next master while members of every shard run: nothing is
+    lost, nothing runs twice, no two members of a thread overlap (the tasks' own start/end
+    records on one clock)."""
+    d = sharded(redis_cluster.url(), 3, True)
+    d.worker("w1", concurrency=2)
+    d.worker("w2", concurrency=2)
+    keys = Keys(d.env["CT_KEY_PREFIX"], 3)
+    threads = spread(keys, 4, "mig")
+    per_thread = 6
+    results = []
+    moved = threading.Event()
+
+    def migrate() -> None:
+        try:
+            wait_for(lambda: sum(len(starts(r, t)) for t in threads) >= 10, timeout=60,
+                     what="the run to be under way")
+            for i in range(3):
+                slot = key_slot(keys.shard(i).seq.encode())
+                owner = redis_cluster.owner(slot)
+                others = [p for p in redis_cluster.ports if p != owner]
+                redis_cluster.migrate_slot(slot, others[0])
+        finally:
+            moved.set()
+
+    redirected = redis_cluster.redirections()
+    mover = threading.Thread(target=migrate)
+    mover.start()
+    before = {i: redis_cluster.owner(key_slot(keys.shard(i).seq.encode())) for i in range(3)}
+    for n in range(per_thread):
+        for thread in threads:
+            results.append(proj.record.delay(thread, f"m{n}", sleep=0.05))
+    moved.wait(90)
+    mover.join(5)
+    after = {i: redis_cluster.owner(key_slot(keys.shard(i).seq.encode())) for i in range(3)}
+    assert all(before[i] != after[i] for i in range(3)), (before, after)
+    redirected = {k: v - redirected[k] for k, v in redis_cluster.redirections().items()}
+    print("redirections during the run:", redirected)
+    assert redirected["MOVED"] > 0, redirected
+    assert sorted(x.get(timeout=90) for x in results) == sorted(
+        f"m{n}" for n in range(per_thread) for _ in threads)
+    for thread in threads:
+        assert starts(r, thread) == [f"m{n}" for n in range(per_thread)]
+        assert_serial(r, thread)
+    assert r.llen("overlaps") == 0 or not any(
+        x.decode().split("|")[0] in threads for x in r.lrange("overlaps", 0, -1))
