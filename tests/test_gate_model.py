@@ -46,7 +46,11 @@ DB = 5
 PREFIX = "ctmodel"
 RELEASE_TIMEOUT = 100          # ms
 KEEPALIVE = 1500               # ms; the gate's own keepalive only names itself in death reasons
-START = 1_700_000_000_000      # the fake clock's first reading, ms (a realistic epoch time)
+# The fake clock's first reading, ms.  The shard counter never falls below the clock in
+# microseconds (lua/_common.lua next_seq): at 10^9 ms that floor (10^12, just below 2^40) sits
+# among the counter's starts below, so some starts are overtaken by it (arrival numbers jump to
+# the clock, as when a gate of an older version is upgraded) and others lie above it.
+START = 1_000_000_000
 THREAD_IDS = ["a", "b", "c:q", "é"]
 UNKNOWN = "never-enqueued"
 #: A claim's claimant: none (an older worker's claim, or a holder of an unclaimed release) or one
@@ -115,6 +119,7 @@ class GateMachine(RuleBasedStateMachine):
                          functions=self.FUNCTIONS)
         self.m2r: dict[str, str] = {}            # model token -> gate token
         self.r2m: dict[str, str] = {}
+        self.last_token: dict[str, int] = {}     # thread id -> its latest release's gate token
         self.issued: list[Target] = []           # every release so far
         self.task_ids: list[str] = []            # every task id used so far
         self.caller: Optional[str] = None        # the current ending's own id (None: a fresh one)
@@ -131,6 +136,12 @@ class GateMachine(RuleBasedStateMachine):
             assert self.m2r[mtok] == rtok, f"token of {task_id}: model {mtok}, gate {rtok}"
             return
         assert rtok not in self.r2m, f"gate reused token {rtok} for a new release of {task_id}"
+        # Users fence their own writes with it: a decimal string, larger for every later release
+        # of the thread, and never below the clock in microseconds (lua/_common.lua next_seq).
+        assert rtok.isdigit() and int(rtok) >= self.model.now * 1000, f"token {rtok!r}"
+        assert int(rtok) > self.last_token.get(thread_id, 0), (
+            f"token {rtok} of {thread_id} after {self.last_token[thread_id]}")
+        self.last_token[thread_id] = int(rtok)
         self.m2r[mtok], self.r2m[rtok] = rtok, mtok
         self.issued.append((thread_id, task_id, mtok, rtok))
 
