@@ -1,12 +1,13 @@
 """The ``threads_*`` settings, read once from ``app.conf`` and cached on the app."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from celery import Celery
 
 from .errors import ConfigurationError
+from .redis_options import gate_redis_options
 
 _ATTR = "_celery_threads_config"
 
@@ -23,6 +24,7 @@ DEFAULTS: dict[str, Any] = {
     "threads_direct_release": True,
     "threads_track_releases": False,
     "threads_local_handoff": 1.0,
+    "threads_redis_options": None,
 }
 
 
@@ -40,6 +42,8 @@ class ThreadsConfig:
     direct_release: bool = True
     track_releases: bool = False
     local_handoff: float = 1.0
+    #: the gate client's redis-py options (:mod:`celery_threads.redis_options`)
+    redis_options: dict[str, Any] = field(default_factory=dict, hash=False)
 
     @property
     def keepalive_ms(self) -> int:
@@ -80,8 +84,9 @@ def read_config(app: Celery) -> ThreadsConfig:
             f"threads_key_prefix={prefix!r}: use a non-empty name without braces; the braces of "
             "each key are the gate's Redis Cluster hash tag."
         )
+    redis_url = _redis_url(app)
     config = ThreadsConfig(
-        redis_url=_redis_url(app),
+        redis_url=redis_url,
         key_prefix=prefix,
         keepalive=float(_setting(app, "threads_keepalive")),
         dispatch_interval=float(_setting(app, "threads_dispatch_interval")),
@@ -93,6 +98,7 @@ def read_config(app: Celery) -> ThreadsConfig:
         direct_release=bool(_setting(app, "threads_direct_release")),
         track_releases=bool(_setting(app, "threads_track_releases")),
         local_handoff=float(_setting(app, "threads_local_handoff")),
+        redis_options=gate_redis_options(app, redis_url),
     )
     if config.keepalive <= 0 or config.dispatch_interval <= 0 or config.release_timeout <= 0:
         raise ConfigurationError(

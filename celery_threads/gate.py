@@ -26,6 +26,7 @@ from redis.retry import Retry
 
 from .compat import health_check_interval
 from .keys import Keys, ShardKeys, ThreadKeys
+from .redis_options import client_kwargs
 
 logger = logging.getLogger(__name__)
 
@@ -208,7 +209,8 @@ class BoundedRetry(Retry):
 def make_client(url: str, options: Optional[dict[str, Any]] = None) -> "redis.Redis":
     """A client that rides out short Redis outages: each command is retried with backoff for at
     most ``RETRY_BUDGET`` seconds, and a connection that gives no answer for ``SOCKET_TIMEOUT``
-    seconds counts as broken.  ``options``: keyword options for redis-py (``threads_redis_options``), over these.
+    seconds counts as broken.  ``options``: ``ThreadsConfig.redis_options`` (TLS, timeouts...),
+    over these; a URL's query (``?ssl_ca_certs=...``) wins over both, as in redis-py.
 
     A script call replayed after its reply was lost gives the reply of the call that ran: each
     transition recognizes its own replay (lua/_common.lua ``replayed``; claim by its claimant).
@@ -221,7 +223,7 @@ def make_client(url: str, options: Optional[dict[str, Any]] = None) -> "redis.Re
         "socket_timeout": SOCKET_TIMEOUT,
         "socket_connect_timeout": SOCKET_TIMEOUT,
     }
-    kwargs.update(options or {})
+    kwargs.update(client_kwargs(options))
     return redis.Redis.from_url(url, **kwargs)
 
 

@@ -32,7 +32,7 @@ class Runtime:
     def __init__(self, app: Celery) -> None:
         self.app = app
         self.config: ThreadsConfig = read_config(app)
-        self.client = make_client(self.config.redis_url)
+        self.client = make_client(self.config.redis_url, self.config.redis_options)
         self.keys = Keys(self.config.key_prefix, self.config.shards)
         self.gate = self._gate(self.client,
                                direct_release(app, self.client) if self.config.direct_release
@@ -48,7 +48,8 @@ class Runtime:
         """The gate on a client of its own, for a native thread of a gevent worker
         (:mod:`celery_threads.native`): a connection gevent made on one thread's hub cannot be
         used from another thread."""
-        return self._gate(make_client(self.config.redis_url), self.gate.direct)
+        return self._gate(make_client(self.config.redis_url, self.config.redis_options),
+                          self.gate.direct)
 
     def publish(self, release: Optional[Release], producer: Any = None,
                 republish: bool = False,
@@ -201,8 +202,9 @@ def direct_release(app: Celery, client: Any) -> Optional[DirectRelease]:
         return None
     conn.release()   # only its parsed URL is read: it never connects
     options = client.connection_pool.connection_kwargs
-    if (conn.transport_cls != "redis"
-            or client.connection_pool.connection_class is not redis.Connection
+    if (conn.transport_cls not in ("redis", "rediss")
+            or client.connection_pool.connection_class not in (redis.Connection,
+                                                               redis.SSLConnection)
             or (conn.hostname or "localhost").lower() != str(options.get("host", "")).lower()
             or int(conn.port or 6379) != int(options.get("port") or 6379)
             or (conn.password or None) != (options.get("password") or None)
