@@ -62,7 +62,12 @@ def run_through_fault(proj: Any, env: dict[str, str], history: RedisServer,
         wait_for(lambda: ended() >= total // 4, timeout=60, what="a quarter of the members")
         at_fault = ended()
         fault()
-        wait_for(lambda: ended() >= total, timeout=90, interval=0.2, what="every member to end")
+        try:
+            wait_for(lambda: ended() >= total, timeout=90, interval=0.2,
+                     what="every member to end")
+        except AssertionError:
+            logs = "\n".join(f"--- {p.name}\n{p.output()[-6000:]}" for p in d.processes)
+            raise AssertionError(f"{ended()} of {total} members ended:\n{logs}") from None
         overlaps = [x for x in r.lrange("overlaps", 0, -1) if x.decode().split("|")[0] in threads]
         assert not overlaps, f"members ran at once: {overlaps}"
         for thread in threads:
