@@ -300,13 +300,14 @@ class DirectLine:
             replies: list[Any] = []
             end = 0
             while len(replies) < (2 if self._then else 1):
-                if not data:
-                    raise ConnectionError("connection closed by the server")
                 try:
                     reply, end = _parse_reply(data, end)
                     replies.append(reply)
                 except _Incomplete:
-                    data += sock.recv(65536)
+                    more = sock.recv(65536)
+                    if not more:    # closed in the middle of a reply (or before it)
+                        raise ConnectionError("connection closed by the server") from None
+                    data += more
         except OSError:
             self._drop()
             return _MISSED

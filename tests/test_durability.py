@@ -11,6 +11,7 @@ gate's keys taken before some transitions is restored after them.
 from __future__ import annotations
 
 import collections
+import threading
 import time
 import uuid
 from typing import Any, Callable, Iterator
@@ -190,5 +191,38 @@ def test_a_transition_no_replica_confirmed_counts_as_not_done(redis_server):
         assert time.monotonic() - started >= 0.3           # each waited its 100 ms
         plain = Gate(client, Keys("ctwait"), release_timeout_ms=5000)
         assert plain.snapshot("t").active["task"] == "a"  # the master holds it all the same
+    finally:
+        client.flushdb()
+
+
+def test_a_connection_closed_while_wait_blocks_is_left_not_spun_on(redis_server):
+    """The master dies (here: its connection is killed) after a transition's reply and before
+    WAIT's: the hot path's line gives up on that connection and the call goes the client's way,
+    instead of reading a closed socket forever."""
+    client = redis.Redis(port=redis_server.port, db=12)
+    client.flushdb()
+    gate = Gate(client, Keys("ctwait"), release_timeout_ms=5000, keepalive_ms=10_000,
+                wait_replicas=1)
+    outcome: list[Any] = []
+    line_open = threading.Event()
+    try:
+        def call() -> None:
+            for task in ("opens-the-line", "a"):    # the client's way; then the thread's line
+                try:
+                    gate.enqueue("t", task, b"x")
+                except NotReplicated as exc:
+                    outcome.append(exc)
+                line_open.set()
+
+        caller = threading.Thread(target=call, daemon=True)
+        caller.start()
+        assert line_open.wait(10)
+        blocked = wait_for(lambda: [c for c in client.client_list()
+                                         if c["cmd"] == "wait" and "b" in c["flags"]],
+                           timeout=10, interval=0.01, what="the line's WAIT")
+        client.client_kill_filter(_id=blocked[0]["id"])
+        caller.join(15)
+        assert not caller.is_alive(), "the call spun on a closed connection"
+        assert len(outcome) == 2, outcome
     finally:
         client.flushdb()
