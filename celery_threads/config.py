@@ -110,7 +110,8 @@ def read_config(app: Celery) -> ThreadsConfig:
             "positive numbers of seconds."
         )
     if config.wait_replicas < 0:
-        raise ConfigurationError("threads_wait_replicas must be 0 (no WAIT) or a number of replicas.")
+        raise ConfigurationError(
+            "threads_wait_replicas must be 0 (no WAIT) or a number of replicas.")
     if config.local_handoff < 0:
         raise ConfigurationError(
             "threads_local_handoff must be a number of seconds, 0 or more (0 turns the "

@@ -314,6 +314,9 @@ class DirectLine:
         if end != len(data):        # never seen: one command at a time on this connection
             self._drop()
         reply = replies[0]
+        if self._then and isinstance(replies[1], _ErrorReply):
+            self._drop()            # WAIT refused: a replica now (the script only read)
+            return _MISSED
         if isinstance(reply, _ErrorReply):
             error = conn._parser.parse_error(reply.message)
             if isinstance(error, redis.exceptions.NoScriptError):
