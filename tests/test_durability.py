@@ -20,7 +20,7 @@ import pytest
 import redis
 
 from celery_threads.errors import NotReplicated
-from celery_threads.gate import NOT_YOURS, RENEWED, Gate
+from celery_threads.gate import NOOP, NOT_YOURS, RENEWED, Gate
 from celery_threads.keys import Keys
 from tests.conftest import Deployment, RedisServer, configure_client, deployment_env
 from tests.helpers import events, tid, wait_for
@@ -132,7 +132,7 @@ def lose_writes_since(client: "redis.Redis", before: dict[bytes, bytes]) -> None
 def test_tokens_never_repeat_across_lost_writes_and_the_first_holder_loses_its_member(gate):
     """A claim and an ending are lost: the member is RELEASED again under its token and another
     delivery claims it.  The first holder's renewal gets NOT_YOURS (its worker stops the member),
-    and the next member's token is larger than the one the lost ending handed out, so a store
+    its ending is refused (it would end the second holder's run), and the next member's token is larger than the one the lost ending handed out, so a store
     fenced by tokens never takes a write under a token it has seen for another activation."""
     client = gate.client
     a = gate.enqueue("t", "a", b"A").release
@@ -140,7 +140,7 @@ def test_tokens_never_repeat_across_lost_writes_and_the_first_holder_loses_its_m
     assert a is not None and int(a.token) >= int(time.time() * 1_000_000) - 60_000_000
     before = snapshot(client)
     assert gate.claim("t", "a", a.token, 10_000, "w1", "c1") == 1
-    lost = gate.finish("t", "a", a.token, caller="end-1").release
+    lost = gate.finish("t", "a", a.token, caller="c1").release     # a worker's ending: its claim's
     assert lost is not None and lost.task_id == "b"
 
     lose_writes_since(client, before)
@@ -149,7 +149,11 @@ def test_tokens_never_repeat_across_lost_writes_and_the_first_holder_loses_its_m
     assert gate.claim("t", "a", a.token, 10_000, "w2", "c2") == 1
     assert gate.renew("t", "a", a.token, 10_000, "c1") == NOT_YOURS
     assert gate.renew("t", "a", a.token, 10_000, "c2") == RENEWED
-    again = gate.finish("t", "a", a.token, caller="end-2").release
+    # The first worker's ending, sent again: refused, it would end the second worker's run.
+    assert gate.finish("t", "a", a.token, caller="c1").status == NOOP
+    assert gate.requeue("t", "a", a.token, retries=1, caller="c1").status == NOOP
+    assert gate.snapshot("t").active["by"] == "c2"
+    again = gate.finish("t", "a", a.token, caller="c2").release
     assert again is not None and again.task_id == "b"
     assert int(again.token) > int(lost.token) > int(a.token)
 
@@ -164,7 +168,7 @@ def test_tokens_stay_increasing_when_the_counter_is_lost(gate):
         tokens.append(int(release.token))
         gate.client.delete(gate.keys.shard(0).seq)
         assert gate.claim("t", f"m{i}", release.token, 10_000, "w", "c") == 1
-        gate.finish("t", f"m{i}", release.token)
+        assert gate.finish("t", f"m{i}", release.token, caller="c").done
     assert tokens == sorted(set(tokens)), tokens
 
 

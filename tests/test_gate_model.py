@@ -356,14 +356,22 @@ class GateMachine(RuleBasedStateMachine):
     @rule(pick=st.integers(0, 999), how=st.sampled_from(["finish", "requeue", "kill", "fail"]),
           retries=st.integers(0, 3), at=st.booleans(),
           delay=st.one_of(st.just(0), st.integers(0, 3 * RELEASE_TIMEOUT)),
-          offset=st.integers(-2 * RELEASE_TIMEOUT, 2 * RELEASE_TIMEOUT), flag=st.booleans())
+          offset=st.integers(-2 * RELEASE_TIMEOUT, 2 * RELEASE_TIMEOUT), flag=st.booleans(),
+          other=st.integers(0, 4))
     def end_attempt(self, pick: int, how: str, retries: int, at: bool, delay: int, offset: int,
-                    flag: bool) -> None:
+                    flag: bool, other: int) -> None:
         """The worker holding the active member ends its attempt: success, retry (requeue, with
         a new envelope when ``flag``), death (kept in the dead letters when ``flag``), or a lost
-        pool child (fail)."""
+        pool child (fail).  A worker's ending is its claim's: its caller id is the claimant
+        (``other == 0``: another caller's, which a member RUNNING for a claimant refuses, as
+        after a lost claim and another delivery's claim)."""
         thread_id, task_id, mtok, rtok = self.active_target(pick)
-        self.caller = f"call-{len(self.task_ids)}-{STATS['calls']}"  # this ending's own id
+        active = self.model.threads[thread_id].active
+        claimant = active.by if active is not None and active.state == M.RUNNING else None
+        if claimant and other:
+            self.caller = claimant
+        else:                                   # this ending's own id
+            self.caller = f"call-{len(self.task_ids)}-{STATS['calls']}"
         if how == "finish" and flag:
             self._finish_and_claim(thread_id, task_id, mtok, rtok, retries)
         elif how == "finish":

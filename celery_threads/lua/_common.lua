@@ -295,6 +295,18 @@ local function is_active(task, token)
   return a[3], a[4]
 end
 
+-- Whether a finish or requeue of the active member, in `state`, comes from another delivery than
+-- the one that claimed it: a worker's ending names its claim as its caller (CALLER).  Both may
+-- hold its token after the gate lost the first claim (a crash with appendfsync everysec, a
+-- failover without WAIT) and another delivery claimed it again; the first worker's ending must
+-- not end the second's run and release the next member beside it.  Not kill: a worker's main
+-- process kills a member at its hard time limit without knowing the claim.
+local function not_the_claimants(state)
+  if state ~= 'RUNNING' or CALLER == '' then return false end
+  local by = redis.call('HGET', K_A, 'by')
+  return by and by ~= '' and by ~= CALLER
+end
+
 -- Publish the active RELEASED member `task` again under its `token`: its release deadline becomes
 -- `deadline` (and its republish count `n`, when given).  Returns the reply for the caller to publish.
 local function republish_active(task, token, deadline, n)
