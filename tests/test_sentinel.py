@@ -17,6 +17,7 @@ from typing import Any, Iterator, Optional
 
 import pytest
 import redis
+from celery.bin.celery import celery as celery_command
 from click.testing import CliRunner
 
 from celery_threads import Threads
@@ -154,8 +155,6 @@ def test_the_gate_follows_the_master_through_sentinel(proj, redis_server, sentin
         proj.record.apply_async((thread, "a"), countdown=3600)
         assert Threads(proj.app).get(thread).waiting[0].task_id
         assert redis.Redis(port=sentinel_setup.master_port, db=3).dbsize() > 0
-        from celery.bin.celery import celery as celery_command
-
         listed = CliRunner().invoke(celery_command, ["-A", "tests.proj", "threads", "show",
                                                      thread], catch_exceptions=False)
         assert listed.exit_code == 0 and thread in listed.output, listed.output
