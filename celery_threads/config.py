@@ -25,6 +25,7 @@ DEFAULTS: dict[str, Any] = {
     "threads_track_releases": False,
     "threads_local_handoff": 1.0,
     "threads_redis_options": None,
+    "threads_wait_replicas": 0,
 }
 
 
@@ -44,6 +45,7 @@ class ThreadsConfig:
     local_handoff: float = 1.0
     #: the gate client's redis-py options (:mod:`celery_threads.redis_options`)
     redis_options: dict[str, Any] = field(default_factory=dict, hash=False)
+    wait_replicas: int = 0      # Redis WAIT after each transition (docs/durability.md)
 
     @property
     def keepalive_ms(self) -> int:
@@ -64,7 +66,8 @@ def _redis_url(app: Celery) -> str:
     if url:
         return str(url)
     broker = app.conf.broker_url or ""
-    if isinstance(broker, str) and broker.startswith(("redis://", "rediss://", "unix://")):
+    if isinstance(broker, str) and broker.startswith(
+            ("redis://", "rediss://", "unix://", "sentinel://")):
         return broker
     raise ConfigurationError(
         "celery-threads needs a Redis server for its gate: set app.conf.threads_redis_url "
@@ -99,12 +102,16 @@ def read_config(app: Celery) -> ThreadsConfig:
         track_releases=bool(_setting(app, "threads_track_releases")),
         local_handoff=float(_setting(app, "threads_local_handoff")),
         redis_options=gate_redis_options(app, redis_url),
+        wait_replicas=int(_setting(app, "threads_wait_replicas")),
     )
     if config.keepalive <= 0 or config.dispatch_interval <= 0 or config.release_timeout <= 0:
         raise ConfigurationError(
             "threads_keepalive, threads_dispatch_interval and threads_release_timeout must be "
             "positive numbers of seconds."
         )
+    if config.wait_replicas < 0:
+        raise ConfigurationError(
+            "threads_wait_replicas must be 0 (no WAIT) or a number of replicas.")
     if config.local_handoff < 0:
         raise ConfigurationError(
             "threads_local_handoff must be a number of seconds, 0 or more (0 turns the "

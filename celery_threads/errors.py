@@ -1,6 +1,8 @@
 """Every error celery-threads raises derives from :class:`ThreadsError`."""
 from __future__ import annotations
 
+import redis
+
 
 class ThreadsError(Exception):
     """Base class of every celery-threads error."""
@@ -27,6 +29,13 @@ class GateUnavailable(ThreadsError):
     safe in every case, since a member is never stored twice, nor stored again within 30 s of
     its end.
     """
+
+
+class NotReplicated(ThreadsError, redis.TimeoutError):
+    """Fewer replicas than ``threads_wait_replicas`` confirmed a gate transition in time: it counts
+    as not done, as when its reply is lost (a ``redis.TimeoutError``, so every caller that rides
+    out a silent gate rides this out too).  The master may hold it and a failover may lose it;
+    sending the same call again is safe, since each transition recognizes its own replay."""
 
 
 class UnknownTask(ThreadsError, KeyError):

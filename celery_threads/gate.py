@@ -27,8 +27,10 @@ from redis.retry import Retry
 
 from . import cluster
 from .compat import health_check_interval
+from .errors import ConfigurationError, NotReplicated
 from .keys import Keys, ShardKeys, ThreadKeys
 from .redis_options import checked, client_kwargs
+from .sentinel import is_sentinel_url, master_client
 
 logger = logging.getLogger(__name__)
 
@@ -229,6 +231,15 @@ SOCKET_TIMEOUT = 5.0
 RETRY_BUDGET = 15.0
 
 
+def wait_timeout_ms(keepalive_ms: int) -> int:
+    """How long a transition's ``WAIT`` (``threads_wait_replicas``) waits for the replicas: a
+    tenth of the keepalive, within 0.1 to 1 s.  A replica on a working link confirms in about a
+    millisecond, so the bound only matters when one lags or is gone; then every call waits it out,
+    and it must stay well inside the lease that a claim's caller starts counting before it sends
+    the claim (celery_threads.lease), and below ``SOCKET_TIMEOUT``."""
+    return int(min(1000, max(100, keepalive_ms // 10)))
+
+
 class BoundedRetry(Retry):
     """redis-py's :class:`~redis.retry.Retry`, which also gives up ``budget`` seconds after a
     call's first failure (attempts on a silent link each wait ``SOCKET_TIMEOUT``)."""
@@ -275,6 +286,8 @@ def make_client(url: str, options: Optional[dict[str, Any]] = None) -> "redis.Re
     kwargs.update(client_kwargs(options))
     if cluster_mode:
         return cluster.make_cluster_client(url, kwargs, RETRY_BUDGET)  # type: ignore[return-value]
+    if is_sentinel_url(url):
+        return master_client(url, kwargs, options)
     return checked(redis.Redis.from_url(url, **kwargs))
 
 
@@ -311,11 +324,15 @@ class DirectLine:
     server sent is returned or raised.
     """
 
-    def __init__(self, client: "redis.Redis", library: Optional[Library] = None) -> None:
+    def __init__(self, client: "redis.Redis", library: Optional[Library] = None,
+                 then: bytes = b"") -> None:
         pool = client.connection_pool
         self._connect: Callable[[], Any] = lambda: pool.connection_class(**pool.connection_kwargs)
         self._local = threading.local()
         self._library = library
+        #: a command sent after each call on the same connection (the gate's WAIT): the call
+        #: then returns both replies, as a tuple
+        self._then = then
 
     def call(self, command: Callable[[bool], bytes]) -> Any:
         """The reply to ``command(functions)`` (a packed ``FCALL`` of the library's function when
@@ -329,21 +346,28 @@ class DirectLine:
             return _MISSED          # this call goes the client's way; the next ones come here
         conn = local.conn           # kept: _drop below forgets it, its parser still names errors
         try:
-            sock.sendall(command(local.functions))
+            sock.sendall(command(local.functions) + self._then)
             data = sock.recv(65536)
-            while True:
-                if not data:
-                    raise ConnectionError("connection closed by the server")
+            replies: list[Any] = []
+            end = 0
+            while len(replies) < (2 if self._then else 1):
                 try:
-                    reply, end = _parse_reply(data, 0)
-                    break
+                    reply, end = _parse_reply(data, end)
+                    replies.append(reply)
                 except _Incomplete:
-                    data += sock.recv(65536)
+                    more = sock.recv(65536)
+                    if not more:    # closed in the middle of a reply (or before it)
+                        raise ConnectionError("connection closed by the server") from None
+                    data += more
         except OSError:
             self._drop()
             return _MISSED
         if end != len(data):        # never seen: one command at a time on this connection
             self._drop()
+        reply = replies[0]
+        if self._then and isinstance(replies[1], _ErrorReply):
+            self._drop()            # WAIT refused: a replica now (the script only read)
+            return _MISSED
         if isinstance(reply, _ErrorReply):
             error = conn._parser.parse_error(reply.message)
             if isinstance(error, redis.exceptions.NoScriptError):
@@ -351,11 +375,14 @@ class DirectLine:
             if reply.message.startswith("ERR Function not found"):
                 self._drop()        # FUNCTION FLUSH or DELETE: the next connection loads it
                 return _MISSED
-            if isinstance(error, (redis.ConnectionError, redis.TimeoutError)):
+            # READONLY: the server is a replica now (a Sentinel failover); the client's way
+            # finds the master.
+            if isinstance(error, (redis.ConnectionError, redis.TimeoutError,
+                                  redis.exceptions.ReadOnlyError)):
                 self._drop()
                 return _MISSED
             raise error
-        return reply
+        return (reply, replies[1]) if self._then else reply
 
     def _open(self) -> None:
         local = self._local
@@ -531,12 +558,20 @@ class Gate:
     releases themselves when the broker is kombu's Redis transport on the gate's own server.
     ``functions``: the hot path calls the transitions as the functions of :func:`function_library`
     where the server has them (Redis 7+); false keeps it on ``EVALSHA`` (tests of both ways).
+    ``wait_replicas`` (``threads_wait_replicas``): each transition is followed by ``WAIT`` on
+    its connection, and one that fewer replicas confirm raises :class:`NotReplicated`.
     """
 
     def __init__(self, client: "redis.Redis", keys: Keys, *, release_timeout_ms: int,
                  keepalive_ms: int = 30_000, clock: Optional[Callable[[], int]] = None,
-                 direct: Optional["DirectRelease"] = None, functions: bool = True) -> None:
+                 direct: Optional["DirectRelease"] = None, functions: bool = True,
+                 wait_replicas: int = 0) -> None:
         self.client = client
+        if wait_replicas > 0 and cluster.is_cluster(client):
+            raise ConfigurationError(
+                "threads_wait_replicas is not supported on a Redis Cluster (each master has its "
+                "own replicas): set it to 0, or point the gate at a single Redis or Sentinel")
+        self.wait = (wait_replicas, wait_timeout_ms(keepalive_ms)) if wait_replicas > 0 else None
         self.direct = direct
         self._direct_arg = direct.argument() if direct is not None else ""
         self._keepalive_text = f"{keepalive_ms / 1000:g}s"
@@ -549,7 +584,8 @@ class Gate:
         self.library = function_library()
         # A cluster routes each call by its slot: no line of the gate's own (cluster.py).
         self._direct = (None if cluster.is_cluster(client)
-                        else DirectLine(client, self.library if functions else None))
+                        else DirectLine(client, self.library if functions else None,
+                                        _pack(("WAIT", *self.wait)) if self.wait else b""))
         self._functions = (cluster.Functions(client, self.library.source, self.library.functions)
                            if functions and cluster.is_cluster(client) else None)
         self._packers = [_Packer(shard, release_timeout_ms, self._direct_arg)
@@ -596,13 +632,27 @@ class Gate:
             reply = self._direct.call(
                 lambda functions: self._command(name, thread_id, args, arguments, functions))
             if reply is not _MISSED:
-                return reply
+                return self._confirmed(*reply) if self.wait else reply
         # Loads the script when the server does not have it; rides out outages with retries.
         script_keys, argv = arguments or self._arguments(thread_id, args)
         if client is None and self._functions is not None:
             return self._functions.call(name, script_keys, argv, functools.partial(
                 self._scripts[name], keys=script_keys, args=argv, client=self.client))
+        if client is None and self.wait:    # WAIT on the script's own connection: a pipeline
+            pipe = self.client.pipeline(transaction=False)
+            self._scripts[name](keys=script_keys, args=argv, client=pipe)
+            pipe.wait(*self.wait)
+            return self._confirmed(*pipe.execute())
         return self._scripts[name](keys=script_keys, args=argv, client=client or self.client)
+
+    def _confirmed(self, reply: Any, replicas: Any) -> Any:
+        """``reply``, once ``WAIT`` said that enough replicas hold the call's writes."""
+        assert self.wait is not None
+        if int(replicas) < self.wait[0]:
+            raise NotReplicated(
+                f"{int(replicas)} of the {self.wait[0]} replicas (threads_wait_replicas) "
+                f"confirmed a gate transition within {self.wait[1]} ms; it counts as not done")
+        return reply
 
     def _outcome(self, name: str, thread_id: str, reply: Sequence[Any],
                  own: bytes = b"") -> Outcome:
@@ -798,6 +848,10 @@ class Gate:
         pipe = self.client.pipeline(transaction=False)
         for thread_id, args in calls:
             self._run(name, thread_id, *args, client=pipe)
+        if self.wait:
+            pipe.wait(*self.wait)
+            *replies, replicas = pipe.execute()
+            return list(self._confirmed(replies, replicas))
         return _rerun_unrun(pipe.execute(raise_on_error=False),
                             lambda i: self._run(name, calls[i][0], *calls[i][1]))
 

@@ -53,7 +53,8 @@ class Runtime:
 
     def _gate(self, client: "redis.Redis", direct: Optional[DirectRelease]) -> Gate:
         return Gate(client, self.keys, release_timeout_ms=self.config.release_timeout_ms,
-                    keepalive_ms=self.config.keepalive_ms, direct=direct)
+                    keepalive_ms=self.config.keepalive_ms, direct=direct,
+                    wait_replicas=self.config.wait_replicas)
 
     def own_gate(self) -> Gate:
         """The gate on a client of its own, for a native thread of a gevent worker

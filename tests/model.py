@@ -300,6 +300,14 @@ class Model:
             return None
         return active.state
 
+    def _not_the_claimants(self, thread_id: str, caller: Optional[str]) -> bool:
+        """A finish or requeue of a member RUNNING for a claimant is that claim's own (its caller
+        id is the claimant); another caller's is refused as stale.  A kill is not: the worker's
+        main process kills a member at its hard time limit without knowing the claim."""
+        active = self.threads[thread_id].active
+        assert active is not None
+        return active.state == RUNNING and bool(active.by) and active.by != caller
+
     def finish(self, thread_id: str, task_id: str, token: str, *, keep_release: bool = False,
                claim: Optional[tuple[Any, ...]] = None, caller: Optional[str] = None) -> Outcome:
         """``claim``: ``(keepalive_ms, worker[, claimant])``; the member released is claimed for
@@ -310,6 +318,8 @@ class Model:
             if again is not None:
                 return again
             return Outcome(DONE, "") if self._ended_lately(task_id) else Outcome(NOOP, "")
+        if self._not_the_claimants(thread_id, caller):
+            return Outcome(NOOP, "")
         self._drop_active(self.threads[thread_id])
         release = self._release_after(thread_id, "f", task_id, token, DONE, "", caller)
         if release is None or claim is None:
@@ -335,6 +345,8 @@ class Model:
         if self._active(thread_id, task_id, token) is None:
             again = self._replayed(thread_id, "r", task_id, token, caller)
             return again if again is not None else Outcome(NOOP, "")
+        if self._not_the_claimants(thread_id, caller):
+            return Outcome(NOOP, "")
         self._requeue_active(self.threads[thread_id], self._schedule(delay_ms, at_ms), retries,
                              envelope)
         return Outcome(DONE, "", self._release_after(thread_id, "r", task_id, token, DONE, "",

@@ -6,6 +6,7 @@ broker: CT_REDIS_URL (gate and results), CT_BROKER_URL, and CT_* overrides of se
 from __future__ import annotations
 
 import faulthandler
+import json
 import os
 import signal
 import sys
@@ -38,7 +39,9 @@ app.conf.update(
     threads_direct_release=os.environ.get("CT_DIRECT_RELEASE", "1") == "1",
     threads_local_handoff=float(os.environ.get("CT_LOCAL_HANDOFF", "1.0")),
     threads_shards=int(os.environ.get("CT_SHARDS", "1")),
-    threads_redis_options={"cluster": True} if os.environ.get("CT_CLUSTER") == "1" else {},
+    threads_redis_options=dict(json.loads(os.environ.get("CT_REDIS_OPTIONS") or "{}"),
+                               **({"cluster": True} if os.environ.get("CT_CLUSTER") == "1" else {})),
+    threads_wait_replicas=int(os.environ.get("CT_WAIT_REPLICAS", "0")),
     task_default_queue=os.environ.get("CT_QUEUE", "celery"),
     task_acks_late=os.environ.get("CT_ACKS_LATE") == "1",
     worker_prefetch_multiplier=int(os.environ.get("CT_PREFETCH", "4")),

@@ -46,7 +46,11 @@ DB = 5
 PREFIX = "ctmodel"
 RELEASE_TIMEOUT = 100          # ms
 KEEPALIVE = 1500               # ms; the gate's own keepalive only names itself in death reasons
-START = 1_700_000_000_000      # the fake clock's first reading, ms (a realistic epoch time)
+# The fake clock's first reading, ms.  The shard counter never falls below the clock in
+# microseconds (lua/_common.lua next_seq): at 10^9 ms that floor (10^12, just below 2^40) sits
+# among the counter's starts below, so some starts are overtaken by it (arrival numbers jump to
+# the clock, as when a gate of an older version is upgraded) and others lie above it.
+START = 1_000_000_000
 THREAD_IDS = ["a", "b", "c:q", "é"]
 UNKNOWN = "never-enqueued"
 #: A claim's claimant: none (an older worker's claim, or a holder of an unclaimed release) or one
@@ -115,6 +119,7 @@ class GateMachine(RuleBasedStateMachine):
                          functions=self.FUNCTIONS)
         self.m2r: dict[str, str] = {}            # model token -> gate token
         self.r2m: dict[str, str] = {}
+        self.last_token: dict[str, int] = {}     # thread id -> its latest release's gate token
         self.issued: list[Target] = []           # every release so far
         self.task_ids: list[str] = []            # every task id used so far
         self.caller: Optional[str] = None        # the current ending's own id (None: a fresh one)
@@ -131,6 +136,12 @@ class GateMachine(RuleBasedStateMachine):
             assert self.m2r[mtok] == rtok, f"token of {task_id}: model {mtok}, gate {rtok}"
             return
         assert rtok not in self.r2m, f"gate reused token {rtok} for a new release of {task_id}"
+        # Users fence their own writes with it: a decimal string, larger for every later release
+        # of the thread, and never below the clock in microseconds (lua/_common.lua next_seq).
+        assert rtok.isdigit() and int(rtok) >= self.model.now * 1000, f"token {rtok!r}"
+        assert int(rtok) > self.last_token.get(thread_id, 0), (
+            f"token {rtok} of {thread_id} after {self.last_token[thread_id]}")
+        self.last_token[thread_id] = int(rtok)
         self.m2r[mtok], self.r2m[rtok] = rtok, mtok
         self.issued.append((thread_id, task_id, mtok, rtok))
 
@@ -345,14 +356,22 @@ class GateMachine(RuleBasedStateMachine):
     @rule(pick=st.integers(0, 999), how=st.sampled_from(["finish", "requeue", "kill", "fail"]),
           retries=st.integers(0, 3), at=st.booleans(),
           delay=st.one_of(st.just(0), st.integers(0, 3 * RELEASE_TIMEOUT)),
-          offset=st.integers(-2 * RELEASE_TIMEOUT, 2 * RELEASE_TIMEOUT), flag=st.booleans())
+          offset=st.integers(-2 * RELEASE_TIMEOUT, 2 * RELEASE_TIMEOUT), flag=st.booleans(),
+          other=st.integers(0, 4))
     def end_attempt(self, pick: int, how: str, retries: int, at: bool, delay: int, offset: int,
-                    flag: bool) -> None:
+                    flag: bool, other: int) -> None:
         """The worker holding the active member ends its attempt: success, retry (requeue, with
         a new envelope when ``flag``), death (kept in the dead letters when ``flag``), or a lost
-        pool child (fail)."""
+        pool child (fail).  A worker's ending is its claim's: its caller id is the claimant
+        (``other == 0``: another caller's, which a member RUNNING for a claimant refuses, as
+        after a lost claim and another delivery's claim)."""
         thread_id, task_id, mtok, rtok = self.active_target(pick)
-        self.caller = f"call-{len(self.task_ids)}-{STATS['calls']}"  # this ending's own id
+        active = self.model.threads[thread_id].active
+        claimant = active.by if active is not None and active.state == M.RUNNING else None
+        if claimant and other:
+            self.caller = claimant
+        else:                                   # this ending's own id
+            self.caller = f"call-{len(self.task_ids)}-{STATS['calls']}"
         if how == "finish" and flag:
             self._finish_and_claim(thread_id, task_id, mtok, rtok, retries)
         elif how == "finish":

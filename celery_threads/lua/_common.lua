@@ -34,7 +34,7 @@ if redis.replicate_commands then pcall(redis.replicate_commands) end  -- Redis 6
 -- 7+, see gate.function_library), at the start of each call, the definitions made once when
 -- the library loaded.
 local K_SEQ, K_DUE, K_LEASES, K_TASKS, K_DEAD, K_DEADREC, K_Q, K_A, K_ENDED
-local NOW, TID, RELEASE_TIMEOUT, WAKE, DIRECT
+local NOW, NOW_US, TID, RELEASE_TIMEOUT, WAKE, DIRECT
 -- {keepalive ms, worker, claimant}: a script whose caller runs what it releases (finish with
 -- ARGV[9]) sets this, and the member it releases is claimed for that caller at once (activate).
 local CLAIM
@@ -51,7 +51,7 @@ local CALLER
 local function begin(keys, argv)
   K_SEQ, K_DUE, K_LEASES, K_TASKS = keys[1], keys[2], keys[3], keys[4]
   K_DEAD, K_DEADREC, K_Q, K_A, K_ENDED = keys[5], keys[6], keys[7], keys[8], keys[9]
-  NOW = server_now_ms(argv[1])
+  NOW, NOW_US = server_clock(argv[1])
   TID = argv[2]
   RELEASE_TIMEOUT = tonumber(argv[3])
   WAKE = argv[4]
@@ -67,8 +67,21 @@ end
 -- (gate.make_client).
 local ENDED_WINDOW = 30000
 
+-- The shard counter's next value: arrival order, death order and fencing tokens.  Never below the
+-- server's clock in microseconds, so that a counter whose last increments were lost (a crash with
+-- appendfsync everysec, a failover without WAIT) cannot hand out a token again: the lost values
+-- were below the clock's reading at the time, and the clock has moved on since.  A script takes
+-- far more than a microsecond, so the counter follows the clock and stays within a few units of
+-- it (a script's own increments).  The clock alone would not do: a step back of the server's
+-- clock would make a thread's next token smaller.  Microseconds since 1970 stay below 2^53 (exact
+-- in Lua's numbers) until the year 2255.
 local function next_seq()
-  return redis.call('INCR', K_SEQ)
+  local n = redis.call('INCR', K_SEQ)
+  if n < NOW_US then
+    n = NOW_US
+    redis.call('SET', K_SEQ, string.format('%d', n))
+  end
+  return n
 end
 
 -- A member's record, the value of its field in the shard's tasks hash (one hash entry per member
@@ -282,6 +295,18 @@ local function is_active(task, token)
   return a[3], a[4]
 end
 
+-- Whether a finish or requeue of the active member, in `state`, comes from another delivery than
+-- the one that claimed it: a worker's ending names its claim as its caller (CALLER).  Both may
+-- hold its token after the gate lost the first claim (a crash with appendfsync everysec, a
+-- failover without WAIT) and another delivery claimed it again; the first worker's ending must
+-- not end the second's run and release the next member beside it.  Not kill: a worker's main
+-- process kills a member at its hard time limit without knowing the claim.
+local function not_the_claimants(state)
+  if state ~= 'RUNNING' or CALLER == '' then return false end
+  local by = redis.call('HGET', K_A, 'by')
+  return by and by ~= '' and by ~= CALLER
+end
+
 -- Publish the active RELEASED member `task` again under its `token`: its release deadline becomes
 -- `deadline` (and its republish count `n`, when given).  Returns the reply for the caller to publish.
 local function republish_active(task, token, deadline, n)
@@ -375,7 +400,7 @@ local function kill_active(task, keep, meta_json, field, rec)
   if keep then
     local p = parse_record(rec)
     -- Scored by the shard counter, so deaths in one millisecond keep their order.
-    redis.call('ZADD', K_DEAD, next_seq(), task)
+    redis.call('ZADD', K_DEAD, string.format('%d', next_seq()), task)
     -- The first line: when it died, and the call that killed it (killed_by_caller).
     local died = string.format('%d', NOW) .. (CALLER ~= '' and '|' .. CALLER or '')
     redis.call('HSET', K_DEADREC, task, died .. '\n' .. meta_json .. '\n' ..

@@ -9,8 +9,8 @@
 -- field fits jemalloc's 16-byte allocation: 14 bytes plus Redis's one-byte header and NUL (16
 -- bytes would take a 32-byte one).
 -- Queue member: <n: one byte, 1-7> <seq: n bytes, big-endian> <field>.  The byte order of members
--- is their arrival order (members with equal scores sort by bytes): 18 bytes for a UUID and a seq
--- below 2^24, where "<16-digit seq>:<uuid>" took 53.
+-- is their arrival order (members with equal scores sort by bytes): 22 bytes for a UUID and a seq
+-- of 7 bytes (it follows the clock in microseconds, next_seq), where "<16-digit seq>:<uuid>" took 53.
 -- celery_threads.gate reads both in Python (task_field, find_record, record_task, member_field).
 local UUID_FORM = '^%x%x%x%x%x%x%x%x%-%x%x%x%x%-%x%x%x%x%-%x%x%x%x%-%x%x%x%x%x%x%x%x%x%x%x%x$'
 local UUID_TEXT = '%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x'

@@ -8,7 +8,7 @@
 --           ARGV[8] if it cannot run it)
 --   ARGV[12] caller: the call's own id, the same when it is sent again (CALLER in _common.lua)
 -- Returns {1, ''} plus the release ({1, now ms} plus the release when it was claimed), or {0, ''}
--- when (task, token) is not the active member.  Replayed (its reply lost), it returns the same,
+-- when (task, token) is not the active member, or is RUNNING for another claimant than the caller.  Replayed (its reply lost), it returns the same,
 -- while the member it released is active (see replayed), or {1, ''} once that one has moved on
 -- or when it released none (the member ended lately).
 local task, token = ARGV[6], ARGV[7]
@@ -28,6 +28,7 @@ if not state then
   if ended_lately(task) then return reply(1, '') end
   return reply(0, '')
 end
+if not_the_claimants(state) then return reply(0, '') end
 drop_active(task, active_field(task, long))
 detached('f', task, token, 1, '')
 local released = release_head(true)

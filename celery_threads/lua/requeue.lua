@@ -5,17 +5,20 @@
 --   ARGV[12] max_retries (-1: unlimited), ARGV[13] retry delay ms (optional): a replacement's
 --            (Task.replace), which takes the member's place with its own retry settings
 --   ARGV[14] caller: the call's own id, the same when it is sent again (CALLER in _common.lua)
--- Returns {1, ''} plus the release, or {0, ''} when (task, token) is not the active member.
+-- Returns {1, ''} plus the release, or {0, ''} when (task, token) is not the active member (or
+-- is RUNNING for another claimant than the caller).
 -- Replayed (its reply lost), it returns the same while the member it released is active (see
 -- replayed); else {0, ''}: a member waiting again may have been requeued by this call or by the
 -- lapse of its lease, which this call must not be told it did.
 local task, token = ARGV[6], ARGV[7]
 CALLER = ARGV[14] or ''
-if not is_active(task, token) then
+local state = is_active(task, token)
+if not state then
   local again = replayed('r', task, token, '')
   if again then return again end
   return reply(0, '')
 end
+if not_the_claimants(state) then return reply(0, '') end
 local sched
 if ARGV[8] == 'keep' then
   sched = tonumber(redis.call('HGET', K_A, 'sched')) or NOW
