@@ -249,7 +249,7 @@ def test_cluster_gate_reloads_what_a_master_lost(redis_cluster):
                           "w", "c") == 1
         gate.enqueue(thread, str(uuid.uuid4()), b"second")
         forget_everything()
-        ended = gate.finish(thread, outcome.release.task_id, outcome.release.token)
+        ended = gate.finish(thread, outcome.release.task_id, outcome.release.token, caller="c")
         assert ended.done and ended.release is not None
         released.append((thread, ended.release.task_id, ended.release.token))
     forget_everything()
