@@ -249,7 +249,7 @@ class ThreadedTask(Task):
                                    "could not be confirmed with the gate", self.name, task_id,
                                    thread_id)
                     raise Ignore()
-                running = _running[key] = Running(claimed_ms, time.monotonic())
+                running = _running[key] = Running(claimed_ms, lease.sent)
                 failure: Optional[BaseException] = None
                 try:
                     result = super().__call__(*args, **kwargs)
@@ -398,7 +398,12 @@ class Reentry(NamedTuple):
 
 class Running:
     """A member running in this process: when it was claimed (the Redis server's clock, and this
-    process's monotonic clock at the reply), and its re-entry once self.retry() was called."""
+    process's monotonic clock when the claiming call was first sent), and its re-entry once
+    self.retry() was called.  The claim ran after that send, so the server's time derived from the
+    two is never behind the server's clock, at worst ahead by the claim's latency (the claiming
+    call's time to its reply; for a handed-off member, the finish that claimed it, sent again
+    across an outage, or claimed long before its body started): a retry's countdown is never cut
+    short, which would schedule the member before siblings it must follow."""
 
     __slots__ = ("claimed_ms", "claimed_mono", "reentry")
 

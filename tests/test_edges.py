@@ -149,6 +149,31 @@ def test_a_finish_whose_reply_is_lost_hands_on_at_once(proj, make_deployment, re
     wait_for(lambda: Threads(proj.app).get(thread) is None, what="the thread to end")
 
 
+def test_a_handed_off_member_claimed_across_an_outage_keeps_its_retry_countdown(
+        proj, make_deployment, redis_server, relay, r):
+    """The finish that claims the next member (the handoff) runs in the gate, then the gate is
+    unreachable for a while; sent again, it gets its claim back, and the member runs.  It retries
+    with a countdown: the re-entry is scheduled on the Redis server's clock, which the worker
+    derives from the claim's time, and the claim is older than the member's start by the whole
+    outage.  The retry must still wait its countdown (it ran about the outage's length early when
+    the claim's time was paired with the body's start)."""
+    d = make_deployment(CT_KEEPALIVE="30", CT_HISTORY_URL=redis_server.url(0))
+    d.worker("w", concurrency=1, env={"CT_REDIS_URL": relay.url(0)})
+    thread = tid("claimed-early")
+    relay.lose_reply(*script_call("finish"), then="refuse")
+    first = proj.record.delay(thread, "first", sleep=0.2)
+    second = proj.record.delay(thread, "second", fail_times=1, countdown=3)
+    wait_for(lambda: relay.lost == 1, what="the finish's reply to be lost")
+    time.sleep(2.5)     # the outage: the finish is sent again once it ends
+    relay.heal()
+    assert second.get(timeout=30) == "second"
+    assert first.get(timeout=5) == "first"
+    attempts = [e for e in events(r, thread) if e.label == "second"]
+    assert [e.kind for e in attempts] == ["start", "end", "start", "end"], attempts
+    waited = attempts[2].at_us - attempts[1].at_us
+    assert waited >= 2_950_000, f"the retry ran {waited / 1e6:.3f}s after it was asked for 3s"
+
+
 def test_a_delete_whose_reply_is_lost_still_stops_the_running_member(
         proj, make_deployment, redis_server, relay, r):
     """``Threads.delete`` of a running member: the delete runs in the gate and its reply is lost.

@@ -66,12 +66,14 @@ def new_claimant(hostname: str) -> str:
 class Lease:
     """A member this process holds under its claim."""
 
-    __slots__ = ("thread_id", "task_id", "token", "claimant", "expires", "lost", "running")
+    __slots__ = ("thread_id", "task_id", "token", "claimant", "sent", "expires", "lost",
+                 "running")
 
-    def __init__(self, thread_id: str, task_id: str, token: str, claimant: str,
+    def __init__(self, thread_id: str, task_id: str, token: str, claimant: str, sent: float,
                  expires: float) -> None:
         self.thread_id, self.task_id, self.token = thread_id, task_id, token
         self.claimant = claimant
+        self.sent = sent            # monotonic: when the claiming call was first sent
         self.expires = expires      # monotonic: start of the last confirming call + keepalive
         self.lost = False           # the gate said the member is no longer this claim's
         self.running = False        # the member's code is running
@@ -129,7 +131,7 @@ class Keeper:
     def lease(self, thread_id: str, task_id: str, token: str, claimant: str,
               sent: float) -> Lease:
         """A lease confirmed by a call sent at ``sent`` (monotonic), held from now on."""
-        lease = Lease(thread_id, task_id, token, claimant, sent + self.keepalive)
+        lease = Lease(thread_id, task_id, token, claimant, sent, sent + self.keepalive)
         with self._lock:
             self._leases[id(lease)] = lease
         self._start()
