@@ -18,6 +18,7 @@ from kombu.serialization import dumps as _kombu_dumps
 from kombu.serialization import loads as _kombu_loads
 from kombu.serialization import prepare_accept_content
 
+from . import seams
 from .gate import Release
 
 logger = logging.getLogger(__name__)
@@ -335,24 +336,14 @@ class ReleasePublisher:
 def _reuse_redis_client(channel: Any) -> None:
     """kombu's Redis transport builds a new redis-py client (a dict of some 170 response
     callbacks) for every message it puts: 40% of a release's publish.  On the kept producer's own
-    channel, one client is built and reused (same connection pool, same behaviour)."""
+    channel, one client is built and reused (same connection pool, same behaviour; the
+    ``kept-client`` seam)."""
     try:
         from kombu.transport.redis import Channel as RedisChannel
     except ImportError:  # pragma: no cover - kombu without its Redis transport
         return
-    if not isinstance(channel, RedisChannel):
-        return
-    create: Any = channel._create_client
-    kept: list[Any] = []
-
-    def create_client(asynchronous: bool = False) -> Any:
-        if asynchronous:
-            return create(asynchronous=True)
-        if not kept:
-            kept.append(create())
-        return kept[0]
-
-    setattr(channel, "_create_client", create_client)
+    if isinstance(channel, RedisChannel) and seams.active("kept-client"):
+        seams.keep_client(channel)
 
 
 def _seconds_until(expires: Any) -> Optional[float]:

@@ -10,6 +10,7 @@ from typing import Any, Optional
 import redis
 from celery import Celery
 
+from . import seams
 from .config import ThreadsConfig, read_config
 from .gate import ENDED, DeadRecord, DirectRelease, Gate, Outcome, Release, make_client
 from .keys import Keys
@@ -35,7 +36,8 @@ class Runtime:
         self.client = make_client(self.config.redis_url)
         self.keys = Keys(self.config.key_prefix, self.config.shards)
         self.gate = self._gate(self.client,
-                               direct_release(app, self.client) if self.config.direct_release
+                               direct_release(app, self.client)
+                               if self.config.direct_release and seams.active("direct-release")
                                else None)
         self.publisher = ReleasePublisher(app)
         self.pid = os.getpid()
