@@ -27,7 +27,7 @@ from typing import Any, Optional
 from bench import handoff as handoff_bench
 from bench import harness as h
 
-SPEED_SEAMS = ("handoff", "direct-release", "untracked-releases", "kept-client", "direct-line")
+SPEED_SEAMS = ("handoff", "direct-release", "untracked-releases", "direct-line")
 MEASURES = ("cpu_producer", "cpu_worker", "cpu_redis", "handoff_p50", "handoff_p90", "publish",
             "drain")
 LABELS = {"publish": "publish (tasks/s)", "drain": "drain (tasks/s)",

@@ -18,7 +18,6 @@ from kombu.serialization import dumps as _kombu_dumps
 from kombu.serialization import loads as _kombu_loads
 from kombu.serialization import prepare_accept_content
 
-from . import seams
 from .gate import Release
 
 logger = logging.getLogger(__name__)
@@ -313,8 +312,6 @@ class ReleasePublisher:
                 direct.update(retry=False, retry_policy=None)
             self._producer.publish(body, **direct)
             self._declared.update(q.name for q in declare)
-            if fresh:
-                _reuse_redis_client(self._producer.channel)
             return True
         except Exception:
             logger.debug("celery-threads: the kept producer failed; publishing Celery's way",
@@ -331,19 +328,6 @@ class ReleasePublisher:
                 producer.connection.close()
             except Exception:
                 pass
-
-
-def _reuse_redis_client(channel: Any) -> None:
-    """kombu's Redis transport builds a new redis-py client (a dict of some 170 response
-    callbacks) for every message it puts: 40% of a release's publish.  On the kept producer's own
-    channel, one client is built and reused (same connection pool, same behaviour; the
-    ``kept-client`` seam)."""
-    try:
-        from kombu.transport.redis import Channel as RedisChannel
-    except ImportError:  # pragma: no cover - kombu without its Redis transport
-        return
-    if isinstance(channel, RedisChannel) and seams.active("kept-client"):
-        seams.keep_client(channel)
 
 
 def _seconds_until(expires: Any) -> Optional[float]:

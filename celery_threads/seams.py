@@ -349,32 +349,6 @@ def settle_fetch(channel: Any) -> None:
         channel._brpop_read()
 
 
-# -- kept-client: one redis-py client for a kept producer's channel -----------------------------
-def _check_kept_client(app: Any = None) -> Optional[str]:
-    from kombu.transport.redis import Channel
-
-    create = getattr(Channel, "_create_client", None)
-    if not callable(create) or "asynchronous" not in inspect.signature(create).parameters:
-        return "kombu.transport.redis.Channel._create_client(asynchronous=...) is missing"
-    return None
-
-
-def keep_client(channel: Any) -> None:
-    """kombu's Redis transport builds a new redis-py client (a dict of some 170 response
-    callbacks) for every message it puts; on ``channel`` one is built and reused (same pool)."""
-    create: Any = channel._create_client
-    kept: list[Any] = []
-
-    def create_client(asynchronous: bool = False) -> Any:
-        if asynchronous:
-            return create(asynchronous=True)
-        if not kept:
-            kept.append(create())
-        return kept[0]
-
-    setattr(channel, "_create_client", create_client)
-
-
 # -- revoke-command: Celery's remote-control revoke ---------------------------------------------
 def _check_revoke_command(app: Any = None) -> Optional[str]:
     from celery.worker.control import Panel
@@ -490,8 +464,6 @@ SEAMS: dict[str, Seam] = {s.name: s for s in (
          _check_untracked_releases, "kombu tracks and acks releases (threads_track_releases)"),
     Seam("settle-fetch", "kombu", "kombu.transport.redis.Channel._in_poll/_brpop_read",
          _check_settle_fetch, "a fetch pending at shutdown is left to kombu"),
-    Seam("kept-client", "kombu", "kombu.transport.redis.Channel._create_client",
-         _check_kept_client, "kombu builds a client per publish"),
     Seam("revoke-command", "celery", "celery.worker.control.Panel.data['revoke']",
          _check_revoke_command, "a revoked waiting member is dropped when it is released"),
     Seam("request-state", "celery", "celery.worker.request.Request._already_revoked/"

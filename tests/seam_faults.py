@@ -38,17 +38,6 @@ def _untracked_releases() -> None:
     del QoS.append
 
 
-def _kept_client() -> None:
-    from kombu.transport.redis import Channel
-
-    original = Channel._create_client
-
-    def _create_client(self: Any, *args: Any, **kwargs: Any) -> Any:   # no 'asynchronous'
-        return original(self, *args, **kwargs)
-
-    Channel._create_client = _create_client
-
-
 def _revoke_command() -> None:
     from celery.worker.control import Panel
 
@@ -107,7 +96,7 @@ def _utf8_bodies() -> None:
 
 
 FAULTS = {"handoff": _handoff, "untracked-releases": _untracked_releases,
-          "kept-client": _kept_client, "revoke-command": _revoke_command,
+          "revoke-command": _revoke_command,
           "request-state": _request_state, "direct-line": _direct_line,
           "utf8-bodies": _utf8_bodies}
 

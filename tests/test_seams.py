@@ -79,12 +79,6 @@ def _break_untracked_releases(mp: pytest.MonkeyPatch) -> None:
     mp.delattr(QoS, "append")
 
 
-def _break_kept_client(mp: pytest.MonkeyPatch) -> None:
-    from kombu.transport.redis import Channel
-
-    mp.delattr(Channel, "_create_client")
-
-
 def _break_revoke_command(mp: pytest.MonkeyPatch) -> None:
     from celery.worker.control import Panel
 
@@ -106,7 +100,7 @@ def _break_direct_line(mp: pytest.MonkeyPatch) -> None:
 BREAK: dict[str, Callable[[pytest.MonkeyPatch], None]] = {
     "direct-release": _break_direct_release, "handoff": _break_handoff,
     "untracked-releases": _break_untracked_releases, "settle-fetch": _break_settle_fetch,
-    "kept-client": _break_kept_client, "revoke-command": _break_revoke_command,
+    "revoke-command": _break_revoke_command,
     "request-state": _break_request_state, "direct-line": _break_direct_line,
 }
 
@@ -181,8 +175,7 @@ def _faulted_worker(d: Any, faults: str, wait: bool = True) -> CeleryProcess:
     return proc.wait_ready() if wait else proc
 
 
-FALLBACKS = ("handoff", "untracked-releases", "kept-client", "revoke-command", "request-state",
-             "direct-line")
+FALLBACKS = ("handoff", "untracked-releases", "revoke-command", "request-state", "direct-line")
 
 
 def test_a_worker_on_changed_libraries_falls_back_and_keeps_threads_serial(proj, make_deployment,
