@@ -88,8 +88,12 @@ _lock = threading.Lock()
 
 
 def forced_off() -> set[str]:
+    """The seams ``CELERY_THREADS_SEAMS_OFF`` names (never one without a fallback: turning
+    ``utf8-bodies`` off would only make an old kombu's worker die on the gate's messages)."""
     names = {n.strip() for n in os.environ.get(OFF_ENV, "").split(",") if n.strip()}
-    return set(SEAMS) if "all" in names else names
+    if "all" in names:
+        names = set(SEAMS)
+    return {n for n in names if n in SEAMS and SEAMS[n].fallback}
 
 
 def active(name: str) -> bool:

@@ -50,16 +50,17 @@ LIBRARIES = ("celery", "kombu", "redis")
 NEWEST_PYTHON = "3.13"
 
 FULL = [
-    "tests/test_semantics.py", "tests/test_endings.py", "tests/test_publishing.py",
+    "tests/test_seams.py", "tests/test_semantics.py", "tests/test_endings.py", "tests/test_publishing.py",
     "tests/test_direct_release.py", "tests/test_noack.py", "tests/test_handoff.py",
     "tests/test_recovery.py", "tests/test_edges.py", "tests/test_brokers.py",
     "tests/test_pools.py", "tests/test_gevent.py", "tests/test_inprocess.py",
     "tests/test_gate_model.py", "tests/test_wire.py", "tests/test_redis_versions.py",
 ]
-# Each broker under each pool, direct releases (text and binary bodies), the direct line and the
-# function library, the handoff, untracked deliveries and a SIGKILLed worker on each broker.
+# Every seam's check and fallback, each broker under each pool, direct releases (text and binary
+# bodies), the direct line and the function library, the handoff, untracked deliveries and a
+# SIGKILLed worker on each broker.
 QUICK = [
-    "tests/test_pools.py", "tests/test_direct_release.py", "tests/test_wire.py",
+    "tests/test_seams.py", "tests/test_pools.py", "tests/test_direct_release.py", "tests/test_wire.py",
     "tests/test_brokers.py", "tests/test_handoff.py::test_the_next_members_run_in_the_finishing_pool_process",
     "tests/test_noack.py::test_threaded_deliveries_stay_out_of_the_unacked_index",
 ]
@@ -150,8 +151,11 @@ def ci_environment() -> Environment:
 def ensure(env: Environment, rebuild: bool) -> None:
     """Build the environment unless the cached one was built from the same pyproject and pins."""
     stamp = env.path / ".built"
+    built_from: tuple[object, ...] = (env.python, sorted(env.pins.items()))
+    if not env.extra:
+        built_from += ("no test extra",)
     digest = hashlib.sha256((ROOT / "pyproject.toml").read_bytes() + repr(
-        (env.python, sorted(env.pins.items()), env.extra)).encode()).hexdigest()
+        built_from).encode()).hexdigest()
     if not rebuild and stamp.exists() and stamp.read_text() == digest:
         return
     shutil.rmtree(env.path, ignore_errors=True)

@@ -105,6 +105,13 @@ BREAK: dict[str, Callable[[pytest.MonkeyPatch], None]] = {
 }
 
 
+def test_seams_turned_off_by_hand_take_their_fallback_but_never_the_utf8_codec(monkeypatch):
+    monkeypatch.setenv(seams.OFF_ENV, "all")
+    found = seams.report()
+    assert found.pop("utf8-bodies") is None
+    assert set(found.values()) == {f"turned off ({seams.OFF_ENV})"}
+
+
 def test_every_seam_with_a_fallback_has_a_fault_here():
     assert set(BREAK) == {n for n, s in seams.SEAMS.items() if s.fallback}
 
