@@ -3,7 +3,7 @@
     python -m tests.matrix            # the full matrix (about an hour on 2 cores)
     python -m tests.matrix --quick    # its diagonal with a smaller subset (a few minutes)
     python -m tests.matrix --rebuild  # also refresh the cached environments (newest releases)
-    python -m tests.matrix --ci       # what .ci/run adds: the oldest libraries, every seam (~2 min)
+    python -m tests.matrix --ci       # what .ci/run adds: the oldest libraries, every seam (<1 min)
 
 Two environments, built once under ``.matrix/`` (rebuilt when pyproject.toml changes):
 
