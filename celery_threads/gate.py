@@ -26,10 +26,11 @@ from redis.commands.core import Script
 from redis.retry import Retry
 
 from . import cluster
-from .compat import health_check_interval
+from . import seams
 from .errors import ConfigurationError, NotReplicated
 from .keys import Keys, ShardKeys, ThreadKeys
 from .redis_options import checked, client_kwargs
+from .seams import health_check_interval
 from .sentinel import is_sentinel_url, master_client
 
 logger = logging.getLogger(__name__)
@@ -321,7 +322,9 @@ class DirectLine:
     connection (handshake, AUTH, SELECT, TLS) and names the errors.  Anything unusual (no
     connection yet, a broken one, a script the server does not have) returns ``_MISSED``, and the
     caller goes the client's way, which connects, retries and loads scripts.  Only a reply the
-    server sent is returned or raised.
+    server sent is returned or raised.  The connection's socket and error parser are redis-py's
+    private parts (the ``direct-line`` seam, :mod:`celery_threads.seams`): where they are not as
+    assumed, every call goes the client's way.
     """
 
     def __init__(self, client: "redis.Redis", library: Optional[Library] = None,
@@ -333,6 +336,7 @@ class DirectLine:
         #: a command sent after each call on the same connection (the gate's WAIT): the call
         #: then returns both replies, as a tuple
         self._then = then
+        self._usable = True         # false once the seam turned out not to hold: the client's way
 
     def call(self, command: Callable[[bool], bytes]) -> Any:
         """The reply to ``command(functions)`` (a packed ``FCALL`` of the library's function when
@@ -342,6 +346,8 @@ class DirectLine:
         local = self._local
         sock = getattr(local, "sock", None)
         if sock is None or local.pid != os.getpid():
+            if not self._usable:
+                return _MISSED
             self._open()
             return _MISSED          # this call goes the client's way; the next ones come here
         conn = local.conn           # kept: _drop below forgets it, its parser still names errors
@@ -369,7 +375,7 @@ class DirectLine:
             self._drop()            # WAIT refused: a replica now (the script only read)
             return _MISSED
         if isinstance(reply, _ErrorReply):
-            error = conn._parser.parse_error(reply.message)
+            error = seams.parse_error(conn, reply.message)
             if isinstance(error, redis.exceptions.NoScriptError):
                 return _MISSED
             if reply.message.startswith("ERR Function not found"):
@@ -394,7 +400,12 @@ class DirectLine:
         except (redis.ConnectionError, redis.TimeoutError, OSError):
             conn.disconnect()
             return
-        local.conn, local.sock = conn, conn._sock
+        sock = seams.connection_socket(conn)
+        if sock is None:
+            self._usable = False
+            conn.disconnect()
+            return
+        local.conn, local.sock = conn, sock
 
     def _load_library(self, conn: Any) -> bool:
         """Whether the server has the library (loaded now, or by another process before, with

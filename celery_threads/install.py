@@ -4,8 +4,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from celery import signals
-from celery._state import connect_on_app_finalize
+from celery import shared_task, signals
 
 from .protocol import BEAT_ENTRY, DISPATCH_TASK
 
@@ -30,19 +29,16 @@ def install(app: Any) -> None:
     app.conf.beat_schedule = schedule
 
 
-@connect_on_app_finalize
-def _add_dispatch_task(app: Any) -> Any:
-    @app.task(name=DISPATCH_TASK, shared=False, lazy=False, ignore_result=True)
-    def dispatch() -> dict[str, int]:
-        """One dispatcher pass (beat's safety net beside each worker's own loop)."""
-        from .dispatcher import Dispatcher
-        from .runtime import get_runtime
+@shared_task(name=DISPATCH_TASK, bind=True, ignore_result=True)
+def _dispatch(self: Any) -> dict[str, int]:
+    """One dispatcher pass (beat's safety net beside each worker's own loop); a shared task, so
+    every app has it."""
+    from .dispatcher import Dispatcher
+    from .runtime import get_runtime
 
-        report = Dispatcher(get_runtime(app)).run_until_idle()
-        return {"released": report.released, "republished": report.republished,
-                "retried": report.retried, "died": report.died}
-
-    return dispatch
+    report = Dispatcher(get_runtime(self.app)).run_until_idle()
+    return {"released": report.released, "republished": report.republished,
+            "retried": report.retried, "died": report.died}
 
 
 @signals.worker_init.connect

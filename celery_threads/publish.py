@@ -308,8 +308,6 @@ class ReleasePublisher:
                 direct.update(retry=False, retry_policy=None)
             self._producer.publish(body, **direct)
             self._declared.update(q.name for q in declare)
-            if fresh:
-                _reuse_redis_client(self._producer.channel)
             return True
         except Exception:
             logger.debug("celery-threads: the kept producer failed; publishing Celery's way",
@@ -326,29 +324,6 @@ class ReleasePublisher:
                 producer.connection.close()
             except Exception:
                 pass
-
-
-def _reuse_redis_client(channel: Any) -> None:
-    """kombu's Redis transport builds a new redis-py client (a dict of some 170 response
-    callbacks) for every message it puts: 40% of a release's publish.  On the kept producer's own
-    channel, one client is built and reused (same connection pool, same behaviour)."""
-    try:
-        from kombu.transport.redis import Channel as RedisChannel
-    except ImportError:  # pragma: no cover - kombu without its Redis transport
-        return
-    if not isinstance(channel, RedisChannel):
-        return
-    create: Any = channel._create_client
-    kept: list[Any] = []
-
-    def create_client(asynchronous: bool = False) -> Any:
-        if asynchronous:
-            return create(asynchronous=True)
-        if not kept:
-            kept.append(create())
-        return kept[0]
-
-    setattr(channel, "_create_client", create_client)
 
 
 def _seconds_until(expires: Any) -> Optional[float]:

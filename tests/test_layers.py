@@ -12,7 +12,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "celery_threads"
 #: Bottom to top.  A module is named by its path under the package, without ``.py``.
 LAYERS: list[tuple[str, set[str]]] = [
     ("base: errors, signals, names, settings, adapters of other libraries",
-     {"errors", "signals", "keys", "protocol", "config", "redis_options", "compat"}),
+     {"errors", "signals", "keys", "protocol", "config", "redis_options", "seams"}),
     ("the gate: its Lua, loader, records and client", {"gate", "access", "cluster", "sentinel"}),
     ("publishing", {"publish"}),
     ("the per-process runtime and the dispatcher", {"runtime", "dispatcher"}),

@@ -40,6 +40,7 @@ import os
 import time
 from typing import Any, Callable, Iterator, NamedTuple, Optional
 
+from .. import seams
 from ..gate import Release
 from .lease import Lease, keeper
 from ..protocol import THREAD_HEADER, TOKEN_HEADER, is_threaded
@@ -180,19 +181,17 @@ def on_pool_process_start() -> None:
     process names them; a pool process looks them up by name when it unpickles a job)."""
     if _app is None or _allowed is None:
         return
-    if get_runtime(_app).config.local_handoff <= 0:
+    if get_runtime(_app).config.local_handoff <= 0 or not seams.active("handoff"):
         return
     from billiard.process import current_process
-    from celery.app import trace
 
     global _slot_at
     index = getattr(current_process(), "index", None)
     if _slots is not None and isinstance(index, int) and (index + 1) * _SLOT <= len(_slots):
         _slot_at = index * _SLOT
-    for name in ("fast_trace_task", "trace_task_ret"):
-        original = getattr(trace, name)
+    for name, original in seams.trace_functions():
         if not getattr(original, "_celery_threads", False):
-            setattr(trace, name, _wrap(original))
+            seams.wrap_trace_function(name, _wrap(original))
 
 
 def _wrap(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -455,10 +454,7 @@ def _events(taken: Taken) -> Optional[_Events]:
     if task is None or not getattr(task, "send_events", True):
         return None
     if not _dispatchers:
-        from celery.app import trace
-
-        hostname = (trace._localized[2] if len(trace._localized) > 2
-                    else taken.request.get("hostname"))
+        hostname = seams.pool_hostname(taken.request.get("hostname"))
         _dispatchers.append(_app.events.Dispatcher(
             _app.connection_for_write(), hostname=hostname, enabled=True,
             buffer_group=["task"], buffer_limit=1000))

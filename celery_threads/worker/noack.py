@@ -36,6 +36,7 @@ from typing import Any, Callable
 from celery import bootsteps
 from celery.worker import state as worker_state
 
+from .. import seams
 from ..protocol import DISPATCH_TASK, TOKEN_HEADER, is_threaded
 from ..publish import request_member
 from ..runtime import get_runtime
@@ -65,7 +66,7 @@ def mark_delivery(message: Any) -> bool:
     if tag is not None:
         no_ack = tag in (getattr(channel, "no_ack_consumers", None) or ())
     else:
-        delivered = getattr(getattr(channel, "qos", None), "_delivered", None)
+        delivered = seams.qos_delivered(getattr(channel, "qos", None))
         no_ack = delivered is not None and message.delivery_tag not in delivered
     if no_ack:
         message.ack = message.reject = message.requeue = _untracked
@@ -136,7 +137,7 @@ def untrack_releases(channel: Any) -> bool:
     from kombu.transport.redis import QoS as RedisQoS
 
     qos: Any = getattr(channel, "qos", None)
-    if not isinstance(qos, RedisQoS):
+    if not isinstance(qos, RedisQoS) or not seams.active("untracked-releases"):
         return False
     append: Any = getattr(qos, "append")
     if getattr(append, "_celery_threads", False):
@@ -165,7 +166,7 @@ def requeue_inbound(transport: Any) -> None:
     shutdown) delivers a message nobody consumes; kombu puts it back through the unacked index
     (track, then reject with requeue), so a release must be tracked there too, or it would wait
     for its release deadline."""
-    original = transport._reject_inbound_message
+    original, install = seams.reject_inbound_hook(transport)
     if getattr(original, "_celery_threads", False):
         return
 
@@ -177,7 +178,7 @@ def requeue_inbound(transport: Any) -> None:
             transport.__dict__[_REQUEUING] = False
 
     reject_inbound._celery_threads = True  # type: ignore[attr-defined]
-    transport._reject_inbound_message = reject_inbound
+    install(reject_inbound)
 
 
 def hand_back_on_pool_close(worker: Any) -> None:
@@ -247,9 +248,7 @@ def stop_fetching(consumer: Any) -> None:
         return
     try:
         task_consumer.cancel()
-        channel = task_consumer.channel
-        if getattr(channel, "_in_poll", None) and hasattr(channel, "_brpop_read"):
-            channel._brpop_read()
+        seams.settle_fetch(task_consumer.channel)
     except Exception:   # Empty (the fetch timed out), or a connection already gone
         logger.debug("celery-threads: settling the pending fetch at shutdown", exc_info=True)
 
@@ -259,6 +258,8 @@ def bound_prefetch(channel: Any) -> bool:
     prefetch count, whatever their queue (as Celery's ``worker_disable_prefetch`` does with the
     pool size).  ``False`` when the transport has no such hook (py-amqp)."""
     qos: Any = getattr(channel, "qos", None)
+    if not seams.active("untracked-releases"):
+        return False
     original = getattr(qos, "can_consume", None)
     if original is None or getattr(original, "_celery_threads", False):
         return original is not None

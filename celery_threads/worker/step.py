@@ -34,8 +34,8 @@ from celery.worker import state as worker_state
 from celery.worker.request import Request
 from celery.worker.strategy import default as default_strategy
 
+from .. import seams
 from . import handoff, lease, native
-from ..compat import ensure_utf8_bodies
 from ..errors import ConfigurationError
 from ..gate import Lapse, Renewal
 from .noack import CONSUMER_FLAG, hand_back_on_pool_close, mark_delivery
@@ -207,7 +207,7 @@ class ThreadedRequest(Request):
         if isinstance(exc, ExceptionWithTraceback):   # as Celery unwraps it (not Retry.exc)
             exc = exc.exc
         lost = isinstance(exc, (WorkerLostError, SystemExit, KeyboardInterrupt))
-        if token and lost and not (self._already_revoked or self._already_cancelled):
+        if token and lost and not seams.request_revoked(self):
             runtime = get_runtime(self.task.app)
             outcome = runtime.gate.fail(thread_id, self.id, token,
                                         f"WorkerLostError: {exc}; no retries were left")
@@ -235,7 +235,7 @@ class ThreadedRequest(Request):
 
         if self.store_errors:
             self.task.backend.mark_as_retry(self.id, exc, exc_info.traceback,
-                                            request=self._context)
+                                            request=seams.request_context(self))
         if self.task.acks_late:
             self.acknowledge()
         self.send_event("task-retried", exception=saferepr(exc), traceback=exc_info.traceback)
@@ -405,10 +405,11 @@ def wrap_revoke_command() -> None:
     only place that sees a plain revoke).  A released or running member ends as usual when a
     worker discards or terminates it."""
     from celery.utils.functional import maybe_list
-    from celery.worker.control import Panel
 
-    original = Panel.data.get("revoke")
-    if original is None or getattr(original, "_celery_threads", False):
+    if not seams.active("revoke-command"):
+        return
+    original, install = seams.revoke_command()
+    if getattr(original, "_celery_threads", False):
         return
 
     def revoke(state: Any, task_id: Any, terminate: bool = False, signal: Any = None,
@@ -428,7 +429,7 @@ def wrap_revoke_command() -> None:
 
     revoke._celery_threads = True  # type: ignore[attr-defined]
     revoke.__doc__ = original.__doc__
-    Panel.data["revoke"] = revoke
+    install(revoke)
 
 
 class LeaseRenewer:
@@ -500,7 +501,9 @@ class ThreadsWorkerStep(bootsteps.StartStopStep):
         self.renewer: Optional[LeaseRenewer] = None
         self.watchdog: Optional[lease.Watchdog] = None
         self.loop: Any = None
-        ensure_utf8_bodies()      # before the consumer fetches a release
+        # Before the consumer fetches a release; raises when a seam that cannot fall back does
+        # not hold (the worker does not start), else logs which seams are in use.
+        seams.check_worker(worker.app, get_runtime(worker.app).client)
         handoff.prepare(worker)   # before the pool forks
         lease.prepare(handoff.pool_size(worker))
 
