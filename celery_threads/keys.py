@@ -141,7 +141,7 @@ class Keys:
     @property
     def meta(self) -> str:
         """STRING: the shard count the gate's members were stored with (see
-        :func:`celery_threads.cluster.check_shards`)."""
+        :func:`celery_threads.gate.cluster.check_shards`)."""
         return f"{self.prefix}:shards"
 
     def all_shards(self) -> list[ShardKeys]:

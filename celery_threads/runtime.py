@@ -11,14 +11,13 @@ import redis
 from celery import Celery
 
 from . import seams
-from .access import check_access
-from .cluster import check_shards, is_cluster
 from .config import ThreadsConfig, forget_config, read_config
 from .gate import ENDED, DeadRecord, DirectRelease, Gate, Outcome, Release, make_client
+from .gate.access import check_access
+from .gate.cluster import check_shards, is_cluster
 from .keys import Keys
 from .protocol import THREAD_HEADER
-from .publish import (ReleaseExpired, ReleasePublisher, UndecodableEnvelope, publish_release,
-                      task_name)
+from .publish import ReleaseExpired, ReleasePublisher, UndecodableEnvelope, publish_release, task_name
 from .signals import member_dead
 
 logger = logging.getLogger(__name__)

@@ -1,6 +1,6 @@
 """A pure-Python reference model of the gate (one shard), for the model-based test.
 
-It states the semantics of ``celery_threads/lua/*.lua`` without Redis: a thread is a set of members,
+It states the semantics of ``celery_threads/gate/lua/*.lua`` without Redis: a thread is a set of members,
 at most one of which is *active* (RELEASED to a worker under a fencing token, or RUNNING under a
 lease); the others wait.  The head is the waiting member with the earliest scheduled_at, ties broken
 by arrival order.  After every transition that detaches or re-queues the active member, or adds a

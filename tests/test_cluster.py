@@ -24,7 +24,7 @@ from click.testing import CliRunner
 from redis.crc import key_slot
 
 from celery_threads import Threads
-from celery_threads.cluster import check_shards
+from celery_threads.gate.cluster import check_shards
 from celery_threads.errors import ConfigurationError
 from celery_threads.gate import Gate, make_client
 from celery_threads.keys import Keys, shard_tag

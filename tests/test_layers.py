@@ -13,7 +13,9 @@ PACKAGE = Path(__file__).resolve().parent.parent / "celery_threads"
 LAYERS: list[tuple[str, set[str]]] = [
     ("base: errors, signals, names, settings, adapters of other libraries",
      {"errors", "signals", "keys", "protocol", "config", "redis_options", "seams"}),
-    ("the gate: its Lua, loader, records and client", {"gate", "access", "cluster", "sentinel"}),
+    ("the gate: its Lua, loader, records and client",
+     {"gate", "gate.records", "gate.replies", "gate.library", "gate.client", "gate.wire",
+      "gate.api", "gate.access", "gate.cluster", "gate.sentinel"}),
     ("publishing", {"publish"}),
     ("the per-process runtime and the dispatcher", {"runtime", "dispatcher"}),
     ("the worker side", {"worker", "worker.step", "worker.lease", "worker.native",

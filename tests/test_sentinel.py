@@ -25,7 +25,7 @@ from celery_threads.config import read_config
 from celery_threads.errors import ConfigurationError
 from celery_threads.gate import make_client
 from celery_threads.runtime import direct_release
-from celery_threads.sentinel import SentinelAddress
+from celery_threads.gate.sentinel import SentinelAddress
 from tests.conftest import default_redis_binary, free_port
 from tests.helpers import tid, wait_for
 from tests.isolated import pointed_at

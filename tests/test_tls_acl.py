@@ -26,11 +26,11 @@ from celery import Celery
 from celery.bin.celery import celery as celery_command
 from click.testing import CliRunner, Result
 
-from celery_threads import Threads, access
-from celery_threads.access import acl_rules, check_access
+from celery_threads import Threads
 from celery_threads.config import read_config
 from celery_threads.errors import ConfigurationError
-from celery_threads.gate import make_client
+from celery_threads.gate import access, make_client
+from celery_threads.gate.access import acl_rules, check_access
 from celery_threads.keys import Keys
 from celery_threads.runtime import get_runtime
 from tests.conftest import (

@@ -37,7 +37,8 @@ def test_fields_and_queue_members(redis_server):
     """lua/_member.lua: a task id's field in the tasks hash (14 bytes for a UUID, whose record keeps
     the other two) and its queue member (a seq before the field), the same in Lua and Python;
     members ordered by Redis as a thread queue orders equal scores are in seq order."""
-    from celery_threads.gate import _load_lua, member_field, record_task, task_field
+    from celery_threads.gate import member_field, record_task, task_field
+    from celery_threads.gate.library import _load_lua
 
     client = redis.Redis(port=redis_server.port)
     encode = client.register_script(_load_lua("_member.lua") + """
@@ -84,7 +85,8 @@ def test_the_direct_line_reads_what_the_server_replies(redis_server):
     strings (one longer than a socket read) and integers; nested arrays and nulls; the server's
     error raised as redis-py would raise it; a script the server lost (SCRIPT FLUSH) and a
     connection the server closed both go the client's way, which loads and reconnects."""
-    from celery_threads.gate import _MISSED, _pack, _parse_reply, make_client
+    from celery_threads.gate import make_client
+    from celery_threads.gate.wire import _MISSED, _pack, _parse_reply
 
     client = make_client(redis_server.url())
     gate = Gate(client, Keys("W"), release_timeout_ms=1000)

@@ -25,8 +25,8 @@ import redis
 from redis.cluster import RedisCluster
 from redis.exceptions import ClusterDownError, ClusterError, SlotNotCoveredError, TryAgainError
 
-from .errors import ConfigurationError
-from .keys import Keys
+from ..errors import ConfigurationError
+from ..keys import Keys
 
 #: Errors of a call that did not run because its slot was moving or unassigned.
 _NOT_RUN = (TryAgainError, ClusterDownError, SlotNotCoveredError)

@@ -24,8 +24,8 @@ from kombu.utils.url import maybe_sanitize_url
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from .errors import ConfigurationError
-from .keys import Keys
+from ..errors import ConfigurationError
+from ..keys import Keys
 
 logger = logging.getLogger(__name__)
 
@@ -146,4 +146,4 @@ def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-_PROBE = resources.files("celery_threads").joinpath("lua/access.lua").read_text(encoding="utf-8")
+_PROBE = resources.files(__package__).joinpath("lua/access.lua").read_text(encoding="utf-8")

@@ -17,7 +17,7 @@ from urllib.parse import unquote, urlsplit
 import redis
 from redis.sentinel import Sentinel
 
-from .errors import ConfigurationError
+from ..errors import ConfigurationError
 
 SCHEME = "sentinel://"
 DEFAULT_PORT = 26379

@@ -1,0 +1,46 @@
+"""The gate: the Redis side of celery-threads, the single source of truth.
+
+Each transition is one atomic Lua script (``lua/*.lua``, sharing ``lua/_common.lua``), loaded as
+a function library where the server allows it (:mod:`.library`).  :class:`Gate` (:mod:`.api`)
+names the transitions and turns their replies (:mod:`.replies`) into Python values, over a
+client for the topology (:mod:`.client`: a single Redis, Sentinel, a Redis Cluster) and, on the
+hot path, a line of its own (:mod:`.wire`).
+"""
+from .api import DEAD_CHUNK, MAX_REPUBLISH_BACKOFF, Gate  # noqa: F401
+from .client import RETRY_BUDGET, SOCKET_TIMEOUT, BoundedRetry, make_client, wait_timeout_ms  # noqa: F401
+from .library import SCRIPT_NAMES, Library, function_library, script_sources  # noqa: F401
+from .records import (  # noqa: F401
+    DirectRelease,
+    Record,
+    call_id,
+    find_record,
+    member_field,
+    parse_record,
+    record_task,
+    task_field,
+)
+from .replies import (  # noqa: F401
+    ALREADY_CLAIMED,
+    CLAIMED,
+    DIED,
+    DONE,
+    ENDED,
+    NOOP,
+    NOT_YOURS,
+    RENEWED,
+    REPLIES,
+    REPUBLISH,
+    RETRIED,
+    STALE,
+    Claim,
+    DeadRecord,
+    Done,
+    Lapse,
+    Outcome,
+    Release,
+    Renewal,
+    Restart,
+    Scan,
+    ThreadSnapshot,
+)
+from .wire import DirectLine  # noqa: F401

@@ -1,0 +1,84 @@
+"""The gate's Redis client: timeouts, bounded retries, and the client for each topology (a single
+Redis, Sentinel, a Redis Cluster) with the options of ``threads_redis_options``.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Optional
+
+import redis
+from redis.backoff import ExponentialBackoff
+from redis.retry import Retry
+
+from ..redis_options import checked, client_kwargs
+from ..seams import health_check_interval
+from . import cluster
+from .sentinel import is_sentinel_url, master_client
+
+#: How long a gate call waits for Redis to accept a connection, or to answer, before it counts as
+#: failed (and is retried): no call waits forever on a link that went silent.
+SOCKET_TIMEOUT = 5.0
+#: A call's retries give up this long after its first failure: the last replay of a call is sent
+#: at most this plus ``SOCKET_TIMEOUT`` after the call, within the gate's ENDED_WINDOW (30 s,
+#: lua/_common.lua) of remembering what ended.
+RETRY_BUDGET = 15.0
+
+
+def wait_timeout_ms(keepalive_ms: int) -> int:
+    """How long a transition's ``WAIT`` (``threads_wait_replicas``) waits for the replicas: a
+    tenth of the keepalive, within 0.1 to 1 s.  A replica on a working link confirms in about a
+    millisecond, so the bound only matters when one lags or is gone; then every call waits it out,
+    and it must stay well inside the lease that a claim's caller starts counting before it sends
+    the claim (celery_threads.lease), and below ``SOCKET_TIMEOUT``."""
+    return int(min(1000, max(100, keepalive_ms // 10)))
+
+
+class BoundedRetry(Retry):
+    """redis-py's :class:`~redis.retry.Retry`, which also gives up ``budget`` seconds after a
+    call's first failure (attempts on a silent link each wait ``SOCKET_TIMEOUT``)."""
+
+    def __init__(self, backoff: Any, retries: int, budget: float) -> None:
+        super().__init__(backoff, retries)
+        self.budget = budget
+
+    def call_with_retry(  # its signature varies across redis-py 5-8: the rest passes through
+            self, do: Callable[[], Any], fail: Callable[..., Any], *args: Any,
+            **kwargs: Any) -> Any:
+        started: list[float] = []
+
+        def fail_within_budget(error: Any, *count: Any) -> Any:
+            if not started:
+                started.append(time.monotonic())
+            result = fail(error, *count)
+            if time.monotonic() - started[0] > self.budget:
+                raise error
+            return result
+
+        return super().call_with_retry(do, fail_within_budget, *args, **kwargs)
+
+
+def make_client(url: str, options: Optional[dict[str, Any]] = None) -> "redis.Redis":
+    """A client that rides out short Redis outages: each command is retried with backoff for at
+    most ``RETRY_BUDGET`` seconds, and a connection that gives no answer for ``SOCKET_TIMEOUT``
+    seconds counts as broken.  ``options``: ``ThreadsConfig.redis_options`` (TLS, timeouts...),
+    over these; a URL's query (``?ssl_ca_certs=...``) wins over both, as in redis-py.
+    ``cluster: True`` makes it a Redis Cluster client (:mod:`celery_threads.gate.cluster`).
+
+    A script call replayed after its reply was lost gives the reply of the call that ran: each
+    transition recognizes its own replay (lua/_common.lua ``replayed``; claim by its claimant).
+    """
+    kwargs: dict[str, Any] = {
+        "retry": BoundedRetry(ExponentialBackoff(cap=1.0, base=0.05), 20, RETRY_BUDGET),
+        "retry_on_error": [redis.ConnectionError, redis.TimeoutError],
+        "health_check_interval": health_check_interval(30),
+        "socket_keepalive": True,
+        "socket_timeout": SOCKET_TIMEOUT,
+        "socket_connect_timeout": SOCKET_TIMEOUT,
+    }
+    cluster_mode = bool((options or {}).get("cluster"))
+    kwargs.update(client_kwargs(options))
+    if cluster_mode:
+        return cluster.make_cluster_client(url, kwargs, RETRY_BUDGET)  # type: ignore[return-value]
+    if is_sentinel_url(url):
+        return master_client(url, kwargs, options)
+    return checked(redis.Redis.from_url(url, **kwargs))

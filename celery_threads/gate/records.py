@@ -1,0 +1,100 @@
+"""What the gate stores, as Python reads it: a member's field and record in its shard's tasks
+hash, and the small values the calls carry (a direct release's queue, a call's id).
+"""
+from __future__ import annotations
+
+import secrets
+import uuid
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Optional
+
+
+def task_field(task_id: str) -> tuple[bytes, Optional[bytes]]:
+    """A member's short field in the shard's tasks hash (``task_field`` in lua/_member.lua), and for
+    a UUID the two bytes its record keeps: a lowercase UUID as its first 14 bytes, another id as
+    written when shorter than 14 bytes, else behind ``\\1``."""
+    if len(task_id) == 36 and task_id == task_id.lower():
+        try:
+            parsed = uuid.UUID(task_id)
+        except ValueError:
+            parsed = None
+        if parsed is not None and str(parsed) == task_id:
+            return parsed.bytes[:14], parsed.bytes[14:]
+    raw = task_id.encode()
+    return (raw if len(raw) < 14 else b"\x01" + raw), None
+
+
+def find_record(client: Any, tasks_key: str, task_id: str) -> tuple[Optional[bytes], Optional[bytes]]:
+    """``(field, record)`` of a member, or ``(None, None)`` (``find_member`` in lua/_member.lua):
+    a UUID whose first 14 bytes another member held when it arrived is keyed by its long form."""
+    field, tail = task_field(task_id)
+    fields = [field] if tail is None else [field, b"\x01" + task_id.encode()]
+    found = client.hmget(tasks_key, fields)
+    for field, record in zip(fields, found):
+        if record is not None and (len(field) != 14 or record[1:3] == tail):
+            return field, record
+    return None, None
+
+
+def record_task(field: bytes, record: bytes) -> str:
+    """The task id a tasks-hash field names (a 14-byte field's record holds the id's last bytes)."""
+    if len(field) == 14:
+        return str(uuid.UUID(bytes=field + record[1:3]))
+    return (field if len(field) < 14 else field[1:]).decode()
+
+
+def member_field(member: Any) -> bytes:
+    """The tasks-hash field in a thread queue's member (``queue_member`` in lua/_member.lua): a
+    length byte, the seq big-endian, then the field."""
+    raw = member if isinstance(member, bytes) else str(member).encode()
+    return raw[raw[0] + 1:]
+
+
+class Record(NamedTuple):
+    """A member's record: its value in the shard's tasks hash (see ``make_record`` in Lua)."""
+
+    seq: int                # arrival order (the shard counter)
+    retries: int
+    max_retries: int        # -1: unlimited
+    retry_delay_ms: int
+    thread_id: str
+    envelope: bytes
+
+
+def parse_record(record: bytes) -> Record:
+    """``[\\2 <two bytes>]seq|retries|max_retries|retry_delay_ms|<length of thread id>\\n<thread id>
+    <envelope>`` (the two bytes: the end of a UUID keyed by its first 14, see ``task_field``)."""
+    if record[:1] == b"\x02":
+        record = record[3:]
+    header, _, rest = record.partition(b"\n")
+    seq, retries, max_retries, delay, tlen = (int(x) for x in header.split(b"|"))
+    return Record(seq, retries, max_retries, delay, rest[:tlen].decode(), rest[tlen:])
+
+
+@dataclass(frozen=True)
+class DirectRelease:
+    """Where the scripts push a release's message: kombu's Redis transport on the gate's server.
+
+    ``broker_db`` is the broker's database, ``gate_db`` the gate client's (a script switches to the
+    first for the push and back), ``key_prefix`` kombu's ``global_keyprefix`` transport option.
+    """
+
+    gate_db: int
+    broker_db: int
+    key_prefix: str = ""
+
+    def argument(self) -> str:
+        return f"{self.gate_db}|{self.broker_db}|{self.key_prefix}"
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def call_id(caller: Optional[str] = None) -> str:
+    """``caller``, or a fresh id for a call that is its own (see ``Gate.finish``)."""
+    return caller or secrets.token_hex(8)
+
+
+def _max_retries(value: Optional[int]) -> int:
+    return -1 if value is None else int(value)

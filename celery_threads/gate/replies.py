@@ -1,0 +1,117 @@
+"""What the gate's transitions answer: each script's status as an enum, and the records the
+replies carry (a release, an outcome, a scan, a snapshot, a dead record).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import Any, Optional
+
+
+# Each script's reply status, named (the Lua scripts' headers say when each is returned).
+class Done(IntEnum):
+    """enqueue, release, finish, requeue (and replace), kill, delete: whether it happened."""
+    NOOP = 0
+    DONE = 1
+
+
+class Claim(IntEnum):
+    """claim: the release no longer holds its thread, or it is now the caller's, or another
+    delivery's."""
+    STALE = 0
+    CLAIMED = 1
+    ALREADY_CLAIMED = 2
+
+
+class Renewal(IntEnum):
+    """renew: the token no longer holds the thread, or the lease (release deadline) is renewed,
+    or the member is claimed by another delivery (or its claim is gone)."""
+    STALE = 0
+    RENEWED = 1
+    NOT_YOURS = 2
+
+
+class Lapse(IntEnum):
+    """expire, fail, handback: what became of an active member whose release or lease lapsed, or
+    whose attempt failed: nothing, published again under its token, re-entered for a retry, or
+    dead."""
+    NOOP = 0
+    REPUBLISH = 2
+    RETRIED = 3
+    DIED = 4
+
+
+class Restart(IntEnum):
+    """restart: not in the dead-letter store, back in its thread, or a member again already."""
+    UNKNOWN = 0
+    RESTARTED = 1
+    ALREADY_MEMBER = 2
+
+
+#: The statuses each script replies with (``Done`` for the others).
+REPLIES: dict[str, type[IntEnum]] = {"claim": Claim, "renew": Renewal, "expire": Lapse,
+                                     "fail": Lapse, "handback": Lapse, "restart": Restart}
+# The names callers use most.
+DONE, NOOP = Done.DONE, Done.NOOP
+CLAIMED, ALREADY_CLAIMED, STALE = Claim.CLAIMED, Claim.ALREADY_CLAIMED, Claim.STALE
+RENEWED, NOT_YOURS = Renewal.RENEWED, Renewal.NOT_YOURS
+REPUBLISH, RETRIED, DIED = Lapse.REPUBLISH, Lapse.RETRIED, Lapse.DIED
+#: delete's info when a replayed call finds the member already gone (it may have been RUNNING).
+ENDED = "ENDED"
+
+
+@dataclass(frozen=True)
+class Release:
+    """A member the gate has just released: publish its envelope with this fencing token (unless
+    the script has already published it: then ``published`` is true and ``envelope`` empty)."""
+
+    thread_id: str
+    task_id: str
+    token: str
+    retries: int
+    envelope: bytes
+    published: bool = False   # the gate published it itself (Gate(direct=...)); nothing to send
+
+
+@dataclass(frozen=True)
+class Outcome:
+    status: int         # the script's status, as its enum (:data:`REPLIES`)
+    info: str
+    release: Optional[Release]
+
+    @property
+    def done(self) -> bool:
+        return self.status == DONE
+
+
+@dataclass(frozen=True)
+class Scan:
+    now_ms: int
+    due: list[str]
+    lapsed: list[str]
+    next_ms: Optional[int]    # earliest future entry of either index; None when there is none
+
+
+@dataclass(frozen=True)
+class ThreadSnapshot:
+    thread_id: str
+    active: dict[str, str]
+    waiting: list[tuple[str, int]]      # (task id, scheduled_at ms) in release order
+    records: dict[str, bytes]
+    due_at: Optional[int]
+
+
+@dataclass(frozen=True)
+class DeadRecord:
+    task_id: str
+    meta: dict[str, Any]
+    envelope: bytes
+    died_at_ms: int
+
+    @classmethod
+    def parse(cls, task_id: str, raw: bytes) -> "DeadRecord":
+        """``died_at_ms[|caller] \n meta_json \n envelope`` (the caller: the call that killed
+        it, lua/_common.lua ``kill_active``)."""
+        died_at, meta, envelope = raw.split(b"\n", 2)
+        return cls(task_id, json.loads(meta), envelope, int(died_at.split(b"|", 1)[0]))
