@@ -52,7 +52,7 @@ def _start_cluster(stack: h.Stack, masters: int = 3) -> list[int]:
             "--cluster-config-file", f"{stack.logdir}/nodes-{port}.conf", "--save", "",
             "--appendonly", "no", "--dir", stack.logdir], logdir=stack.logdir).start())
     for port in ports:
-        _wait(lambda: _pings(port), f"redis-server on {port}")
+        _wait(lambda port=port: _pings(port), f"redis-server on {port}")
     subprocess.run([REDIS_CLI, "--cluster", "create", *[f"127.0.0.1:{p}" for p in ports],
                     "--cluster-replicas", "0", "--cluster-yes"],
                    check=True, capture_output=True, timeout=60)
@@ -125,7 +125,7 @@ def _run(url: str, options: dict[str, Any], shards: int, ports: list[int], proce
             "per_life": sum(usec) / lives, "cpu": cpu}
 
 
-def main(argv: "list[str] | None" = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.cluster", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seconds", type=float, default=10.0, help="run time per topology (10)")

@@ -32,7 +32,7 @@ def _server(stack: Any, name: str, *args: str) -> h.RedisServer:
     return server.start()
 
 
-def _lives(gate: Any, client: "redis.Redis", calls: int, tag: str) -> tuple[float, float, float]:
+def _lives(gate: Any, client: redis.Redis, calls: int, tag: str) -> tuple[float, float, float]:
     """Wall µs per transition, Redis µs per script call, Redis µs per WAIT."""
     client.config_resetstat()
     started = time.perf_counter()
@@ -48,7 +48,7 @@ def _lives(gate: Any, client: "redis.Redis", calls: int, tag: str) -> tuple[floa
     return wall, top["usec"] / top["calls"], wait["usec"] / wait["calls"] if wait else 0.0
 
 
-def main(argv: "list[str] | None" = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.durability", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--calls", type=int, default=2000, help="lives per setting and repeat (2,000)")

@@ -87,7 +87,7 @@ def _one(tasks: Any, stack: h.Stack, server: Any, client: Any, env: dict[str, st
             "handoff_p50": h.pct(gaps, 50), "handoff_p90": h.pct(gaps, 90)}
 
 
-def main(argv: "list[str] | None" = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.seams", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repeats", type=int, default=3)

@@ -2,8 +2,18 @@
 from . import install as _install  # noqa: F401  (connects the app-finalize and worker hooks)
 from .errors import InvalidThreadId, ThreadsError
 from .task import ThreadedTask
-from .threads import (ActiveStatus, DeadTask, MemberInfo, Stats, StuckThread, ThreadInfo, Threads,
-                      ThreadStatus, ThreadSummary, WaitingStatus)
+from .threads import (
+                      ActiveStatus,
+                      DeadTask,
+                      MemberInfo,
+                      Stats,
+                      StuckThread,
+                      ThreadInfo,
+                      Threads,
+                      ThreadStatus,
+                      ThreadSummary,
+                      WaitingStatus,
+)
 
 __all__ = [
     "ActiveStatus",

@@ -11,8 +11,9 @@ import functools
 import json
 import shutil
 import textwrap
+from collections.abc import Sequence
 from datetime import datetime
-from typing import Any, Callable, NamedTuple, Optional, Sequence, TypeVar, cast
+from typing import Any, Callable, NamedTuple, Optional, TypeVar, cast
 
 import click
 import redis

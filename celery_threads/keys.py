@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def shard_tag(shard: int, shards: int) -> str:
     """The hash tag's content of shard ``shard`` of ``shards``: ``0`` for a single shard, else the
     first ``<shard>.<k>`` whose slot is in the shard's range (a few dozen tries at most)."""
@@ -93,7 +93,7 @@ class ShardKeys:
         announce as revoked (the ``task-revoked`` event Flower shows)."""
         return f"{self.tag}:deleted:{task_id}"
 
-    def thread(self, thread_id: str) -> "ThreadKeys":
+    def thread(self, thread_id: str) -> ThreadKeys:
         return ThreadKeys(self, thread_id)
 
 

@@ -18,7 +18,8 @@ that builds a Sentinel or Cluster client; :func:`client_kwargs` leaves them out 
 from __future__ import annotations
 
 import ssl
-from typing import Any, Mapping, Optional
+from collections.abc import Mapping
+from typing import Any, Optional
 from urllib.parse import urlsplit
 
 import redis
@@ -82,7 +83,7 @@ def client_kwargs(options: Optional[Mapping[str, Any]]) -> dict[str, Any]:
     return {key: value for key, value in (options or {}).items() if key not in TOPOLOGY_KEYS}
 
 
-def checked(client: "redis.Redis") -> "redis.Redis":
+def checked(client: redis.Redis) -> redis.Redis:
     """``client``, once its connection class takes the options (it connects only when used, and
     an option redis-py does not know would fail there, on first use)."""
     pool = getattr(client, "connection_pool", None)

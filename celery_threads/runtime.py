@@ -52,7 +52,7 @@ class Runtime:
         self.publisher = ReleasePublisher(app)
         self.pid = os.getpid()
 
-    def _gate(self, client: "redis.Redis", direct: Optional[DirectRelease]) -> Gate:
+    def _gate(self, client: redis.Redis, direct: Optional[DirectRelease]) -> Gate:
         return Gate(client, self.keys, release_timeout_ms=self.config.release_timeout_ms,
                     keepalive_ms=self.config.keepalive_ms, direct=direct,
                     wait_replicas=self.config.wait_replicas)

@@ -229,8 +229,8 @@ def lua_message(body: str, utf8: bool) -> str:
     import base64
 
     encoded = json.dumps(body) if utf8 else '"' + base64.b64encode(body.encode()).decode() + '"'
-    props = {"correlation_id": "i", "reply_to": "r", "delivery_mode": 2, "delivery_info": {"exchange": "", "routing_key": "q"},
-             "priority": 0, "delivery_tag": "seq:1:2",
+    props = {"correlation_id": "i", "reply_to": "r", "delivery_mode": 2,
+             "delivery_info": {"exchange": "", "routing_key": "q"}, "priority": 0, "delivery_tag": "seq:1:2",
              "body_encoding": "utf-8" if utf8 else "base64"}
     return ('{"body":' + encoded + ',"content-encoding":"utf-8","content-type":'
             '"application/json","headers":{"task":"t","id":"i","retries":0,"eta":null,'

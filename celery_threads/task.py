@@ -4,11 +4,11 @@ from __future__ import annotations
 import inspect
 import logging
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator, NamedTuple, Optional, Union
+from typing import Any, Callable, NamedTuple, Optional, Union
 
 import redis
-
 from celery import Task
 from celery.exceptions import Ignore, Reject, Retry
 from celery.utils import uuid
@@ -17,12 +17,12 @@ from celery.utils.saferepr import saferepr
 from .errors import GateUnavailable, InvalidThreadId
 from .gate import Claim, Outcome
 from .install import install
-from .protocol import (OUR_HEADERS, THREAD_HEADER, TOKEN_HEADER, eta_ms,
-                       normalize_thread_id, retry_settings)
+from .protocol import OUR_HEADERS, THREAD_HEADER, TOKEN_HEADER, eta_ms, normalize_thread_id, retry_settings
 from .publish import CapturingProducer
 from .runtime import Runtime, get_runtime
 from .worker import handoff
-from .worker.lease import Keeper, Lease, keeper as lease_keeper, new_claimant
+from .worker.lease import Keeper, Lease, new_claimant
+from .worker.lease import keeper as lease_keeper
 
 logger = logging.getLogger(__name__)
 
@@ -174,7 +174,7 @@ class ThreadedTask(Task):
         return result
 
     def _reenter(self, runtime: Runtime, thread_id: str, task_id: str, token: str,
-                 reentry: "Reentry", caller: Optional[str] = None) -> Outcome:
+                 reentry: Reentry, caller: Optional[str] = None) -> Outcome:
         """The member (task, token) goes back to waiting with a retry's new message; returns the
         gate's outcome (its release, of the next member, for the caller to publish).  A
         replacement (``self.replace``) takes the member's place in its thread, or ends it and
@@ -203,7 +203,7 @@ class ThreadedTask(Task):
         return outcome
 
     def _replace_elsewhere(self, runtime: Runtime, thread_id: str, task_id: str, token: str,
-                           reentry: "Reentry", replacement: "Replacement",
+                           reentry: Reentry, replacement: Replacement,
                            caller: Optional[str] = None) -> Outcome:
         """The member ends, then its replacement joins the replacement's own thread as a new
         arrival under the same task id; returns that enqueue's outcome."""
@@ -291,8 +291,8 @@ class ThreadedTask(Task):
         return claimed_ms, keeper.lease(thread_id, task_id, token, claimant, sent)
 
     def _ended(self, runtime: Runtime, thread_id: str, task_id: str, token: str, retries: int,
-               exc: Optional[BaseException], reentry: Optional["Reentry"],
-               ending: "handoff.Ending") -> None:
+               exc: Optional[BaseException], reentry: Optional[Reentry],
+               ending: handoff.Ending) -> None:
         """Apply the member's ending to the gate, once its body has fully unwound.  Called again
         with the same arguments when the gate did not answer (see :func:`_record_end`)."""
         gate = runtime.gate

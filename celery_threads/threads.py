@@ -1,8 +1,9 @@
 """``Threads(app)``: inspect and steer threads and the dead-letter store."""
 from __future__ import annotations
 
+from collections.abc import Iterator
 from datetime import datetime, timezone
-from typing import Any, Iterator, NamedTuple, Optional
+from typing import Any, NamedTuple, Optional
 
 from celery import Celery
 
@@ -215,7 +216,7 @@ class Threads:
                 stuck = _stuck_active(thread_id, score, active, now, cutoff)
                 if stuck is not None:
                     found.append(stuck)
-            for (thread_id, score), (active, _, head) in zip(due, rows[len(lapsed):]):
+            for (thread_id, _score), (active, _, head) in zip(due, rows[len(lapsed):]):
                 if active or head is None or head[1] > cutoff:
                     continue        # released, or displaced by a later head, since the read
                 found.append(_stuck_head(thread_id, head[0], head[1], now))

@@ -52,8 +52,7 @@ from typing import Any, Optional
 
 import redis
 
-from tests.checker import (DeadLetter, Deletion, Enqueue, Event, GateState, Limits, Report,
-                           check)
+from tests.checker import DeadLetter, Deletion, Enqueue, Event, GateState, Limits, Report, check
 from tests.conftest import CeleryProcess, RedisServer
 from tests.netfault import Relay
 
@@ -273,7 +272,7 @@ class Cluster:
                 pids.update(w.children())
         return pids
 
-    def kill_child(self, rng: random.Random, history: "redis.Redis", key: str,
+    def kill_child(self, rng: random.Random, history: redis.Redis, key: str,
                    deadline: float) -> Optional[int]:
         """SIGKILL a pool child in the middle of user code (at least 150 ms of sleep left)."""
         from tests.chaos_tasks import now_us, record
@@ -348,7 +347,7 @@ class Cluster:
         record("redis_up")
 
     # -- reading --------------------------------------------------------------------------
-    def gate_client(self) -> "redis.Redis":
+    def gate_client(self) -> redis.Redis:
         return redis.Redis.from_url(self.env["CHAOS_GATE_URL"])
 
     def gate_busy(self) -> int:
@@ -442,7 +441,7 @@ _LEASE_KILL = re.compile(_LOG_TIME + r".*killed pool process (?P<pid>\d+)")
 _UNRECORDED = re.compile(_LOG_TIME + r".*could not record the end of (?P<task>\S+) of thread")
 
 
-def _log_time(match: "re.Match[str]") -> int:
+def _log_time(match: re.Match[str]) -> int:
     """A Celery log line's time (local time, ms) in µs since the epoch."""
     at = time.mktime(time.strptime(match["at"], "%Y-%m-%d %H:%M:%S"))
     return int(at * 1e6) + int(match["ms"]) * 1000
@@ -484,7 +483,7 @@ def _drop_amqp(queue: str, exchange: str) -> None:
         print(f"could not delete RabbitMQ queue {queue}: {exc}", file=sys.stderr)
 
 
-def open_spans(client: "redis.Redis", key: str, n: int = 400) -> list[dict[str, Any]]:
+def open_spans(client: redis.Redis, key: str, n: int = 400) -> list[dict[str, Any]]:
     """The ``start`` rows among the last ``n`` history rows that have no ``end`` yet."""
     spans: dict[tuple[str, str, int], dict[str, Any]] = {}
     for raw in client.lrange(key, -n, -1):

@@ -74,7 +74,7 @@ def configure(env: Any = os.environ) -> None:
 HISTORY_URL = UNREACHABLE
 HISTORY_KEY = "chaos:run:history"
 RETRY_DELAY = 0.3
-_client: Optional["redis.Redis"] = None
+_client: Optional[redis.Redis] = None
 _client_pid = 0
 configure()
 
@@ -86,7 +86,7 @@ return us
 """
 
 
-def history() -> "redis.Redis":
+def history() -> redis.Redis:
     """This process's client of the history server (a forked child makes its own)."""
     global _client, _client_pid
     if _client is None or _client_pid != os.getpid():
@@ -106,7 +106,7 @@ def record(kind: str, **fields: Any) -> int:
     return int(history().eval(_APPEND, 1, HISTORY_KEY, row))
 
 
-def read_history(client: "redis.Redis", key: str) -> list[dict[str, Any]]:
+def read_history(client: redis.Redis, key: str) -> list[dict[str, Any]]:
     rows = []
     for raw in client.lrange(key, 0, -1):
         stamp, _, body = raw.decode().partition(" ")

@@ -89,8 +89,9 @@ What is checked, and the approximations it rests on:
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Optional
 
 INF = float("inf")
 SLACK_US = 2_000        # the gate's clock is in ms, and countdowns are truncated to ms

@@ -14,8 +14,9 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Optional
 
 import pytest
 import redis
@@ -141,13 +142,13 @@ class CeleryProcess:
         self.proc: Optional[subprocess.Popen[bytes]] = None
         self.nodename = ""
 
-    def start(self) -> "CeleryProcess":
+    def start(self) -> CeleryProcess:
         self._logfile = open(self.log, "ab")
         self.proc = subprocess.Popen(self.cmd, env=self.env, cwd=ROOT, stdout=self._logfile,
                                      stderr=subprocess.STDOUT, start_new_session=True)
         return self
 
-    def wait_ready(self, timeout: float = 30) -> "CeleryProcess":
+    def wait_ready(self, timeout: float = 30) -> CeleryProcess:
         needle = b"ready." if self.kind == "worker" else b"beat: Starting"
         end = time.time() + timeout
         while time.time() < end:

@@ -7,8 +7,9 @@ flushed for each test, with no worker and no beat running on them.
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import redis
 

@@ -54,7 +54,7 @@ app.conf.update(
 )
 
 
-def routing(env: "dict[str, str] | os._Environ[str]") -> dict:
+def routing(env: dict[str, str] | os._Environ[str]) -> dict:
     """CT_NOACK_QUEUE: threaded tasks go to that queue, consumed without broker acknowledgements
     (CT_NOACK_PLAIN=1 sends the plain task there too); else Celery's default routing."""
     noack = env.get("CT_NOACK_QUEUE")
@@ -77,10 +77,10 @@ app.conf.update(routing(os.environ))
 if os.environ.get("CT_UNACKED_RESTORE"):
     app.conf.broker_transport_options.update(unacked_restore_interval=1, unacked_restore_throttle=1)
 
-_history: "redis.Redis[bytes] | None" = None
+_history: redis.Redis[bytes] | None = None
 
 
-def history() -> "redis.Redis[bytes]":
+def history() -> redis.Redis[bytes]:
     global _history
     if _history is None or getattr(_history, "_pid", None) != os.getpid():
         _history = redis.Redis.from_url(HISTORY_URL)
@@ -108,7 +108,7 @@ class _Span:
     def __init__(self, task: ThreadedTask, thread: str, label: str) -> None:
         self.args = (thread, label, task.request.id)
 
-    def __enter__(self) -> "_Span":
+    def __enter__(self) -> _Span:
         _record(self.args[0], "start", *self.args[1:])
         return self
 
@@ -319,7 +319,7 @@ def plain(self, thread, label, sleep=0.0):
     return label
 
 
-def _replacement(how: str, thread: str, label: str, target: "str | None") -> object:
+def _replacement(how: str, thread: str, label: str, target: str | None) -> object:
     from celery import chain, group
 
     if how == "same":

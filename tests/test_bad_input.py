@@ -16,15 +16,16 @@ import shutil
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import redis
 import redis.retry
 from celery import Task
 
-from celery_threads import Threads, ThreadedTask
+from celery_threads import ThreadedTask, Threads
 from celery_threads.errors import GateUnavailable
 from celery_threads.publish import CapturingProducer, decode_envelope
 from celery_threads.runtime import get_runtime

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import signal
+
 import pytest
 
 from celery_threads import Threads

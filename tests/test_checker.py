@@ -5,8 +5,7 @@ from typing import Optional
 
 import pytest
 
-from tests.checker import (INF, DeadLetter, Deletion, Enqueue, Event, GateState, Limits, Report,
-                           check)
+from tests.checker import INF, DeadLetter, Deletion, Enqueue, Event, GateState, Limits, Report, check
 
 LIMITS = Limits(keepalive=8.0, dispatch_interval=0.5, retry_delay=0.3)
 MS = 1000      # the checker works in µs; the histories below are written in ms

@@ -21,8 +21,7 @@ from click.testing import CliRunner, Result
 
 from celery_threads import Threads
 from tests.helpers import tid
-from tests.isolated import (envelope, gate_in_the_past, isolated_env, kill_member,
-                            pointed_at)
+from tests.isolated import envelope, gate_in_the_past, isolated_env, kill_member, pointed_at
 
 ROOT = Path(__file__).resolve().parent.parent
 HOUR = 3600.0

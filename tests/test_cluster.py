@@ -15,7 +15,8 @@ import tempfile
 import threading
 import time
 import uuid
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import redis
@@ -24,9 +25,9 @@ from click.testing import CliRunner
 from redis.crc import key_slot
 
 from celery_threads import Threads
-from celery_threads.gate.cluster import check_shards
 from celery_threads.errors import ConfigurationError
 from celery_threads.gate import Gate, make_client
+from celery_threads.gate.cluster import check_shards
 from celery_threads.keys import Keys, shard_tag
 from tests.conftest import Deployment, RedisServer, configure_client, deployment_env, redis_binaries
 from tests.helpers import assert_serial, starts, tid, wait_for
@@ -82,7 +83,7 @@ class RedisClusterServers:
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.ports[0]}/0"
 
-    def node(self, port: int) -> "redis.Redis[bytes]":
+    def node(self, port: int) -> redis.Redis[bytes]:
         return redis.Redis(port=port)
 
     def node_id(self, port: int) -> str:

@@ -14,7 +14,8 @@ import collections
 import threading
 import time
 import uuid
-from typing import Any, Callable, Iterator
+from collections.abc import Iterator
+from typing import Any, Callable
 
 import pytest
 import redis
@@ -116,11 +117,11 @@ def gate(redis_server) -> Iterator[Gate]:
     client.flushdb()
 
 
-def snapshot(client: "redis.Redis") -> dict[bytes, bytes]:
+def snapshot(client: redis.Redis) -> dict[bytes, bytes]:
     return {key: client.dump(key) for key in client.keys("*")}  # type: ignore[misc]
 
 
-def lose_writes_since(client: "redis.Redis", before: dict[bytes, bytes]) -> None:
+def lose_writes_since(client: redis.Redis, before: dict[bytes, bytes]) -> None:
     """The database as it was at ``before``: what a crash forgets of its last writes."""
     for key in client.keys("*"):
         if key not in before:

@@ -9,7 +9,7 @@ same server directly.
 from __future__ import annotations
 
 import time
-from typing import Iterator
+from collections.abc import Iterator
 
 import pytest
 

@@ -34,8 +34,14 @@ import pytest
 import redis
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition,
-                                 rule, run_state_machine_as_test)
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
 
 from celery_threads import gate as gate_module
 from celery_threads.gate import Gate, member_field, parse_record, record_task, task_field
@@ -89,16 +95,16 @@ def note(what: str) -> None:
     OUTCOMES[what] += 1
 
 
-def has_active(self: "GateMachine") -> bool:
+def has_active(self: GateMachine) -> bool:
     return any(t.active is not None for t in self.model.threads.values())
 
 
-def has_dead(self: "GateMachine") -> bool:
+def has_dead(self: GateMachine) -> bool:
     return bool(self.model.dead)
 
 
 class GateMachine(RuleBasedStateMachine):
-    client: "redis.Redis"                    # set by the test, shared by every example
+    client: redis.Redis                    # set by the test, shared by every example
     # Expire of a thread with nothing active releases its due head without reporting the
     # release (see test_expire_of_an_idle_thread_reports_its_release): while that stands, the
     # machine sends expire only to threads with an active member, as a live dispatcher does.

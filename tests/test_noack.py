@@ -19,7 +19,7 @@ import redis
 
 from celery_threads import Threads
 from tests.conftest import rabbitmq_url
-from tests.helpers import assert_serial, events, starts, tid, wait_for
+from tests.helpers import events, starts, tid, wait_for
 from tests.test_brokers import BrokerContract
 
 
@@ -275,8 +275,8 @@ def test_untrack_releases_keeps_only_threaded_deliveries_out(redis_server):
     tracked and acked as kombu does."""
     from kombu import Connection, Queue
 
-    from celery_threads.worker.noack import mark_delivery, untrack_releases
     from celery_threads.protocol import TOKEN_HEADER
+    from celery_threads.worker.noack import mark_delivery, untrack_releases
 
     url = redis_server.url(5)
     queue = Queue(f"untracked-{uuid.uuid4().hex[:8]}")

@@ -1,8 +1,6 @@
 """Every publication path goes through the gate; bad input leaves nothing behind."""
 from __future__ import annotations
 
-from datetime import datetime, timedelta, timezone
-
 import pytest
 import redis
 from celery import chain, chord, group

@@ -11,7 +11,8 @@ import json
 import logging
 import signal
 import uuid
-from typing import Any, Callable, Iterator
+from collections.abc import Iterator
+from typing import Any, Callable
 
 import pytest
 import redis
@@ -155,7 +156,7 @@ def test_the_gate_goes_through_the_client_when_the_direct_line_does_not_hold(pro
                                                                              monkeypatch):
     """A connection whose socket is not a plain socket (what a changed redis-py would give):
     every transition takes the client's way, and works."""
-    from tests.seam_faults import _Socket     # after proj (the fixture): it imports tests.proj
+    from tests.seam_faults import _Socket  # after proj (the fixture): it imports tests.proj
 
     original = redis.Connection._connect
     monkeypatch.setattr(redis.Connection, "_connect", lambda self: _Socket(original(self)))
@@ -187,7 +188,7 @@ FALLBACKS = ("handoff", "untracked-releases", "revoke-command", "request-state",
 
 def test_a_worker_on_changed_libraries_falls_back_and_keeps_threads_serial(proj, make_deployment,
                                                                           redis_server):
-    from tests.seam_faults import FAULTS     # after proj: it imports tests.proj
+    from tests.seam_faults import FAULTS  # after proj: it imports tests.proj
 
     assert set(FALLBACKS) | {"utf8-bodies"} == set(FAULTS)
     d = make_deployment(broker=redis_server.url(3), CT_KEEPALIVE="3", CT_DISPATCH_INTERVAL="0.2")

@@ -7,7 +7,7 @@ from datetime import datetime, timedelta, timezone
 import pytest
 
 from celery_threads import Threads
-from tests.helpers import assert_serial, events, gate_keys, starts, tid, wait_for
+from tests.helpers import assert_serial, gate_keys, starts, tid, wait_for
 
 
 @pytest.fixture

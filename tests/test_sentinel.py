@@ -13,7 +13,8 @@ import signal
 import subprocess
 import tempfile
 import time
-from typing import Any, Iterator, Optional
+from collections.abc import Iterator
+from typing import Any, Optional
 
 import pytest
 import redis
@@ -24,8 +25,8 @@ from celery_threads import Threads
 from celery_threads.config import read_config
 from celery_threads.errors import ConfigurationError
 from celery_threads.gate import make_client
-from celery_threads.runtime import direct_release
 from celery_threads.gate.sentinel import SentinelAddress
+from celery_threads.runtime import direct_release
 from tests.conftest import default_redis_binary, free_port
 from tests.helpers import tid, wait_for
 from tests.isolated import pointed_at
@@ -108,7 +109,7 @@ class SentinelSetup:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-def _ping(client: "redis.Redis") -> bool:
+def _ping(client: redis.Redis) -> bool:
     try:
         return bool(client.ping())
     except redis.ConnectionError:

@@ -51,7 +51,7 @@ def acl_rules(prefix: str, user: str = "gate", password: str = "secret",
             + " ".join(f"+{name}" for name in commands))
 
 
-def check_access(client: "redis.Redis", keys: Keys, url: str) -> None:
+def check_access(client: redis.Redis, keys: Keys, url: str) -> None:
     """Raise :class:`ConfigurationError` naming each right the gate's Redis user lacks.  Once per
     process and server; an unreachable server is not checked now (the gate's calls report it)."""
     pool = getattr(client, "connection_pool", None)
@@ -74,7 +74,7 @@ def check_access(client: "redis.Redis", keys: Keys, url: str) -> None:
         _checked.add(target)
 
 
-def _probe(pool: "redis.ConnectionPool", keys: Keys) -> Optional[list[tuple[str, str]]]:
+def _probe(pool: redis.ConnectionPool, keys: Keys) -> Optional[list[tuple[str, str]]]:
     """The ``(command, error)`` pairs Redis refused, or ``None`` when it could not be asked."""
     own = redis.ConnectionPool(connection_class=pool.connection_class, max_connections=2,
                                **{**pool.connection_kwargs, "retry": Retry(NoBackoff(), 0)})

@@ -7,7 +7,8 @@ from __future__ import annotations
 import functools
 import json
 import logging
-from typing import Any, Callable, Iterator, Optional, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any, Callable, Optional
 
 import redis
 from redis.commands.core import Script
@@ -61,9 +62,9 @@ class Gate:
     its connection, and one that fewer replicas confirm raises :class:`NotReplicated`.
     """
 
-    def __init__(self, client: "redis.Redis", keys: Keys, *, release_timeout_ms: int,
+    def __init__(self, client: redis.Redis, keys: Keys, *, release_timeout_ms: int,
                  keepalive_ms: int = 30_000, clock: Optional[Callable[[], int]] = None,
-                 direct: Optional["DirectRelease"] = None, functions: bool = True,
+                 direct: Optional[DirectRelease] = None, functions: bool = True,
                  wait_replicas: int = 0) -> None:
         self.client = client
         if wait_replicas > 0 and cluster.is_cluster(client):
@@ -320,7 +321,7 @@ class Gate:
         seconds, micros = self.client.time()
         return int(seconds) * 1000 + int(micros) // 1000
 
-    def scan_due(self, shard: ShardKeys, limit: int) -> "Scan":
+    def scan_due(self, shard: ShardKeys, limit: int) -> Scan:
         """Threads with a due head and threads with a lapsed deadline (at most ``limit`` of each),
         the earliest future entry of either index, and the server's time: one read-only script,
         O(log n + limit)."""
@@ -362,7 +363,7 @@ class Gate:
                 return parse_record(value).thread_id
         return None
 
-    def snapshot(self, thread_id: str) -> Optional["ThreadSnapshot"]:
+    def snapshot(self, thread_id: str) -> Optional[ThreadSnapshot]:
         """A consistent read of one thread (a read-only script: its members' records live in the
         shard's tasks hash, under ids the thread's own keys name)."""
         keys = self.keys.thread(thread_id)
@@ -393,14 +394,14 @@ class Gate:
                         seen.add(thread_id)
                         yield thread_id
 
-    def dead_record(self, task_id: str) -> Optional["DeadRecord"]:
+    def dead_record(self, task_id: str) -> Optional[DeadRecord]:
         for shard in self.keys.all_shards():
             raw: Optional[bytes] = self.client.hget(shard.dead_records, task_id)  # type: ignore[assignment]
             if raw is not None:
                 return DeadRecord.parse(task_id, raw)
         return None
 
-    def dead_records(self, limit: Optional[int] = None) -> list["DeadRecord"]:
+    def dead_records(self, limit: Optional[int] = None) -> list[DeadRecord]:
         """The dead-letter store, oldest first; with ``limit``, only the ``limit`` latest deaths.
         Records are read ``DEAD_CHUNK`` at a time, so a large store is never one huge reply."""
         records: list[DeadRecord] = []

@@ -57,7 +57,7 @@ class BoundedRetry(Retry):
         return super().call_with_retry(do, fail_within_budget, *args, **kwargs)
 
 
-def make_client(url: str, options: Optional[dict[str, Any]] = None) -> "redis.Redis":
+def make_client(url: str, options: Optional[dict[str, Any]] = None) -> redis.Redis:
     """A client that rides out short Redis outages: each command is retried with backoff for at
     most ``RETRY_BUDGET`` seconds, and a connection that gives no answer for ``SOCKET_TIMEOUT``
     seconds counts as broken.  ``options``: ``ThreadsConfig.redis_options`` (TLS, timeouts...),

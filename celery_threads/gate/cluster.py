@@ -53,8 +53,10 @@ class GateCluster(RedisCluster):
         super().__init__(*args, **kwargs)
 
     def execute_command(self, *args: Any, **kwargs: Any) -> Any:
-        run: Callable[[], Any] = lambda: super(GateCluster, self).execute_command(  # type: ignore[no-untyped-call]
-            *args, **kwargs)
+        def run() -> Any:
+            return super(GateCluster, self).execute_command(  # type: ignore[no-untyped-call]
+                *args, **kwargs)
+
         return _until_run(run, self.budget)
 
 

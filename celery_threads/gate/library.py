@@ -38,7 +38,7 @@ class Library(NamedTuple):
     functions: dict[str, str]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def function_library() -> Library:
     """The library of this version of the transitions (built once per process).  Its name
     carries a digest of its source, so processes running different versions against one Redis

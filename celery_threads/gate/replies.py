@@ -110,7 +110,7 @@ class DeadRecord:
     died_at_ms: int
 
     @classmethod
-    def parse(cls, task_id: str, raw: bytes) -> "DeadRecord":
+    def parse(cls, task_id: str, raw: bytes) -> DeadRecord:
         """``died_at_ms[|caller] \n meta_json \n envelope`` (the caller: the call that killed
         it, lua/_common.lua ``kill_active``)."""
         died_at, meta, envelope = raw.split(b"\n", 2)

@@ -11,7 +11,8 @@ sentinels for the master, and a connection to a server that is no longer the mas
 """
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional
+from collections.abc import Mapping
+from typing import Any, Optional
 from urllib.parse import unquote, urlsplit
 
 import redis
@@ -62,7 +63,7 @@ class SentinelAddress:
 
 
 def master_client(url: str, kwargs: Mapping[str, Any],
-                  options: Optional[Mapping[str, Any]]) -> "redis.Redis":
+                  options: Optional[Mapping[str, Any]]) -> redis.Redis:
     """A client of the master that ``options["master_name"]`` names, found through the sentinels
     of ``url``.  ``kwargs``: the gate client's connection options (retries, timeouts) and the
     user's, for the master's connections."""

@@ -7,7 +7,8 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from typing import Any, Callable, NamedTuple, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any, Callable, NamedTuple, Optional
 
 import redis
 
@@ -40,7 +41,7 @@ class DirectLine:
     assumed, every call goes the client's way.
     """
 
-    def __init__(self, client: "redis.Redis", library: Optional[Library] = None,
+    def __init__(self, client: redis.Redis, library: Optional[Library] = None,
                  then: bytes = b"") -> None:
         pool = client.connection_pool
         self._connect: Callable[[], Any] = lambda: pool.connection_class(**pool.connection_kwargs)

@@ -38,14 +38,15 @@ import logging
 import multiprocessing
 import os
 import time
-from typing import Any, Callable, Iterator, NamedTuple, Optional
+from collections.abc import Iterator
+from typing import Any, Callable, NamedTuple, Optional
 
 from .. import seams
 from ..gate import Release
-from .lease import Lease, keeper
 from ..protocol import THREAD_HEADER, TOKEN_HEADER, is_threaded
 from ..publish import UndecodableEnvelope, decode_envelope
 from ..runtime import Runtime, get_runtime
+from .lease import Lease, keeper
 
 logger = logging.getLogger(__name__)
 

@@ -34,8 +34,9 @@ import secrets
 import signal
 import threading
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 from ..gate import Gate, Renewal
 from ..runtime import Runtime

@@ -58,8 +58,9 @@ def mark_delivery(message: Any) -> bool:
     kombu's virtual transports (Redis, SQS, ...) do neither, but keep every delivery that needs an
     ack in the channel's QoS from before the message is handed over, so one missing there is
     untracked.  Acknowledging such a delivery wastes a round trip (kombu's Redis transport still
-    runs its unacked-index pipeline), and RabbitMQ answers a reject of it by closing the channel.  A threaded member's retry or death is the
-    gate's; a plain task's message has nowhere to go back to.
+    runs its unacked-index pipeline), and RabbitMQ answers a reject of it by closing the channel.
+    A threaded member's retry or death is the gate's; a plain task's message has nowhere to go
+    back to.
     """
     channel = message.channel
     tag = message.delivery_info.get("consumer_tag")

@@ -27,22 +27,28 @@ from typing import Any, Callable, Optional
 import redis
 from billiard.einfo import ExceptionWithTraceback
 from celery import bootsteps
-from celery.exceptions import (Ignore, NotRegistered, Reject, Retry, Terminated, TimeLimitExceeded,
-                               WorkerLostError)
+from celery.exceptions import (
+    Ignore,
+    NotRegistered,
+    Reject,
+    Retry,
+    Terminated,
+    TimeLimitExceeded,
+    WorkerLostError,
+)
 from celery.utils.serialization import get_pickled_exception
 from celery.worker import state as worker_state
 from celery.worker.request import Request
 from celery.worker.strategy import default as default_strategy
 
 from .. import seams
-from . import handoff, lease, native
 from ..errors import ConfigurationError
 from ..gate import Lapse, Renewal
-from .noack import CONSUMER_FLAG, hand_back_on_pool_close, mark_delivery
-from ..protocol import (REPUBLISHED_HEADER, THREAD_HEADER, TOKEN_HEADER, eta_ms, is_threaded,
-                        retry_settings)
+from ..protocol import REPUBLISHED_HEADER, THREAD_HEADER, TOKEN_HEADER, eta_ms, is_threaded, retry_settings
 from ..publish import encode_envelope, request_member
 from ..runtime import Runtime, get_runtime
+from . import handoff, lease, native
+from .noack import CONSUMER_FLAG, hand_back_on_pool_close, mark_delivery
 
 logger = logging.getLogger(__name__)
 
