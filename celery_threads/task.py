@@ -15,7 +15,7 @@ from celery.utils import uuid
 from celery.utils.saferepr import saferepr
 
 from .errors import GateUnavailable, InvalidThreadId
-from .gate import Claim, Outcome
+from .gate import Claim, Gate, Outcome
 from .install import install
 from .protocol import OUR_HEADERS, THREAD_HEADER, TOKEN_HEADER, eta_ms, normalize_thread_id, retry_settings
 from .publish import CapturingProducer
@@ -139,7 +139,7 @@ class ThreadedTask(Task):
                 # Applied once the member's body has unwound (as a retry's re-entry), so that the
                 # task id is never a member twice and at most one member of a thread runs.
                 replaced.reentry = Reentry(0, 0, at_ms if at_ms is not None else (
-                    replaced.server_now_ms() + delay_ms if delay_ms else None), capture.envelope,
+                    replaced.server_now_ms(runtime.gate) + delay_ms if delay_ms else None), capture.envelope,
                     Replacement(thread_id, nesting, max_retries, retry_delay_ms))
             elif token is not None:
                 reentry = Reentry(int(options.get("retries") or 0), delay_ms, at_ms,
@@ -151,7 +151,7 @@ class ThreadedTask(Task):
                     # the way out (finally blocks, context managers) overlaps the next member;
                     # its schedule is fixed now, on the Redis server's clock.
                     running.reentry = reentry._replace(delay_ms=0, at_ms=at_ms or (
-                        running.server_now_ms() + delay_ms))
+                        running.server_now_ms(runtime.gate) + delay_ms))
                 else:
                     release = self._reenter(runtime, thread_id, task_id, token,
                                             reentry).release
@@ -399,11 +399,7 @@ class Reentry(NamedTuple):
 class Running:
     """A member running in this process: when it was claimed (the Redis server's clock, and this
     process's monotonic clock when the claiming call was first sent), and its re-entry once
-    self.retry() was called.  The claim ran after that send, so the server's time derived from the
-    two is never behind the server's clock, at worst ahead by the claim's latency (the claiming
-    call's time to its reply; for a handed-off member, the finish that claimed it, sent again
-    across an outage, or claimed long before its body started): a retry's countdown is never cut
-    short, which would schedule the member before siblings it must follow."""
+    self.retry() was called."""
 
     __slots__ = ("claimed_ms", "claimed_mono", "reentry")
 
@@ -412,9 +408,20 @@ class Running:
         self.claimed_mono = claimed_mono
         self.reentry: Optional[Reentry] = None
 
-    def server_now_ms(self) -> int:
-        """The Redis server's time now, as the claim's plus the time elapsed here since."""
-        return self.claimed_ms + int((time.monotonic() - self.claimed_mono) * 1000)
+    def server_now_ms(self, gate: Optional[Gate] = None) -> int:
+        """The Redis server's time now (a retry's or a replacement's schedule is fixed on it):
+        asked of ``gate`` (one ``TIME`` call).  The claim's time says little about it: the call
+        that claimed the member (for a handed-off member, its predecessor's ``finish``) may have
+        run anywhere between its first send and its reply, seconds apart across an outage.  When
+        the gate does not answer: the claim's time plus the time elapsed here since that first
+        send, which the server's clock cannot be behind (a countdown is never cut short)."""
+        asked = time.monotonic()
+        if gate is not None:
+            try:
+                return gate.now_ms()
+            except redis.RedisError:
+                pass
+        return self.claimed_ms + int((asked - self.claimed_mono) * 1000)
 
 
 # (task id, token) of each member running in this process (a dict: a thread pool runs several).

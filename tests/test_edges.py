@@ -149,29 +149,38 @@ def test_a_finish_whose_reply_is_lost_hands_on_at_once(proj, make_deployment, re
     wait_for(lambda: Threads(proj.app).get(thread) is None, what="the thread to end")
 
 
+@pytest.mark.parametrize("outage", ["after the claim ran", "before the claim ran"])
 def test_a_handed_off_member_claimed_across_an_outage_keeps_its_retry_countdown(
-        proj, make_deployment, redis_server, relay, r):
-    """The finish that claims the next member (the handoff) runs in the gate, then the gate is
-    unreachable for a while; sent again, it gets its claim back, and the member runs.  It retries
-    with a countdown: the re-entry is scheduled on the Redis server's clock, which the worker
-    derives from the claim's time, and the claim is older than the member's start by the whole
-    outage.  The retry must still wait its countdown (it ran about the outage's length early when
-    the claim's time was paired with the body's start)."""
-    d = make_deployment(CT_KEEPALIVE="30", CT_HISTORY_URL=redis_server.url(0))
+        proj, make_deployment, redis_server, relay, r, outage):
+    """The finish that claims the next member (the handoff) meets an outage of the gate: after it
+    ran (its reply is lost, then connections are refused), or before (connections are refused,
+    and the client sends it again until they are accepted).  Sent again, it gets its claim
+    back, and the member runs.  It retries with a 3 s countdown, fixed on the Redis server's
+    clock when self.retry() is called: the next attempt starts 3 s later, not earlier (the claim's
+    time paired with the body's start: the outage's length early) nor later (paired with the
+    finish's first send: the outage's length late)."""
+    # A pool job may hand off for 30 s: the first member's second of sleep leaves it the handoff.
+    d = make_deployment(CT_KEEPALIVE="30", CT_LOCAL_HANDOFF="30",
+                        CT_HISTORY_URL=redis_server.url(0))
     d.worker("w", concurrency=1, env={"CT_REDIS_URL": relay.url(0)})
-    thread = tid("claimed-early")
-    relay.lose_reply(*script_call("finish"), then="refuse")
-    first = proj.record.delay(thread, "first", sleep=0.2)
+    thread = tid("claimed-across")
+    if outage == "after the claim ran":
+        relay.lose_reply(*script_call("finish"), then="refuse")
+    first = proj.record.delay(thread, "first", sleep=1.0)
     second = proj.record.delay(thread, "second", fail_times=1, countdown=3)
-    wait_for(lambda: relay.lost == 1, what="the finish's reply to be lost")
-    time.sleep(2.5)     # the outage: the finish is sent again once it ends
+    if outage == "after the claim ran":
+        wait_for(lambda: relay.lost == 1, what="the finish's reply to be lost")
+    else:
+        wait_for(lambda: starts(r, thread) == ["first"], what="the first member to start")
+        relay.refuse()      # the first member's finish is refused, and sent again after it
+    time.sleep(4.0)         # the outage
     relay.heal()
-    assert second.get(timeout=30) == "second"
+    assert second.get(timeout=40) == "second"
     assert first.get(timeout=5) == "first"
     attempts = [e for e in events(r, thread) if e.label == "second"]
     assert [e.kind for e in attempts] == ["start", "end", "start", "end"], attempts
-    waited = attempts[2].at_us - attempts[1].at_us
-    assert waited >= 2_950_000, f"the retry ran {waited / 1e6:.3f}s after it was asked for 3s"
+    waited = (attempts[2].at_us - attempts[1].at_us) / 1e6
+    assert 2.95 <= waited < 4.0, f"the retry ran {waited:.3f}s after it was asked for 3s"
 
 
 def test_a_delete_whose_reply_is_lost_still_stops_the_running_member(
