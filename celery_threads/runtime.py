@@ -258,11 +258,9 @@ def reset(app: Celery) -> None:
         if runtime.pid == os.getpid():
             runtime.publisher.close()
         delattr(app, _ATTR)
-    app._pool = None
-    app.amqp._producer_pool = None
+    seams.forget_app_connections(app)
     for cached in ("queues", "default_queue", "router"):   # built from task_queues, task_routes
         app.amqp.__dict__.pop(cached, None)
-    app.amqp._rtable = None
     app.__dict__.pop("backend", None)
     local = getattr(app, "_local", None)
     if local is not None:

@@ -482,6 +482,30 @@ SEAMS: dict[str, Seam] = {s.name: s for s in (
 )}
 
 
+def pool_process_index() -> Optional[int]:
+    """This prefork pool process's number (0 to concurrency - 1), or ``None``.  Billiard's pool
+    sets ``index`` on each process it starts (``billiard.pool``: ``w.index = i``), undocumented:
+    the slots the lease watchdog and the handoff share with the main process are found by it.
+    Without it a pool process takes no slot, and the watchdog cannot stop its member (as under the
+    threads pool: the worker logs an error instead); tests/test_seams.py checks that billiard still
+    numbers its processes."""
+    from billiard.process import current_process
+
+    index = getattr(current_process(), "index", None)
+    return index if isinstance(index, int) else None
+
+
+def forget_app_connections(app: Any) -> None:
+    """Drop Celery's cached broker connection pool, producer pool and routing table of ``app``
+    (``app._pool``, ``app.amqp._producer_pool``, ``app.amqp._rtable``: private, Celery has no
+    public way), so that the next use builds them from ``app.conf`` again.  Only
+    :func:`celery_threads.runtime.reset` uses it, for tools and tests that point one app at
+    another broker; no worker or producer path does."""
+    app._pool = None
+    app.amqp._producer_pool = None
+    app.amqp._rtable = None
+
+
 def health_check_interval(wanted: int) -> int:
     """``wanted``, or 0 (no health checks) on redis-py before 6 (a version switch, not a seam).
 

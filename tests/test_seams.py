@@ -234,3 +234,38 @@ def test_a_worker_whose_kombu_cannot_read_the_gates_messages_refuses_to_start(ma
     assert "utf8-bodies" in output and "Supported: celery 5.3.6+, kombu 5.3.7+" in output
     assert "ready." not in output
     d.processes.remove(worker)    # its traceback is the expected outcome
+
+
+def _pool_index(_: int) -> object:
+    return seams.pool_process_index()
+
+
+def test_billiard_numbers_its_pool_processes():
+    """The lease watchdog's and the handoff's slots are found by the pool process's number
+    (``seams.pool_process_index``): a real billiard pool gives each process one, 0 to n - 1."""
+    import billiard
+
+    pool = billiard.Pool(2)
+    try:
+        found = set(pool.map(_pool_index, range(40), chunksize=1))
+    finally:
+        pool.terminate()
+        pool.join()
+    assert found <= {0, 1} and found, found
+    assert seams.pool_process_index() is None     # not a pool process
+
+
+def test_forgetting_an_apps_connections_makes_it_build_them_again():
+    """``runtime.reset`` (tools and tests) drops Celery's cached pools through
+    ``seams.forget_app_connections``: after the broker URL changes, the next use builds them for
+    the new broker (nothing connects here)."""
+    from celery import Celery
+
+    app = Celery("forget", broker="redis://127.0.0.1:1/0")
+    first = app.pool
+    app.conf.broker_url = "redis://127.0.0.1:2/0"
+    assert app.pool is first                  # cached: Celery does not look at the new URL
+    seams.forget_app_connections(app)
+    assert app.pool is not first
+    assert ":2/" in app.pool.connection.as_uri()
+    assert ":2/" in app.amqp.producer_pool.connections.connection.as_uri()

@@ -184,11 +184,9 @@ def on_pool_process_start() -> None:
         return
     if get_runtime(_app).config.local_handoff <= 0 or not seams.active("handoff"):
         return
-    from billiard.process import current_process
-
     global _slot_at
-    index = getattr(current_process(), "index", None)
-    if _slots is not None and isinstance(index, int) and (index + 1) * _SLOT <= len(_slots):
+    index = seams.pool_process_index()
+    if _slots is not None and index is not None and (index + 1) * _SLOT <= len(_slots):
         _slot_at = index * _SLOT
     for name, original in seams.trace_functions():
         if not getattr(original, "_celery_threads", False):

@@ -38,6 +38,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, Optional
 
+from .. import seams
 from ..gate import Gate, Renewal
 from ..runtime import Runtime
 from . import native
@@ -99,10 +100,8 @@ def prepare(processes: int) -> None:
 def on_pool_process_start() -> None:
     """In a prefork pool process: find its slot (billiard numbers its pool processes)."""
     global _slot
-    from billiard.process import current_process
-
-    index = getattr(current_process(), "index", None)
-    if _expiries is not None and isinstance(index, int) and 0 <= index < len(_expiries):
+    index = seams.pool_process_index()
+    if _expiries is not None and index is not None and 0 <= index < len(_expiries):
         _slot = index
 
 
