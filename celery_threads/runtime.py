@@ -168,14 +168,16 @@ class Runtime:
 
     def kill(self, thread_id: str, task_id: str, token: str, *, exc: BaseException,
              retries: int, keep: bool = True, einfo: Any = None,
-             reason: Optional[str] = None, caller: Optional[str] = None) -> Outcome:
-        """The member died: record it (unless ``keep`` is false), tell listeners, promote the next."""
+             reason: Optional[str] = None, caller: Optional[str] = None,
+             fenced: bool = False) -> Outcome:
+        """The member died: record it (unless ``keep`` is false), tell listeners, promote the next.
+        ``fenced``: ``caller`` is the member's claimant (see :meth:`Gate.kill`)."""
         exception = reason or f"{type(exc).__name__}: {exc}"
         trace = (getattr(einfo, "traceback", None)
                  or "".join(tb.format_exception(type(exc), exc, exc.__traceback__)))
         meta = {"retries": retries, "exception": exception, "traceback": trace}
         outcome = self.apply(self.gate.kill(thread_id, task_id, token, meta, keep=keep,
-                                            caller=caller))
+                                            caller=caller, fenced=fenced))
         if outcome.done:
             self.announce_death(thread_id, task_id, exception, retries)
         return outcome

@@ -312,10 +312,10 @@ class ThreadedTask(Task):
         elif isinstance(exc, Reject):
             runtime.kill(thread_id, task_id, token, exc=exc, retries=retries,
                          keep=self.dead_letter, reason=f"Rejected: {exc.reason!r}",
-                         caller=ending.caller)
+                         caller=ending.caller, fenced=True)
         elif isinstance(exc, Exception):
             runtime.kill(thread_id, task_id, token, exc=exc, retries=retries,
-                         keep=self.dead_letter, caller=ending.caller)
+                         keep=self.dead_letter, caller=ending.caller, fenced=True)
         # Anything else (SystemExit, ...): the process is going away; the lease lapses and the
         # gate counts a failed attempt.
 

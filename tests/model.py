@@ -302,8 +302,9 @@ class Model:
 
     def _not_the_claimants(self, thread_id: str, caller: Optional[str]) -> bool:
         """A finish or requeue of a member RUNNING for a claimant is that claim's own (its caller
-        id is the claimant); another caller's is refused as stale.  A kill is not: the worker's
-        main process kills a member at its hard time limit without knowing the claim."""
+        id is the claimant); another caller's is refused as stale.  So is a kill that says it is
+        the claimant's (``fenced``); others are not: a worker's main process kills a member
+        without knowing the claim."""
         active = self.threads[thread_id].active
         assert active is not None
         return active.state == RUNNING and bool(active.by) and active.by != caller
@@ -353,12 +354,14 @@ class Model:
                                                      caller))
 
     def kill(self, thread_id: str, task_id: str, token: str, meta: dict[str, Any], *,
-             keep: bool = True, caller: Optional[str] = None) -> Outcome:
+             keep: bool = True, caller: Optional[str] = None, fenced: bool = False) -> Outcome:
         if self._active(thread_id, task_id, token) is None:
             again = self._replayed(thread_id, "k", task_id, token, caller)
             if again is not None:
                 return again
             return Outcome(DONE, "") if self._killed_by(task_id, caller) else Outcome(NOOP, "")
+        if fenced and self._not_the_claimants(thread_id, caller):
+            return Outcome(NOOP, "")
         self._kill_active(self.threads[thread_id], keep, {"thread_id": thread_id, **meta},
                           caller)
         return Outcome(DONE, "", self._release_after(thread_id, "k", task_id, token, DONE, "",

@@ -133,8 +133,9 @@ def lose_writes_since(client: redis.Redis, before: dict[bytes, bytes]) -> None:
 def test_tokens_never_repeat_across_lost_writes_and_the_first_holder_loses_its_member(gate):
     """A claim and an ending are lost: the member is RELEASED again under its token and another
     delivery claims it.  The first holder's renewal gets NOT_YOURS (its worker stops the member),
-    its ending is refused (it would end the second holder's run), and the next member's token is larger than the one the lost ending handed out, so a store
-    fenced by tokens never takes a write under a token it has seen for another activation."""
+    its endings (finish, requeue, its own kill) are refused (they would end the second holder's
+    run), and the next member's token is larger than the one the lost ending handed out, so a
+    store fenced by tokens never takes a write under a token it has seen for another activation."""
     client = gate.client
     a = gate.enqueue("t", "a", b"A").release
     gate.enqueue("t", "b", b"B")
@@ -153,6 +154,7 @@ def test_tokens_never_repeat_across_lost_writes_and_the_first_holder_loses_its_m
     # The first worker's ending, sent again: refused, it would end the second worker's run.
     assert gate.finish("t", "a", a.token, caller="c1").status == NOOP
     assert gate.requeue("t", "a", a.token, retries=1, caller="c1").status == NOOP
+    assert gate.kill("t", "a", a.token, {"exception": "x"}, caller="c1", fenced=True).status == NOOP
     assert gate.snapshot("t").active["by"] == "c2"
     again = gate.finish("t", "a", a.token, caller="c2").release
     assert again is not None and again.task_id == "b"

@@ -429,10 +429,11 @@ class GateMachine(RuleBasedStateMachine):
               retries: int) -> None:
         meta = {"retries": retries, "exception": "ValueError: boom", "traceback": "tb\nline"}
         caller = self.caller
+        fenced = caller is not None     # a worker's own kill (its claimant); else the main process's
         self._ending("kill", lambda: self.gate.kill(thread_id, task_id, rtok, meta, keep=keep,
-                                                    caller=caller),
+                                                    caller=caller, fenced=fenced),
                      lambda: self.model.kill(thread_id, task_id, mtok, meta, keep=keep,
-                                             caller=caller))
+                                             caller=caller, fenced=fenced))
 
     def _fail(self, thread_id: str, task_id: str, mtok: str, rtok: str) -> None:
         reason = "WorkerLostError: gone; no retries were left"

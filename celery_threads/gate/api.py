@@ -278,10 +278,12 @@ class Gate:
                           _max_retries(max_retries), retry_delay_ms, call_id(caller))
 
     def kill(self, thread_id: str, task_id: str, token: str, meta: dict[str, Any], *,
-             keep: bool = True, caller: Optional[str] = None) -> Outcome:
+             keep: bool = True, caller: Optional[str] = None, fenced: bool = False) -> Outcome:
+        """The member died.  ``fenced``: ``caller`` is the claimant it ran under (a worker's own
+        ending), and a member RUNNING for another claimant (after a lost claim) is not killed."""
         meta = {"thread_id": thread_id, **meta}
         return self._call("kill", thread_id, task_id, token, "1" if keep else "0",
-                          json.dumps(meta, default=repr), call_id(caller))
+                          json.dumps(meta, default=repr), call_id(caller), "1" if fenced else "")
 
     def delete(self, task_id: str, *, token: str = "", only_waiting: bool = False,
                only_released: bool = False, thread_id: Optional[str] = None,

@@ -299,8 +299,9 @@ end
 -- the one that claimed it: a worker's ending names its claim as its caller (CALLER).  Both may
 -- hold its token after the gate lost the first claim (a crash with appendfsync everysec, a
 -- failover without WAIT) and another delivery claimed it again; the first worker's ending must
--- not end the second's run and release the next member beside it.  Not kill: a worker's main
--- process kills a member at its hard time limit without knowing the claim.
+-- not end the second's run and release the next member beside it.  kill only when its caller says
+-- it is the claimant (kill.lua ARGV[11]): a worker's main process and a producer kill a member
+-- without knowing the claim.
 local function not_the_claimants(state)
   if state ~= 'RUNNING' or CALLER == '' then return false end
   local by = redis.call('HGET', K_A, 'by')

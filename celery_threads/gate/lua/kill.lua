@@ -2,18 +2,25 @@
 --   ARGV[6] task id   ARGV[7] token   ARGV[8] "1" keep in the dead-letter store, "0" drop
 --   ARGV[9] meta json (thread_id, retries, exception, traceback, ...)
 --   ARGV[10] caller: the call's own id, the same when it is sent again (CALLER in _common.lua)
--- Returns {1, ''} plus the release, or {0, ''} when (task, token) is not the active member.
+--   ARGV[11] "1": the caller is the member's claimant (a worker's ending of the member it ran),
+--            and the kill is refused while the member is RUNNING for another claimant (after a
+--            lost claim); else unfenced: the worker's main process (a message it cannot run) and
+--            a producer do not know the claim (optional)
+-- Returns {1, ''} plus the release, or {0, ''} when (task, token) is not the active member (or,
+-- fenced, is RUNNING for another claimant).
 -- Replayed (its reply lost), it returns the same while the member it released is active (see
 -- replayed), or {1, ''} once that one has moved on or when it released none (the member is in
 -- the dead-letter store by this call; one dropped without keep is not told from another's kill).
 local task, token = ARGV[6], ARGV[7]
 CALLER = ARGV[10] or ''
-if not is_active(task, token) then
+local state = is_active(task, token)
+if not state then
   local again = replayed('k', task, token, '')
   if again then return again end
   if killed_by_caller(task) then return reply(1, '') end
   return reply(0, '')
 end
+if ARGV[11] == '1' and not_the_claimants(state) then return reply(0, '') end
 kill_active(task, ARGV[8] == '1', ARGV[9])
 detached('k', task, token, 1, '')
 return reply(1, '', release_head(true))
