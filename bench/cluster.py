@@ -30,8 +30,8 @@ REDIS_CLI = shutil.which("redis-cli", path="/usr/bin:/usr/local/bin") or "redis-
 ENVELOPE = b'{"headers":{"task":"bench.noop"}}\n' + b"x" * 900
 
 
-def _cluster_port() -> int:
-    """A free port whose cluster bus port (+10000) is free too."""
+def cluster_port() -> int:
+    """A free port whose cluster bus port (+10000) is free too (the suite's clusters use it)."""
     while True:
         port = random.randrange(20000, 30000)
         try:
@@ -45,7 +45,7 @@ def _cluster_port() -> int:
 
 def _start_cluster(stack: h.Stack, masters: int = 3) -> list[int]:
     binary = h.redis_binary() or "redis-server"
-    ports = [_cluster_port() for _ in range(masters)]
+    ports = [cluster_port() for _ in range(masters)]
     for port in ports:
         stack.procs.append(h.Proc(f"cluster-{port}", [
             binary, "--port", str(port), "--bind", "127.0.0.1", "--cluster-enabled", "yes",

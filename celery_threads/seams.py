@@ -237,12 +237,6 @@ def lua_message(body: str, utf8: bool) -> str:
             '"thread_id":"th","thread_token":"1"},"properties":' + json.dumps(props) + '}')
 
 
-def ensure_utf8_bodies() -> None:
-    """Make this process's kombu read ``utf-8`` message bodies (idempotent); a worker that cannot
-    refuses to start (:class:`SeamRefused`)."""
-    problem("utf8-bodies")
-
-
 # -- direct-release: kombu's Redis message format, built in Lua ---------------------------------
 def _check_direct_release(app: Any = None) -> Optional[str]:
     try:

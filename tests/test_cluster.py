@@ -6,10 +6,8 @@ for every node's members.
 from __future__ import annotations
 
 import json
-import random
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import threading
@@ -24,6 +22,7 @@ from celery.bin.celery import celery as celery_command
 from click.testing import CliRunner
 from redis.crc import key_slot
 
+from bench.cluster import cluster_port
 from celery_threads import Threads
 from celery_threads.errors import ConfigurationError
 from celery_threads.gate import Gate, make_client
@@ -34,19 +33,6 @@ from tests.helpers import assert_serial, starts, tid, wait_for
 from tests.isolated import point_app
 
 REDIS_CLI = shutil.which("redis-cli", path="/usr/bin:/usr/local/bin") or "redis-cli"
-
-
-def cluster_port() -> int:
-    """A free port whose cluster bus port (+10000) is free too, so at most 55535."""
-    while True:
-        port = random.randrange(20000, 30000)
-        try:
-            with socket.socket() as a, socket.socket() as b:
-                a.bind(("127.0.0.1", port))
-                b.bind(("127.0.0.1", port + 10000))
-            return port
-        except OSError:
-            continue
 
 
 class RedisClusterServers:
@@ -227,6 +213,17 @@ def spread(keys: Keys, per_shard: int, prefix: str) -> list[str]:
         if len(found[keys.shard_of(thread)]) < per_shard:
             found[keys.shard_of(thread)].append(thread)
     return [thread for ids in zip(*found.values()) for thread in ids]
+
+
+def test_waiting_for_replicas_is_refused_on_a_cluster(redis_cluster):
+    """threads_wait_replicas needs WAIT on the transition's own connection, which the cluster
+    client does not give: a gate asked for it on a cluster refuses to be built."""
+    from celery_threads.errors import ConfigurationError
+
+    client = make_client(redis_cluster.url(), {"cluster": True})
+    with pytest.raises(ConfigurationError, match="threads_wait_replicas"):
+        Gate(client, Keys(f"wr-{uuid.uuid4().hex[:6]}", 3), release_timeout_ms=60_000,
+             wait_replicas=1)
 
 
 def test_cluster_gate_reloads_what_a_master_lost(redis_cluster):

@@ -117,12 +117,6 @@ def make_cluster_client(url: str, kwargs: dict[str, Any], budget: float) -> Gate
     return client
 
 
-def redis_options(app: Any) -> dict[str, Any]:
-    """``threads_redis_options`` as written in ``app.conf`` (``cluster: True`` selects the cluster
-    client)."""
-    return dict(app.conf.get("threads_redis_options") or {})
-
-
 def check_shards(client: Any, keys: Keys) -> None:
     """Record the shard count in the gate (``keys.meta``) the first time, and refuse a different
     one while the gate holds members or dead letters stored under the recorded count: their

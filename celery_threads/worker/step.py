@@ -152,7 +152,8 @@ def on_unrunnable_message(sender: Any = None, message: Any = None, exc: Any = No
     kill_unrunnable(get_runtime(app), headers, exc or RuntimeError("message refused"))
 
 
-def _enter_gate_from_worker(task: Any, runtime: Any, message: Any, ack: Any, reject: Any) -> None:
+def _enter_gate_from_worker(task: Any, runtime: Runtime, message: Any, ack: Any,
+                            reject: Any) -> None:
     """A threaded task's message that did not come through the gate (``send_task`` by name from
     another program, a dead letter sent back): the worker enqueues it into its thread."""
     headers = dict(message.headers or {})
