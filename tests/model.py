@@ -435,6 +435,7 @@ class Model:
                                 record.envelope, again=True):
             return Outcome(2, "")
         del self.dead[task_id]
+        self.ended.pop(task_id, None)        # live again: its old run no longer counts as ended
         return Outcome(DONE, "", self._release_head(thread_id))
 
     def forget(self, task_id: str) -> bool:

@@ -900,3 +900,32 @@ def test_dead_records_latest_across_shards(gate_url: str) -> None:
         assert gate.dead_records(0) == [] and gate.dead_count() == 8
     finally:
         client.close()
+
+
+def test_a_stale_finish_of_a_restarted_members_old_run(gate_url: str) -> None:
+    """A member dies (its lease lapses), is restarted, and a finish of its old run arrives: the
+    member is live again, so that finish is refused (NOOP) whichever field keys it; found by the
+    state machine (the restarted UUID keyed by its long form, the gate and the model disagreed)."""
+    GateMachine.client = redis.Redis.from_url(gate_url)
+    GateMachine.FUNCTIONS = False
+    try:
+        state = GateMachine()
+        state.seed(members=[("a", 0, None), ("b", 0, None), ("b", 0, None)], counter=0)
+        state.enqueue(at=False, delay=0, dup=0, max_retries=None, offset=0, pick=0,
+                      retry_delay=0, thread_id="a")
+        state.fenced_call(bogus=1, flag=False, op="finish", pick=0)
+        state.counter_jumps(arrivals=1, below=1, max_retries=None, place=0, thread_id="b")
+        state.advance_clock(step=0)
+        state.advance_clock(step=0)
+        state.counter_jumps(arrivals=1, below=1, max_retries=0, place=0, thread_id="a")
+        state.advance_clock(step=0)
+        state.claim(claimant="", keepalive=50, pick=0, worker="w1")
+        state.time_passes(step=1500)
+        state.gate_agrees_with_model()
+        state.restart(from_dead=1, max_retries=None, pick=0, retry_delay=0)
+        state.gate_agrees_with_model()
+        state.fenced_call(bogus=1, flag=False, op="finish", pick=2)
+        state.gate_agrees_with_model()
+        state.teardown()
+    finally:
+        GateMachine.client.close()

@@ -422,8 +422,10 @@ local function add_member(task, sched, retries, maxr, delay, envelope, again)
     -- until it ends (below), so an enqueue does not look for that form in the tasks hash.
     local ended = redis.call('ZSCORE', K_ENDED, task)
     if ended and (ended == 'inf' or tonumber(ended) >= NOW - ENDED_WINDOW) then return false end
-  elseif tail and redis.call('HEXISTS', K_TASKS, '\1' .. task) == 1 then
-    return false
+  else
+    if tail and redis.call('HEXISTS', K_TASKS, '\1' .. task) == 1 then return false end
+    -- A restarted member is live again: a stale call of its ended run no longer finds it ended.
+    redis.call('ZREM', K_ENDED, task)
   end
   local seq = string.format('%d', next_seq())
   local rec = make_record(seq, retries, maxr, delay, envelope, tail)
