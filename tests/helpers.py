@@ -14,14 +14,17 @@ def tid(prefix: str = "t") -> str:
 
 
 def wait_for(condition: Callable[[], T], timeout: float = 20.0, interval: float = 0.05,
-             what: str = "condition") -> T:
+             what: str | Callable[[], str] = "condition") -> T:
+    """``condition()`` once it is true; ``what`` (or what it returns, then) names it in the
+    error when it stays false for ``timeout`` seconds."""
     end = time.time() + timeout
     while True:
         value = condition()
         if value:
             return value
         if time.time() > end:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+            raise AssertionError(f"timed out after {timeout}s waiting for "
+                                 f"{what() if callable(what) else what}")
         time.sleep(interval)
 
 

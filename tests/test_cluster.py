@@ -31,6 +31,7 @@ from celery_threads.keys import Keys, shard_tag
 from tests.conftest import Deployment, RedisServer, configure_client, deployment_env, redis_binaries
 from tests.helpers import assert_serial, starts, tid, wait_for
 from tests.isolated import point_app
+from tests.scenarios import crash_recovery, mixed_load
 
 REDIS_CLI = shutil.which("redis-cli", path="/usr/bin:/usr/local/bin") or "redis-cli"
 
@@ -255,40 +256,13 @@ def test_cluster_gate_reloads_what_a_master_lost(redis_cluster):
     assert all(gate.snapshot(t).active["state"] == "RELEASED" for t in threads)
 
 
-# -- with workers --------------------------------------------------------------------------------
-def _run_mixed_load(proj, r, threads: list[str]) -> dict[str, Any]:
-    """Per thread: three ordered members (the second fails once and retries), one that dies and
-    one that is deleted while it waits; returns what a test checks."""
-    results = {}
-    for thread in threads:
-        results[thread] = [proj.record.delay(thread, "a", sleep=0.05),
-                           proj.record.delay(thread, "b", fail_times=1, countdown=0.1),
-                           proj.record.delay(thread, "c")]
-    dead = {thread: proj.boom.delay(thread, "d") for thread in threads}
-    deleted = {thread: proj.record.apply_async((thread, "x"), countdown=60) for thread in threads}
-    t = Threads(proj.app)
-    listed = set(t.ids())
-    for thread in threads:
-        assert t.delete(deleted[thread].id)
-    for thread in threads:
-        assert [x.get(timeout=60) for x in results[thread]] == ["a", "b", "c"]
-    wait_for(lambda: all(len(starts(r, thread)) == 5 for thread in threads), timeout=60,
-             what="the deaths")
-    for thread in threads:
-        # b's retry waits its countdown, behind c and d, which arrived before it re-entered.
-        assert starts(r, thread) == ["a", "b", "c", "d", "b"]
-        assert_serial(r, thread)
-    return {"listed": listed, "dead": {thread: dead[thread].id for thread in threads}}
-
-
+# -- with workers ---------------------------------------------------------------------------------
 def test_four_shards_on_one_redis(proj, sharded, redis_server, r):
     d = sharded(redis_server.url(0), 4, False)
     d.worker("w1", concurrency=2)
     threads = spread(Keys(d.env["CT_KEY_PREFIX"], 4), 2, "s4")
-    seen = _run_mixed_load(proj, r, threads)
+    seen = mixed_load(proj, r, threads)
     assert set(threads) <= seen["listed"]
-    dead = {x.task_id: x.thread_id for x in Threads(proj.app).dead()}
-    assert all(dead.get(task_id) == thread for thread, task_id in seen["dead"].items())
     wait_for(lambda: all(Threads(proj.app).get(t) is None for t in threads), what="threads to end")
 
 
@@ -303,7 +277,7 @@ def test_cluster_semantics_spread_and_listing(proj, sharded, redis_cluster, r):
     assert all(per_node.values()), per_node
     listing = _threads_cli(d.env, "ls")
     assert {row["thread_id"] for row in listing} >= set(threads[:3]), listing
-    seen = _run_mixed_load(proj, r, threads[3:])
+    seen = mixed_load(proj, r, threads[3:])
     assert set(threads) <= seen["listed"]
     dead = _threads_cli(d.env, "dead")
     assert {row["task_id"] for row in dead} >= set(seen["dead"].values()), dead
@@ -332,18 +306,8 @@ def test_cluster_wake_reaches_the_dispatch_loop(proj, sharded, redis_cluster, r)
 
 
 def test_cluster_crash_recovery(proj, sharded, redis_cluster, r):
-    d = sharded(redis_cluster.url(), 3, True, CT_KEEPALIVE="2", CT_DISPATCH_INTERVAL="0.2")
-    victim = d.worker("victim", concurrency=1)
-    thread = tid("clcrash")
-    doomed = proj.record.delay(thread, "doomed", sleep=30)
-    nxt = proj.record.delay(thread, "next")
-    wait_for(lambda: starts(r, thread) == ["doomed"], what="doomed to start")
-    d.worker("survivor", concurrency=1)
-    victim.kill(signal.SIGKILL)
-    assert nxt.get(timeout=30) == "next"
-    wait_for(lambda: starts(r, thread)[:3] == ["doomed", "next", "doomed"], timeout=30,
-             what="doomed to run again")
-    Threads(proj.app).delete(doomed.id)
+    crash_recovery(sharded(redis_cluster.url(), 3, True, CT_KEEPALIVE="2",
+                           CT_DISPATCH_INTERVAL="0.2"), proj, r)
 
 
 def test_cluster_slot_migration_during_a_run(proj, sharded, redis_cluster, r):

@@ -27,9 +27,10 @@ from celery_threads.errors import ConfigurationError
 from celery_threads.gate import make_client
 from celery_threads.gate.sentinel import SentinelAddress
 from celery_threads.runtime import direct_release
-from tests.conftest import default_redis_binary, free_port
+from tests.conftest import Deployment, configure_client, default_redis_binary, deployment_env, free_port
 from tests.helpers import tid, wait_for
-from tests.isolated import pointed_at
+from tests.isolated import point_app, pointed_at
+from tests.scenarios import crash_recovery, mixed_load
 from tests.test_durability import load_env, run_through_fault
 
 MASTER = "ctmaster"
@@ -170,8 +171,9 @@ def test_a_master_sigkilled_under_load_fails_over_and_loses_or_doubles_nothing(
         proj, redis_server, sentinel_setup):
     """``threads_wait_replicas=1``: every transition a caller acted on is on the replica when
     the master dies; the sentinel promotes the replica, the old master comes back as its replica
-    (the new master has none before: no transition counts as done meanwhile), and the run ends with each member run
-    exactly once and never two of a thread at a time (tests/test_durability.py)."""
+    (the new master has none before: no transition counts as done meanwhile), and the run ends
+    with each member run exactly once and never two of a thread at a time
+    (tests/test_durability.py)."""
     options = f'{{"master_name": "{MASTER}"}}'
     # The default keepalive: an ending is kept and sent again while the lease holds, and the
     # stall (the master's silence noticed, the replica promoted, a replica attached to it again)
@@ -193,3 +195,28 @@ def test_a_master_sigkilled_under_load_fails_over_and_loses_or_doubles_nothing(
 
     settings = {"threads_redis_options": {"master_name": MASTER}, "threads_wait_replicas": 1}
     run_through_fault(proj, env, redis_server, kill_master, settings)
+
+
+def test_semantics_on_a_sentinel_gate(proj, redis_server, sentinel_setup):
+    """Order, a retry, a death, a delete while waiting, and a crashed worker's recovery, with
+    every client reaching the gate through the sentinel and each transition confirmed by the
+    replica (``threads_wait_replicas=1``)."""
+    env = load_env(sentinel_setup.url(0), redis_server, CT_REDIS_OPTIONS=f'{{"master_name": '
+                   f'"{MASTER}"}}', CT_WAIT_REPLICAS="1", CT_KEEPALIVE="2")
+    d = Deployment(env)
+    configure_client(proj.app, **env)
+    point_app(proj.app, {"threads_redis_options": {"master_name": MASTER},
+                         "threads_wait_replicas": 1})
+    r = proj.history()
+    try:
+        d.worker("w1", concurrency=2)
+        threads = [tid("sent") for _ in range(3)]
+        assert set(threads) <= mixed_load(proj, r, threads)["listed"]
+        crash_recovery(d, proj, r)
+        replica = redis.Redis(port=sentinel_setup.replica_port)
+        assert replica.info("replication")["role"] == "slave"
+        assert not Threads(proj.app).get(threads[0])
+    finally:
+        d.stop()
+        configure_client(proj.app, **deployment_env(redis_server))
+        point_app(proj.app, {"threads_redis_options": None, "threads_wait_replicas": 0})

@@ -46,6 +46,7 @@ from tests.conftest import (
 )
 from tests.helpers import assert_serial, starts, tid, wait_for
 from tests.isolated import point_app
+from tests.scenarios import crash_recovery, mixed_load
 
 ROOT = Path(__file__).resolve().parent.parent
 #: What kombu's Redis transport and a Celery worker need as an ACL user (broker database 1).
@@ -334,6 +335,26 @@ def test_one_acl_user_for_the_broker_and_the_gate_pushes_releases_itself(
         assert get_runtime(proj.app).gate.direct is not None
         start_worker(d)
         run_threads(proj, redis.Redis(port=redis_server.port))
+    assert _refused(tls_redis, url) == set()
+
+
+def test_semantics_on_a_tls_gate_as_an_acl_user(tls_redis: TlsRedis, pki: Path,
+                                                 redis_server: Any, proj: Any) -> None:
+    """Order, a retry, a death, a delete while waiting, and a crashed worker's recovery, on a
+    ``rediss://`` gate with a private CA and a client certificate, as an ACL user with exactly
+    the documented rights."""
+    prefix = f"ct-acl-{uuid.uuid4().hex[:6]}"
+    url = _acl_user(tls_redis, prefix).replace("redis://", "rediss://").replace(
+        f":{tls_redis.port}/", f":{tls_redis.tls_port}/")
+    options = ssl_options(pki)
+    with deployed(redis_server, proj, url, redis_server.url(1),
+                  {"threads_redis_options": options}, prefix, CT_REDIS_OPTIONS=json.dumps(options),
+                  CT_KEEPALIVE="2", CT_DISPATCH_INTERVAL="0.2") as d:
+        r = redis.Redis(port=redis_server.port)
+        d.worker("w1", concurrency=2)
+        threads = [tid("tlss") for _ in range(3)]
+        assert set(threads) <= mixed_load(proj, r, threads)["listed"]
+        crash_recovery(d, proj, r)
     assert _refused(tls_redis, url) == set()
 
 
