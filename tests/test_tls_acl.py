@@ -47,6 +47,8 @@ from tests.conftest import (
 from tests.helpers import assert_serial, starts, tid, wait_for
 from tests.isolated import point_app
 from tests.scenarios import crash_recovery, mixed_load
+from tests.test_cluster import RedisClusterServers, redis_cluster  # noqa: F401 (fixture)
+from tests.test_sentinel import MASTER, SentinelSetup, sentinel_setup  # noqa: F401 (fixture)
 
 ROOT = Path(__file__).resolve().parent.parent
 #: What kombu's Redis transport and a Celery worker need as an ACL user (broker database 1).
@@ -394,3 +396,59 @@ def test_each_missing_right_is_named(version: str) -> None:
     finally:
         server.stop()
         shutil.rmtree(server.dir, ignore_errors=True)
+
+
+def test_a_sentinel_gate_has_the_rights_of_its_user_checked_on_the_master(
+        sentinel_setup: SentinelSetup) -> None:  # noqa: F811 (the fixture imported)
+    """The probe runs on the master the sentinel names (the user exists there only: ACLs are not
+    replicated), the scripts' inner commands included."""
+    prefix, user = f"ct-acl-{uuid.uuid4().hex[:6]}", f"gate-{uuid.uuid4().hex[:6]}"
+    master = redis.Redis(port=sentinel_setup.master_port)
+    url = f"sentinel://{user}:pw@127.0.0.1:{sentinel_setup.sentinel_port}/0"
+
+    def check(*remove: str) -> None:
+        master.execute_command(*acl_rules(prefix, user, "pw").split())
+        if remove:
+            master.execute_command("ACL", "SETUSER", user, *remove)
+        access._checked.clear()
+        check_access(make_client(url, {"master_name": MASTER}), Keys(prefix), url)
+
+    check()
+    named = (rf"user '{user}'.* on the master 127\.0\.0\.1:{sentinel_setup.master_port}: "
+             rf"command 'hsetnx'.*ACL SETUSER {user} \+hsetnx")
+    with pytest.raises(ConfigurationError, match=named):
+        check("-hsetnx")                # run only inside the gate's scripts
+    assert master.keys(f"{prefix}:*") == []
+    nobody = f"sentinel://127.0.0.1:{free_port()}/0"    # no sentinel there: not checked now
+    access._checked.clear()
+    check_access(make_client(nobody, {"master_name": MASTER}), Keys(prefix), nobody)
+    assert not access._checked
+
+
+def test_a_cluster_gate_has_the_rights_of_its_user_checked_on_every_master(
+        redis_cluster: RedisClusterServers) -> None:  # noqa: F811 (the fixture imported)
+    """ACLs are per node: a right missing on one master is named with that master, found by
+    probe keys of a slot it serves (the scripts' inner commands run there)."""
+    prefix, user = f"ct-acl-{uuid.uuid4().hex[:6]}", f"gate-{uuid.uuid4().hex[:6]}"
+    url = f"redis://{user}:pw@127.0.0.1:{redis_cluster.ports[0]}/0"
+    # redis-py's cluster client asks for the slots and the command table itself.
+    rules = [*acl_rules(prefix, user, "pw").split(), "+cluster|slots", "+command"]
+
+    def check(port: int = 0, *remove: str) -> None:
+        for node in map(redis_cluster.node, redis_cluster.ports):
+            node.execute_command(*rules)
+        if remove:
+            redis_cluster.node(port).execute_command("ACL", "SETUSER", user, *remove)
+        access._checked.clear()
+        check_access(make_client(url, {"cluster": True}), Keys(prefix), url)
+
+    check()
+    for port in redis_cluster.ports:
+        for remove in ("-hsetnx", "-zscan"):    # inside the scripts, and called directly
+            right = remove[1:]
+            named = (rf"user '{user}'.*: on 127\.0\.0\.1:{port}: command '{right}'\.  "
+                     rf"Grant it, for example `ACL SETUSER {user} \+{right}` on "
+                     rf"127\.0\.0\.1:{port};")
+            with pytest.raises(ConfigurationError, match=named):
+                check(port, remove)
+    assert redis_cluster.keys_per_node(prefix) == {port: 0 for port in redis_cluster.ports}

@@ -7,6 +7,12 @@ on probe keys of the gate's prefix (``lua/access.lua`` for the scripts' commands
 from here) and turns every ``NOPERM`` into one :class:`ConfigurationError` that names the rights
 to grant.  ``ACL DRYRUN`` would need rights such a user rarely has; trying needs none.
 
+ACLs are per server (not replicated, not shared by a cluster's nodes), so the probe runs where the
+gate's calls do: on a plain URL's server; on Sentinel, on the master the sentinels name now; on a
+Cluster, on every master, each with probe keys of a slot it serves (``<prefix>:{access-<n>}:*``)
+so that the scripts' commands run there too.  The error names the server that refused when the
+URL does not (Sentinel's master, a cluster's node).
+
 Optional rights are not probed: ``FUNCTION LOAD``/``FCALL`` (without them the gate runs its
 scripts), ``CLIENT SETINFO`` (Redis 7.2+; redis-py ignores a refusal), and the releases the
 scripts push onto the broker's queues (a refused push leaves the publish to kombu).
@@ -17,15 +23,18 @@ from __future__ import annotations
 import logging
 import threading
 from importlib import resources
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import redis
 from kombu.utils.url import maybe_sanitize_url
 from redis.backoff import NoBackoff
+from redis.exceptions import SlotNotCoveredError
 from redis.retry import Retry
+from redis.sentinel import SentinelConnectionPool
 
 from ..errors import ConfigurationError
 from ..keys import Keys
+from .cluster import is_cluster
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +48,9 @@ REQUIRED_COMMANDS = (
 #: Commands the gate uses when it may (Redis 7+): its function library, cheaper per call.
 OPTIONAL_COMMANDS = ("fcall", "function|load", "function|list")
 
+#: Hash tags tried for a slot of each cluster master (a master with a slot is found in far fewer).
+_TAG_TRIES = 1 << 17
+
 _checked: set[tuple[Any, ...]] = set()
 _lock = threading.Lock()
 
@@ -51,36 +63,105 @@ def acl_rules(prefix: str, user: str = "gate", password: str = "secret",
             + " ".join(f"+{name}" for name in commands))
 
 
-def check_access(client: redis.Redis, keys: Keys, url: str) -> None:
-    """Raise :class:`ConfigurationError` naming each right the gate's Redis user lacks.  Once per
-    process and server; an unreachable server is not checked now (the gate's calls report it)."""
-    pool = getattr(client, "connection_pool", None)
-    if type(pool) is not redis.ConnectionPool:   # Sentinel, Cluster: not probed here
-        return
-    kwargs = pool.connection_kwargs
-    target = (pool.connection_class, kwargs.get("host"), kwargs.get("port"), kwargs.get("path"),
-              kwargs.get("db"), kwargs.get("username"), keys.prefix)
-    if target in _checked:
+def check_access(client: Any, keys: Keys, url: str) -> None:
+    """Raise :class:`ConfigurationError` naming each right the gate's Redis user lacks, and on
+    which server.  Once per process and gate; a server that does not answer is not checked now
+    (the gate's calls report it)."""
+    target = _target(client, keys.prefix, url)
+    if target is None or target in _checked:
         return
     with _lock:
         if target in _checked:
             return
-        refused = _probe(pool, keys)
-        if refused is None:
+        try:
+            servers = _servers(client, keys.prefix)
+        except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
+            logger.debug("celery-threads: the gate's rights were not checked: %s", exc)
             return
+        refused: dict[str, list[tuple[str, str]]] = {}
+        unchecked = False
+        for server in servers:
+            try:
+                found = _probe(server.client, f"{keys.prefix}:{{{server.tag}}}")
+            finally:
+                if server.own:
+                    server.client.connection_pool.disconnect()
+            if found is None:
+                unchecked = True
+            elif found:
+                refused[server.name] = found
         if refused:
-            raise ConfigurationError(_message(refused, keys.prefix,
-                                              str(kwargs.get("username") or "default"), url))
-        _checked.add(target)
+            user = str(target[-2] or "default")
+            raise ConfigurationError(_message(refused, keys.prefix, user, url))
+        if not unchecked:
+            _checked.add(target)
 
 
-def _probe(pool: redis.ConnectionPool, keys: Keys) -> Optional[list[tuple[str, str]]]:
-    """The ``(command, error)`` pairs Redis refused, or ``None`` when it could not be asked."""
-    own = redis.ConnectionPool(connection_class=pool.connection_class, max_connections=2,
-                               **{**pool.connection_kwargs, "retry": Retry(NoBackoff(), 0)})
-    client: Any = redis.Redis(connection_pool=own)
+def _target(client: Any, prefix: str, url: str) -> Optional[tuple[Any, ...]]:
+    """What the once-per-process check is keyed by, ending with the user and the prefix; ``None``
+    for a client of no kind known here."""
+    if is_cluster(client):          # the URL names a node, from which the others are found
+        return ("cluster", url, client.nodes_manager.connection_kwargs.get("username"), prefix)
+    pool = getattr(client, "connection_pool", None)
+    if isinstance(pool, SentinelConnectionPool):   # the sentinels and the master's database
+        return ("sentinel", url, pool.service_name, pool.connection_kwargs.get("username"),
+                prefix)
+    if type(pool) is redis.ConnectionPool:
+        kwargs = pool.connection_kwargs
+        return (pool.connection_class, kwargs.get("host"), kwargs.get("port"),
+                kwargs.get("path"), kwargs.get("db"), kwargs.get("username"), prefix)
+    return None
+
+
+class _Server(NamedTuple):
+    name: str      # how the error names it ("" for the one server of a plain URL)
+    client: Any    # a client of it alone
+    tag: str       # the hash tag of its probe keys: a slot it serves
+    own: bool      # a client made for the probe, closed after it
+
+
+def _servers(client: Any, prefix: str) -> list[_Server]:
+    """The servers the gate's calls run on: a plain URL's server; Sentinel's master now (ACLs are
+    not replicated); every master of a cluster (ACLs are per node), each with probe keys of a
+    slot it serves, so that the scripts' commands run there."""
+    if is_cluster(client):
+        return [_Server(node.name, client.get_redis_connection(node), tag, False)
+                for node, tag in _cluster_tags(client, prefix)]
+    pool = client.connection_pool
+    connection_class, kwargs, name = pool.connection_class, pool.connection_kwargs, ""
+    if isinstance(pool, SentinelConnectionPool):
+        host, port = client.connection_pool.get_master_address()   # asks the sentinels
+        connection_class = (redis.SSLConnection if issubclass(connection_class, redis.SSLConnection)
+                            else redis.Connection)
+        kwargs = {**{k: v for k, v in kwargs.items() if k != "connection_pool"},
+                  "host": host, "port": port}
+        name = f"the master {host}:{port}"
+    own = redis.ConnectionPool(connection_class=connection_class, max_connections=2,
+                               **{**kwargs, "retry": Retry(NoBackoff(), 0)})
+    return [_Server(name, redis.Redis(connection_pool=own), "access", True)]
+
+
+def _cluster_tags(client: Any, prefix: str) -> list[tuple[Any, str]]:
+    """Each master of the cluster with a hash tag (``access-<n>``) of a slot it serves."""
+    masters = {node.name for node in client.get_primaries()}
+    found: dict[str, tuple[Any, str]] = {}
+    for n in range(_TAG_TRIES):     # a master serving no slot is never found, and not probed
+        tag = f"access-{n}"
+        try:
+            node = client.get_node_from_key(f"{prefix}:{{{tag}}}")
+        except SlotNotCoveredError:
+            continue
+        if node.name in masters:
+            found.setdefault(node.name, (node, tag))
+            if len(found) == len(masters):
+                break
+    return list(found.values())
+
+
+def _probe(client: Any, base: str) -> Optional[list[tuple[str, str]]]:
+    """The ``(command, error)`` pairs the server refused, or ``None`` when it could not be asked.
+    ``base``: the probe keys' prefix, ``<prefix>:{<tag>}``."""
     refused: list[tuple[str, str]] = []
-    base = f"{keys.prefix}:{{access}}"
     z, h, s, channel = f"{base}:z", f"{base}:h", f"{base}:s", f"{base}:probe"
 
     def run(name: str, *args: Any) -> Any:
@@ -121,25 +202,35 @@ def _probe(pool: redis.ConnectionPool, keys: Keys) -> Optional[list[tuple[str, s
     except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
         logger.debug("celery-threads: the gate's rights were not checked: %s", exc)
         return None
-    finally:
-        own.disconnect()
     return refused
 
 
-def _message(refused: list[tuple[str, str]], prefix: str, user: str, url: str) -> str:
-    grants: dict[str, str] = {}
+def _message(refused: dict[str, list[tuple[str, str]]], prefix: str, user: str, url: str) -> str:
+    """One server (``""``): what it refused and the grant; several: the same for each, named."""
+    needs, grants = [], []
+    for server, pairs in refused.items():
+        rights = _rights(pairs, prefix)
+        needs.append(f"on {server}: {', '.join(rights.values())}" if server
+                     else "; ".join(rights.values()))
+        grants.append(f"`ACL SETUSER {user} {' '.join(rights)}`" + (f" on {server}" if server
+                                                                   else ""))
+    return (f"celery-threads: the Redis user '{user}' at {maybe_sanitize_url(url)} may not do what "
+            f"the gate needs: {'; '.join(needs)}.  Grant it, for example {', '.join(grants)}; "
+            f"docs/redis-tls-acl.md lists every rule the gate needs.")
+
+
+def _rights(refused: list[tuple[str, str]], prefix: str) -> dict[str, str]:
+    """The ACL rules to grant for the refusals, each with how the error says it."""
+    rights: dict[str, str] = {}
     for name, error in refused:
         if "channel" in error:
-            grants.setdefault(f"&{prefix}:*", f"channels matching '{prefix}:*' (resetchannels "
+            rights.setdefault(f"&{prefix}:*", f"channels matching '{prefix}:*' (resetchannels "
                                               f"first when the user has allchannels)")
         elif "key" in error:
-            grants.setdefault(f"~{prefix}:*", f"keys matching '{prefix}:*'")
+            rights.setdefault(f"~{prefix}:*", f"keys matching '{prefix}:*'")
         else:
-            grants.setdefault(f"+{name}", f"command '{name}'")
-    return (f"celery-threads: the Redis user '{user}' at {maybe_sanitize_url(url)} may not do what "
-            f"the gate needs: {'; '.join(grants.values())}.  Grant it, for example "
-            f"`ACL SETUSER {user} {' '.join(grants)}`; docs/redis-tls-acl.md lists every rule "
-            f"the gate needs.")
+            rights.setdefault(f"+{name}", f"command '{name}'")
+    return rights
 
 
 def _text(value: Any) -> str:
