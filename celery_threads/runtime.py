@@ -12,7 +12,7 @@ from celery import Celery
 
 from . import seams
 from .config import ThreadsConfig, forget_config, read_config
-from .gate import ENDED, DeadRecord, DirectRelease, Gate, Outcome, Release, make_client
+from .gate import ENDED, NO_HOLDER, DeadRecord, DirectRelease, Gate, Outcome, Release, make_client
 from .gate.access import check_access
 from .gate.cluster import check_shards, is_cluster
 from .keys import Keys
@@ -84,7 +84,7 @@ class Runtime:
             except UndecodableEnvelope as exc:
                 # Republishing could never help: the member dies and its thread moves on.
                 self.kill(release.thread_id, release.task_id, release.token, exc=exc, retries=0,
-                          reason=f"UndecodableEnvelope: {exc}")
+                          reason=f"UndecodableEnvelope: {exc}", holder=NO_HOLDER)
             except Exception:
                 logger.exception(
                     "celery-threads: could not publish member %s of thread %s; the dispatcher "
@@ -169,15 +169,15 @@ class Runtime:
     def kill(self, thread_id: str, task_id: str, token: str, *, exc: BaseException,
              retries: int, keep: bool = True, einfo: Any = None,
              reason: Optional[str] = None, caller: Optional[str] = None,
-             fenced: bool = False) -> Outcome:
+             fenced: bool = False, holder: Optional[str] = None) -> Outcome:
         """The member died: record it (unless ``keep`` is false), tell listeners, promote the next.
-        ``fenced``: ``caller`` is the member's claimant (see :meth:`Gate.kill`)."""
+        ``fenced``, ``holder``: whose run it ends (see :meth:`Gate.kill`)."""
         exception = reason or f"{type(exc).__name__}: {exc}"
         trace = (getattr(einfo, "traceback", None)
                  or "".join(tb.format_exception(type(exc), exc, exc.__traceback__)))
         meta = {"retries": retries, "exception": exception, "traceback": trace}
         outcome = self.apply(self.gate.kill(thread_id, task_id, token, meta, keep=keep,
-                                            caller=caller, fenced=fenced))
+                                            caller=caller, fenced=fenced, holder=holder))
         if outcome.done:
             self.announce_death(thread_id, task_id, exception, retries)
         return outcome

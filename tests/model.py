@@ -309,6 +309,14 @@ class Model:
         assert active is not None
         return active.state == RUNNING and bool(active.by) and active.by != caller
 
+    def _held_elsewhere(self, thread_id: str, holder: Optional[str]) -> bool:
+        """A worker's main process ends what one of its pool processes ran (``holder``: that
+        process's claimant prefix): refused while another process's claim runs the member."""
+        active = self.threads[thread_id].active
+        assert active is not None
+        return (active.state == RUNNING and bool(holder) and bool(active.by)
+                and not active.by.startswith(holder or ""))
+
     def finish(self, thread_id: str, task_id: str, token: str, *, keep_release: bool = False,
                claim: Optional[tuple[Any, ...]] = None, caller: Optional[str] = None) -> Outcome:
         """``claim``: ``(keepalive_ms, worker[, claimant])``; the member released is claimed for
@@ -354,13 +362,16 @@ class Model:
                                                      caller))
 
     def kill(self, thread_id: str, task_id: str, token: str, meta: dict[str, Any], *,
-             keep: bool = True, caller: Optional[str] = None, fenced: bool = False) -> Outcome:
+             keep: bool = True, caller: Optional[str] = None, fenced: bool = False,
+             holder: Optional[str] = None) -> Outcome:
         if self._active(thread_id, task_id, token) is None:
             again = self._replayed(thread_id, "k", task_id, token, caller)
             if again is not None:
                 return again
             return Outcome(DONE, "") if self._killed_by(task_id, caller) else Outcome(NOOP, "")
         if fenced and self._not_the_claimants(thread_id, caller):
+            return Outcome(NOOP, "")
+        if self._held_elsewhere(thread_id, holder):
             return Outcome(NOOP, "")
         self._kill_active(self.threads[thread_id], keep, {"thread_id": thread_id, **meta},
                           caller)
@@ -411,14 +422,14 @@ class Model:
         return Outcome(status, task_id, self._release_head(thread_id))
 
     def fail(self, thread_id: str, task_id: str, token: str, reason: str, *,
-             caller: Optional[str] = None) -> Outcome:
+             caller: Optional[str] = None, holder: Optional[str] = None) -> Outcome:
         active = self._active(thread_id, task_id, token)
         if active is None:
             again = self._replayed(thread_id, "x", task_id, token, caller)
             if again is not None:
                 return again
             return Outcome(DIED, task_id) if self._killed_by(task_id, caller) else Outcome(NOOP, "")
-        if active.state != RUNNING:
+        if active.state != RUNNING or self._held_elsewhere(thread_id, holder):
             return Outcome(NOOP, "")
         status = self._fail_active(self.threads[thread_id], reason, caller)
         return Outcome(status, task_id, self._release_after(thread_id, "x", task_id, token,

@@ -21,7 +21,7 @@ import pytest
 import redis
 
 from celery_threads.errors import NotReplicated
-from celery_threads.gate import NOOP, NOT_YOURS, RENEWED, Gate
+from celery_threads.gate import NO_HOLDER, NOOP, NOT_YOURS, RENEWED, RETRIED, Gate, claimant_prefix
 from celery_threads.keys import Keys
 from tests.conftest import Deployment, RedisServer, configure_client, deployment_env
 from tests.helpers import events, tid, wait_for
@@ -159,6 +159,30 @@ def test_tokens_never_repeat_across_lost_writes_and_the_first_holder_loses_its_m
     again = gate.finish("t", "a", a.token, caller="c2").release
     assert again is not None and again.task_id == "b"
     assert int(again.token) > int(lost.token) > int(a.token)
+
+
+def test_after_a_lost_claim_the_first_workers_main_process_ends_nothing_of_the_second(gate):
+    """A worker's main process ends what its pool process ran without knowing the claim (a lost
+    pool process, a hard time limit, a message the process could not run): fenced by that
+    process's claimant prefix, it cannot end the run another worker claimed under the same token
+    after the first claim was lost; the second worker's own main process can."""
+    first, second = claimant_prefix("w1@h", 4242), claimant_prefix("w2@h", 4243)
+    a = gate.enqueue("t", "a", b"A").release
+    gate.enqueue("t", "b", b"B")
+    assert a is not None
+    before = snapshot(gate.client)
+    assert gate.claim("t", "a", a.token, 10_000, "w1@h", first + "c0ffee") == 1
+    lose_writes_since(gate.client, before)
+    assert gate.claim("t", "a", a.token, 10_000, "w2@h", second + "beef00") == 1
+    lost = "WorkerLostError: gone; no retries were left"
+    assert gate.fail("t", "a", a.token, lost, holder=first).status == NOOP
+    assert gate.kill("t", "a", a.token, {"exception": "TimeLimitExceeded"},
+                     holder=first).status == NOOP
+    assert gate.kill("t", "a", a.token, {"exception": "NotRegistered"},
+                     holder=NO_HOLDER).status == NOOP
+    assert gate.snapshot("t").active["by"] == second + "beef00"
+    assert gate.fail("t", "a", a.token, lost, holder=second).status == RETRIED
+    assert gate.snapshot("t").active["task"] == "b"
 
 
 def test_tokens_stay_increasing_when_the_counter_is_lost(gate):

@@ -62,6 +62,9 @@ UNKNOWN = "never-enqueued"
 #: A claim's claimant: none (an older worker's claim, or a holder of an unclaimed release) or one
 #: of two deliveries'.
 CLAIMANTS = st.sampled_from(["", "c1", "c2"])
+#: A main process's fence on its endings (a pool process's claimant prefix): none, one no
+#: claimant has, one both claimants begin with, each claimant's, another.
+HOLDERS = [None, "\0", "c", "c1", "c2", "w"]
 
 EXAMPLES = int(os.environ.get("CT_MODEL_EXAMPLES", "100"))
 STEPS = int(os.environ.get("CT_MODEL_STEPS",
@@ -363,14 +366,15 @@ class GateMachine(RuleBasedStateMachine):
           retries=st.integers(0, 3), at=st.booleans(),
           delay=st.one_of(st.just(0), st.integers(0, 3 * RELEASE_TIMEOUT)),
           offset=st.integers(-2 * RELEASE_TIMEOUT, 2 * RELEASE_TIMEOUT), flag=st.booleans(),
-          other=st.integers(0, 4))
+          other=st.integers(0, 4), holder=st.sampled_from(HOLDERS))
     def end_attempt(self, pick: int, how: str, retries: int, at: bool, delay: int, offset: int,
-                    flag: bool, other: int) -> None:
+                    flag: bool, other: int, holder: Optional[str]) -> None:
         """The worker holding the active member ends its attempt: success, retry (requeue, with
         a new envelope when ``flag``), death (kept in the dead letters when ``flag``), or a lost
         pool child (fail).  A worker's ending is its claim's: its caller id is the claimant
         (``other == 0``: another caller's, which a member RUNNING for a claimant refuses, as
-        after a lost claim and another delivery's claim)."""
+        after a lost claim and another delivery's claim).  A kill or a lost pool child with a
+        ``holder`` is the worker's main process's, fenced by that pool process's claims."""
         thread_id, task_id, mtok, rtok = self.active_target(pick)
         active = self.model.threads[thread_id].active
         claimant = active.by if active is not None and active.state == M.RUNNING else None
@@ -387,9 +391,9 @@ class GateMachine(RuleBasedStateMachine):
         elif how == "requeue":
             self._requeue(thread_id, task_id, mtok, rtok, retries, at, delay, offset, flag)
         elif how == "kill":
-            self._kill(thread_id, task_id, mtok, rtok, flag, retries)
+            self._kill(thread_id, task_id, mtok, rtok, flag, retries, holder)
         else:
-            self._fail(thread_id, task_id, mtok, rtok)
+            self._fail(thread_id, task_id, mtok, rtok, holder)
 
     def _finish_and_claim(self, thread_id: str, task_id: str, mtok: str, rtok: str,
                           choice: int) -> None:
@@ -426,21 +430,24 @@ class GateMachine(RuleBasedStateMachine):
                      lambda: self.model.requeue(thread_id, task_id, mtok, **kw))
 
     def _kill(self, thread_id: str, task_id: str, mtok: str, rtok: str, keep: bool,
-              retries: int) -> None:
+              retries: int, holder: Optional[str] = None) -> None:
         meta = {"retries": retries, "exception": "ValueError: boom", "traceback": "tb\nline"}
         caller = self.caller
-        fenced = caller is not None     # a worker's own kill (its claimant); else the main process's
+        # A worker's own kill (its claimant), unless it is the main process's (by its holder)
+        fenced = caller is not None and holder is None
         self._ending("kill", lambda: self.gate.kill(thread_id, task_id, rtok, meta, keep=keep,
-                                                    caller=caller, fenced=fenced),
+                                                    caller=caller, fenced=fenced, holder=holder),
                      lambda: self.model.kill(thread_id, task_id, mtok, meta, keep=keep,
-                                             caller=caller, fenced=fenced))
+                                             caller=caller, fenced=fenced, holder=holder))
 
-    def _fail(self, thread_id: str, task_id: str, mtok: str, rtok: str) -> None:
+    def _fail(self, thread_id: str, task_id: str, mtok: str, rtok: str,
+              holder: Optional[str] = None) -> None:
         reason = "WorkerLostError: gone; no retries were left"
         caller = self.caller
         self._ending("fail", lambda: self.gate.fail(thread_id, task_id, rtok, reason,
-                                                    caller=caller),
-                     lambda: self.model.fail(thread_id, task_id, mtok, reason, caller=caller))
+                                                    caller=caller, holder=holder),
+                     lambda: self.model.fail(thread_id, task_id, mtok, reason, caller=caller,
+                                             holder=holder))
 
     def _ending(self, what: str, real: Any, model: Any) -> Any:
         """Run an ending on both sides, and keep it to send again (:meth:`replay_ending`)."""
@@ -460,8 +467,10 @@ class GateMachine(RuleBasedStateMachine):
     # -- a worker holding an old (or a bogus) token ---------------------------------------------
     @rule(op=st.sampled_from(["peek", "claim", "renew", "finish", "requeue", "kill", "fail",
                               "delete", "delete_expired", "handback"]),
-          pick=st.integers(0, 999), bogus=st.integers(0, 4), flag=st.booleans())
-    def fenced_call(self, op: str, pick: int, bogus: int, flag: bool) -> None:
+          pick=st.integers(0, 999), bogus=st.integers(0, 4), flag=st.booleans(),
+          holder=st.sampled_from(HOLDERS))
+    def fenced_call(self, op: str, pick: int, bogus: int, flag: bool,
+                    holder: Optional[str]) -> None:
         thread_id, task_id, mtok, rtok = self.stale_target(pick, bogus == 0)
         self.caller = None          # a call of its own, never taken for a replay
         if op == "peek":     # the worker's filter of stale deliveries on receipt
@@ -479,9 +488,9 @@ class GateMachine(RuleBasedStateMachine):
         elif op == "requeue":
             self._requeue(thread_id, task_id, mtok, rtok, 1, False, 10, 0, flag)
         elif op == "kill":
-            self._kill(thread_id, task_id, mtok, rtok, flag, 0)
+            self._kill(thread_id, task_id, mtok, rtok, flag, 0, holder)
         elif op == "fail":
-            self._fail(thread_id, task_id, mtok, rtok)
+            self._fail(thread_id, task_id, mtok, rtok, holder)
         elif op == "handback":
             [outcome] = self.gate.hand_back([(thread_id, task_id, rtok)])
             self.same_outcome(outcome, self.model.hand_back(thread_id, task_id, mtok), "handback")
@@ -913,7 +922,7 @@ def test_a_stale_finish_of_a_restarted_members_old_run(gate_url: str) -> None:
         state.seed(members=[("a", 0, None), ("b", 0, None), ("b", 0, None)], counter=0)
         state.enqueue(at=False, delay=0, dup=0, max_retries=None, offset=0, pick=0,
                       retry_delay=0, thread_id="a")
-        state.fenced_call(bogus=1, flag=False, op="finish", pick=0)
+        state.fenced_call(bogus=1, flag=False, op="finish", pick=0, holder=None)
         state.counter_jumps(arrivals=1, below=1, max_retries=None, place=0, thread_id="b")
         state.advance_clock(step=0)
         state.advance_clock(step=0)
@@ -924,7 +933,7 @@ def test_a_stale_finish_of_a_restarted_members_old_run(gate_url: str) -> None:
         state.gate_agrees_with_model()
         state.restart(from_dead=1, max_retries=None, pick=0, retry_delay=0)
         state.gate_agrees_with_model()
-        state.fenced_call(bogus=1, flag=False, op="finish", pick=2)
+        state.fenced_call(bogus=1, flag=False, op="finish", pick=2, holder=None)
         state.gate_agrees_with_model()
         state.teardown()
     finally:

@@ -10,9 +10,11 @@ from .api import DEAD_CHUNK, MAX_REPUBLISH_BACKOFF, Gate  # noqa: F401
 from .client import RETRY_BUDGET, SOCKET_TIMEOUT, BoundedRetry, make_client, wait_timeout_ms  # noqa: F401
 from .library import SCRIPT_NAMES, Library, function_library, script_sources  # noqa: F401
 from .records import (  # noqa: F401
+    NO_HOLDER,
     DirectRelease,
     Record,
     call_id,
+    claimant_prefix,
     find_record,
     member_field,
     parse_record,

@@ -278,12 +278,18 @@ class Gate:
                           _max_retries(max_retries), retry_delay_ms, call_id(caller))
 
     def kill(self, thread_id: str, task_id: str, token: str, meta: dict[str, Any], *,
-             keep: bool = True, caller: Optional[str] = None, fenced: bool = False) -> Outcome:
+             keep: bool = True, caller: Optional[str] = None, fenced: bool = False,
+             holder: Optional[str] = None) -> Outcome:
         """The member died.  ``fenced``: ``caller`` is the claimant it ran under (a worker's own
-        ending), and a member RUNNING for another claimant (after a lost claim) is not killed."""
+        ending), and a member RUNNING for another claimant (after a lost claim) is not killed.
+        ``holder``: the claimant prefix of the worker process that ran it
+        (:func:`~celery_threads.gate.records.claimant_prefix`; :data:`NO_HOLDER` for a message
+        no process started), when the worker's main process ends it: a member RUNNING under
+        another process's claim is not killed."""
         meta = {"thread_id": thread_id, **meta}
         return self._call("kill", thread_id, task_id, token, "1" if keep else "0",
-                          json.dumps(meta, default=repr), call_id(caller), "1" if fenced else "")
+                          json.dumps(meta, default=repr), call_id(caller), "1" if fenced else "",
+                          holder or "")
 
     def delete(self, task_id: str, *, token: str = "", only_waiting: bool = False,
                only_released: bool = False, thread_id: Optional[str] = None,
@@ -301,9 +307,11 @@ class Gate:
         return self._call("expire", thread_id, MAX_REPUBLISH_BACKOFF, self._keepalive_text)
 
     def fail(self, thread_id: str, task_id: str, token: str, reason: str, *,
-             caller: Optional[str] = None) -> Outcome:
-        """A failed attempt the task itself could not report: retry if retries remain, else die."""
-        return self._call("fail", thread_id, task_id, token, reason, call_id(caller))
+             caller: Optional[str] = None, holder: Optional[str] = None) -> Outcome:
+        """A failed attempt the task itself could not report: retry if retries remain, else die.
+        ``holder``: the lost pool process's claimant prefix (see :meth:`kill`)."""
+        return self._call("fail", thread_id, task_id, token, reason, call_id(caller),
+                          holder or "")
 
     def restart(self, task_id: str, *, max_retries: Optional[int] = None,
                 retry_delay_ms: int = 0, thread_id: Optional[str] = None) -> Outcome:

@@ -91,6 +91,16 @@ def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
+#: A ``holder`` no claimant begins with: the kill of a message no worker process started ends
+#: the member only while no one has claimed it.
+NO_HOLDER = "\0"
+
+
+def claimant_prefix(hostname: str, pid: int) -> str:
+    """What every claimant a worker process makes begins with (``worker.lease.new_claimant``)."""
+    return f"{hostname}/{pid}/"
+
+
 def call_id(caller: Optional[str] = None) -> str:
     """``caller``, or a fresh id for a call that is its own (see ``Gate.finish``)."""
     return caller or secrets.token_hex(8)

@@ -39,7 +39,7 @@ from contextlib import contextmanager
 from typing import Any, Optional
 
 from .. import seams
-from ..gate import Gate, Renewal
+from ..gate import Gate, Renewal, claimant_prefix
 from ..runtime import Runtime
 from . import native
 
@@ -62,7 +62,7 @@ def margin(keepalive: float) -> float:
 def new_claimant(hostname: str) -> str:
     """A claim's own id: the worker, the process, and random bits (two deliveries of one release
     in one process are two claimants)."""
-    return f"{hostname}/{os.getpid()}/{secrets.token_hex(6)}"
+    return claimant_prefix(hostname, os.getpid()) + secrets.token_hex(6)
 
 
 class Lease:

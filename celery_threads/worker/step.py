@@ -43,7 +43,7 @@ from celery.worker.strategy import default as default_strategy
 
 from .. import seams
 from ..errors import ConfigurationError
-from ..gate import Lapse, Renewal
+from ..gate import NO_HOLDER, Lapse, Renewal, claimant_prefix
 from ..protocol import REPUBLISHED_HEADER, THREAD_HEADER, TOKEN_HEADER, eta_ms, is_threaded, retry_settings
 from ..publish import encode_envelope, request_member
 from ..runtime import Runtime, get_runtime
@@ -122,15 +122,18 @@ def may_be_duplicate(message: Any) -> bool:
     return bool((message.delivery_info or {}).get("redelivered"))
 
 
-def kill_unrunnable(runtime: Runtime, headers: dict[str, Any], exc: BaseException) -> None:
+def kill_unrunnable(runtime: Runtime, headers: dict[str, Any], exc: BaseException,
+                    holder: Optional[str] = NO_HOLDER) -> None:
     """A released member whose message no worker can run dies now, instead of being republished
-    forever: it goes to the dead letters with the reason, and its thread moves on."""
+    forever: it goes to the dead letters with the reason, and its thread moves on.  ``holder``:
+    the claimant prefix of the pool process that had the message (see :meth:`Gate.kill`); by
+    default none did, and a member another delivery's claim runs is left alone."""
     token = headers.get(TOKEN_HEADER)
     if not token:
         return
     try:
         runtime.kill(str(headers.get(THREAD_HEADER)), str(headers.get("id")), str(token), exc=exc,
-                     retries=int(headers.get("retries") or 0),
+                     retries=int(headers.get("retries") or 0), holder=holder,
                      reason=f"{type(exc).__name__}: the worker cannot run this message: {exc}")
     except Exception:
         logger.exception("celery-threads: could not dead-letter unrunnable member %s",
@@ -190,8 +193,18 @@ def _enter_gate_from_worker(task: Any, runtime: Runtime, message: Any, ack: Any,
     ack()
 
 
+def pool_holder(request: Any) -> Optional[str]:
+    """The claimant prefix of the pool process a request went to (its claims begin with it), or
+    ``None`` before the pool said which: the main process's endings are then fenced by token
+    only."""
+    pid = getattr(request, "worker_pid", None)
+    return claimant_prefix(request.hostname or "", pid) if pid else None
+
+
 class ThreadedRequest(Request):
-    """Main-process endings of a threaded member that its pool child could not report."""
+    """Main-process endings of a threaded member that its pool child could not report, each
+    fenced by the token and by that pool process's claims (``pool_holder``): after lost gate
+    writes another worker may run the member under the same token."""
 
     def on_timeout(self, soft: bool, timeout: float) -> None:
         thread_id, token = request_member(self)
@@ -203,7 +216,7 @@ class ThreadedRequest(Request):
             kill = functools.partial(
                 runtime.kill, thread_id, self.id, token, exc=TimeLimitExceeded(timeout),
                 retries=int(self.request_dict.get("retries") or 0), keep=self.task.dead_letter,
-                reason=f"TimeLimitExceeded: hard time limit ({timeout}s)")
+                reason=f"TimeLimitExceeded: hard time limit ({timeout}s)", holder=pool_holder(self))
             when_gone(self.worker_pid, kill, runtime.config.keepalive, what=self.id)
         super().on_timeout(soft, timeout)
 
@@ -217,7 +230,8 @@ class ThreadedRequest(Request):
         if token and lost and not seams.request_revoked(self):
             runtime = get_runtime(self.task.app)
             outcome = runtime.gate.fail(thread_id, self.id, token,
-                                        f"WorkerLostError: {exc}; no retries were left")
+                                        f"WorkerLostError: {exc}; no retries were left",
+                                        holder=pool_holder(self))
             runtime.apply(outcome)
             if outcome.status == Lapse.RETRIED:
                 self._announce_lost_retry(exc, exc_info)
@@ -233,7 +247,8 @@ class ThreadedRequest(Request):
             # (the message could not be decoded, the task never started) would hold the thread.
             # Fenced by the token: a no-op when the child did report it.  A hard time limit
             # (billiard reports it here, then calls on_timeout) is on_timeout's to end.
-            kill_unrunnable(get_runtime(self.task.app), self.request_dict, exc)
+            kill_unrunnable(get_runtime(self.task.app), self.request_dict, exc,
+                            pool_holder(self))
         super().on_failure(exc_info, send_failed_event=send_failed_event, return_ok=return_ok)
 
     def _announce_lost_retry(self, exc: BaseException, exc_info: Any) -> None:
@@ -315,7 +330,8 @@ def _fail_handed_off(request: Any, exc: BaseException) -> None:
     runtime = get_runtime(request.task.app)
     try:
         outcome = runtime.apply(runtime.gate.fail(thread_id, task_id, token,
-                                                  f"WorkerLostError: {exc}; no retries were left"))
+                                                  f"WorkerLostError: {exc}; no retries were left",
+                                                  holder=pool_holder(request)))
         logger.warning("celery-threads: the pool process running %s of thread %s by handoff was "
                        "lost (%s)", task_id, thread_id, exc)
         if outcome.status == Lapse.DIED:

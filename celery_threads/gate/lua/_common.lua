@@ -308,6 +308,16 @@ local function not_the_claimants(state)
   return by and by ~= '' and by ~= CALLER
 end
 
+-- Whether the active member is RUNNING under a claim another worker process made: its claimant
+-- does not begin with `holder` (a process's claimant prefix, 'hostname/pid/').  A worker's main
+-- process ends what its pool process ran with that process's prefix (it does not know the claim
+-- itself), and with a prefix no claimant has ("\0") a message that no process started.
+local function held_elsewhere(state, holder)
+  if state ~= 'RUNNING' or not holder or holder == '' then return false end
+  local by = redis.call('HGET', K_A, 'by')
+  return by and by ~= '' and string.sub(by, 1, #holder) ~= holder
+end
+
 -- Publish the active RELEASED member `task` again under its `token`: its release deadline becomes
 -- `deadline` (and its republish count `n`, when given).  Returns the reply for the caller to publish.
 local function republish_active(task, token, deadline, n)

@@ -2,8 +2,10 @@
 -- was killed): it re-enters after its retry delay while retries remain, else it dies.
 --   ARGV[6] task id   ARGV[7] token   ARGV[8] reason, recorded when it dies
 --   ARGV[9] caller: the call's own id, the same when it is sent again (CALLER in _common.lua)
+--   ARGV[10] holder: the lost pool process's claimant prefix; refused while the member is
+--            RUNNING under another process's claim (see held_elsewhere; optional)
 -- Returns {3, task} retried or {4, task} died, plus the next release; {0, ''} when (task, token)
--- is not the active member.  Replayed (its reply lost), it returns the same while the member it
+-- is not the active member (or is RUNNING under another process's claim).  Replayed (its reply lost), it returns the same while the member it
 -- released is active (see replayed), or {4, task} when this call killed it (else {0, ''}: the
 -- worker's report of a pool process it lost must not count what the process reported itself).
 local task, token = ARGV[6], ARGV[7]
@@ -16,6 +18,7 @@ if state ~= 'RUNNING' then
   if killed_by_caller(task) then return reply(4, task) end
   return reply(0, '')
 end
+if held_elsewhere(state, ARGV[10]) then return reply(0, '') end
 local status = fail_active(task, ARGV[8])
 detached('x', task, token, status, task)
 return reply(status, task, release_head(true))

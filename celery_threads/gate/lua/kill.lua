@@ -6,8 +6,10 @@
 --            and the kill is refused while the member is RUNNING for another claimant (after a
 --            lost claim); else unfenced: the worker's main process (a message it cannot run) and
 --            a producer do not know the claim (optional)
+--   ARGV[12] holder: a worker process's claimant prefix; refused while the member is RUNNING
+--            under another process's claim (see held_elsewhere; optional)
 -- Returns {1, ''} plus the release, or {0, ''} when (task, token) is not the active member (or,
--- fenced, is RUNNING for another claimant).
+-- fenced, is RUNNING for another claimant or another process).
 -- Replayed (its reply lost), it returns the same while the member it released is active (see
 -- replayed), or {1, ''} once that one has moved on or when it released none (the member is in
 -- the dead-letter store by this call; one dropped without keep is not told from another's kill).
@@ -21,6 +23,7 @@ if not state then
   return reply(0, '')
 end
 if ARGV[11] == '1' and not_the_claimants(state) then return reply(0, '') end
+if held_elsewhere(state, ARGV[12]) then return reply(0, '') end
 kill_active(task, ARGV[8] == '1', ARGV[9])
 detached('k', task, token, 1, '')
 return reply(1, '', release_head(true))
