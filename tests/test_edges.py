@@ -26,6 +26,9 @@ def r(proj):
 
 @pytest.fixture
 def relay(redis_server) -> Iterator[Relay]:
+    """A link to the gate that a test can silence, refuse or make lose replies.  Tests ask for it
+    before ``make_deployment``: their workers stop while it is still open (healed), instead of
+    retrying a closed link for their whole budget."""
     link = Relay(redis_server.port)
     yield link
     link.close()
@@ -56,7 +59,7 @@ def started_at(r, thread: str, label: str) -> int:
 
 
 def test_a_worker_cut_off_from_the_gate_stops_its_member_before_the_lease_ends(
-        proj, make_deployment, redis_server, relay, r):
+        proj, redis_server, relay, make_deployment, r):
     """The link between a worker and the gate goes silent (the broker is still reachable).  The
     worker kills the pool process running the member before its lease can lapse; the gate lapses
     the lease and the next member runs on another worker, never beside the cut-off body."""
@@ -82,13 +85,14 @@ def test_a_worker_cut_off_from_the_gate_stops_its_member_before_the_lease_ends(
     assert "killed pool process" in cut.output()
     [dead] = [x for x in Threads(proj.app).dead() if x.task_id == first.id]
     assert "LeaseExpired" in dead.exception
+    relay.heal()
 
 
 OUTAGE = 20.0   # longer than the gate client's own retries (about 17 s)
 
 
 def test_an_ending_is_kept_while_the_gate_is_away_and_delivered_when_it_is_back(
-        proj, make_deployment, redis_server, relay, r):
+        proj, redis_server, relay, make_deployment, r):
     """The gate refuses connections while a member ends, for longer than the client's retries
     but well within the lease.  The ending is kept and delivered when the gate is back: the
     member does not run again, and the next one starts at once."""
@@ -115,8 +119,8 @@ def test_an_ending_is_kept_while_the_gate_is_away_and_delivered_when_it_is_back(
     assert not Threads(proj.app).dead()
 
 
-def test_a_claim_whose_reply_is_lost_runs_the_member_at_once(proj, make_deployment, redis_server,
-                                                             relay, r):
+def test_a_claim_whose_reply_is_lost_runs_the_member_at_once(proj, redis_server, relay,
+                                                             make_deployment, r):
     """The claim runs in the gate and its reply is lost; the client sends it again, and the gate
     recognizes the same claimant: the member runs now, on its first attempt, not after its lease
     lapses as a retry."""
@@ -131,8 +135,8 @@ def test_a_claim_whose_reply_is_lost_runs_the_member_at_once(proj, make_deployme
     wait_for(lambda: Threads(proj.app).get(thread) is None, what="the thread to end")
 
 
-def test_a_finish_whose_reply_is_lost_hands_on_at_once(proj, make_deployment, redis_server,
-                                                        relay, r):
+def test_a_finish_whose_reply_is_lost_hands_on_at_once(proj, redis_server, relay,
+                                                        make_deployment, r):
     """The finish that releases (and, handing off, claims) the next member runs in the gate and
     its reply is lost; sent again, it gets the same release back: the next member runs now, on
     its first attempt."""
@@ -151,7 +155,7 @@ def test_a_finish_whose_reply_is_lost_hands_on_at_once(proj, make_deployment, re
 
 @pytest.mark.parametrize("outage", ["after the claim ran", "before the claim ran"])
 def test_a_handed_off_member_claimed_across_an_outage_keeps_its_retry_countdown(
-        proj, make_deployment, redis_server, relay, r, outage):
+        proj, redis_server, relay, make_deployment, r, outage):
     """The finish that claims the next member (the handoff) meets an outage of the gate: after it
     ran (its reply is lost, then connections are refused), or before (connections are refused,
     and the client sends it again until they are accepted).  Sent again, it gets its claim
@@ -184,7 +188,7 @@ def test_a_handed_off_member_claimed_across_an_outage_keeps_its_retry_countdown(
 
 
 def test_a_delete_whose_reply_is_lost_still_stops_the_running_member(
-        proj, make_deployment, redis_server, relay, r):
+        proj, redis_server, relay, make_deployment, r):
     """``Threads.delete`` of a running member: the delete runs in the gate and its reply is lost.
     Sent again, it still says the member may be running, so it is revoked with terminate, and the
     next member runs."""
