@@ -30,7 +30,7 @@ from click.testing import CliRunner, Result
 from celery_threads import Threads
 from celery_threads.config import read_config
 from celery_threads.errors import ConfigurationError
-from celery_threads.gate import access, make_client
+from celery_threads.gate import Gate, access, make_client
 from celery_threads.gate.access import acl_rules, check_access
 from celery_threads.keys import Keys
 from celery_threads.runtime import get_runtime
@@ -243,6 +243,25 @@ def test_a_tls_gate_verifies_with_the_ca_given_in_the_url_or_the_options(tls_red
     no_client_cert = {"ssl_cert_reqs": "required", "ssl_ca_certs": str(pki / "ca.pem")}
     with pytest.raises(redis.ConnectionError):
         make_client(tls_redis.tls_url(), {**no_client_cert, "retry": None}).ping()
+
+
+def test_a_client_certificate_is_optional_where_the_server_does_not_ask_for_one(
+        tls_redis: TlsRedis, pki: Path) -> None:
+    """``tls-auth-clients optional``: the gate connects with the CA alone, or with a client
+    certificate as well, and runs a member's whole life either way."""
+    tls_redis.admin.config_set("tls-auth-clients", "optional")
+    try:
+        ca_only = {"ssl_cert_reqs": "required", "ssl_ca_certs": str(pki / "ca.pem")}
+        for options in (ca_only, ssl_options(pki)):
+            gate = Gate(make_client(tls_redis.tls_url(3), options),
+                        Keys(f"ct-tls-{uuid.uuid4().hex[:6]}"), release_timeout_ms=5000)
+            release = gate.enqueue("t", "a", b"A").release
+            assert release is not None
+            assert gate.claim("t", "a", release.token, 10_000, "w", "c") == 1
+            assert gate.finish("t", "a", release.token, caller="c").done
+            assert gate.snapshot("t") is None      # its keys vanish with its last member
+    finally:
+        tls_redis.admin.config_set("tls-auth-clients", "yes")
 
 
 @pytest.mark.parametrize("pool", ["prefork", "gevent"])
