@@ -1,6 +1,8 @@
 """Every error celery-threads raises derives from :class:`ThreadsError`."""
 from __future__ import annotations
 
+from typing import Any
+
 import redis
 
 
@@ -35,7 +37,12 @@ class NotReplicated(ThreadsError, redis.TimeoutError):
     """Fewer replicas than ``threads_wait_replicas`` confirmed a gate transition in time: it counts
     as not done, as when its reply is lost (a ``redis.TimeoutError``, so every caller that rides
     out a silent gate rides this out too).  The master may hold it and a failover may lose it;
-    sending the same call again is safe, since each transition recognizes its own replay."""
+    sending the same call again is safe, since each transition recognizes its own replay.
+    ``reply``: what the master answered (not yet durable)."""
+
+    def __init__(self, message: str, reply: Any = None) -> None:
+        super().__init__(message)
+        self.reply = reply
 
 
 class UnknownTask(ThreadsError, KeyError):

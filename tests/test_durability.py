@@ -211,6 +211,7 @@ def test_a_transition_no_replica_confirmed_counts_as_not_done(redis_server):
     client.flushdb()
     gate = Gate(client, Keys("ctwait"), release_timeout_ms=5000, keepalive_ms=1000,
                 wait_replicas=1)
+    gate.replicated_budget = 0          # an enqueue is not sent again (see the next test)
     try:
         assert gate.wait == (1, 100)
         started = time.monotonic()
@@ -223,6 +224,40 @@ def test_a_transition_no_replica_confirmed_counts_as_not_done(redis_server):
         plain = Gate(client, Keys("ctwait"), release_timeout_ms=5000)
         assert plain.snapshot("t").active["task"] == "a"  # the master holds it all the same
     finally:
+        client.flushdb()
+
+
+def test_an_enqueue_is_sent_again_until_a_replica_confirms_it(redis_server):
+    """A producer's enqueue that no replica confirmed is sent again, backing off, until one
+    does (here: a replica attaches meanwhile) or the budget runs out; the gate knows it sent
+    again, so the member is stored once."""
+    client = redis.Redis(port=redis_server.port, db=12)
+    client.flushdb()
+    gate = Gate(client, Keys("ctwait"), release_timeout_ms=5000, keepalive_ms=1000,
+                wait_replicas=1)
+    gate.replicated_budget = 0.5
+    replica = RedisServer()
+    delay = client.config_get("repl-diskless-sync-delay")["repl-diskless-sync-delay"]
+    try:
+        started = time.monotonic()
+        with pytest.raises(NotReplicated):
+            gate.enqueue("t", "a", b"A")
+        assert time.monotonic() - started >= 0.5
+        gate.replicated_budget = 30
+        client.config_set("repl-diskless-sync-delay", 0)
+        replica.start()
+        attach = threading.Timer(0.3, lambda: redis.Redis(port=replica.port).replicaof(
+            "127.0.0.1", redis_server.port))
+        attach.start()
+        assert gate.enqueue("t", "b", b"B").done       # confirmed once the replica is in sync
+        attach.join()
+        again = gate.enqueue("t", "a", b"A")           # the first one's member, stored then
+        assert not again.done and again.release is not None and again.release.task_id == "a"
+        plain = Gate(client, Keys("ctwait"), release_timeout_ms=5000)
+        assert [task for task, _ in plain.snapshot("t").waiting] == ["b"]
+    finally:
+        replica.stop()
+        client.config_set("repl-diskless-sync-delay", delay)
         client.flushdb()
 
 

@@ -201,8 +201,10 @@ def test_semantics_on_a_sentinel_gate(proj, redis_server, sentinel_setup):
     """Order, a retry, a death, a delete while waiting, and a crashed worker's recovery, with
     every client reaching the gate through the sentinel and each transition confirmed by the
     replica (``threads_wait_replicas=1``)."""
+    # A keepalive of 6 s: WAIT waits up to 0.6 s for the replica on this busy machine, and a
+    # crashed worker's lease lapses soon.
     env = load_env(sentinel_setup.url(0), redis_server, CT_REDIS_OPTIONS=f'{{"master_name": '
-                   f'"{MASTER}"}}', CT_WAIT_REPLICAS="1", CT_KEEPALIVE="2")
+                   f'"{MASTER}"}}', CT_WAIT_REPLICAS="1", CT_KEEPALIVE="6")
     d = Deployment(env)
     configure_client(proj.app, **env)
     point_app(proj.app, {"threads_redis_options": {"master_name": MASTER},

@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any, Callable, Optional
 
@@ -16,7 +17,7 @@ from redis.commands.core import Script
 from ..errors import ConfigurationError, NotReplicated
 from ..keys import Keys, ShardKeys
 from . import cluster
-from .client import wait_timeout_ms
+from .client import RETRY_BUDGET, wait_timeout_ms
 from .library import _load_lua, function_library, script_sources
 from .records import (
     DirectRelease,
@@ -59,7 +60,8 @@ class Gate:
     ``functions``: the hot path calls the transitions as the functions of :func:`function_library`
     where the server has them (Redis 7+); false keeps it on ``EVALSHA`` (tests of both ways).
     ``wait_replicas`` (``threads_wait_replicas``): each transition is followed by ``WAIT`` on
-    its connection, and one that fewer replicas confirm raises :class:`NotReplicated`.
+    its connection, and one that fewer replicas confirm raises :class:`NotReplicated`; an
+    enqueue is sent again for up to ``replicated_budget`` seconds first.
     """
 
     def __init__(self, client: redis.Redis, keys: Keys, *, release_timeout_ms: int,
@@ -72,6 +74,7 @@ class Gate:
                 "threads_wait_replicas is not supported on a Redis Cluster (each master has its "
                 "own replicas): set it to 0, or point the gate at a single Redis or Sentinel")
         self.wait = (wait_replicas, wait_timeout_ms(keepalive_ms)) if wait_replicas > 0 else None
+        self.replicated_budget = RETRY_BUDGET
         self.direct = direct
         self._direct_arg = direct.argument() if direct is not None else ""
         self._keepalive_text = f"{keepalive_ms / 1000:g}s"
@@ -125,10 +128,14 @@ class Gate:
         return packer.pack((self._fcall_heads if functions else self._heads)[name], thread_id,
                            args)
 
-    def _run(self, name: str, thread_id: str, *args: Any, client: Any = None) -> Any:
+    def _run(self, name: str, thread_id: str, *args: Any, client: Any = None,
+             fence: bool = False) -> Any:
+        """``fence`` (with ``wait_replicas``): a write of the call's own connection after the
+        script, so that its ``WAIT`` covers every write made before it, even when the script
+        wrote nothing (:meth:`_replicated`)."""
         # The clock is read once per call, whichever way the call goes.
         arguments = self._arguments(thread_id, args) if self.clock is not None else None
-        if client is None and self._direct is not None:
+        if client is None and self._direct is not None and not fence:
             reply = self._direct.call(
                 lambda functions: self._command(name, thread_id, args, arguments, functions))
             if reply is not _MISSED:
@@ -141,8 +148,11 @@ class Gate:
         if client is None and self.wait:    # WAIT on the script's own connection: a pipeline
             pipe = self.client.pipeline(transaction=False)
             self._scripts[name](keys=script_keys, args=argv, client=pipe)
+            if fence:
+                pipe.set(f"{self.keys.prefix}:wait-fence", 1, px=1000)
             pipe.wait(*self.wait)
-            return self._confirmed(*pipe.execute())
+            replies = pipe.execute()
+            return self._confirmed(replies[0], replies[-1])
         return self._scripts[name](keys=script_keys, args=argv, client=client or self.client)
 
     def _confirmed(self, reply: Any, replicas: Any) -> Any:
@@ -151,7 +161,8 @@ class Gate:
         if int(replicas) < self.wait[0]:
             raise NotReplicated(
                 f"{int(replicas)} of the {self.wait[0]} replicas (threads_wait_replicas) "
-                f"confirmed a gate transition within {self.wait[1]} ms; it counts as not done")
+                f"confirmed a gate transition within {self.wait[1]} ms; it counts as not done",
+                reply)
         return reply
 
     def _outcome(self, name: str, thread_id: str, reply: Sequence[Any],
@@ -182,9 +193,34 @@ class Gate:
         last 30 s (lua/enqueue.lua)."""
         mode, value = ("at", at_ms) if at_ms is not None else ("in", max(0, delay_ms))
         extra = (replaced,) if replaced else ()
-        return self._outcome("enqueue", thread_id, self._run(
+        return self._outcome("enqueue", thread_id, self._replicated(lambda fence: self._run(
             "enqueue", thread_id, task_id, mode, value, _max_retries(max_retries), retry_delay_ms,
-            envelope, *extra), own=envelope)
+            envelope, *extra, fence=fence)), own=envelope)
+
+    def _replicated(self, send: Callable[[bool], Any]) -> Any:
+        """``send(fence)``, sent again while the replicas do not confirm it
+        (:class:`NotReplicated`: a replica lags, or none is connected), backing off, for at most
+        ``replicated_budget`` seconds, as the client rides out a short outage.  Only an enqueue
+        waits so: a producer has nothing else to do with its message, while a worker's calls have
+        a lease to keep and their own handling of a call not done.
+
+        The gate knows the call sent again (its task id): it answers "already a member" when the
+        first send's writes are still there, and that send's reply stands once this one is
+        confirmed (sent with a ``fence``, a write of its own connection, so that its ``WAIT``
+        covers the first send's writes too); a failover that lost them makes it a new arrival."""
+        deadline, pause, first = time.monotonic() + self.replicated_budget, 0.05, None
+        while True:
+            try:
+                reply = send(first is not None)
+            except NotReplicated as exc:
+                if first is None:
+                    first = exc.reply
+                if time.monotonic() + pause > deadline:
+                    raise
+                time.sleep(pause)
+                pause = min(1.0, pause * 2)
+                continue
+            return reply if first is None or int(reply[0]) else first
 
     def release(self, thread_id: str) -> Outcome:
         return self._call("release", thread_id)
