@@ -16,7 +16,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import pytest
 import redis
@@ -347,3 +347,31 @@ def isolated_app(proj, redis_server):
 
     with isolated(proj.app, redis_server) as app:
         yield app
+
+
+@pytest.fixture
+def sentinel_setup() -> Iterator[Any]:
+    """A master, its replica and one sentinel (tests/topologies.py), stopped after the test."""
+    from tests.topologies import SentinelSetup
+
+    setup = SentinelSetup()
+    try:
+        setup.start()
+        yield setup
+    finally:
+        setup.stop()
+
+
+@pytest.fixture(scope="module")
+def redis_cluster(redis_server: RedisServer) -> Iterator[Any]:
+    """A Redis Cluster of three masters (tests/topologies.py), for the tests of one module."""
+    from tests.topologies import REDIS_CLI, RedisClusterServers
+
+    if shutil.which(REDIS_CLI) is None:
+        pytest.skip("redis-cli is not available")
+    servers = RedisClusterServers()
+    try:
+        servers.start()
+        yield servers
+    finally:
+        servers.stop()

@@ -6,10 +6,6 @@ for every node's members.
 from __future__ import annotations
 
 import json
-import shutil
-import signal
-import subprocess
-import tempfile
 import threading
 import time
 import uuid
@@ -17,140 +13,19 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-import redis
 from celery.bin.celery import celery as celery_command
 from click.testing import CliRunner
 from redis.crc import key_slot
 
-from bench.cluster import cluster_port
 from celery_threads import Threads
 from celery_threads.errors import ConfigurationError
 from celery_threads.gate import Gate, make_client
 from celery_threads.gate.cluster import check_shards
 from celery_threads.keys import Keys, shard_tag
-from tests.conftest import Deployment, RedisServer, configure_client, deployment_env, redis_binaries
+from tests.conftest import Deployment, RedisServer, configure_client, deployment_env
 from tests.helpers import assert_serial, starts, tid, wait_for
 from tests.isolated import point_app
 from tests.scenarios import crash_recovery, mixed_load
-
-REDIS_CLI = shutil.which("redis-cli", path="/usr/bin:/usr/local/bin") or "redis-cli"
-
-
-class RedisClusterServers:
-    """Three ``redis-server --cluster-enabled yes`` masters joined by ``redis-cli --cluster
-    create``."""
-
-    def __init__(self, masters: int = 3) -> None:
-        self.binary = next(iter(redis_binaries().values()))
-        self.dir = tempfile.mkdtemp(prefix="ct-cluster-")
-        self.ports = [cluster_port() for _ in range(masters)]
-        self.procs: list[subprocess.Popen[bytes]] = []
-
-    def start(self) -> None:
-        for port in self.ports:
-            self.procs.append(subprocess.Popen(
-                [self.binary, "--port", str(port), "--bind", "127.0.0.1", "--cluster-enabled",
-                 "yes", "--cluster-config-file", f"{self.dir}/nodes-{port}.conf", "--save", "",
-                 "--appendonly", "no", "--dir", self.dir, "--logfile", f"{self.dir}/{port}.log"],
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-        for port in self.ports:
-            wait_for(lambda: self._pings(port), timeout=10, what=f"redis-server on {port}")
-        subprocess.run([REDIS_CLI, "--cluster", "create",
-                        *[f"127.0.0.1:{p}" for p in self.ports], "--cluster-replicas", "0",
-                        "--cluster-yes"], check=True, capture_output=True, timeout=60)
-        wait_for(lambda: all(self.node(p).cluster("info")["cluster_state"] == "ok"
-                             for p in self.ports), timeout=30, what="the cluster to be ok")
-
-    def _pings(self, port: int) -> bool:
-        try:
-            return bool(redis.Redis(port=port).ping())
-        except redis.ConnectionError:
-            return False
-
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.ports[0]}/0"
-
-    def node(self, port: int) -> redis.Redis[bytes]:
-        return redis.Redis(port=port)
-
-    def node_id(self, port: int) -> str:
-        return str(self.node(port).execute_command("CLUSTER", "MYID").decode())
-
-    def owner(self, slot: int) -> int:
-        for port in self.ports:
-            for start, end, *nodes in self.node(port).execute_command("CLUSTER", "SLOTS"):
-                if start <= slot <= end:
-                    return int(nodes[0][1])
-        raise AssertionError(f"slot {slot} unassigned")
-
-    def keys_per_node(self, prefix: str) -> dict[int, int]:
-        return {port: sum(1 for _ in self.node(port).scan_iter(match=f"{prefix}:*"))
-                for port in self.ports}
-
-    def redirections(self) -> dict[str, int]:
-        """Redirections and refusals the masters answered so far (Redis 7 ``INFO errorstats``)."""
-        counts = {"MOVED": 0, "ASK": 0, "TRYAGAIN": 0}
-        for port in self.ports:
-            stats = self.node(port).info("errorstats")
-            for kind in counts:
-                counts[kind] += int(stats.get(f"errorstat_{kind}", {}).get("count", 0))
-        return counts
-
-    def migrate_slot(self, slot: int, to_port: int, batch: int = 1, pace: float = 0.01) -> None:
-        """Move ``slot`` as ``redis-cli --cluster reshard`` does, key by key (``pace`` between
-        MIGRATEs, as a busy reshard would take), so calls meet the slot half moved (ASK,
-        TRYAGAIN) before it is handed over (MOVED)."""
-        src_port = self.owner(slot)
-        src, dst = self.node(src_port), self.node(to_port)
-        dst.execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", self.node_id(src_port))
-        src.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", self.node_id(to_port))
-        while True:
-            keys = src.execute_command("CLUSTER", "GETKEYSINSLOT", slot, batch)
-            if not keys:
-                break
-            src.execute_command("MIGRATE", "127.0.0.1", to_port, "", 0, 5000, "KEYS", *keys)
-            time.sleep(pace)
-        for port in (to_port, src_port, *[p for p in self.ports if p not in (to_port, src_port)]):
-            self.node(port).execute_command("CLUSTER", "SETSLOT", slot, "NODE",
-                                            self.node_id(to_port))
-
-    def slots_below(self, slot: int) -> int:
-        """How many slots ``slot``'s owner serves below it."""
-        owner = self.owner(slot)
-        ranges = self.node(owner).execute_command("CLUSTER", "SLOTS")
-        return sum(max(0, min(end + 1, slot) - start) for start, end, *nodes in ranges
-                   if int(nodes[0][1]) == owner)
-
-    def reshard(self, slot: int, to_port: int) -> None:
-        """``redis-cli --cluster reshard`` from ``slot``'s owner to ``to_port``, of as many
-        slots as it takes to move ``slot`` (it moves a node's slots lowest first), one key per
-        MIGRATE."""
-        src_port = self.owner(slot)
-        subprocess.run([REDIS_CLI, "--cluster", "reshard", f"127.0.0.1:{src_port}",
-                        "--cluster-from", self.node_id(src_port),
-                        "--cluster-to", self.node_id(to_port),
-                        "--cluster-slots", str(self.slots_below(slot) + 1),
-                        "--cluster-pipeline", "1", "--cluster-yes"],
-                       check=True, capture_output=True, timeout=120)
-
-    def stop(self) -> None:
-        for proc in self.procs:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-                proc.wait(10)
-        shutil.rmtree(self.dir, ignore_errors=True)
-
-
-@pytest.fixture(scope="module")
-def redis_cluster(redis_server: RedisServer) -> Iterator[RedisClusterServers]:
-    if shutil.which(REDIS_CLI) is None:
-        pytest.skip("redis-cli is not available")
-    servers = RedisClusterServers()
-    try:
-        servers.start()
-        yield servers
-    finally:
-        servers.stop()
 
 
 @pytest.fixture

@@ -7,14 +7,8 @@ pool processes' direct lines, the dispatcher, the producer, ``Threads``, the CLI
 """
 from __future__ import annotations
 
-import os
-import shutil
-import signal
-import subprocess
-import tempfile
 import time
-from collections.abc import Iterator
-from typing import Any, Optional
+from typing import Any
 
 import pytest
 import redis
@@ -27,112 +21,12 @@ from celery_threads.errors import ConfigurationError
 from celery_threads.gate import make_client
 from celery_threads.gate.sentinel import SentinelAddress
 from celery_threads.runtime import direct_release
-from tests.conftest import Deployment, configure_client, default_redis_binary, deployment_env, free_port
+from tests.conftest import Deployment, configure_client, deployment_env
 from tests.helpers import tid, wait_for
 from tests.isolated import point_app, pointed_at
 from tests.scenarios import crash_recovery, mixed_load
 from tests.test_durability import load_env, run_through_fault
-
-MASTER = "ctmaster"
-
-
-class SentinelSetup:
-    """A master, a replica of it, and one sentinel watching them (quorum 1), with short timeouts:
-    the master counts as down after 1 s of silence, a failover may take 5 s."""
-
-    def __init__(self) -> None:
-        self.binary = default_redis_binary()
-        self.dir = tempfile.mkdtemp(prefix="ct-redis-sentinel-")
-        self.master_port, self.replica_port, self.sentinel_port = (free_port() for _ in range(3))
-        self.procs: dict[str, subprocess.Popen[bytes]] = {}
-
-    def _server(self, name: str, port: int, *args: str) -> None:
-        self.procs[name] = subprocess.Popen(
-            [self.binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-             "--dir", self.dir, "--dbfilename", f"{name}.rdb",
-             "--logfile", os.path.join(self.dir, f"{name}.log"),
-             "--repl-diskless-sync-delay", "0", *args],    # a replica syncs at once, not in 5 s
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-
-    def start(self) -> None:
-        self._server("master", self.master_port)
-        self._server("replica", self.replica_port, "--replicaof", "127.0.0.1",
-                     str(self.master_port))
-        conf = os.path.join(self.dir, "sentinel.conf")
-        with open(conf, "w") as f:
-            f.write(f"port {self.sentinel_port}\nbind 127.0.0.1\ndir {self.dir}\n"
-                    f"sentinel monitor {MASTER} 127.0.0.1 {self.master_port} 1\n"
-                    f"sentinel down-after-milliseconds {MASTER} 1000\n"
-                    f"sentinel failover-timeout {MASTER} 5000\n"
-                    # told of the replica up front: it would find it within 10 s on its own
-                    f"sentinel known-replica {MASTER} 127.0.0.1 {self.replica_port}\n")
-        self.procs["sentinel"] = subprocess.Popen(
-            [self.binary, conf, "--sentinel", "--logfile",
-             os.path.join(self.dir, "sentinel.log")],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        master = redis.Redis(port=self.master_port)
-        wait_for(lambda: _ping(master) and master.info("replication").get("connected_slaves") == 1
-                 and _replica_in_sync(self.replica_port), timeout=20, interval=0.05,
-                 what="the replica to sync")
-        sentinel = redis.Redis(port=self.sentinel_port)
-        wait_for(lambda: _ping(sentinel) and sentinel.execute_command("SENTINEL", "REPLICAS",
-                                                                     MASTER),
-                 timeout=20, interval=0.05, what="the sentinel to see the replica")
-
-    def url(self, db: int = 0) -> str:
-        return f"sentinel://127.0.0.1:{self.sentinel_port}/{db}"
-
-    def master(self) -> Optional[int]:
-        host_port = redis.Redis(port=self.sentinel_port).execute_command(
-            "SENTINEL", "GET-MASTER-ADDR-BY-NAME", MASTER)
-        return int(host_port[1]) if host_port else None
-
-    def port(self, name: str) -> int:
-        return self.master_port if name == "master" else self.replica_port
-
-    def restart_as_replica(self, name: str) -> None:
-        """The killed server ``name`` started again as a replica of the other one, as its
-        operator would (the sentinel would too, after its next look at it, up to 10 s later).
-        Until then, with ``threads_wait_replicas=1``, no transition counts as done."""
-        other = self.replica_port if name == "master" else self.master_port
-        self._server(name, self.port(name), "--replicaof", "127.0.0.1", str(other))
-        new_master = redis.Redis(port=other)
-        wait_for(lambda: new_master.info("replication").get("connected_slaves") == 1
-                 and _replica_in_sync(self.port(name)), timeout=30, interval=0.1,
-                 what="the old master to become a replica of the new one")
-
-    def kill(self, name: str) -> None:
-        proc = self.procs[name]
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGKILL)
-            proc.wait(10)
-
-    def stop(self) -> None:
-        for name in self.procs:
-            self.kill(name)
-        shutil.rmtree(self.dir, ignore_errors=True)
-
-
-def _ping(client: redis.Redis) -> bool:
-    try:
-        return bool(client.ping())
-    except redis.ConnectionError:
-        return False
-
-
-def _replica_in_sync(port: int) -> bool:
-    info = redis.Redis(port=port).info("replication")
-    return bool(info.get("master_link_status") == "up")
-
-
-@pytest.fixture
-def sentinel_setup() -> Iterator[SentinelSetup]:
-    setup = SentinelSetup()
-    try:
-        setup.start()
-        yield setup
-    finally:
-        setup.stop()
+from tests.topologies import MASTER
 
 
 def test_kombus_sentinel_url_names_the_sentinels_the_database_and_the_password():

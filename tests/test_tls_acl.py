@@ -47,8 +47,7 @@ from tests.conftest import (
 from tests.helpers import assert_serial, starts, tid, wait_for
 from tests.isolated import point_app
 from tests.scenarios import crash_recovery, mixed_load
-from tests.test_cluster import RedisClusterServers, redis_cluster  # noqa: F401 (fixture)
-from tests.test_sentinel import MASTER, SentinelSetup, sentinel_setup  # noqa: F401 (fixture)
+from tests.topologies import MASTER, RedisClusterServers, SentinelSetup
 
 ROOT = Path(__file__).resolve().parent.parent
 #: What kombu's Redis transport and a Celery worker need as an ACL user (broker database 1).
@@ -418,7 +417,7 @@ def test_each_missing_right_is_named(version: str) -> None:
 
 
 def test_a_sentinel_gate_has_the_rights_of_its_user_checked_on_the_master(
-        sentinel_setup: SentinelSetup) -> None:  # noqa: F811 (the fixture imported)
+        sentinel_setup: SentinelSetup) -> None:
     """The probe runs on the master the sentinel names (the user exists there only: ACLs are not
     replicated), the scripts' inner commands included."""
     prefix, user = f"ct-acl-{uuid.uuid4().hex[:6]}", f"gate-{uuid.uuid4().hex[:6]}"
@@ -445,7 +444,7 @@ def test_a_sentinel_gate_has_the_rights_of_its_user_checked_on_the_master(
 
 
 def test_a_cluster_gate_has_the_rights_of_its_user_checked_on_every_master(
-        redis_cluster: RedisClusterServers) -> None:  # noqa: F811 (the fixture imported)
+        redis_cluster: RedisClusterServers) -> None:
     """ACLs are per node: a right missing on one master is named with that master, found by
     probe keys of a slot it serves (the scripts' inner commands run there)."""
     prefix, user = f"ct-acl-{uuid.uuid4().hex[:6]}", f"gate-{uuid.uuid4().hex[:6]}"
