@@ -208,14 +208,13 @@ def test_cluster_slot_migration_during_a_run(proj, sharded, redis_cluster, r):
     """Each shard's slot moves to another master while members of every shard run (the first
     by ``redis-cli --cluster reshard``, the others key by key): nothing is lost, nothing runs
     twice, no two members of a thread overlap (the tasks' own start/end records on one
-    clock)."""
+    clock).  The producer keeps each thread a round ahead of its workers until the last slot
+    has moved, and a round more: calls meet every move, however long the moves take."""
     d = sharded(redis_cluster.url(), 3, True)
     d.worker("w1", concurrency=2)
     d.worker("w2", concurrency=2)
     keys = Keys(d.env["CT_KEY_PREFIX"], 3)
-    threads = spread(keys, 4, "mig")
-    per_thread = 6
-    results = []
+    threads = spread(keys, 2, "mig")
     moved = threading.Event()
 
     def migrate() -> None:
@@ -234,23 +233,29 @@ def test_cluster_slot_migration_during_a_run(proj, sharded, redis_cluster, r):
             moved.set()
 
     redirected = redis_cluster.redirections()
+    before = {i: redis_cluster.owner(key_slot(keys.shard(i).seq.encode())) for i in range(3)}
     mover = threading.Thread(target=migrate)
     mover.start()
-    before = {i: redis_cluster.owner(key_slot(keys.shard(i).seq.encode())) for i in range(3)}
-    for n in range(per_thread):
+    results, rounds, after_moves = [], 0, 0
+    while after_moves < 2:
+        if moved.is_set():
+            after_moves += 1
         for thread in threads:
-            results.append(proj.record.delay(thread, f"m{n}", sleep=0.05))
-    moved.wait(90)
-    mover.join(5)
+            results.append(proj.record.delay(thread, f"m{rounds}", sleep=0.1))
+        rounds += 1
+        wait_for(lambda n=rounds - 1: all(len(starts(r, t)) >= n for t in threads),
+                 timeout=60, what=f"round {rounds - 1} to start")
+        assert rounds < 2000, "the slots did not move"
+    mover.join(30)
     after = {i: redis_cluster.owner(key_slot(keys.shard(i).seq.encode())) for i in range(3)}
     assert all(before[i] != after[i] for i in range(3)), (before, after)
-    redirected = {k: v - redirected[k] for k, v in redis_cluster.redirections().items()}
-    print("redirections during the run:", redirected)
-    assert redirected["MOVED"] > 0, redirected
     assert sorted(x.get(timeout=90) for x in results) == sorted(
-        f"m{n}" for n in range(per_thread) for _ in threads)
+        f"m{n}" for n in range(rounds) for _ in threads)
+    redirected = {k: v - redirected[k] for k, v in redis_cluster.redirections().items()}
+    print(f"{rounds} rounds; redirections during the run:", redirected)
+    assert redirected["MOVED"] > 0, redirected
     for thread in threads:
-        assert starts(r, thread) == [f"m{n}" for n in range(per_thread)]
+        assert starts(r, thread) == [f"m{n}" for n in range(rounds)]
         assert_serial(r, thread)
     assert r.llen("overlaps") == 0 or not any(
         x.decode().split("|")[0] in threads for x in r.lrange("overlaps", 0, -1))
