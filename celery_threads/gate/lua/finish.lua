@@ -8,9 +8,10 @@
 --           ARGV[8] if it cannot run it)
 --   ARGV[12] caller: the call's own id, the same when it is sent again (CALLER in _common.lua)
 -- Returns {1, ''} plus the release ({1, now ms} plus the release when it was claimed), or {0, ''}
--- when (task, token) is not the active member, or is RUNNING for another claimant than the caller.  Replayed (its reply lost), it returns the same,
--- while the member it released is active (see replayed), or {1, ''} once that one has moved on
--- or when it released none (the member ended lately).
+-- when (task, token) is not the active member, or is RUNNING for another claimant than the
+-- caller.  Replayed (its reply lost), it returns the same while the member it released is active
+-- (see replayed), or {1, ''} once that one has moved on or when it released none (the member
+-- ended lately).
 local task, token = ARGV[6], ARGV[7]
 CALLER = ARGV[12] or ''
 local claimant = ''
