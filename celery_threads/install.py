@@ -10,6 +10,34 @@ from .protocol import BEAT_ENTRY, DISPATCH_TASK
 
 logger = logging.getLogger(__name__)
 
+#: Where Celery logs a task's sending (beat), receipt and success (worker) at INFO.
+_TICK_LOGGERS = ("celery.beat", "celery.worker.strategy", "celery.app.trace")
+
+
+class _TickAtDebug(logging.Filter):
+    """The dispatcher's tick, sent every ``threads_dispatch_interval``, would write three INFO
+    lines a second across beat and worker: its lines are logged at DEBUG instead (dropped where
+    the logger does not log DEBUG)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if isinstance(args, dict):
+            tick = args.get("name") == DISPATCH_TASK
+        else:
+            tick = isinstance(args, tuple) and DISPATCH_TASK in args
+        if not tick or record.levelno <= logging.DEBUG:
+            return True
+        if not logging.getLogger(record.name).isEnabledFor(logging.DEBUG):
+            return False
+        record.levelno, record.levelname = logging.DEBUG, logging.getLevelName(logging.DEBUG)
+        return True
+
+
+def _quiet_tick_logs() -> None:
+    for name in _TICK_LOGGERS:
+        target = logging.getLogger(name)
+        if not any(isinstance(f, _TickAtDebug) for f in target.filters):
+            target.addFilter(_TickAtDebug())
 
 
 def install(app: Any) -> None:
@@ -18,6 +46,7 @@ def install(app: Any) -> None:
         return
     app._celery_threads_installed = True
     _add_steps(app)
+    _quiet_tick_logs()
     interval = float(app.conf.get("threads_dispatch_interval") or 1.0)
     schedule = dict(app.conf.beat_schedule or {})
     schedule.setdefault(BEAT_ENTRY, {
@@ -29,10 +58,10 @@ def install(app: Any) -> None:
     app.conf.beat_schedule = schedule
 
 
-@shared_task(name=DISPATCH_TASK, bind=True, ignore_result=True)
+@shared_task(name=DISPATCH_TASK, bind=True, ignore_result=True, send_events=False)
 def _dispatch(self: Any) -> dict[str, int]:
     """One dispatcher pass (beat's safety net beside each worker's own loop); a shared task, so
-    every app has it."""
+    every app has it.  It sends no task events: Flower's task list shows the user's tasks."""
     from .dispatcher import Dispatcher
     from .runtime import get_runtime
 

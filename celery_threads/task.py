@@ -127,9 +127,11 @@ class ThreadedTask(Task):
         runtime = get_runtime(app)
         with app.producer_or_acquire(producer) as real, gate_errors(runtime, task_id):
             capture = CapturingProducer(real)
+            # countdown and eta reach Celery only for its task-sent event (Flower shows when the
+            # member is due); the stored message leaves them out, and the gate schedules it.
             result = super().apply_async(args, kwargs, task_id=task_id, producer=capture,
                                          link=link, link_error=link_error, shadow=shadow,
-                                         headers=headers, **options)
+                                         headers=headers, countdown=countdown, eta=eta, **options)
             assert capture.envelope is not None, "Celery published no task message"
             at_ms = eta_ms(eta) if eta is not None else None
             delay_ms = int(float(countdown or 0) * 1000)

@@ -98,5 +98,5 @@ def account(ledger: Any) -> Iterator[str]:
     """A fresh account (a thread of its own); its timeline and balance go afterwards."""
     name = f"acct-{uuid.uuid4().hex[:8]}"
     yield name
-    ledger.store().delete(f"timeline:{name}", f"balance:{name}")
-    ledger.store().srem("frozen", name)
+    ledger.store().delete(ledger.key("timeline", name), ledger.key("balance", name))
+    ledger.store().srem(ledger.key("frozen"), name)

@@ -94,6 +94,9 @@ def main(argv: list[str] | None = None) -> int:
                 os.killpg(proc.pid, signal.SIGKILL)
         if embedded is not None:
             embedded.shutdown()
+        else:       # a Redis of the user's: leave nothing of this run behind
+            ledger.clear()
+            ledger.store().delete(f"_kombu.binding.{prefix}")
 
 
 if __name__ == "__main__":

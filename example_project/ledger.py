@@ -17,11 +17,14 @@ from celery_threads import ThreadedTask
 from celery_threads.signals import member_dead
 
 REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
+#: The namespace of the example's own keys (balances, timelines) as of the gate's: a second run on
+#: the same Redis starts from clean data.
+PREFIX = os.environ.get("LEDGER_PREFIX", "ledger")
 
 app = Celery("ledger", broker=REDIS_URL, backend=REDIS_URL)
 app.conf.update(
     threads_redis_url=REDIS_URL,
-    threads_key_prefix=os.environ.get("LEDGER_PREFIX", "ledger"),
+    threads_key_prefix=PREFIX,
     threads_keepalive=10.0,
     threads_dispatch_interval=0.5,
     task_default_queue=os.environ.get("LEDGER_QUEUE", "ledger"),
@@ -41,6 +44,18 @@ def store() -> redis.Redis[bytes]:
     return _redis
 
 
+def key(*parts: str) -> str:
+    """A key of the example's data, under its prefix."""
+    return ":".join((PREFIX, "data", *parts))
+
+
+def clear() -> None:
+    """Drop the example's data keys."""
+    r = store()
+    for found in r.scan_iter(match=f"{PREFIX}:data:*", count=500):
+        r.delete(found)
+
+
 def server_time() -> float:
     seconds, micros = store().time()
     return seconds + micros / 1e6
@@ -48,7 +63,7 @@ def server_time() -> float:
 
 def log_event(account: str, entry: str, event: str, **fields: object) -> None:
     record = {"entry": entry, "event": event, "at": server_time(), **fields}
-    store().rpush(f"timeline:{account}", json.dumps(record))
+    store().rpush(key("timeline", account), json.dumps(record))
 
 
 @app.task(base=ThreadedTask, bind=True, thread_key="account", max_retries=3,
@@ -58,20 +73,20 @@ def post(self, account: str, entry: str, amount: int, fail_times: int = 0,
     """Post `amount` to `account`: read the balance, work, write it back (a lost update if two
     postings of one account ever overlapped)."""
     log_event(account, entry, "start", attempt=self.request.retries)
-    if store().sismember("frozen", account):
+    if store().sismember(key("frozen"), account):
         log_event(account, entry, "failed", error="account frozen")
         raise RuntimeError(f"account {account} is frozen")
-    balance = int(store().get(f"balance:{account}") or 0)
+    balance = int(store().get(key("balance", account)) or 0)
     time.sleep(seconds)
     if self.request.retries < fail_times:
         log_event(account, entry, "retry", error="bank link down", next_in=0.5)
         raise self.retry(countdown=0.5, exc=ConnectionError("bank link down"))
-    store().set(f"balance:{account}", balance + amount)
+    store().set(key("balance", account), balance + amount)
     log_event(account, entry, "end", balance=balance + amount)
     return balance + amount
 
 
 @member_dead.connect
 def _log_death(sender=None, task_id=None, thread_id=None, exception=None, **kwargs):
-    entry = store().hget("entries", task_id)
+    entry = store().hget(key("entries"), task_id)
     log_event(thread_id, entry.decode() if entry else task_id, "died", error=exception)

@@ -10,7 +10,7 @@ from .workload import Story
 
 
 def timeline(ledger: Any, account: str) -> list[dict[str, Any]]:
-    rows = [json.loads(x) for x in ledger.store().lrange(f"timeline:{account}", 0, -1)]
+    rows = [json.loads(x) for x in ledger.store().lrange(ledger.key("timeline", account), 0, -1)]
     return sorted(rows, key=lambda e: e["at"])
 
 
@@ -26,7 +26,7 @@ def checks(ledger: Any, story: Story) -> list[tuple[str, list[str]]]:
         events = timeline(ledger, account)
         _check_overlap_and_order(account, events, story, overlap, order)
         _check_endings(account, events, story, ended)
-        balance = int(ledger.store().get(f"balance:{account}") or 0)
+        balance = int(ledger.store().get(ledger.key("balance", account)) or 0)
         if balance != story.expected_total.get(account, 0):
             balances.append(f"{account}: {balance} != {story.expected_total.get(account, 0)}")
     threads = Threads(ledger.app)

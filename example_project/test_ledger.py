@@ -52,7 +52,7 @@ def assert_one_at_a_time(spans: list[tuple[str, float, float]]) -> None:
 
 
 def balance(ledger: Any, account: str) -> int:
-    return int(ledger.store().get(f"balance:{account}") or 0)
+    return int(ledger.store().get(ledger.key("balance", account)) or 0)
 
 
 def test_postings_of_one_account_never_overlap_and_run_in_order(ledger, worker, account):
@@ -95,14 +95,14 @@ def test_a_posting_longer_than_the_keepalive_runs_once(ledger, worker, account):
 
 
 def test_a_dead_posting_is_kept_and_can_be_restarted(ledger, worker, account):
-    ledger.store().sadd("frozen", account)
+    ledger.store().sadd(ledger.key("frozen"), account)
     dying = post(ledger, account, "frozen")
     settled(ledger, account, endings=1)
     dead = [d for d in Threads(ledger.app).dead() if d.task_id == dying.id]
     assert [(d.thread_id, d.retries) for d in dead] == [(account, 0)]
     assert "frozen" in dead[0].exception
 
-    ledger.store().srem("frozen", account)
+    ledger.store().srem(ledger.key("frozen"), account)
     post(ledger, account, "next")                 # the thread did not stop at the death
     Threads(ledger.app).restart(dying.id)         # a new arrival: behind "next"
     spans = attempts(settled(ledger, account, endings=3))
@@ -120,4 +120,4 @@ def test_postings_of_two_accounts_run_at_the_same_time(ledger, worker, account):
         ((_, b_start, b_stop),) = attempts(settled(ledger, other, endings=1))
         assert a_start < b_stop and b_start < a_stop, "the two accounts ran one after the other"
     finally:
-        ledger.store().delete(f"timeline:{other}", f"balance:{other}")
+        ledger.store().delete(ledger.key("timeline", other), ledger.key("balance", other))

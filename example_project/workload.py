@@ -23,12 +23,12 @@ def run(ledger: Any, accounts: int, postings: int, timeout: float = 120) -> Stor
     story = Story(names)
     threads = Threads(ledger.app)
     r = ledger.store()
-    r.sadd("frozen", names[-1])                       # the last account is frozen: one dies
+    r.sadd(ledger.key("frozen"), names[-1])          # the last account is frozen: one dies
 
     def post(account: str, entry: str, amount: int, **options: Any) -> Any:
         kwargs = {k: options.pop(k) for k in ("fail_times", "seconds") if k in options}
         result = ledger.post.apply_async((account, entry, amount), kwargs, **options)
-        r.hset("entries", result.id, entry)
+        r.hset(ledger.key("entries"), result.id, entry)
         story.entries[result.id] = entry
         story.enqueued.append({"account": account, "entry": entry, "task_id": result.id,
                                "at": ledger.server_time(), "countdown": options.get("countdown", 0)})
@@ -63,7 +63,7 @@ def run(ledger: Any, accounts: int, postings: int, timeout: float = 120) -> Stor
     # The frozen account's posting dies after its retries; unfreeze it and restart it.
     while time.time() < deadline and dying.id not in [d.task_id for d in threads.dead()]:
         time.sleep(0.1)
-    r.srem("frozen", names[-1])
+    r.srem(ledger.key("frozen"), names[-1])
     threads.restart(dying.id)
     story.restarted.append(f"{names[-1]}/frozen")
     story.enqueued.append({"account": names[-1], "entry": f"{names[-1]}/frozen",
