@@ -96,7 +96,6 @@ def main(argv: list[str] | None = None) -> int:
             embedded.shutdown()
         else:       # a Redis of the user's: leave nothing of this run behind
             ledger.clear()
-            ledger.store().delete(f"_kombu.binding.{prefix}")
 
 
 if __name__ == "__main__":

@@ -50,10 +50,12 @@ def key(*parts: str) -> str:
 
 
 def clear() -> None:
-    """Drop the example's data keys."""
+    """Drop every key under the prefix (the data's and the gate's, once no member is left) and
+    the queue's binding."""
     r = store()
-    for found in r.scan_iter(match=f"{PREFIX}:data:*", count=500):
-        r.delete(found)
+    for pattern in (f"{PREFIX}:*", f"_kombu.binding*.{PREFIX}"):
+        for found in r.scan_iter(match=pattern, count=500):
+            r.delete(found)
 
 
 def server_time() -> float:
