@@ -46,8 +46,10 @@ class BadSettings(click.ClickException):
 
 def _app(ctx: click.Context) -> Any:
     app = getattr(ctx.obj, "app", None)
-    if app is None:
-        raise click.UsageError("run it through Celery, which loads your app: "
+    if app is None or (not app.conf.get("threads_redis_url") and not app.conf.broker_url
+                       and not getattr(app, "_celery_threads_installed", False)):
+        # Celery's default app, when no -A named the user's: no setting of it is the user's.
+        raise click.UsageError("name your Celery app, which configures the gate: "
                                "celery -A proj threads ...")
     return app
 
@@ -253,13 +255,12 @@ def ls(ctx: click.Context, sort: str, limit: Optional[int], as_json: bool) -> No
     if not shown:
         click.echo("No threads.")
         return
-    columns = [Column("THREAD", shrink=2), Column("MEMBERS", right=True),
-               Column("ACTIVE TASK", shrink=1), Column("STATE"),
-               Column("ACTIVE FOR", right=True), Column("NEXT ELIGIBLE")]
+    # Ids are printed whole (they are pasted into show and delete), the thread's last.
+    columns = [Column("MEMBERS", right=True), Column("STATE"), Column("ACTIVE FOR", right=True),
+               Column("NEXT ELIGIBLE"), Column("ACTIVE TASK"), Column("THREAD")]
     _echo_lines(_table(columns, [
-        (s.thread_id, s.members, s.active_task, s.active_state,
-         None if s.active_for is None else _duration(s.active_for),
-         None if s.head_age is None else _relative(-s.head_age))
+        (s.members, s.active_state, None if s.active_for is None else _duration(s.active_for),
+         None if s.head_age is None else _relative(-s.head_age), s.active_task, s.thread_id)
         for s in shown]))
     more = f" (first {len(shown)} shown)" if len(shown) < total else ""
     click.echo(f"{total} thread{'s' if total != 1 else ''}{more}")
@@ -303,6 +304,7 @@ def show(ctx: click.Context, thread_id: str, as_json: bool) -> None:
             (lease_label, f"{_when(a.deadline)} ({lease})"),
             ("worker", a.worker),
             ("retries", a.retries),
+            ("arguments", a.arguments or "-"),
         ]
         if a.republished:
             pairs.append(("republished", f"{a.republished} time(s): no worker claimed it"))
@@ -313,10 +315,15 @@ def show(ctx: click.Context, thread_id: str, as_json: bool) -> None:
         click.echo("Waiting members: none.")
         return
     click.echo("Waiting members, in release order")
-    columns = [Column("#", right=True), Column("TASK ID", shrink=1), Column("SCHEDULED AT"),
-               Column("ARRIVAL", right=True), Column("RETRIES", right=True)]
-    _echo_lines(_table(columns, [(i, m.task_id, _when(m.scheduled_at), m.arrival, m.retries)
-                                 for i, m in enumerate(status.waiting, start=1)]))
+    columns = [Column("#", right=True), Column("SCHEDULED AT"), Column("ARRIVAL", right=True),
+               Column("RETRIES", right=True), Column("TASK ID")]
+    width = _width()
+    lines = _table(columns, [(i, _when(m.scheduled_at), m.arrival, m.retries, m.task_id)
+                             for i, m in enumerate(status.waiting, start=1)], width)
+    click.echo(lines[0])
+    for line, m in zip(lines[1:], status.waiting):
+        click.echo(line)
+        click.echo(_fit(f"    {m.name or '?'} {m.arguments or ''}".rstrip(), width))
 
 
 @threads.command()
@@ -360,7 +367,7 @@ def dead(ctx: click.Context, limit: int, as_json: bool) -> None:
         click.echo("The dead-letter store is empty.")
         return
     width = _width()
-    lines = _table([Column("DIED AT"), Column("TASK ID", shrink=2), Column("THREAD", shrink=1)],
+    lines = _table([Column("DIED AT"), Column("TASK ID"), Column("THREAD")],
                    [(_when(d.died_at), d.task_id, d.thread_id) for d in tasks], width)
     click.echo(lines[0])
     for line, d in zip(lines[1:], tasks):
@@ -460,9 +467,14 @@ def stats(ctx: click.Context, stuck_after: Optional[float], as_json: bool) -> No
         _echo_json({**_jsonable(numbers), "stuck_threads": stuck, "healthy": not stuck})
     else:
         head = numbers.oldest_waiting_head
-        oldest = ("none" if head is None else
-                  _fit(f"due {_relative(-head.age)}: {head.task_id or '?'} of thread "
-                       f"{head.thread_id}", _width() - 21))
+        waiting = numbers.members["WAITING"]
+        if head is not None:
+            oldest = f"due {_relative(-head.age)}: {head.task_id or '?'} of thread {head.thread_id}"
+        elif waiting:
+            oldest = (f"none (the {waiting} waiting wait behind an active member of their "
+                      "thread, or are not due yet)")
+        else:
+            oldest = "none"
         click.echo("\n".join(_pairs([
             ("threads", numbers.threads),
             ("members", sum(numbers.members.values())),
@@ -470,7 +482,7 @@ def stats(ctx: click.Context, stuck_after: Optional[float], as_json: bool) -> No
             ("  released", numbers.members["RELEASED"]),
             ("  running", numbers.members["RUNNING"]),
             ("dead letters", numbers.dead),
-            ("oldest waiting head", oldest),
+            ("oldest due idle head", oldest),
             ("stuck", max(numbers.stuck, len(stuck)) if stuck else 0),
         ], indent=0)))
         if stuck:
@@ -484,9 +496,9 @@ def _echo_stuck(stuck: Sequence[StuckThread]) -> None:
     click.echo("Stuck threads, most overdue first")
     labels = {"lease": "lease lapsed", "release": "release lapsed", "head": "head not released"}
     _echo_lines(_table(
-        [Column("THREAD", shrink=2), Column("PROBLEM"), Column("TASK ID", shrink=1),
-         Column("OVERDUE", right=True), Column("WORKER", shrink=1)],
-        [(s.thread_id, labels.get(s.kind, s.kind), s.task_id or "?",
-          _duration(s.overdue_for), s.worker) for s in stuck]))
+        [Column("PROBLEM"), Column("OVERDUE", right=True), Column("WORKER", shrink=1),
+         Column("TASK ID"), Column("THREAD")],
+        [(labels.get(s.kind, s.kind), _duration(s.overdue_for), s.worker, s.task_id or "?",
+          s.thread_id) for s in stuck]))
     click.echo("")
     click.echo(textwrap.fill(f"These threads did not move on: {DISPATCHER_HINT}.", _width()))

@@ -184,6 +184,17 @@ def task_name(envelope: bytes) -> str:
     return str(header["headers"].get("task", ""))
 
 
+def arguments_repr(envelope: bytes) -> str:
+    """The arguments a stored message shows, as Celery's ``argsrepr`` and ``kwargsrepr`` (what
+    Flower shows; "" when the envelope cannot be decoded)."""
+    try:
+        header, _ = decode_envelope(envelope)
+    except UndecodableEnvelope:
+        return ""
+    headers = header["headers"]
+    return " ".join(str(headers.get(k) or "") for k in ("argsrepr", "kwargsrepr")).strip()
+
+
 def decode_arguments(app: Celery, envelope: bytes) -> tuple[list[Any], dict[str, Any]]:
     """The ``(args, kwargs)`` of a stored task message (protocol 2).
 

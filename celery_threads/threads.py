@@ -10,7 +10,7 @@ from celery import Celery
 from .errors import UnknownTask
 from .gate import Restart, ThreadSnapshot, parse_record
 from .protocol import normalize_thread_id, retry_settings
-from .publish import decode_arguments, task_name
+from .publish import arguments_repr, decode_arguments, task_name
 from .runtime import get_runtime
 
 
@@ -285,6 +285,7 @@ class ActiveStatus(NamedTuple):
     worker: Optional[str]             # hostname of the worker that claimed it (RUNNING)
     claimed_at: Optional[datetime]
     republished: int                  # times its release was republished, unclaimed
+    arguments: str = ""               # as Celery's argsrepr and kwargsrepr show them
 
 
 class WaitingStatus(NamedTuple):
@@ -295,6 +296,7 @@ class WaitingStatus(NamedTuple):
     scheduled_at: datetime
     arrival: int                      # arrival order among the thread's members, 1 = earliest
     retries: int
+    arguments: str = ""               # as Celery's argsrepr and kwargsrepr show them
 
 
 class ThreadStatus(NamedTuple):
@@ -372,6 +374,9 @@ def _status(snapshot: ThreadSnapshot, now: int) -> ThreadStatus:
     def retries_of(task_id: str) -> int:
         return parsed[task_id].retries if task_id in parsed else 0
 
+    def arguments_of(task_id: str) -> str:
+        return arguments_repr(parsed[task_id].envelope) if task_id in parsed else ""
+
     active = None
     a = snapshot.active
     if a:
@@ -384,10 +389,10 @@ def _status(snapshot: ThreadSnapshot, now: int) -> ThreadStatus:
             since=_at(since), active_for=(now - since) / 1000.0,
             deadline=_at(deadline), expires_in=(deadline - now) / 1000.0,
             worker=a.get("worker") or None, claimed_at=_utc(claimed),
-            republished=int(a.get("n", 0) or 0),
+            republished=int(a.get("n", 0) or 0), arguments=arguments_of(a["task"]),
         )
     waiting = [WaitingStatus(task_id, name_of(task_id), _at(ms),
-                             arrival.get(task_id, 0), retries_of(task_id))
+                             arrival.get(task_id, 0), retries_of(task_id), arguments_of(task_id))
                for task_id, ms in snapshot.waiting]
     head_ms = snapshot.waiting[0][1] if snapshot.waiting else None
     return ThreadStatus(

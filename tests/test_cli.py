@@ -84,13 +84,13 @@ def test_ls_lists_threads_with_members_active_member_and_next_head(proj, cli):
 
     out = ok(cli("ls"))
     lines = out.splitlines()
-    assert lines[0].split() == ["THREAD", "MEMBERS", "ACTIVE", "TASK", "STATE", "ACTIVE",
-                                "FOR", "NEXT", "ELIGIBLE"]
-    rows = {line.split()[0]: line.split() for line in lines[1:-1]}
-    assert rows[busy][1] == "2" and rows[busy][3] == "RELEASED"
-    assert first.startswith(rows[busy][2].rstrip("…"))  # cut to fit 80 columns; `show` has it
-    assert rows[idle][1:5] == ["1", "-", "-", "-"]
-    assert " ".join(rows[idle][5:]).startswith("in ")
+    assert lines[0].split() == ["MEMBERS", "STATE", "ACTIVE", "FOR", "NEXT", "ELIGIBLE",
+                                "ACTIVE", "TASK", "THREAD"]
+    rows = {line.split()[-1]: line.split() for line in lines[1:-1]}
+    assert rows[busy][:2] == ["2", "RELEASED"]
+    assert rows[busy][-2] == first           # whole, to be pasted into `show` or `delete`
+    assert rows[idle][:3] == ["1", "-", "-"] and rows[idle][3] == "in"
+    assert rows[idle][-2] == "-"
     assert lines[-1] == "2 threads"
 
     data = {row["thread_id"]: row for row in as_json(cli("ls", "--json"))}
@@ -144,9 +144,15 @@ def test_show_lists_the_active_member_then_waiting_ones_in_release_order(proj, c
     assert f"task id           {first}" in out
     assert "tests.proj.record" in out and "RELEASED" in out and "release deadline" in out
     table = out[out.index("Waiting members"):].splitlines()
-    assert table[1].split() == ["#", "TASK", "ID", "SCHEDULED", "AT", "ARRIVAL", "RETRIES"]
-    assert [line.split()[:2] for line in table[2:]] == [["1", early], ["2", late]]
-    assert [line.split()[-2:] for line in table[2:]] == [["3", "0"], ["2", "0"]]
+    assert table[1].split() == ["#", "SCHEDULED", "AT", "ARRIVAL", "RETRIES", "TASK", "ID"]
+    rows = [line.split() for line in table[2::2]]
+    assert [(row[0], row[-1]) for row in rows] == [("1", early), ("2", late)]
+    assert [row[2:4] for row in rows] == [["3", "0"], ["2", "0"]]
+    # Under each member, its task and what it was called with.
+    calls = table[3::2]
+    assert calls[0].startswith("    tests.proj.record (") and "'early'" in calls[0]
+    assert "'late'" in calls[1]
+    assert "'first'" in out[:out.index("Waiting members")]
 
     data = as_json(cli("show", thread, "--json"))
     assert (data["thread_id"], data["members"]) == (thread, 3)
@@ -392,10 +398,14 @@ def test_stats_of_a_healthy_gate(proj, app, cli):
     kill_member(Threads(app).gate, tid("cli-stats"), "stats-dead")
 
     out = ok(cli("stats"))
-    pairs = dict(line.rsplit(None, 1) for line in out.splitlines() if line.strip())
+    lines = out.splitlines()
+    oldest = next(line for line in lines if line.startswith("oldest due idle head"))
+    # Both waiting members wait behind their thread's active member: none is due and idle.
+    assert "none (the 2 waiting wait behind an active member" in oldest
+    pairs = dict(line.rsplit(None, 1) for line in lines if line.strip() and line != oldest)
     assert {k.strip(): v for k, v in pairs.items()} == {
         "threads": "2", "members": "4", "waiting": "2", "released": "1", "running": "1",
-        "dead letters": "1", "oldest waiting head": "none", "stuck": "0"}
+        "dead letters": "1", "stuck": "0"}
 
     data = as_json(cli("stats", "--json"))
     assert (data["threads"], data["members"], data["dead"], data["stuck"]) == (
@@ -417,9 +427,9 @@ def test_stats_exits_3_and_lists_what_is_stuck(app, cli):
     result = cli("stats")
     assert result.exit_code == 3
     out = result.stdout
-    assert "oldest waiting head  due 2m" in out and "late-head of thread" in out
+    assert "oldest due idle head  due 2m" in out and "late-head of thread" in out
     stuck_rows = out[out.index("Stuck threads"):].splitlines()[2:4]
-    assert [row.split()[0] for row in stuck_rows] == [lease, head]
+    assert [row.split()[-1] for row in stuck_rows] == [lease, head]
     assert "lease lapsed" in stuck_rows[0] and "gone@box" in stuck_rows[0]
     assert "head not released" in stuck_rows[1]
     assert "dispatcher" in out
@@ -448,15 +458,17 @@ def test_tables_fit_in_80_columns(proj, app, cli):
     stuck = "stuck-" + "s" * 120
     past.enqueue(stuck, "stuck-task", envelope("stuck-task", stuck), delay_ms=1)
 
+    # Ids are printed whole, to be pasted into show, delete or restart: a line holding a long
+    # one runs past the width, with the id last; every other line fits.
+    ids = (long_id, stuck, "dead-" + "y" * 120, "a-dead-task-with-a-long-id-" + "z" * 20)
     for args in (("ls",), ("show", long_id), ("dead",), ("stats",)):
         result = cli(*args)
         assert result.exit_code in (0, 3), result.output
         lines = result.stdout.splitlines()
-        if args[0] == "show":
-            assert lines[0].startswith(f"Thread {long_id}:")   # the id in full, once
-            lines = lines[1:]
-        fits("\n".join(lines))
-    assert "…" in ok(cli("ls"))
+        if args[0] in ("show", "stats"):
+            fits("\n".join(line for line in lines if not any(i in line for i in ids)))
+    assert long_id in ok(cli("ls")) and stuck in ok(cli("ls"))
+    assert "a-dead-task-with-a-long-id-" + "z" * 20 in ok(cli("dead"))
 
 
 def test_every_command_takes_json(proj, app, cli):
@@ -547,3 +559,13 @@ def test_a_celery_process_reports_errors_without_tracebacks(app, env, free_redis
     assert done.returncode == 69
     assert free_redis_url in done.stderr and "threads_redis_url" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_without_an_app_it_says_to_name_one(tmp_path):
+    # Run where no celery config module is found, as a user who forgot -A.
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("CELERY_", "CT_"))}
+    done = subprocess.run([sys.executable, "-m", "celery", "threads", "ls"], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert "name your Celery app" in done.stderr and "celery -A proj threads" in done.stderr
+    assert "threads_redis_url" not in done.stderr
