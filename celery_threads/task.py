@@ -14,7 +14,7 @@ from celery.exceptions import Ignore, Reject, Retry
 from celery.utils import uuid
 from celery.utils.saferepr import saferepr
 
-from .errors import GateUnavailable, InvalidThreadId
+from .errors import ConfigurationError, GateUnavailable, InvalidThreadId
 from .gate import Claim, Gate, Outcome
 from .install import install
 from .protocol import OUR_HEADERS, THREAD_HEADER, TOKEN_HEADER, eta_ms, normalize_thread_id, retry_settings
@@ -49,6 +49,7 @@ class ThreadedTask(Task):
 
     @classmethod
     def on_bound(cls, app: Any) -> None:
+        _check_thread_key(cls)
         install(app)
 
     # -- publishing ---------------------------------------------------------------------------
@@ -323,6 +324,24 @@ class ThreadedTask(Task):
 
 
 _signatures: dict[tuple[Any, bool], inspect.Signature] = {}
+
+
+def _check_thread_key(cls: Any) -> None:
+    """A ``thread_key`` naming no argument of the task is a typo: refused where the task is
+    declared, not at its first call."""
+    key, run = cls.thread_key, cls.__dict__.get("run")
+    if not isinstance(key, str) or run is None:
+        return
+    try:
+        parameters = inspect.signature(getattr(run, "__func__", run)).parameters
+    except (TypeError, ValueError):
+        return
+    if key in parameters or any(p.kind == p.VAR_KEYWORD for p in parameters.values()):
+        return
+    raise ConfigurationError(
+        f"task {cls.name} declares thread_key={key!r}, but it takes no argument of that name "
+        f"(its arguments: {', '.join(parameters) or 'none'}): name one of them, or give a "
+        "callable (args, kwargs) -> thread id")
 
 
 def _signature(run: Any) -> inspect.Signature:

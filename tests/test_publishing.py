@@ -80,6 +80,26 @@ def test_missing_thread_key_argument(proj):
         proj.record.apply_async(kwargs={"label": "x"})
 
 
+def test_a_thread_key_naming_no_argument_is_refused_where_the_task_is_declared():
+    from celery import Celery
+
+    from celery_threads import ThreadedTask
+
+    app = Celery("typo", broker="redis://127.0.0.1:1/0", set_as_current=False)
+
+    @app.task(base=ThreadedTask, thread_key="account_id")
+    def by_kwargs(**kwargs):     # **kwargs may carry it: checked per call
+        return kwargs
+
+    @app.task(base=ThreadedTask, bind=True, thread_key="acount_id")
+    def settle(self, account_id, amount):
+        return amount
+
+    # The worker, beat and every caller finalize the app first, and stop there.
+    with pytest.raises(ConfigurationError, match="thread_key='acount_id'.*account_id, amount"):
+        app.finalize(auto=True)
+
+
 def test_thread_id_of_1024_bytes_is_accepted(proj, worker, r):
     thread = "é" * 512
     assert proj.free.apply_async(("long",), thread_id=thread).get(timeout=30) == "long"
