@@ -150,19 +150,24 @@ def report() -> dict[str, Optional[str]]:
 _gate_client: Any = None    # the worker's gate client, for the direct-line check (check_worker)
 
 
-def check_worker(app: Any, gate_client: Any = None) -> None:
+def check_worker(app: Any, gate_client: Any = None) -> int:
     """At worker start: every seam, once; one line naming the active ones and those fallen back.
     :class:`SeamRefused` when one without a fallback does not hold (a Redis broker only for
     ``utf8-bodies``: other brokers never carry the gate's own messages).  ``gate_client``: the
-    worker's gate client (a connection of its is probed for the direct line)."""
+    worker's gate client (a connection of its is probed for the direct line).  Returns how many
+    fell back."""
     global _gate_client
     _gate_client = gate_client
     names = [n for n in SEAMS if n != "utf8-bodies" or _redis_broker(app)]
     found = {name: problem(name, app) for name in names}
     on = [n for n, why in found.items() if why is None]
     off = [f"{n} ({why})" for n, why in found.items() if why is not None]
-    logger.info("celery-threads: private seams on %s: active: %s; fallen back: %s", versions(),
-                ", ".join(on) or "none", "; ".join(off) or "none")
+    # A detail for maintainers while every seam holds; a warning when one fell back (the worker
+    # then says so in its ready line too).
+    logger.log(logging.WARNING if off else logging.DEBUG,
+               "celery-threads: private seams on %s: active: %s; fallen back: %s", versions(),
+               ", ".join(on) or "none", "; ".join(off) or "none")
+    return len(off)
 
 
 def _redis_broker(app: Any) -> bool:

@@ -40,6 +40,7 @@ from celery.utils.serialization import get_pickled_exception
 from celery.worker import state as worker_state
 from celery.worker.request import Request
 from celery.worker.strategy import default as default_strategy
+from kombu.utils.url import maybe_sanitize_url
 
 from .. import seams
 from ..errors import ConfigurationError
@@ -526,7 +527,7 @@ class ThreadsWorkerStep(bootsteps.StartStopStep):
         self.loop: Any = None
         # Before the consumer fetches a release; raises when a seam that cannot fall back does
         # not hold (the worker does not start), else logs which seams are in use.
-        seams.check_worker(worker.app, get_runtime(worker.app).client)
+        self.fallen = seams.check_worker(worker.app, get_runtime(worker.app).client)
         handoff.prepare(worker)   # before the pool forks
         lease.prepare(handoff.pool_size(worker))
 
@@ -543,6 +544,17 @@ class ThreadsWorkerStep(bootsteps.StartStopStep):
         if runtime.config.worker_dispatch:
             self.loop = DispatchLoop(runtime)
             self.loop.start()
+        pool = type(getattr(worker, "pool", None)).__module__
+        if "eventlet" in pool:
+            logger.warning("celery-threads: the eventlet pool is not covered: a member that holds "
+                           "its hub past threads_keepalive (%ss) loses its lease and may run beside "
+                           "the next one. Use prefork, threads, solo or gevent", runtime.config.keepalive)
+        logger.info("celery-threads: ready: gate %s, keepalive %ss, dispatch every %ss; %s",
+                    maybe_sanitize_url(runtime.config.redis_url), runtime.config.keepalive,
+                    runtime.config.dispatch_interval,
+                    "every fast path available" if not self.fallen else
+                    f"{self.fallen} fast path(s) fell back to Celery's public API (see the "
+                    "warning above)")
 
     def stop(self, worker: Any) -> None:
         handoff.sync(worker, stopping=True)
