@@ -18,12 +18,10 @@ from typing import Any, Callable, NamedTuple, Optional, TypeVar, cast
 import click
 import redis
 from kombu.utils.url import maybe_sanitize_url
-from redis.backoff import NoBackoff
-from redis.retry import Retry
 
 from .config import read_config
 from .errors import ConfigurationError, ThreadsError, UnknownTask
-from .gate import make_client
+from .runtime import unreachable
 from .threads import DISPATCHER_HINT, StuckThread, Threads, ThreadSummary
 
 EX_STUCK = 3           # `stats`: at least one thread is stuck
@@ -73,18 +71,12 @@ def _threads(ctx: click.Context) -> Threads:
     """The app's :class:`Threads`, once Redis answered a PING (failing fast: the gate's own client
     retries for ~10 s, right for workers but not for a person at a shell)."""
     url = _redis_url(ctx)
-    quick = {"socket_connect_timeout": 3, "socket_timeout": 5, "retry": Retry(NoBackoff(), 0)}
-    try:
-        probe = make_client(url, {**read_config(_app(ctx)).redis_options, **quick})
-    except ValueError as exc:
+    problem = unreachable(read_config(_app(ctx)))
+    if isinstance(problem, ValueError):
         raise BadSettings(f"threads_redis_url {maybe_sanitize_url(url)!r} is not a Redis URL "
-                          f"({exc}); fix that setting") from None
-    try:
-        probe.ping()
-    except redis.RedisError as exc:
-        raise _unreachable(url, exc) from None
-    finally:
-        probe.close()
+                          f"({problem}); fix that setting") from None
+    if problem is not None:
+        raise _unreachable(url, problem) from None
     return Threads(_app(ctx))
 
 

@@ -1,10 +1,13 @@
 """The ``threads_*`` settings, read once from ``app.conf`` and cached on the app."""
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any, Optional
+from urllib.parse import urlparse
 
 from celery import Celery
+from kombu.utils.url import maybe_sanitize_url
 
 from .errors import ConfigurationError
 from .redis_options import gate_redis_options
@@ -61,14 +64,43 @@ def _setting(app: Celery, name: str) -> Any:
     return DEFAULTS[name] if value is None else value
 
 
+_SCHEMES = ("redis", "rediss", "unix", "sentinel")
+
+
+def _checked_url(url: str, setting: str) -> str:
+    """``url`` when it is a URL the gate's client takes, else a :class:`ConfigurationError` that
+    names ``setting`` (redis-py's own error would name neither the setting nor the forms)."""
+    try:
+        for part in url.split(";"):
+            parsed = urlparse(part.strip())
+            if parsed.scheme not in _SCHEMES:
+                raise ValueError(f"the scheme must be one of {', '.join(_SCHEMES)}")
+            parsed.port     # noqa: B018 (raises ValueError for a port out of range or not a number)
+    except ValueError as exc:
+        raise ConfigurationError(
+            f"{setting}={sanitized_url(url)!r} is not a Redis URL the gate can use ({exc}): "
+            "write redis://[user:password@]host:6379/0, rediss://... for TLS, "
+            "unix:///path/to/redis.sock or sentinel://host:26379[;sentinel://host2:26379]/0"
+        ) from None
+    return url
+
+
+def sanitized_url(url: str) -> str:
+    """``url`` with its password masked, whatever its shape."""
+    try:
+        return str(maybe_sanitize_url(url))
+    except ValueError:
+        return re.sub(r"(://[^:/@;]*:)[^@/;]*@", r"\1**@", url)
+
+
 def _redis_url(app: Celery) -> str:
     url = app.conf.get("threads_redis_url")
     if url:
-        return str(url)
+        return _checked_url(str(url), "threads_redis_url")
     broker = app.conf.broker_url or ""
     if isinstance(broker, str) and broker.startswith(
             ("redis://", "rediss://", "unix://", "sentinel://")):
-        return broker
+        return _checked_url(broker, "broker_url (the gate's Redis unless threads_redis_url is set)")
     raise ConfigurationError(
         "celery-threads needs a Redis server for its gate: set app.conf.threads_redis_url "
         "(for example 'redis://localhost:6379/0'); it defaults to broker_url only when the "

@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from .config import sanitized_url
 from .gate import Lapse, Outcome
 from .keys import ShardKeys
 from .runtime import Runtime
@@ -106,6 +107,9 @@ class DispatchLoop:
         self.dispatcher = Dispatcher(runtime)
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
+        self._failing_since: Optional[float] = None     # monotonic time of the first failure
+        self._reported = 0.0
+        self._failures = 0
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="celery-threads-dispatch",
@@ -128,6 +132,7 @@ class DispatchLoop:
                     pubsub.subscribe(*[s.wake_channel for s in self.runtime.keys.all_shards()])
                 started = time.monotonic()
                 report = self.dispatcher.tick()
+                self._answered()
                 wait = 0.0 if report.more else interval
                 if report.next_ms is not None and not report.more:
                     # next_ms is on the server's clock as of the tick's scan: take off the time
@@ -136,10 +141,7 @@ class DispatchLoop:
                     wait = min(wait, max(0.0, until_next - (time.monotonic() - started)))
                 self._sleep(pubsub, wait)
             except Exception as exc:
-                # One line per failure: a Redis outage must not flood the worker's log.
-                logger.warning("celery-threads: dispatcher tick failed (%r); retrying in %ss",
-                               exc, interval)
-                logger.debug("celery-threads: dispatcher tick failure", exc_info=True)
+                self._failed(exc, interval)
                 if pubsub is not None:
                     try:
                         pubsub.close()
@@ -149,6 +151,37 @@ class DispatchLoop:
                 self._stop.wait(interval)
         if pubsub is not None:
             pubsub.close()
+
+    #: After the first failure in a row, how often one more is logged (the others are counted).
+    REPORT_EVERY = 30.0
+
+    def _failed(self, exc: BaseException, interval: float) -> None:
+        """Say what failed, where, and what to check: at once for the first failure in a row,
+        then at most every :attr:`REPORT_EVERY` seconds; and when the gate answers again."""
+        now = time.monotonic()
+        self._failures += 1
+        if self._failing_since is None:
+            self._failing_since = self._reported = now
+            log = logger.error
+        elif now - self._reported >= self.REPORT_EVERY:
+            self._reported = now
+            log = logger.warning
+        else:
+            logger.debug("celery-threads: dispatcher tick failure", exc_info=True)
+            return
+        log("celery-threads: cannot reach the gate's Redis at %s (threads_redis_url): %s; %d "
+            "failure(s) in %.0fs. Check that the server runs and accepts connections from here, "
+            "and the URL's host, port, password and TLS options (threads_redis_options). "
+            "Trying again every %ss", sanitized_url(self.runtime.config.redis_url),
+            f"{type(exc).__name__}: {exc}", self._failures, now - self._failing_since, interval)
+        logger.debug("celery-threads: dispatcher tick failure", exc_info=True)
+
+    def _answered(self) -> None:
+        if self._failing_since is not None:
+            logger.warning("celery-threads: the gate's Redis at %s answers again, after %d failed "
+                           "tick(s) in %.0fs", sanitized_url(self.runtime.config.redis_url),
+                           self._failures, time.monotonic() - self._failing_since)
+        self._failing_since, self._failures = None, 0
 
     def _sleep(self, pubsub: Any, wait: float) -> None:
         """Sleep up to ``wait`` seconds; a wake message on the gate's channel cuts it short."""

@@ -8,10 +8,12 @@ import traceback as tb
 from typing import Any, Optional
 
 import redis
+import redis.backoff
+import redis.retry
 from celery import Celery
 
 from . import seams
-from .config import ThreadsConfig, forget_config, read_config
+from .config import ThreadsConfig, forget_config, read_config, sanitized_url
 from .gate import ENDED, NO_HOLDER, DeadRecord, DirectRelease, Gate, Outcome, Release, make_client
 from .gate.access import check_access
 from .gate.cluster import check_shards, is_cluster
@@ -41,8 +43,9 @@ class Runtime:
         try:
             check_shards(self.client, self.keys)
         except (redis.ConnectionError, redis.TimeoutError) as exc:
-            logger.warning("celery-threads: could not check threads_shards=%s against the gate "
-                           "(%r); going on unchecked", self.config.shards, exc)
+            logger.warning("celery-threads: could not check threads_shards=%s against the gate's "
+                           "Redis at %s (threads_redis_url): %s; going on unchecked",
+                           self.config.shards, sanitized_url(self.config.redis_url), exc)
         # On a Redis Cluster, releases go through kombu (the broker is not the cluster).
         self.gate = self._gate(self.client,
                                direct_release(app, self.client)
@@ -205,6 +208,25 @@ class Runtime:
             logger.exception("celery-threads: could not route dead member %s to queue %s; it "
                              "stays in the dead-letter store", task_id,
                              self.config.dead_letter_queue)
+
+
+def unreachable(config: ThreadsConfig) -> Optional[BaseException]:
+    """Why the gate's Redis does not answer a PING at once (``None`` when it does): one attempt,
+    a few seconds at most, where the gate's own client retries for ~15 s (right for a worker's
+    transitions, not for telling a person at start)."""
+    quick = {"socket_connect_timeout": 3, "socket_timeout": 5,
+             "retry": redis.retry.Retry(redis.backoff.NoBackoff(), 0)}
+    try:
+        probe = make_client(config.redis_url, {**config.redis_options, **quick})
+    except ValueError as exc:
+        return exc
+    try:
+        probe.ping()
+    except redis.RedisError as exc:
+        return exc
+    finally:
+        probe.close()
+    return None
 
 
 def direct_release(app: Celery, client: Any) -> Optional[DirectRelease]:

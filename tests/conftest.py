@@ -205,7 +205,8 @@ class Deployment:
 
     def beat(self) -> CeleryProcess:
         schedule = tempfile.mktemp(prefix="ct-beat-")
-        proc = CeleryProcess("beat", self.env, ["--loglevel", "INFO", "-s", schedule], "beat")
+        # DEBUG: beat logs the dispatcher's tick at DEBUG only (install._TickAtDebug).
+        proc = CeleryProcess("beat", self.env, ["--loglevel", "DEBUG", "-s", schedule], "beat")
         self.processes.append(proc.start())
         proc.wait_ready()
         # Its scheduler is set up once it sends its first entry: a beat stopped before that (a

@@ -40,14 +40,14 @@ from celery.utils.serialization import get_pickled_exception
 from celery.worker import state as worker_state
 from celery.worker.request import Request
 from celery.worker.strategy import default as default_strategy
-from kombu.utils.url import maybe_sanitize_url
 
 from .. import seams
+from ..config import read_config, sanitized_url
 from ..errors import ConfigurationError
 from ..gate import NO_HOLDER, Lapse, Renewal, claimant_prefix
 from ..protocol import REPUBLISHED_HEADER, THREAD_HEADER, TOKEN_HEADER, eta_ms, is_threaded, retry_settings
 from ..publish import encode_envelope, request_member
-from ..runtime import Runtime, get_runtime
+from ..runtime import Runtime, get_runtime, unreachable
 from . import handoff, lease, native
 from .noack import CONSUMER_FLAG, hand_back_on_pool_close, mark_delivery
 
@@ -525,6 +525,16 @@ class ThreadsWorkerStep(bootsteps.StartStopStep):
         self.renewer: Optional[LeaseRenewer] = None
         self.watchdog: Optional[lease.Watchdog] = None
         self.loop: Any = None
+        config = read_config(worker.app)
+        problem = unreachable(config)
+        if problem is not None:
+            # As Celery's own "Cannot connect to ...": at once, then the dispatch loop goes on
+            # saying so while the gate does not answer.
+            logger.error("celery-threads: cannot reach the gate's Redis at %s (threads_redis_url): "
+                         "%s. Check that the server runs and accepts connections from here, and "
+                         "the URL's host, port, password and TLS options (threads_redis_options); "
+                         "the worker starts and keeps trying", sanitized_url(config.redis_url),
+                         f"{type(problem).__name__}: {problem}")
         # Before the consumer fetches a release; raises when a seam that cannot fall back does
         # not hold (the worker does not start), else logs which seams are in use.
         self.fallen = seams.check_worker(worker.app, get_runtime(worker.app).client)
@@ -550,7 +560,7 @@ class ThreadsWorkerStep(bootsteps.StartStopStep):
                            "its hub past threads_keepalive (%ss) loses its lease and may run beside "
                            "the next one. Use prefork, threads, solo or gevent", runtime.config.keepalive)
         logger.info("celery-threads: ready: gate %s, keepalive %ss, dispatch every %ss; %s",
-                    maybe_sanitize_url(runtime.config.redis_url), runtime.config.keepalive,
+                    sanitized_url(runtime.config.redis_url), runtime.config.keepalive,
                     runtime.config.dispatch_interval,
                     "every fast path available" if not self.fallen else
                     f"{self.fallen} fast path(s) fell back to Celery's public API (see the "
