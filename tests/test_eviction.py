@@ -22,8 +22,8 @@ import pytest
 import redis
 
 from celery_threads import Threads
-from celery_threads.gate import make_client
 from celery_threads.gate import eviction as eviction_module
+from celery_threads.gate import make_client
 from celery_threads.gate.access import acl_rules
 from celery_threads.gate.eviction import check_eviction, eviction_risks
 from tests.conftest import Deployment, RedisServer, configure_client, deployment_env
