@@ -38,8 +38,9 @@ class Runtime:
         self.config: ThreadsConfig = read_config(app)
         self.client = make_client(self.config.redis_url, self.config.redis_options)
         self.keys = Keys(self.config.key_prefix, self.config.shards)
-        check_access(self.client, self.keys, self.config.redis_url)
-        check_eviction(self.client, self.config.redis_url)
+        if check_access(self.client, self.keys, self.config.redis_url):
+            # Not on a gate that did not answer: a producer's first call waits for it once only.
+            check_eviction(self.client, self.config.redis_url)
         try:
             check_shards(self.client, self.keys)
         except (redis.ConnectionError, redis.TimeoutError) as exc:

@@ -66,21 +66,22 @@ def acl_rules(prefix: str, user: str = "gate", password: str = "secret",
             + " ".join(f"+{name}" for name in commands))
 
 
-def check_access(client: Any, keys: Keys, url: str) -> None:
+def check_access(client: Any, keys: Keys, url: str) -> bool:
     """Raise :class:`ConfigurationError` naming each right the gate's Redis user lacks, and on
     which server.  Once per process and gate; a server that does not answer is not checked now
-    (the gate's calls report it)."""
+    (the gate's calls report it).  Returns whether every server answered (or had before), so
+    that a caller spends no more time on a gate that did not."""
     target = target_of(client, keys.prefix, url)
     if target is None or target in _checked:
-        return
+        return True
     with _lock:
         if target in _checked:
-            return
+            return True
         try:
             servers = servers_of(client, keys.prefix)
         except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
             logger.debug("celery-threads: the gate's rights were not checked: %s", exc)
-            return
+            return False
         refused: dict[str, list[tuple[str, str]]] = {}
         unchecked = False
         for server in servers:
@@ -98,6 +99,7 @@ def check_access(client: Any, keys: Keys, url: str) -> None:
             raise ConfigurationError(_message(refused, keys.prefix, user, url))
         if not unchecked:
             _checked.add(target)
+        return not unchecked
 
 
 def target_of(client: Any, prefix: str, url: str) -> Optional[tuple[Any, ...]]:
