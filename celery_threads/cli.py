@@ -2,7 +2,8 @@
 
 A ``celery.commands`` entry point: Celery loads the app from its own ``-A`` option and hands it to
 these commands as ``ctx.obj.app`` (a :class:`celery.bin.base.CLIContext`).  Every command takes
-``--json``; ``stats`` exits with :data:`EX_STUCK` when a thread is stuck, so it doubles as a health
+``--json``; ``stats`` exits with :data:`EX_STUCK` when a thread is stuck, and with
+:data:`EX_EVICTING` when the gate's Redis may evict waiting members, so it doubles as a health
 check.  Times are the gate's Redis server clock, printed in UTC.
 """
 from __future__ import annotations
@@ -21,10 +22,12 @@ from kombu.utils.url import maybe_sanitize_url
 
 from .config import read_config
 from .errors import ConfigurationError, ThreadsError, UnknownTask
+from .gate.eviction import Eviction, check_eviction
 from .runtime import unreachable
 from .threads import DISPATCHER_HINT, StuckThread, Threads, ThreadSummary
 
 EX_STUCK = 3           # `stats`: at least one thread is stuck
+EX_EVICTING = 4        # `stats`: the gate's Redis may evict waiting members (and none is stuck)
 EX_UNAVAILABLE = 69    # the gate's Redis cannot be reached (sysexits EX_UNAVAILABLE, as Celery)
 EX_CONFIG = 78         # a threads_* setting is wrong (sysexits EX_CONFIG)
 DEAD_LIMIT = 100       # `dead`: the latest deaths listed unless --limit says otherwise
@@ -446,17 +449,23 @@ def forget(ctx: click.Context, task_id: Optional[str], forget_all: bool, yes: bo
 @click.pass_context
 @_guarded
 def stats(ctx: click.Context, stuck_after: Optional[float], as_json: bool) -> None:
-    """Counts and stuck threads; exit status 3 when one is stuck.
+    """Counts, stuck threads, and an evicting Redis; exit status 3 when a thread is stuck, else 4
+    when the gate's Redis may evict waiting members.
 
     A thread is stuck when an active member's lease or release deadline lapsed, or an idle
     head has been due, for longer than --stuck-after without the dispatcher acting on it: no
-    dispatcher is running.  Use it as a health check.
+    dispatcher is running.  The gate's Redis may evict members when its maxmemory-policy is
+    allkeys-* with a maxmemory set (a warning is shown for any other policy but noeviction).
+    Use it as a health check.
     """
     t = _threads(ctx)
     numbers = t.stats(grace=stuck_after)
     stuck = t.stuck(grace=stuck_after)
+    eviction = check_eviction(t.runtime.client, t.runtime.config.redis_url)
+    evicting = any(risk.level == "error" for risk in eviction)
     if as_json:
-        _echo_json({**_jsonable(numbers), "stuck_threads": stuck, "healthy": not stuck})
+        _echo_json({**_jsonable(numbers), "stuck_threads": stuck, "eviction": eviction,
+                    "healthy": not stuck and not evicting})
     else:
         head = numbers.oldest_waiting_head
         waiting = numbers.members["WAITING"]
@@ -479,8 +488,18 @@ def stats(ctx: click.Context, stuck_after: Optional[float], as_json: bool) -> No
         ], indent=0)))
         if stuck:
             _echo_stuck(stuck)
+        _echo_eviction(eviction)
     if stuck:
         ctx.exit(EX_STUCK)
+    if evicting:
+        ctx.exit(EX_EVICTING)
+
+
+def _echo_eviction(eviction: Sequence[Eviction]) -> None:
+    for risk in eviction:
+        click.echo("")
+        click.echo(textwrap.fill(f"{risk.level.upper()}: "
+                                 f"{risk.message.removeprefix('celery-threads: ')}", _width()))
 
 
 def _echo_stuck(stuck: Sequence[StuckThread]) -> None:

@@ -11,10 +11,12 @@ class ThreadsError(Exception):
 
 
 class InvalidThreadId(ThreadsError, ValueError):
-    """The thread id is missing, of the wrong type, empty, or longer than 1,024 bytes.
+    """The thread id is missing, of the wrong type (a ``bool`` included), empty, not encodable
+    as UTF-8 (a lone surrogate), or longer than 1,024 bytes (an ``int``: its decimal string).
 
-    Pass ``thread_id=`` to ``apply_async`` (a non-empty ``str`` or an ``int``), or declare the task
-    with ``thread_key=`` naming the argument that holds it.  Nothing was stored or sent.
+    Pass ``thread_id=`` to ``apply_async`` (a non-empty ``str``, an ``int`` or a ``uuid.UUID``), or
+    declare the task with ``thread_key=`` naming the argument that holds it.  Nothing was stored
+    or sent.
     """
 
 

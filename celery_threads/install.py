@@ -87,6 +87,25 @@ def _add_steps(app: Any) -> None:
     app.steps["consumer"].add(NoAckQueues)
 
 
+@signals.beat_init.connect
+def _on_beat_start(sender: Any = None, **kwargs: Any) -> None:
+    """Beat never uses the gate itself (its entry runs on a worker), but it is where an operator
+    looks at start: it says there too when the gate's Redis may evict members."""
+    app = getattr(sender, "app", None)
+    if app is None or not getattr(app, "_celery_threads_installed", False):
+        return
+    from .config import read_config
+    from .gate import make_client
+    from .gate.eviction import check_eviction
+
+    config = read_config(app)
+    client = make_client(config.redis_url, config.redis_options)
+    try:
+        check_eviction(client, config.redis_url)
+    finally:
+        client.close()
+
+
 @signals.worker_process_init.connect
 def _on_pool_process_start(**kwargs: Any) -> None:
     from .worker import lease

@@ -9,6 +9,9 @@ from __future__ import annotations
 import math
 from datetime import datetime, timezone
 from typing import Any, Optional
+from uuid import UUID
+
+from celery.utils.saferepr import saferepr
 
 from .errors import ConfigurationError, InvalidThreadId
 
@@ -32,20 +35,49 @@ def is_threaded(task: Any) -> bool:
 
 
 MAX_THREAD_ID_BYTES = 1024
+#: An int of more bits has more than 1,024 decimal digits: refused before it is turned into text
+#: (Python refuses to turn an int of more than 4,300 digits into text, with a bare ValueError).
+_MAX_THREAD_ID_BITS = 3402
+_KINDS = "a non-empty str, an int or a uuid.UUID"
 
 
 def normalize_thread_id(value: Any) -> str:
-    """A valid thread id as a string, or :class:`InvalidThreadId`."""
+    """A valid thread id as a string, or :class:`InvalidThreadId`.
+
+    A ``str`` is itself, an ``int`` its decimal string, a ``uuid.UUID`` its canonical string
+    (``str(value)``: lowercase, with hyphens), so each names the same thread as its text.  A
+    ``bool`` is refused, although an ``int``: ``True`` as thread ``"1"`` is a bug waiting."""
+    if isinstance(value, UUID):
+        return str(value)
     if isinstance(value, bool) or not isinstance(value, (str, int)):
         raise InvalidThreadId(
-            f"thread id {value!r} is a {type(value).__name__}: use a non-empty str or an int")
-    text = str(value)
+            f"thread id {saferepr(value, 80)} is a {type(value).__name__}: use {_KINDS}; "
+            "nothing was stored or sent")
+    if isinstance(value, int):
+        if value.bit_length() > _MAX_THREAD_ID_BITS:
+            raise InvalidThreadId(
+                f"thread id is an int of {value.bit_length()} bits, more than "
+                f"{MAX_THREAD_ID_BYTES} decimal digits; the limit is {MAX_THREAD_ID_BYTES} bytes "
+                "of its decimal string: use a shorter id (a hash of it, for example); nothing "
+                "was stored or sent")
+        text = str(int(value))
+    else:
+        text = value
     if not text:
-        raise InvalidThreadId("thread id is empty: use a non-empty str or an int")
-    if len(text.encode("utf-8")) > MAX_THREAD_ID_BYTES:
+        raise InvalidThreadId(f"thread id is empty: use {_KINDS}; nothing was stored or sent")
+    try:
+        size = len(text.encode("utf-8"))
+    except UnicodeEncodeError as exc:
         raise InvalidThreadId(
-            f"thread id is {len(text.encode('utf-8'))} bytes long; the limit is "
-            f"{MAX_THREAD_ID_BYTES} bytes")
+            f"thread id {text[:60]!r}{'...' if len(text) > 60 else ''} holds "
+            f"{text[exc.start]!r} at position {exc.start}, "
+            "a lone surrogate that UTF-8 cannot encode (text decoded with "
+            "errors='surrogateescape' keeps undecodable bytes so): decode it into valid text, "
+            "or use its bytes' hex; nothing was stored or sent") from None
+    if size > MAX_THREAD_ID_BYTES:
+        raise InvalidThreadId(
+            f"thread id is {size} bytes long in UTF-8; the limit is {MAX_THREAD_ID_BYTES} bytes: "
+            "use a shorter id (a hash of it, for example); nothing was stored or sent")
     return text
 
 

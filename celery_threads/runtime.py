@@ -17,6 +17,7 @@ from .config import ThreadsConfig, forget_config, read_config, sanitized_url
 from .gate import ENDED, NO_HOLDER, DeadRecord, DirectRelease, Gate, Outcome, Release, make_client
 from .gate.access import check_access
 from .gate.cluster import check_shards, is_cluster
+from .gate.eviction import check_eviction
 from .keys import Keys
 from .protocol import THREAD_HEADER
 from .publish import ReleaseExpired, ReleasePublisher, UndecodableEnvelope, publish_release, task_name
@@ -39,7 +40,9 @@ class Runtime:
         self.config: ThreadsConfig = read_config(app)
         self.client = make_client(self.config.redis_url, self.config.redis_options)
         self.keys = Keys(self.config.key_prefix, self.config.shards)
-        check_access(self.client, self.keys, self.config.redis_url)
+        if check_access(self.client, self.keys, self.config.redis_url):
+            # Not on a gate that did not answer: a producer's first call waits for it once only.
+            check_eviction(self.client, self.config.redis_url)
         try:
             check_shards(self.client, self.keys)
         except (redis.ConnectionError, redis.TimeoutError) as exc:

@@ -14,7 +14,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, Optional
 
@@ -85,8 +85,11 @@ def default_redis_binary() -> str:
 class RedisServer:
     """A redis-server of the test's own, which a test may stop and start again."""
 
-    def __init__(self, appendonly: bool = False, binary: Optional[str] = None) -> None:
+    def __init__(self, appendonly: bool = False, binary: Optional[str] = None,
+                 args: Sequence[str] = ()) -> None:
+        """``args``: more of redis-server's options (``--maxmemory-policy``, ``allkeys-lru``)."""
         self.binary = binary or default_redis_binary()
+        self.args = tuple(args)
         self.port = free_port()
         self.dir = tempfile.mkdtemp(prefix="ct-redis-")
         self.appendonly = appendonly
@@ -99,7 +102,7 @@ class RedisServer:
         self.proc = subprocess.Popen(
             [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
              "--appendonly", "yes" if self.appendonly else "no", "--dir", self.dir,
-             "--logfile", os.path.join(self.dir, "redis.log")],
+             "--logfile", os.path.join(self.dir, "redis.log"), *self.args],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         client = redis.Redis(port=self.port)
         for _ in range(200):

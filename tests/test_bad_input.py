@@ -1,7 +1,8 @@
-"""Bad input and outages: messages workers cannot decode, task names no worker knows, the gate's
-Redis unreachable when publishing and while workers finish members.
+"""Bad input and outages: thread ids Python cannot turn into the gate's text, messages workers
+cannot decode, task names no worker knows, the gate's Redis unreachable when publishing and while
+workers finish members.
 
-(Invalid thread ids and arguments the serializer refuses are in test_publishing.py.)
+(The plainer invalid thread ids and arguments the serializer refuses are in test_publishing.py.)
 
 The workers run :mod:`tests.chaos_tasks`, whose history lives on a redis-server of its own, so
 that stopping the gate's Redis does not stop the tasks from recording; the broker lives there too
@@ -25,15 +26,15 @@ import redis
 import redis.retry
 from celery import Task
 
-from celery_threads import ThreadedTask, Threads
+from celery_threads import InvalidThreadId, ThreadedTask, Threads, ThreadsError
 from celery_threads.errors import GateUnavailable
 from celery_threads.publish import CapturingProducer, decode_envelope
 from celery_threads.runtime import get_runtime
 from tests.chaos import Cluster, Options, parse_history
 from tests.checker import Limits, check
 from tests.conftest import IN_CI
-from tests.helpers import wait_for
-from tests.isolated import pointed_at
+from tests.helpers import assert_serial, starts, wait_for
+from tests.isolated import BROKER_DB, GATE_DB, pointed_at
 from tests.netfault import Relay
 
 
@@ -103,6 +104,85 @@ def _state(tasks: Any, cluster: Cluster, thread: str) -> str:
     return (f"active: {active and (active.task_id, active.state, active.republished, active.retries)}; "
             f"waiting: {status and [w.task_id for w in status.waiting]}; dead: {dead}; "
             f"history: {[(r['k'], r['task'][:8], r.get('n')) for r in _history(cluster, thread)]}")
+
+
+# -- thread ids that were refused with the wrong exception, or not accepted ---------------------
+
+BAD_THREAD_IDS = {
+    # Python refuses to turn an int of more than 4,300 digits into text (a bare ValueError).
+    "int-5001-digits": (10 ** 5000, r"more than 1024 decimal digits.*use a shorter id"),
+    "negative-int-5001-digits": (-10 ** 5000, r"more than 1024 decimal digits.*use a shorter id"),
+    "int-1025-digits": (10 ** 1024, r"1025 bytes long.*limit is 1024 bytes.*use a shorter id"),
+    # UTF-8 cannot encode a lone surrogate (a UnicodeEncodeError): what surrogateescape leaves.
+    "lone-surrogate": ("\ud800", r"lone surrogate.*decode it into valid text"),
+    "surrogate-escaped-byte": (b"acct-\xff".decode("utf-8", "surrogateescape"),
+                               r"'\\udcff' at position 5, a lone surrogate.*decode it"),
+    # bool is an int, but True as thread "1" (or "True") is a bug, not an id.
+    "true": (True, r"is a bool: use a non-empty str, an int or a uuid\.UUID"),
+    "false": (False, r"is a bool: use a non-empty str, an int or a uuid\.UUID"),
+}
+
+
+def _nothing_stored_or_sent(app: Any) -> None:
+    """The isolated app's gate holds nothing but its shard count, and its broker nothing."""
+    port = int(app.conf.threads_redis_url.rsplit(":", 1)[1].split("/")[0])
+    meta = get_runtime(app).keys.meta.encode()
+    assert set(redis.Redis(port=port, db=GATE_DB).keys()) <= {meta}
+    assert redis.Redis(port=port, db=BROKER_DB).dbsize() == 0
+
+
+@pytest.mark.parametrize("bad,message", list(BAD_THREAD_IDS.values()), ids=list(BAD_THREAD_IDS))
+def test_a_thread_id_python_cannot_make_text_of_raises_invalid_thread_id(
+        proj: Any, isolated_app: Any, bad: Any, message: str) -> None:
+    """Given as ``thread_id=``, through ``thread_key``, or to the ``Threads`` API: each raises
+    InvalidThreadId (a ValueError and a ThreadsError) saying what to do, and nothing is stored
+    or sent."""
+    calls = {
+        "thread_id=": lambda: proj.free.apply_async(("x",), thread_id=bad),
+        "thread_key": lambda: proj.record.delay(bad, "x"),
+        "Threads.get": lambda: Threads(isolated_app).get(bad),
+        "Threads.status": lambda: Threads(isolated_app).status(bad),
+    }
+    for how, call in calls.items():
+        with pytest.raises(InvalidThreadId, match=message) as info:
+            call()
+        assert isinstance(info.value, ValueError) and isinstance(info.value, ThreadsError), how
+        text = str(info.value)
+        text.encode("utf-8")                # loggable: the surrogate itself is not in it
+        if how != "Threads.get" and how != "Threads.status":
+            assert "nothing was stored or sent" in text, text
+    _nothing_stored_or_sent(isolated_app)
+
+
+def test_the_longest_int_thread_id_is_accepted(proj: Any, isolated_app: Any) -> None:
+    """1,024 digits (and a minus sign with 1,023) are 1,024 bytes: accepted, as their text."""
+    for n in (10 ** 1023, -10 ** 1022):
+        result = proj.free.apply_async(("x",), thread_id=n)
+        info = Threads(isolated_app).get(str(n))
+        assert info is not None and info.active is not None
+        assert info.active.task_id == result.id and info.thread_id == str(n)
+
+
+def test_a_uuid_thread_id_is_the_thread_of_its_canonical_string(proj: Any, worker: Any) -> None:
+    """A uuid.UUID (as thread_id=, or in the thread_key argument) joins the thread named by
+    ``str(uuid)``: one thread with the members given by the str, run one at a time, in order, on
+    a real worker; the task's argument arrives as a UUID."""
+    r = proj.history()
+    account = uuid.uuid4()
+    thread = str(account)
+    first = proj.record.delay(account, "uuid-arg", sleep=0.5)
+    wait_for(lambda: starts(r, thread) == ["uuid-arg"], what="the first member to start")
+    second = proj.record.delay(thread, "str-arg")
+    third = proj.free.apply_async(("uuid-option",), thread_id=account)
+    by_uuid, by_text = Threads(proj.app).get(account), Threads(proj.app).get(thread)
+    assert by_uuid is not None and by_uuid == by_text and by_uuid.thread_id == thread
+    assert by_uuid.active is not None and by_uuid.active.task_id == first.id
+    assert [m.task_id for m in by_uuid.waiting] == [second.id, third.id]
+    assert [res.get(timeout=30) for res in (first, second, third)] == [
+        "uuid-arg", "str-arg", "uuid-option"]
+    assert starts(r, thread) == ["uuid-arg", "str-arg", "uuid-option"]
+    assert_serial(r, thread)
+    wait_for(lambda: Threads(proj.app).get(account) is None, what="the thread to vanish")
 
 
 # -- a stored message that cannot be decoded -----------------------------------------------------

@@ -52,7 +52,7 @@ from tests.topologies import MASTER, RedisClusterServers, SentinelSetup
 ROOT = Path(__file__).resolve().parent.parent
 #: What kombu's Redis transport and a Celery worker need as an ACL user (broker database 1).
 BROKER_RULES = ("~{queue}* ~_kombu.* ~unacked* ~*.celery.pidbox* &/{db}.* &/{db}.celery.pidbox "
-                "+@all -@dangerous")
+                "+@all -@dangerous +info")
 
 
 def _openssl(cwd: Path, *args: str) -> None:

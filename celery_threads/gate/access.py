@@ -45,6 +45,9 @@ REQUIRED_COMMANDS = (
     "hget", "hgetall", "hmget", "hset", "hsetnx", "hdel", "hexists", "hlen",
     "zadd", "zcard", "zcount", "zrange", "zrangebyscore", "zrem", "zremrangebyscore", "zscore",
     "zscan")
+#: Commands of the checks each process runs before its first use of the gate: ``INFO`` reads the
+#: ``maxmemory-policy`` (:mod:`celery_threads.gate.eviction`); without it the check warns.
+CHECK_COMMANDS = ("info",)
 #: Commands the gate uses when it may (Redis 7+): its function library, cheaper per call.
 OPTIONAL_COMMANDS = ("fcall", "function|load", "function|list")
 
@@ -58,26 +61,27 @@ _lock = threading.Lock()
 def acl_rules(prefix: str, user: str = "gate", password: str = "secret",
               optional: bool = True) -> str:
     """The ``ACL SETUSER`` line for a user that may do what the gate does and nothing else."""
-    commands = REQUIRED_COMMANDS + (OPTIONAL_COMMANDS if optional else ())
+    commands = REQUIRED_COMMANDS + CHECK_COMMANDS + (OPTIONAL_COMMANDS if optional else ())
     return (f"ACL SETUSER {user} reset on >{password} resetchannels ~{prefix}:* &{prefix}:* "
             + " ".join(f"+{name}" for name in commands))
 
 
-def check_access(client: Any, keys: Keys, url: str) -> None:
+def check_access(client: Any, keys: Keys, url: str) -> bool:
     """Raise :class:`ConfigurationError` naming each right the gate's Redis user lacks, and on
     which server.  Once per process and gate; a server that does not answer is not checked now
-    (the gate's calls report it)."""
-    target = _target(client, keys.prefix, url)
+    (the gate's calls report it).  Returns whether every server answered (or had before), so
+    that a caller spends no more time on a gate that did not."""
+    target = target_of(client, keys.prefix, url)
     if target is None or target in _checked:
-        return
+        return True
     with _lock:
         if target in _checked:
-            return
+            return True
         try:
-            servers = _servers(client, keys.prefix)
+            servers = servers_of(client, keys.prefix)
         except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
             logger.debug("celery-threads: the gate's rights were not checked: %s", exc)
-            return
+            return False
         refused: dict[str, list[tuple[str, str]]] = {}
         unchecked = False
         for server in servers:
@@ -95,9 +99,10 @@ def check_access(client: Any, keys: Keys, url: str) -> None:
             raise ConfigurationError(_message(refused, keys.prefix, user, url))
         if not unchecked:
             _checked.add(target)
+        return not unchecked
 
 
-def _target(client: Any, prefix: str, url: str) -> Optional[tuple[Any, ...]]:
+def target_of(client: Any, prefix: str, url: str) -> Optional[tuple[Any, ...]]:
     """What the once-per-process check is keyed by, ending with the user and the prefix; ``None``
     for a client of no kind known here."""
     if is_cluster(client):          # the URL names a node, from which the others are found
@@ -113,19 +118,23 @@ def _target(client: Any, prefix: str, url: str) -> Optional[tuple[Any, ...]]:
     return None
 
 
-class _Server(NamedTuple):
+class Server(NamedTuple):
     name: str      # how the error names it ("" for the one server of a plain URL)
     client: Any    # a client of it alone
     tag: str       # the hash tag of its probe keys: a slot it serves
     own: bool      # a client made for the probe, closed after it
 
 
-def _servers(client: Any, prefix: str) -> list[_Server]:
+def servers_of(client: Any, prefix: str, probe_keys: bool = True) -> list[Server]:
     """The servers the gate's calls run on: a plain URL's server; Sentinel's master now (ACLs are
     not replicated); every master of a cluster (ACLs are per node), each with probe keys of a
-    slot it serves, so that the scripts' commands run there."""
+    slot it serves, so that the scripts' commands run there (without ``probe_keys``, every master,
+    with no tag: for a check that reads the server, not its keys)."""
     if is_cluster(client):
-        return [_Server(node.name, client.get_redis_connection(node), tag, False)
+        if not probe_keys:
+            return [Server(node.name, client.get_redis_connection(node), "", False)
+                    for node in client.get_primaries()]
+        return [Server(node.name, client.get_redis_connection(node), tag, False)
                 for node, tag in _cluster_tags(client, prefix)]
     pool = client.connection_pool
     connection_class, kwargs, name = pool.connection_class, pool.connection_kwargs, ""
@@ -138,7 +147,7 @@ def _servers(client: Any, prefix: str) -> list[_Server]:
         name = f"the master {host}:{port}"
     own = redis.ConnectionPool(connection_class=connection_class, max_connections=2,
                                **{**kwargs, "retry": Retry(NoBackoff(), 0)})
-    return [_Server(name, redis.Redis(connection_pool=own), "access", True)]
+    return [Server(name, redis.Redis(connection_pool=own), "access", True)]
 
 
 def _cluster_tags(client: Any, prefix: str) -> list[tuple[Any, str]]:
