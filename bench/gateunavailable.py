@@ -164,5 +164,5 @@ def run(args: argparse.Namespace) -> int:
     h.report("gateunavailable", "gateunavailable", args.quick, where,
              "this process publishes; no worker",
              ["gate", "median (s)", "min (s)", "max (s)", "may be stored"], rows, notes,
-             options=f" --timeout {timeout:g}" if timeout is not None else "")
+             options=f" --timeout {args.timeout:g}" if args.timeout is not None else "")
     return 0

@@ -15,7 +15,7 @@ LAYERS: list[tuple[str, set[str]]] = [
      {"errors", "signals", "keys", "protocol", "config", "redis_options", "seams"}),
     ("the gate: its Lua, loader, records and client",
      {"gate", "gate.records", "gate.replies", "gate.library", "gate.client", "gate.wire",
-      "gate.api", "gate.access", "gate.cluster", "gate.sentinel"}),
+      "gate.api", "gate.access", "gate.cluster", "gate.sentinel", "gate.deadline"}),
     ("publishing", {"publish"}),
     ("the per-process runtime and the dispatcher", {"runtime", "dispatcher"}),
     ("the worker side", {"worker", "worker.step", "worker.lease", "worker.native",
