@@ -29,6 +29,7 @@ DEFAULTS: dict[str, Any] = {
     "threads_local_handoff": 1.0,
     "threads_redis_options": None,
     "threads_wait_replicas": 0,
+    "threads_publish_timeout": 5.0,
 }
 
 
@@ -49,6 +50,11 @@ class ThreadsConfig:
     #: the gate client's redis-py options (:mod:`celery_threads.redis_options`)
     redis_options: dict[str, Any] = field(default_factory=dict, hash=False)
     wait_replicas: int = 0      # Redis WAIT after each transition (docs/durability.md)
+    #: the most a producer's ``apply_async`` (and each step of an admin call: ``Threads``, the
+    #: CLI) waits for the gate, all its connection attempts, retries and handshakes included,
+    #: before it raises ``GateUnavailable``; a worker's own gate calls ride out longer outages
+    #: (gate/deadline.py)
+    publish_timeout: float = 5.0
 
     @property
     def keepalive_ms(self) -> int:
@@ -135,11 +141,13 @@ def read_config(app: Celery) -> ThreadsConfig:
         local_handoff=float(_setting(app, "threads_local_handoff")),
         redis_options=gate_redis_options(app, redis_url),
         wait_replicas=int(_setting(app, "threads_wait_replicas")),
+        publish_timeout=float(_setting(app, "threads_publish_timeout")),
     )
-    if config.keepalive <= 0 or config.dispatch_interval <= 0 or config.release_timeout <= 0:
+    if (config.keepalive <= 0 or config.dispatch_interval <= 0 or config.release_timeout <= 0
+            or config.publish_timeout <= 0):
         raise ConfigurationError(
-            "threads_keepalive, threads_dispatch_interval and threads_release_timeout must be "
-            "positive numbers of seconds."
+            "threads_keepalive, threads_dispatch_interval, threads_release_timeout and "
+            "threads_publish_timeout must be positive numbers of seconds."
         )
     if config.wait_replicas < 0:
         raise ConfigurationError(

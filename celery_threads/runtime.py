@@ -17,6 +17,7 @@ from .config import ThreadsConfig, forget_config, read_config, sanitized_url
 from .gate import ENDED, NO_HOLDER, DeadRecord, DirectRelease, Gate, Outcome, Release, make_client
 from .gate.access import check_access
 from .gate.cluster import check_shards, is_cluster
+from .gate.deadline import unbounded_class
 from .gate.eviction import check_eviction
 from .keys import Keys
 from .protocol import THREAD_HEADER
@@ -243,8 +244,8 @@ def direct_release(app: Celery, client: Any) -> Optional[DirectRelease]:
     conn.release()   # only its parsed URL is read: it never connects
     options = client.connection_pool.connection_kwargs
     if (conn.transport_cls not in ("redis", "rediss")
-            or client.connection_pool.connection_class not in (redis.Connection,
-                                                               redis.SSLConnection)
+            or unbounded_class(client.connection_pool.connection_class) not in (
+                redis.Connection, redis.SSLConnection)
             or (conn.hostname or "localhost").lower() != str(options.get("host", "")).lower()
             or int(conn.port or 6379) != int(options.get("port") or 6379)
             or (conn.password or None) != (options.get("password") or None)

@@ -5,7 +5,7 @@ import inspect
 import logging
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any, Callable, NamedTuple, Optional, Union
 
 import redis
@@ -14,8 +14,9 @@ from celery.exceptions import Ignore, Reject, Retry
 from celery.utils import uuid
 from celery.utils.saferepr import saferepr
 
-from .errors import ConfigurationError, GateUnavailable, InvalidThreadId
-from .gate import Claim, Gate, Outcome
+from .config import ThreadsConfig, read_config
+from .errors import ConfigurationError, GateUnavailable, InvalidThreadId, NotReplicated
+from .gate import Claim, Gate, Outcome, deadline
 from .install import install
 from .protocol import OUR_HEADERS, THREAD_HEADER, TOKEN_HEADER, eta_ms, normalize_thread_id, retry_settings
 from .publish import CapturingProducer
@@ -102,7 +103,8 @@ class ThreadedTask(Task):
         for key in OUR_HEADERS:
             headers.pop(key, None)
         nesting = int(options.get("replaced_task_nesting") or 0)
-        current = _current_member(app) if token is not None or nesting else None
+        member = _current_member(app)   # called from inside a running member (a worker's call)
+        current = member if token is not None or nesting else None
         if token is not None and not (task_id is not None and (
                 (task_id, token) in _running or (task_id, token) == current)):
             # Not Celery's retry of the member holding the token (which names its task id, with
@@ -125,8 +127,14 @@ class ThreadedTask(Task):
         countdown = options.pop("countdown", None)
         eta = options.pop("eta", None)
         task_id = task_id or uuid()
-        runtime = get_runtime(app)
-        with app.producer_or_acquire(producer) as real, gate_errors(runtime, task_id):
+        config = read_config(app)
+        # A producer's call waits for the gate threads_publish_timeout in all; a member's calls
+        # ride out outages as the rest of its worker does (its lease covers the wait).
+        bound = (nullcontext(None) if member is not None
+                 else deadline.within(config.publish_timeout))
+        with app.producer_or_acquire(producer) as real, bound as limit, \
+                gate_errors(config, task_id, limit):
+            runtime = get_runtime(app)
             capture = CapturingProducer(real)
             # countdown and eta reach Celery only for its task-sent event (Flower shows when the
             # member is due); the stored message leaves them out, and the gate schedules it.
@@ -382,14 +390,23 @@ def _record_end(runtime: Runtime, lease: Lease, end: Callable[[], Any]) -> None:
 
 
 @contextmanager
-def gate_errors(runtime: Runtime, task_id: str) -> Iterator[None]:
+def gate_errors(config: ThreadsConfig, task_id: str,
+                limit: Optional[deadline.Deadline] = None) -> Iterator[None]:
+    """Turn a gate that does not answer into :class:`GateUnavailable`.  ``limit``: the call's
+    deadline, which knows whether a script call went out without its reply (it may have run);
+    without one, the message allows for that."""
     try:
         yield
     except redis.RedisError as exc:
+        where = (f"could not reach the gate's Redis at {config.redis_url} (threads_redis_url)"
+                 + (f" within {limit.seconds:g}s (threads_publish_timeout)" if limit else "")
+                 + f" to publish task {task_id}: {exc}. Nothing was sent to the broker.")
+        if limit is not None and not limit.unanswered and not isinstance(exc, NotReplicated):
+            raise GateUnavailable(
+                f"{where} Nothing was stored in the gate either: call again once it is back."
+            ) from exc
         raise GateUnavailable(
-            f"could not reach the gate's Redis at {runtime.config.redis_url} "
-            f"(threads_redis_url) to publish task {task_id}: {exc}. Nothing was sent to the "
-            "broker. If the connection broke after Redis received the call, the member may be "
+            f"{where} If Redis received the call before the connection broke, the member may be "
             "stored whole and will run; calling again with the same task_id is safe either way "
             "(a member is never stored twice, nor again within 30 s of its end)."
         ) from exc

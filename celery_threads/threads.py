@@ -1,17 +1,21 @@
 """``Threads(app)``: inspect and steer threads and the dead-letter store."""
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from datetime import datetime, timezone
-from typing import Any, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional, TypeVar
 
 from celery import Celery
 
+from .config import read_config
 from .errors import UnknownTask
-from .gate import Restart, ThreadSnapshot, parse_record
+from .gate import Restart, ThreadSnapshot, deadline, parse_record
 from .protocol import normalize_thread_id, retry_settings
 from .publish import arguments_repr, decode_arguments, task_name
 from .runtime import get_runtime
+
+T = TypeVar("T")
 
 
 def _utc(ms: Optional[int]) -> Optional[datetime]:
@@ -48,6 +52,37 @@ class DeadTask(NamedTuple):
     died_at: datetime             # aware UTC
 
 
+def _admin(method: Callable[..., T]) -> Callable[..., T]:
+    """An admin call gives up once the gate has not answered for ``threads_publish_timeout``
+    (raising the client's error), however long it reads a gate that does answer: a person at a
+    shell, or a health check, is not kept waiting out the worker's long retry budget."""
+
+    @functools.wraps(method)
+    def call(self: Threads, *args: Any, **kwargs: Any) -> T:
+        with deadline.within(self.timeout, stall=True):
+            return method(self, *args, **kwargs)
+
+    return call
+
+
+def _admin_iter(method: Callable[..., Iterator[T]]) -> Callable[..., Iterator[T]]:
+    """:func:`_admin` for a method that returns an iterator: each item is read within the bound
+    (the caller's own work between items is not counted)."""
+
+    @functools.wraps(method)
+    def call(self: Threads, *args: Any, **kwargs: Any) -> Iterator[T]:
+        items = method(self, *args, **kwargs)
+        while True:
+            with deadline.within(self.timeout, stall=True):
+                try:
+                    item = next(items)
+                except StopIteration:
+                    return
+            yield item
+
+    return call
+
+
 class Threads:
     """Read and steer the gate of ``app``::
 
@@ -58,9 +93,12 @@ class Threads:
 
     def __init__(self, app: Celery) -> None:
         self.app = app
-        self.runtime = get_runtime(app)
+        self.timeout = read_config(app).publish_timeout
+        with deadline.within(self.timeout, stall=True):
+            self.runtime = get_runtime(app)
         self.gate = self.runtime.gate
 
+    @_admin
     def get(self, thread_id: Any) -> Optional[ThreadInfo]:
         """The thread's active and waiting members, or ``None`` when the thread does not exist."""
         snapshot = self.gate.snapshot(normalize_thread_id(thread_id))
@@ -83,10 +121,12 @@ class Threads:
                    for task_id, ms in snapshot.waiting]
         return ThreadInfo(snapshot.thread_id, active, waiting)
 
+    @_admin_iter
     def ids(self) -> Iterator[str]:
         """The ids of existing threads (an incremental scan of the gate's indexes)."""
         return self.gate.thread_ids()
 
+    @_admin
     def delete(self, task_id: str) -> bool:
         """Detach a member at once and promote the next; a running one is revoked with terminate.
 
@@ -94,6 +134,7 @@ class Threads:
         """
         return self.runtime.delete_member(task_id) is not None
 
+    @_admin
     def dead(self, limit: Optional[int] = None) -> list[DeadTask]:
         """The dead-letter store, oldest first; with ``limit``, only the ``limit`` latest deaths
         (``celery threads stats`` counts them all).  Arguments are decoded only in a content type
@@ -118,6 +159,7 @@ class Threads:
             ))
         return tasks
 
+    @_admin
     def restart(self, task_id: str) -> Any:
         """Re-enqueue a dead task as a brand-new arrival (same task id, retries reset).
 
@@ -138,6 +180,7 @@ class Threads:
         self.runtime.apply(outcome)
         return self.app.AsyncResult(task_id)
 
+    @_admin
     def forget(self, task_id: str) -> bool:
         """Drop a dead task from the store; ``True`` if it was there."""
         return self.gate.forget(task_id)
@@ -151,6 +194,7 @@ class Threads:
         :data:`STUCK_AFTER_TICKS` dispatcher ticks (``threads_dispatch_interval``)."""
         return STUCK_AFTER_TICKS * self.runtime.config.dispatch_interval
 
+    @_admin
     def status(self, thread_id: Any) -> Optional[ThreadStatus]:
         """The thread's members with their health (lease expiry, worker, ages), or ``None`` when
         the thread does not exist."""
@@ -160,6 +204,7 @@ class Threads:
         snapshot = self.gate.snapshot(thread_id)
         return None if snapshot is None else _status(snapshot, now)
 
+    @_admin_iter
     def summaries(self, batch: int = 500) -> Iterator[ThreadSummary]:
         """One line of health per existing thread (``celery threads ls``), read ``batch`` threads
         per round trip.  Reads every thread: O(threads)."""
@@ -193,6 +238,7 @@ class Threads:
                 head_age=None if head is None else (now - head[1]) / 1000.0,
             )
 
+    @_admin
     def stuck(self, grace: Optional[float] = None, limit: int = 100) -> list[StuckThread]:
         """Threads the dispatcher should have moved on but did not, most overdue first.
 
@@ -223,6 +269,7 @@ class Threads:
         found.sort(key=lambda s: s.overdue_for, reverse=True)
         return found
 
+    @_admin
     def stats(self, grace: Optional[float] = None) -> Stats:
         """Counts of threads, members by state and dead letters, the oldest waiting head, and how
         many threads are :meth:`stuck` (``grace`` as there).  Everything is read from the

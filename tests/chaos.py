@@ -87,6 +87,7 @@ class Options:
     quiet: bool = False
     beat: bool = True
     backend: bool = False             # a result backend (each process's memory)
+    publish_timeout: Optional[float] = None   # threads_publish_timeout (None: its default)
     no_ack: bool = False              # the queue consumed without broker acknowledgements
 
 
@@ -180,6 +181,8 @@ class Cluster:
         }
         if self.opts.no_ack:
             self.env["CHAOS_NOACK"] = "1"
+        # Always set: os.environ keeps what an earlier run of this process set.
+        self.env["CHAOS_PUBLISH_TIMEOUT"] = str(self.opts.publish_timeout or "")
         if self.opts.backend:
             # Each process's own memory: enough for Celery to mark a task it cannot run (an
             # unregistered name) as failed, without a store the test process subscribes to.

@@ -42,6 +42,7 @@ def settings(env: Any = os.environ) -> dict[str, Any]:
         "threads_keepalive": float(env.get("CHAOS_KEEPALIVE", "8")),
         "threads_dispatch_interval": float(env.get("CHAOS_DISPATCH_INTERVAL", "0.5")),
         "threads_release_timeout": float(env.get("CHAOS_RELEASE_TIMEOUT", "5")),
+        "threads_publish_timeout": float(env.get("CHAOS_PUBLISH_TIMEOUT") or 0) or None,
         "task_default_queue": env.get("CHAOS_QUEUE", "chaos"),
         "task_acks_late": env.get("CHAOS_ACKS_LATE", "1") == "1",
         "worker_prefetch_multiplier": int(env.get("CHAOS_PREFETCH", "2")),

@@ -32,6 +32,7 @@ from celery_threads.config import read_config
 from celery_threads.errors import ConfigurationError
 from celery_threads.gate import Gate, access, make_client
 from celery_threads.gate.access import acl_rules, check_access
+from celery_threads.gate.deadline import unbounded_class
 from celery_threads.keys import Keys
 from celery_threads.runtime import get_runtime
 from tests.conftest import (
@@ -214,8 +215,8 @@ def test_the_broker_options_apply_to_a_gate_on_the_brokers_server() -> None:
     # kombu turns broker_use_ssl on a redis:// URL into TLS: so does the gate.
     plain = _config(broker_url="redis://h:6379/1", threads_redis_url="redis://h:6379/0",
                     broker_use_ssl={"ssl_ca_certs": "/ca.pem"})
-    assert make_client(plain.redis_url, plain.redis_options).connection_pool.connection_class \
-        is redis.SSLConnection
+    assert issubclass(make_client(plain.redis_url, plain.redis_options)
+                      .connection_pool.connection_class, redis.SSLConnection)
 
 
 @pytest.mark.parametrize("options, named", [
@@ -275,10 +276,11 @@ def test_threaded_tasks_run_on_a_tls_broker_and_gate_with_a_private_ca(
     conf = {"broker_use_ssl": ssl_options(pki)}
     with deployed(redis_server, proj, tls_redis.tls_url(0), tls_redis.tls_url(1), conf) as d:
         runtime = get_runtime(proj.app)
-        assert runtime.client.connection_pool.connection_class is redis.SSLConnection
+        assert unbounded_class(runtime.client.connection_pool.connection_class) \
+            is redis.SSLConnection
         assert runtime.gate.direct is not None
         own = runtime.own_gate().client.connection_pool
-        assert own.connection_class is redis.SSLConnection
+        assert unbounded_class(own.connection_class) is redis.SSLConnection
         assert own.connection_kwargs["ssl_certfile"] == str(pki / "client.pem")
         start_worker(d, pool=pool)
         run_threads(proj, redis.Redis(port=redis_server.port))

@@ -35,6 +35,7 @@ from redis.sentinel import SentinelConnectionPool
 from ..errors import ConfigurationError
 from ..keys import Keys
 from .cluster import is_cluster
+from .deadline import bounded_class
 
 logger = logging.getLogger(__name__)
 
@@ -140,8 +141,9 @@ def servers_of(client: Any, prefix: str, probe_keys: bool = True) -> list[Server
     connection_class, kwargs, name = pool.connection_class, pool.connection_kwargs, ""
     if isinstance(pool, SentinelConnectionPool):
         host, port = client.connection_pool.get_master_address()   # asks the sentinels
-        connection_class = (redis.SSLConnection if issubclass(connection_class, redis.SSLConnection)
-                            else redis.Connection)
+        connection_class = bounded_class(redis.SSLConnection
+                                         if issubclass(connection_class, redis.SSLConnection)
+                                         else redis.Connection)
         kwargs = {**{k: v for k, v in kwargs.items() if k != "connection_pool"},
                   "host": host, "port": port}
         name = f"the master {host}:{port}"

@@ -17,6 +17,7 @@ from redis.commands.core import Script
 from ..errors import ConfigurationError, NotReplicated
 from ..keys import Keys, ShardKeys
 from . import cluster
+from . import deadline as caller_deadline
 from .client import RETRY_BUDGET, wait_timeout_ms
 from .library import _load_lua, function_library, script_sources
 from .records import (
@@ -217,7 +218,8 @@ class Gate:
             except NotReplicated as exc:
                 if first is None:
                     first = exc.reply
-                if time.monotonic() + pause > deadline:
+                if (time.monotonic() + pause > deadline
+                        or caller_deadline.backoff(pause) < pause):   # the caller's bound
                     raise
                 time.sleep(pause)
                 pause = min(1.0, pause * 2)

@@ -7,12 +7,12 @@ import time
 from typing import Any, Callable, Optional
 
 import redis
-from redis.backoff import ExponentialBackoff
+from redis.backoff import AbstractBackoff, ExponentialBackoff
 from redis.retry import Retry
 
 from ..redis_options import checked, client_kwargs
 from ..seams import health_check_interval
-from . import cluster
+from . import cluster, deadline
 from .sentinel import is_sentinel_url, master_client
 
 #: How long a gate call waits for Redis to accept a connection, or to answer, before it counts as
@@ -35,26 +35,45 @@ def wait_timeout_ms(keepalive_ms: int) -> int:
 
 class BoundedRetry(Retry):
     """redis-py's :class:`~redis.retry.Retry`, which also gives up ``budget`` seconds after a
-    call's first failure (attempts on a silent link each wait ``SOCKET_TIMEOUT``)."""
+    call's first failure (attempts on a silent link each wait ``SOCKET_TIMEOUT``), and when the
+    caller's deadline passes (:mod:`.deadline`; its pauses end with it too).  The error raised is
+    the last attempt's own, not that the time ran out."""
 
     def __init__(self, backoff: Any, retries: int, budget: float) -> None:
-        super().__init__(backoff, retries)
+        super().__init__(_DeadlineBackoff(backoff), retries)
         self.budget = budget
 
     def call_with_retry(  # its signature varies across redis-py 5-8: the rest passes through
             self, do: Callable[[], Any], fail: Callable[..., Any], *args: Any,
             **kwargs: Any) -> Any:
         started: list[float] = []
+        attempted: list[BaseException] = []
 
         def fail_within_budget(error: Any, *count: Any) -> Any:
             if not started:
                 started.append(time.monotonic())
             result = fail(error, *count)
+            if isinstance(error, deadline.DeadlinePassed):
+                raise attempted[-1] if attempted else error
+            attempted[:] = [error]
             if time.monotonic() - started[0] > self.budget:
                 raise error
             return result
 
         return super().call_with_retry(do, fail_within_budget, *args, **kwargs)
+
+
+class _DeadlineBackoff(AbstractBackoff):
+    """A backoff whose pauses end with the caller's deadline (:func:`.deadline.backoff`)."""
+
+    def __init__(self, backoff: Any) -> None:
+        self.backoff = backoff
+
+    def reset(self) -> None:
+        self.backoff.reset()
+
+    def compute(self, failures: int) -> float:
+        return deadline.backoff(self.backoff.compute(failures))
 
 
 def make_client(url: str, options: Optional[dict[str, Any]] = None) -> redis.Redis:
@@ -80,5 +99,16 @@ def make_client(url: str, options: Optional[dict[str, Any]] = None) -> redis.Red
     if cluster_mode:
         return cluster.make_cluster_client(url, kwargs, RETRY_BUDGET)  # type: ignore[return-value]
     if is_sentinel_url(url):
-        return master_client(url, kwargs, options)
-    return checked(redis.Redis.from_url(url, **kwargs))
+        return _bounded(master_client(url, kwargs, options))
+    return _bounded(checked(redis.Redis.from_url(url, **kwargs)))
+
+
+def _bounded(client: redis.Redis) -> redis.Redis:
+    """``client`` with every connection's waits bounded by its caller's deadline (:mod:`.deadline`):
+    the pool's, and on Sentinel the sentinels' (the master is asked of them at each connect)."""
+    pools = [client.connection_pool]
+    manager = getattr(client.connection_pool, "sentinel_manager", None)
+    pools += [sentinel.connection_pool for sentinel in getattr(manager, "sentinels", ())]
+    for pool in pools:
+        pool.connection_class = deadline.bounded_class(pool.connection_class)
+    return client

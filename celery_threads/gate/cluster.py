@@ -27,6 +27,7 @@ from redis.exceptions import ClusterDownError, ClusterError, SlotNotCoveredError
 
 from ..errors import ConfigurationError
 from ..keys import Keys
+from . import deadline
 
 #: Errors of a call that did not run because its slot was moving or unassigned.
 _NOT_RUN = (TryAgainError, ClusterDownError, SlotNotCoveredError)
@@ -66,7 +67,8 @@ def _until_run(call: Callable[[], Any], budget: float) -> Any:
         try:
             return call()
         except (ClusterError, *_NOT_RUN) as exc:
-            if not not_run(exc) or time.monotonic() - started > budget:
+            if (not not_run(exc) or time.monotonic() - started > budget
+                    or deadline.backoff(pause) < pause):    # the caller's bound (.deadline)
                 raise
         time.sleep(pause)
         pause = min(pause * 2, 0.5)

@@ -14,6 +14,7 @@ import redis
 
 from .. import seams
 from ..keys import ShardKeys
+from . import deadline
 from .library import Library
 from .records import (
     _text,
@@ -66,7 +67,15 @@ class DirectLine:
             return _MISSED          # this call goes the client's way; the next ones come here
         conn = local.conn           # kept: _drop below forgets it, its parser still names errors
         try:
-            sock.sendall(command(local.functions) + self._then)
+            bound = getattr(conn, "_bound_socket", None)     # the caller's deadline (.deadline)
+            if bound is not None:
+                bound()
+        except redis.TimeoutError:
+            return _MISSED          # no time left: the client's way says so
+        try:
+            packed = command(local.functions)
+            sock.sendall(packed + self._then)
+            deadline.note_sent(packed)
             data = sock.recv(65536)
             replies: list[Any] = []
             end = 0
@@ -79,9 +88,11 @@ class DirectLine:
                     if not more:    # closed in the middle of a reply (or before it)
                         raise ConnectionError("connection closed by the server") from None
                     data += more
-        except OSError:
+        except OSError as exc:
+            deadline.note_failed(exc)
             self._drop()
             return _MISSED
+        deadline.note_answered()
         if end != len(data):        # never seen: one command at a time on this connection
             self._drop()
         reply = replies[0]

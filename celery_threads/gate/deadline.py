@@ -1,0 +1,208 @@
+"""One bound over every wait of a caller's gate call (``threads_publish_timeout``).
+
+The gate's client rides out outages (:data:`~celery_threads.gate.client.RETRY_BUDGET` of retries,
+each attempt waiting up to :data:`~celery_threads.gate.client.SOCKET_TIMEOUT`), which is what a
+worker needs; a producer's ``apply_async`` must instead fail fast, as Celery does with a dead
+broker.  Its waits are many and nested: the rights probe at first use, the shard check, the hot
+path's own line and its library load, the client's retries around redis-py's own connection
+retries, Sentinel's discovery, a TLS handshake with a server that speaks plain Redis, a server that
+accepts and never answers.  So the bound is not a setting of each: :func:`within` opens a
+:class:`Deadline` for the calling context, and every wait asks it how long it may last (the
+connections of :func:`bounded_class`, :class:`~celery_threads.gate.client.BoundedRetry`'s
+backoff and budget, the hot path's line, the cluster client's retries).  Outside one, nothing
+changes.
+
+A deadline also notes whether a script call was sent and its reply never read: the call may have
+run, which the caller's error must say (each transition recognizes its own replay, so sending it
+again is safe, lua/_common.lua ``replayed``).
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Any, Optional
+
+import redis
+
+#: The least a wait is given once its deadline is near: a socket with no time at all would not
+#: even connect, and the error would say less than the attempt's own.
+MIN_WAIT = 0.05
+
+
+class Deadline:
+    """The time left to a caller's gate call.  ``stall``: the bound counts from the last reply
+    instead (an admin call that reads a large gate goes on for as long as Redis answers)."""
+
+    __slots__ = ("seconds", "stall", "at", "unanswered", "error")
+
+    def __init__(self, seconds: float, stall: bool = False) -> None:
+        self.seconds = seconds
+        self.stall = stall
+        self.at = time.monotonic() + seconds
+        #: a script call was sent and its reply was not read: it may have run
+        self.unanswered = False
+        #: the last wait that failed, named when the time runs out (the cause, not the clock)
+        self.error: Optional[BaseException] = None
+
+    def remaining(self) -> float:
+        return self.at - time.monotonic()
+
+    def answered(self) -> None:
+        self.unanswered = False
+        if self.stall:
+            self.at = time.monotonic() + self.seconds
+
+
+class DeadlinePassed(redis.TimeoutError):
+    """The caller's bound ran out before a wait could start (retried as a timeout would be, and
+    reported as the attempt before it failed: see ``BoundedRetry``)."""
+
+
+_current: ContextVar[Optional[Deadline]] = ContextVar("celery_threads_deadline", default=None)
+
+
+@contextmanager
+def within(seconds: float, *, stall: bool = False) -> Iterator[Deadline]:
+    """Bound every gate wait of this context (thread, greenlet, task) to ``seconds`` in all."""
+    deadline = Deadline(seconds, stall)
+    token = _current.set(deadline)
+    try:
+        yield deadline
+    finally:
+        _current.reset(token)
+
+
+def current() -> Optional[Deadline]:
+    return _current.get()
+
+
+def clamp(timeout: Optional[float]) -> Optional[float]:
+    """``timeout`` (``None``: no limit), cut to the time the caller has left; raises
+    :class:`DeadlinePassed` when it has none."""
+    deadline = _current.get()
+    if deadline is None:
+        return timeout
+    left = deadline.remaining()
+    if left <= 0:
+        raise DeadlinePassed(
+            f"the call's bound of {deadline.seconds:g}s for the gate (threads_publish_timeout) "
+            "ran out" + (f"; the last attempt: {deadline.error}" if deadline.error else ""))
+    left = max(left, MIN_WAIT)
+    return left if timeout is None else min(timeout, left)
+
+
+def backoff(seconds: float) -> float:
+    """A retry's pause, ended with the caller's deadline (the next attempt then reports it)."""
+    deadline = _current.get()
+    return seconds if deadline is None else max(0.0, min(seconds, deadline.remaining()))
+
+
+_SCRIPT_CALLS = (b"EVALSHA", b"FCALL")
+
+
+def note_sent(command: Any) -> None:
+    """A command went out: when it is a script call, it may run although no reply comes."""
+    deadline = _current.get()
+    if deadline is not None and not deadline.unanswered:
+        first = command if isinstance(command, (bytes, bytearray, memoryview)) else (
+            command[0] if command else b"")
+        head = bytes(first[:32])
+        deadline.unanswered = any(name in head for name in _SCRIPT_CALLS)
+
+
+def note_failed(error: BaseException) -> None:
+    """A wait failed (refused, timed out, closed): the cause the caller's error names."""
+    deadline = _current.get()
+    if deadline is not None and not isinstance(error, DeadlinePassed):
+        deadline.error = error
+
+
+def note_answered() -> None:
+    deadline = _current.get()
+    if deadline is not None:
+        deadline.answered()
+
+
+class _Bounded:
+    """A redis-py connection whose every wait (connect, TLS handshake, send, read) ends with the
+    caller's deadline, when there is one; mixed into the pool's own connection class (plain, TLS,
+    Unix socket, Sentinel-managed), so nothing else about the connection changes."""
+
+    socket_timeout: Optional[float]
+    socket_connect_timeout: Optional[float]
+    _sock: Any
+
+    def _connect(self) -> Any:
+        if _current.get() is None:
+            return super()._connect()  # type: ignore[misc]
+        own = self.socket_timeout, self.socket_connect_timeout
+        try:
+            self.socket_timeout, self.socket_connect_timeout = clamp(own[0]), clamp(own[1])
+            sock = super()._connect()  # type: ignore[misc]
+            self._clamped = True    # its timeout is the caller's: set back on the next use
+            return sock
+        except _FAILURES as exc:
+            note_failed(exc)
+            raise
+        finally:
+            self.socket_timeout, self.socket_connect_timeout = own
+
+    def _bound_socket(self) -> None:
+        sock = self._sock
+        if sock is None:
+            return
+        if _current.get() is not None:
+            sock.settimeout(clamp(self.socket_timeout))
+            self._clamped = True
+        elif getattr(self, "_clamped", False):
+            sock.settimeout(self.socket_timeout)
+            self._clamped = False
+
+    def send_packed_command(self, command: Any, *args: Any, **kwargs: Any) -> Any:
+        self._bound_socket()
+        try:
+            super().send_packed_command(command, *args, **kwargs)  # type: ignore[misc]
+        except _FAILURES as exc:
+            note_failed(exc)
+            raise
+        note_sent(command)
+
+    def read_response(self, *args: Any, **kwargs: Any) -> Any:
+        self._bound_socket()
+        try:
+            response = super().read_response(*args, **kwargs)  # type: ignore[misc]
+        except redis.ResponseError:
+            note_answered()
+            raise
+        except _FAILURES as exc:
+            note_failed(exc)
+            raise
+        note_answered()
+        return response
+
+
+_FAILURES = (redis.ConnectionError, redis.TimeoutError, OSError)
+
+
+_classes: dict[type, type] = {}
+
+
+def bounded_class(connection_class: type) -> type:
+    """``connection_class`` with its waits bounded by the caller's deadline (one class per base)."""
+    if issubclass(connection_class, _Bounded):
+        return connection_class
+    found = _classes.get(connection_class)
+    if found is None:
+        found = _classes[connection_class] = type(
+            connection_class.__name__, (_Bounded, connection_class),
+            {"__module__": __name__, "__doc__": connection_class.__doc__})
+    return found
+
+
+def unbounded_class(connection_class: type) -> type:
+    """The class :func:`bounded_class` made ``connection_class`` from (itself if none)."""
+    if issubclass(connection_class, _Bounded):
+        return connection_class.__mro__[2]
+    return connection_class
