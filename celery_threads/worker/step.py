@@ -26,7 +26,7 @@ from typing import Any, Callable, Optional
 
 import redis
 from billiard.einfo import ExceptionWithTraceback
-from celery import bootsteps
+from celery import bootsteps, states
 from celery.exceptions import (
     Ignore,
     NotRegistered,
@@ -278,11 +278,33 @@ class ThreadedRequest(Request):
             return True
         if outcome is not None:
             logger.info("celery-threads: the lost attempt of %s[%s] of thread %s was reported "
-                        "after the gate had moved on (its lease lapsed, or it ended); nothing "
-                        "stored for it", self.task.name, self.id, thread_id)
+                        "after the gate had moved on (its lease lapsed, or it ended)",
+                        self.task.name, self.id, thread_id)
+            self._store_death_left_unstored(runtime, exc)
         if self.task.acks_late:
             self.acknowledge()
         return True
+
+    def _store_death_left_unstored(self, runtime: Runtime, exc: BaseException) -> None:
+        """The member is dead in the gate but its result holds no final state: the process was
+        lost between its body's death (recorded in the gate) and Celery's store of the failure.
+        FAILURE is stored with the recorded reason (the exception itself went with the process).
+        A dispatcher that killed it stored its own FAILURE (``LeaseExpired``): left as it is."""
+        if not self.store_errors:
+            return
+        try:
+            record = runtime.gate.dead_record(self.id)
+            if record is None:
+                return
+            backend = self.task.backend
+            if backend.get_task_meta(self.id, cache=False)["status"] in states.READY_STATES:
+                return
+            reason = record.meta.get("exception", "")
+            backend.mark_as_failure(self.id, WorkerLostError(f"{exc}, after it died: {reason}"),
+                                    request=seams.request_context(self))
+        except Exception:
+            logger.debug("celery-threads: could not store the death of %s", self.id,
+                         exc_info=True)
 
     def _announce_lost_retry(self, exc: BaseException, exc_info: Any) -> None:
         """What Celery does for a retried task: RETRY state, ``task-retried`` event, ack."""
