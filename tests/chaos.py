@@ -6,7 +6,8 @@
 
 What runs: a redis-server with append-only persistence holding the gate (and, with the Redis broker,
 the broker in database 1), restarted during the run; a second redis-server, never restarted, holding
-the history (same host, so the same clock for both); ``--workers`` prefork ``celery worker``
+the history (same host, so the same clock for both) and, in database 2, Celery's results
+(``--no-results``: none); ``--workers`` prefork ``celery worker``
 processes and ``celery beat`` of :mod:`tests.chaos_tasks`; a producer enqueuing members into
 ``--threads`` threads (a few hot ones) with random countdowns, sleeps, retries with random
 countdowns, deaths and a few members longer than the keepalive; a deleter deleting random
@@ -26,9 +27,9 @@ The run is also the deployment's supervisor: a worker that exits, or whose consu
 Redis transport does so when the broker restarts), is replaced at once, and how many healthy
 workers there are is written to the history, so that the checker can tell an outage from a slow
 gate.  After the load phase the faults stop, the workers are brought back to full strength, and the
-run waits until the gate is empty; then :func:`tests.checker.check` reads the history and the
-gate and the report is printed (and written as JSON with ``--json``).  Exit status 0 when the
-checker found no violation.
+run waits until the gate is empty; then :func:`tests.checker.check` reads the history, the gate and
+the stored results, and the report is printed (and written as JSON with ``--json``).  Exit status 0
+when the checker found no violation.
 """
 from __future__ import annotations
 
@@ -46,6 +47,7 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -57,6 +59,7 @@ from tests.conftest import CeleryProcess, RedisServer
 from tests.netfault import Relay
 
 AMQP_URL = "amqp://guest:guest@127.0.0.1:5672//"
+RESULTS_DB = 2      # the history server's database holding Celery's results (1: redis-apart's broker)
 
 
 @dataclass
@@ -86,7 +89,7 @@ class Options:
     keep: bool = False
     quiet: bool = False
     beat: bool = True
-    backend: bool = False             # a result backend (each process's memory)
+    backend: bool = True              # a Redis result backend (on the history server), checked
     publish_timeout: Optional[float] = None   # threads_publish_timeout (None: its default)
     no_ack: bool = False              # the queue consumed without broker acknowledgements
 
@@ -184,9 +187,9 @@ class Cluster:
         # Always set: os.environ keeps what an earlier run of this process set.
         self.env["CHAOS_PUBLISH_TIMEOUT"] = str(self.opts.publish_timeout or "")
         if self.opts.backend:
-            # Each process's own memory: enough for Celery to mark a task it cannot run (an
-            # unregistered name) as failed, without a store the test process subscribes to.
-            self.env["CHAOS_BACKEND_URL"] = "cache+memory://"
+            # On the history server, which no fault touches: what Celery stored for each member
+            # is read after the run and checked against how the member ended.
+            self.env["CHAOS_BACKEND_URL"] = self.history_server.url(RESULTS_DB)
         os.environ.update(self.env)
         from tests import chaos_tasks
 
@@ -405,6 +408,25 @@ class Cluster:
                 ended={k.decode(): v for k, v in client.zrange(shard.ended, 0, -1,
                                                                withscores=True)},
                 notes=notes, other_keys=other)
+        finally:
+            client.close()
+
+    def results(self, tasks: Iterable[str]) -> Optional[dict[str, str]]:
+        """The state Celery's result backend holds for each of ``tasks`` (those with none left
+        out), or ``None`` when the run keeps no results.  Read as stored, not through Celery."""
+        if not self.opts.backend:
+            return None
+        tasks = sorted(set(tasks))
+        client = redis.Redis.from_url(self.env["CHAOS_BACKEND_URL"])
+        try:
+            states: dict[str, str] = {}
+            for i in range(0, len(tasks), 500):
+                chunk = tasks[i:i + 500]
+                for task, raw in zip(chunk, client.mget([f"celery-task-meta-{t}"
+                                                         for t in chunk])):
+                    if raw is not None:
+                        states[task] = json.loads(raw)["status"]
+            return states
         finally:
             client.close()
 
@@ -743,8 +765,10 @@ def run(opts: Options) -> Report:
         (workdir / "gate.json").write_text(json.dumps(asdict(gate), indent=1))
         events, enqueues, deletions = parse_history(rows)
         events += cluster.lease_kills()
+        results = cluster.results([e.task for e in enqueues] + [d.task for d in deletions]
+                                  + list(gate.dead))
         report = check(events, gate, deletions, enqueues,
-                       Limits(opts.keepalive, opts.dispatch_interval, opts.retry_delay))
+                       Limits(opts.keepalive, opts.dispatch_interval, opts.retry_delay), results)
         report.info.append(f"faults: {faults['worker']} worker SIGKILLs, {faults['child']} "
                            f"pool-child SIGKILLs, {faults['redis']} gate Redis restarts "
                            f"({opts.outage:g}s each), acks_late"
@@ -808,6 +832,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--no-ack", action="store_true",
                         help="declare the queue Queue(name, no_ack=True): deliveries the workers "
                              "hold are forgotten by the broker, and only the gate recovers them")
+    parser.add_argument("--no-results", dest="backend", action="store_false",
+                        help="run without a result backend (the stored results are not checked)")
     parser.add_argument("--json", dest="json_path")
     parser.add_argument("--workdir")
     parser.add_argument("--keep", action="store_true", help="keep the logs of a clean run too")

@@ -17,6 +17,9 @@ redis-servers run on the same host and ``TIME`` reads the system clock):
 * ``enqueues``: :class:`Enqueue` of each member attempt the run itself put into the gate: the
   producer's ``apply_async`` (attempt 0) and each ``self.retry`` (attempt n + 1), with the time
   read before the call and after it returned, and the countdown.
+* ``results``: the state the result backend holds for each member (task id -> state; a member
+  with no stored result is ``PENDING``), read after the run quiesced, or ``None`` when the run
+  kept no results.
 
 The gate never reads any of this; only the last step (the gate state) comes from the gate.
 
@@ -64,6 +67,13 @@ What is checked, and the approximations it rests on:
   bound: the producer's enqueue's ``sched_lo``; for a retry, the retrying attempt's ``recv``
   (its claim, whose time the re-entry is scheduled from, came after it) plus the countdown, less
   the clocks' resolution (``SLACK_US``).  The gate's own re-entries are not checked.
+* **Stored results.**  What Celery shows must follow how the member ended: ``SUCCESS`` for one
+  that succeeded, ``FAILURE`` for one that died, ``REVOKED`` for one that was deleted (or
+  ``SUCCESS`` when it also succeeded: the delete raced the finish, and Celery's backend never
+  overwrites a success).  A member whose ending attempt was cut short between its ending and
+  Celery's store (a success killed before ``fin``, or an attempt killed after its ``end`` row)
+  may hold no final state at all: reported as information when it holds none, a mismatch when
+  it holds a wrong one.  Members that did not end exactly once are left to the endings' check.
 * **Stuck threads and leftover keys.**  The run ends every member, so any thread still in the
   gate's ``due`` or ``leases`` index after it quiesced is stuck; a thread key, a ``tasks`` entry
   or an index entry for a thread that is not in both places consistently is an orphan.  So are
@@ -263,6 +273,8 @@ class Report:
     recoveries: dict[str, list[float]] = field(default_factory=dict)   # kind -> seconds
     worst_recovery: dict[str, float] = field(default_factory=dict)     # kind -> seconds
     confounded: dict[str, list[float]] = field(default_factory=dict)   # kind -> seconds
+    result_mismatches: list[str] = field(default_factory=list)
+    results_checked: int = 0
     keepalive: float = 0.0
     dispatch_interval: float = 0.0
     info: list[str] = field(default_factory=list)
@@ -270,13 +282,14 @@ class Report:
     @property
     def ok(self) -> bool:
         return not (self.overlaps or self.bad_endings or self.order_violations
-                    or self.early_starts or self.stuck or self.orphans)
+                    or self.early_starts or self.stuck or self.orphans
+                    or self.result_mismatches)
 
     def counts(self) -> dict[str, int]:
         return {"overlaps": len(self.overlaps), "bad_endings": len(self.bad_endings),
                 "order_violations": len(self.order_violations),
                 "early_starts": len(self.early_starts), "stuck": len(self.stuck),
-                "orphans": len(self.orphans)}
+                "orphans": len(self.orphans), "result_mismatches": len(self.result_mismatches)}
 
     def as_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -300,6 +313,9 @@ class Report:
             f"attempts received or started before their scheduled_at: {len(self.early_starts)} "
             f"({self.schedules_checked} checked)",
             *_first(self.early_starts, limit),
+            f"stored results that disagree with how their member ended: "
+            f"{len(self.result_mismatches)} ({self.results_checked} checked)",
+            *_first(self.result_mismatches, limit),
             f"stuck threads: {len(self.stuck)}",
             *_first(self.stuck, limit),
             f"gate keys left over: {len(self.orphans)}",
@@ -394,7 +410,8 @@ def build_attempts(history: Sequence[Event]) -> tuple[list[Attempt], list[Event]
 # -- the check --------------------------------------------------------------------------------
 
 def check(history: Sequence[Event], gate: GateState, deleted: Sequence[Deletion],
-          enqueues: Sequence[Enqueue], limits: Limits) -> Report:
+          enqueues: Sequence[Enqueue], limits: Limits,
+          results: Optional[dict[str, str]] = None) -> Report:
     report = Report(keepalive=limits.keepalive, dispatch_interval=limits.dispatch_interval)
     attempts, kills = build_attempts(history)
     deletions = {d.task: d for d in deleted}
@@ -429,6 +446,8 @@ def check(history: Sequence[Event], gate: GateState, deleted: Sequence[Deletion]
     _check_endings(thread_of, attempts, kills, gate, deletions, limits, report)
     _check_order(attempts, known, unlanded, first, limits, report)
     _check_schedules(attempts, known, report)
+    if results is not None:
+        _check_results(thread_of, attempts, kills, gate, deletions, results, report)
     _check_gate(gate, thread_of, deletions, report)
     _measure_recovery(history, attempts, kills, gate, deletions, known, limits, report)
     return report
@@ -533,6 +552,55 @@ def _check_endings(thread_of: dict[str, str], attempts: list[Attempt], kills: li
         report.info.append(f"{reruns} member(s) ran again after their process was killed, or "
                            "their ending could not reach the gate while their lease held, between "
                            "the end of user code and the gate's finish (at-least-once window)")
+
+
+FINAL_STATES = ("SUCCESS", "FAILURE", "REVOKED")
+
+
+def _check_results(thread_of: dict[str, str], attempts: list[Attempt], kills: list[Event],
+                   gate: GateState, deletions: dict[str, Deletion], results: dict[str, str],
+                   report: Report) -> None:
+    by_task: dict[str, list[Attempt]] = defaultdict(list)
+    starts: dict[int, list[int]] = defaultdict(list)      # pid -> its attempts' starts
+    for a in attempts:
+        by_task[a.task].append(a)
+        if a.start is not None:
+            starts[a.pid].append(a.start)
+
+    def cut_short(a: Attempt) -> bool:
+        """Its process was killed after its ``end`` row and before it started anything else
+        (or, for a success, before ``fin``): Celery may not have stored its state."""
+        if a.end is None or a.start is None:
+            return False
+        after = min((t for t in starts[a.pid] if t > a.start), default=INF)
+        return any(a.pid in k.pids and a.end <= k.t < after for k in kills)
+    unstored: list[str] = []
+    for task, thread in sorted(thread_of.items()):
+        if task in gate.members:
+            continue
+        rows = by_task[task]
+        succeeded = any(a.outcome == "success" for a in rows)
+        if task in deletions and task not in gate.dead:
+            how, expected = "was deleted", {"REVOKED", *(("SUCCESS",) if succeeded else ())}
+        elif task in gate.dead and task not in deletions:
+            how, expected = "died", {"FAILURE"}
+        elif succeeded:
+            how, expected = "succeeded", {"SUCCESS"}
+        else:
+            continue                # not ended exactly once: the endings' check says so
+        report.results_checked += 1
+        stored = results.get(task, "PENDING")
+        if stored in expected:
+            continue
+        if any(cut_short(a) for a in rows) and stored not in FINAL_STATES:
+            unstored.append(f"{task} ({how}, reads {stored})")
+            continue
+        report.result_mismatches.append(f"member {task} of thread {thread} {how} but its "
+                                        f"stored result reads {stored}")
+    if unstored:
+        report.info.append(f"{len(unstored)} member(s) whose ending attempt was killed between "
+                           "its ending and Celery's store hold no final state: "
+                           + ", ".join(unstored[:5]))
 
 
 def _check_order(attempts: list[Attempt], known: dict[tuple[str, int], Enqueue],

@@ -262,6 +262,24 @@ def beater(self, thread, label, seconds=30.0, until=None):
     return label
 
 
+@app.task(base=ThreadedTask, bind=True, thread_key="thread", max_retries=1,
+          default_retry_delay=0.1)
+def outlast(self, thread, label, seconds=30.0):
+    """Its first attempt beats (list beats:<thread>, as `beater`) for `seconds`; a later attempt
+    returns at once.  Each attempt's retries count is appended to list attempts:<thread> when it
+    starts, and again with "|ok" when it returns."""
+    r = history()
+    r.rpush(f"attempts:{thread}", str(self.request.retries))
+    with _Span(self, thread, label):
+        end = time.monotonic() + (seconds if not self.request.retries else 0.0)
+        while time.monotonic() < end:
+            seconds_, micros = r.time()
+            r.rpush(f"beats:{thread}", f"{label}|{seconds_ * 1_000_000 + micros}")
+            time.sleep(0.01)
+    r.rpush(f"attempts:{thread}", f"{self.request.retries}|ok")
+    return label
+
+
 def _unpatched_sleep(seconds: float) -> None:
     """``time.sleep`` as it was before gevent patched it: it does not yield to gevent's hub."""
     monkey = sys.modules.get("gevent.monkey")

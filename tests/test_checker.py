@@ -60,9 +60,10 @@ class History:
             retries: int = -1) -> None:
         self.dead[task] = DeadLetter(thread, reason, at, retries)
 
-    def check(self, gate: Optional[GateState] = None) -> Report:
+    def check(self, gate: Optional[GateState] = None,
+              results: Optional[dict[str, str]] = None) -> Report:
         gate = gate or GateState(dead=self.dead)
-        return check(self.events, gate, self.deletions, self.enqueues, LIMITS)
+        return check(self.events, gate, self.deletions, self.enqueues, LIMITS, results)
 
 
 def serial_thread(h: History, thread: str, start: int = 0) -> None:
@@ -600,3 +601,42 @@ def test_leftover_shard_keys_are_caught() -> None:
     clean = GateState(dead_index=[], dead_records=[], ended={"a": 100.0, "b": 200.0},
                       notes={}, other_keys=[])
     assert h.check(clean).ok
+
+
+def test_stored_results_that_disagree_with_the_endings_are_caught() -> None:
+    """SUCCESS for a member that succeeded, FAILURE for one that died, REVOKED for one deleted
+    (or SUCCESS, when the delete raced its finish); an attempt killed between its ending and
+    Celery's store may leave no final state (information), never a wrong one."""
+    h = History()
+    serial_thread(h, "t1")                 # t1-a and t1-c succeed (t1-a after a retry), t1-b dies
+    h.enqueue("d", "t2", 0)
+    h.enqueue("raced", "t2", 1)
+    h.delete("d", 5)                       # deleted while waiting
+    h.attempt("raced", "t2", 10, 100)
+    h.delete("raced", 99)                  # deleted as it finished
+    h.enqueue("cut", "t3", 0)
+    pid = h.attempt("cut", "t3", 10, 100, fin=False)
+    h.kill(101, pid, what="child")         # after the gate's finish, before Celery's store
+    right = {"t1-a": "SUCCESS", "t1-b": "FAILURE", "t1-c": "SUCCESS", "d": "REVOKED",
+             "raced": "SUCCESS", "cut": "SUCCESS"}
+    report = h.check(results=right)
+    assert report.ok, report.format()
+    assert report.results_checked == 6
+    assert report.counts()["result_mismatches"] == 0
+    report = h.check(results={**right, "cut": "STARTED"})
+    assert report.ok, report.format()
+    assert any("hold no final state" in x and "cut" in x for x in report.info), report.info
+    wrong = {**right, "t1-a": "FAILURE", "t1-b": "RETRY", "d": "PENDING", "cut": "FAILURE"}
+    wrong.pop("t1-c")                      # never stored: PENDING
+    report = h.check(results=wrong)
+    assert not report.ok
+    assert report.counts()["result_mismatches"] == 5, report.result_mismatches
+    assert "member t1-a of thread t1 succeeded but its stored result reads FAILURE" in \
+        report.result_mismatches
+    assert any("t1-b of thread t1 died but its stored result reads RETRY" in x
+               for x in report.result_mismatches)
+    assert any("t1-c" in x and "reads PENDING" in x for x in report.result_mismatches)
+    assert any("d of thread t2 was deleted but its stored result reads PENDING" in x
+               for x in report.result_mismatches)
+    assert "stored results that disagree with how their member ended: 5" in report.format()
+    assert h.check().results_checked == 0          # a run that kept no results: not checked

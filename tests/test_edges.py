@@ -222,3 +222,49 @@ def test_a_handed_off_member_keeps_its_lease_through_a_slow_trace_tail(proj, mak
     wait_for(lambda: Threads(proj.app).get(thread) is None, what="the thread to end")
     assert starts(r, thread) == ["first", "second"]
     assert not [x for x in r.lrange("overlaps", 0, -1) if x.decode().startswith(f"{thread}|")]
+
+
+def attempts(r, thread: str) -> list[tuple[int, str]]:
+    """``(retries, how it ended)`` of each attempt of ``proj.outlast``: ``succeeded``, or
+    ``killed`` (it started and never returned)."""
+    rows = [x.decode() for x in r.lrange(f"attempts:{thread}", 0, -1)]
+    return [(int(row), "succeeded" if f"{row}|ok" in rows else "killed")
+            for row in rows if "|" not in row]
+
+
+@pytest.mark.parametrize("fault,outage", [("silence", 6.0), ("refuse", 25.0)])
+def test_an_attempt_lost_while_cut_off_is_not_reported_as_the_final_failure(
+        proj, redis_server, relay, make_deployment, r, fault, outage):
+    """The worker is cut off from the gate while its pool process runs a member with a retry
+    left: the watchdog kills the process, another worker's dispatcher retries the member when
+    its lease lapses, and it runs again once the link is back, and succeeds.  The worker's
+    report of the lost attempt comes after the gate moved on (``silence``: a silent link for
+    less than the client's retries), or never gets through (``refuse``: longer).  Either way the
+    result backend never shows the lost attempt's WorkerLostError as FAILURE; it shows the
+    success, and ``get()`` returns it."""
+    d = make_deployment(CT_KEEPALIVE="3", CT_DISPATCH_INTERVAL="0.2",
+                        CT_HISTORY_URL=redis_server.url(0))
+    cut = d.worker("cut", concurrency=1, env={"CT_REDIS_URL": relay.url(0)})
+    d.worker("dispatcher", concurrency=1, extra=["-Q", "elsewhere"])   # dispatches, runs nothing
+    thread = tid("lost")
+    result = proj.outlast.delay(thread, "a", seconds=60)
+    wait_for(lambda: beats(r, thread, "a"), what="a to beat on the worker to be cut off")
+    getattr(relay, fault)()
+    wait_for(lambda: "killed pool process" in cut.output(), timeout=30,
+             what="the watchdog to kill the pool process")
+    states = set()
+    end = time.monotonic() + outage
+    while time.monotonic() < end:
+        states.add(stored_state(proj, result.id))
+        time.sleep(0.1)
+    relay.heal()
+    assert result.get(timeout=60) == "a"
+    assert attempts(r, thread) == [(0, "killed"), (1, "succeeded")]
+    assert "FAILURE" not in states, states
+    assert stored_state(proj, result.id) == "SUCCESS"
+
+
+def stored_state(proj, task_id: str) -> str:
+    """The state the result backend holds now (``AsyncResult.state`` keeps the first final state
+    it read)."""
+    return proj.app.backend.get_task_meta(task_id, cache=False)["status"]

@@ -26,7 +26,7 @@ from typing import Any, Callable, Optional
 
 import redis
 from billiard.einfo import ExceptionWithTraceback
-from celery import bootsteps
+from celery import bootsteps, states
 from celery.exceptions import (
     Ignore,
     NotRegistered,
@@ -44,7 +44,7 @@ from celery.worker.strategy import default as default_strategy
 from .. import seams
 from ..config import read_config, sanitized_url
 from ..errors import ConfigurationError
-from ..gate import NO_HOLDER, Lapse, Renewal, claimant_prefix
+from ..gate import NO_HOLDER, Lapse, Outcome, Renewal, claimant_prefix
 from ..protocol import REPUBLISHED_HEADER, THREAD_HEADER, TOKEN_HEADER, eta_ms, is_threaded, retry_settings
 from ..publish import encode_envelope, request_member
 from ..runtime import Runtime, get_runtime, unreachable
@@ -229,21 +229,14 @@ class ThreadedRequest(Request):
             exc = exc.exc
         lost = isinstance(exc, (WorkerLostError, SystemExit, KeyboardInterrupt))
         if token and lost and not seams.request_revoked(self):
-            runtime = get_runtime(self.task.app)
-            outcome = runtime.gate.fail(thread_id, self.id, token,
-                                        f"WorkerLostError: {exc}; no retries were left",
-                                        holder=pool_holder(self))
-            runtime.apply(outcome)
-            if outcome.status == Lapse.RETRIED:
-                self._announce_lost_retry(exc, exc_info)
-                return
-            if outcome.status == Lapse.DIED:
-                runtime.announce_death(thread_id, self.id, f"WorkerLostError: {exc}",
-                                       int(self.request_dict.get("retries") or 0))
-        if lost:
+            ended = self._end_lost_attempt(thread_id, token, exc, exc_info)
             _fail_handed_off(self, exc)
-        elif token and not lost and not isinstance(exc, (Retry, Ignore, Reject, Terminated,
-                                                         TimeLimitExceeded)):
+            if ended:
+                return
+        elif lost:
+            _fail_handed_off(self, exc)
+        elif token and not isinstance(exc, (Retry, Ignore, Reject, Terminated,
+                                            TimeLimitExceeded)):
             # The pool child reports every failure of a task body it ran; one it never reported
             # (the message could not be decoded, the task never started) would hold the thread.
             # Fenced by the token: a no-op when the child did report it.  A hard time limit
@@ -251,6 +244,68 @@ class ThreadedRequest(Request):
             kill_unrunnable(get_runtime(self.task.app), self.request_dict, exc,
                             pool_holder(self))
         super().on_failure(exc_info, send_failed_event=send_failed_event, return_ok=return_ok)
+
+    def _end_lost_attempt(self, thread_id: str, token: str, exc: BaseException,
+                          exc_info: Any) -> bool:
+        """The pool process running this member was lost: a failed attempt, which the gate turns
+        into a retry or a death.  Returns ``True`` when the attempt is ended here, ``False`` when
+        the member died by this report and Celery's own handling stores the failure.
+
+        Only a death may show ``FAILURE`` in the result backend.  Any other answer stores no
+        final state: ``RETRY`` when this report put the member back in its thread, nothing when
+        the gate had moved on before it arrived (the report came late, the gate having been
+        unreachable: the dispatcher retried the member, or killed it and stored ``LeaseExpired``,
+        when its lease lapsed; or the member was deleted, or its process reported its end
+        before it was lost).  Celery would store ``WorkerLostError`` there, over what the member's
+        next attempt, its death or its deletion stores, and a client that read it keeps it."""
+        runtime = get_runtime(self.task.app)
+        retries = int(self.request_dict.get("retries") or 0)
+        try:
+            outcome: Optional[Outcome] = runtime.apply(runtime.gate.fail(
+                thread_id, self.id, token, f"WorkerLostError: {exc}; no retries were left",
+                holder=pool_holder(self)))
+        except redis.RedisError as error:
+            logger.warning("celery-threads: could not report the lost attempt of %s[%s] of "
+                           "thread %s to the gate at %s (%s); the gate counts it when its "
+                           "lease lapses (it runs again while retries remain)", self.task.name,
+                           self.id, thread_id, runtime.config.redis_url, error)
+            outcome = None
+        if outcome is not None and outcome.status == Lapse.DIED:
+            runtime.announce_death(thread_id, self.id, f"WorkerLostError: {exc}", retries)
+            return False
+        worker_state.task_ready(self)
+        if outcome is not None and outcome.status == Lapse.RETRIED:
+            self._announce_lost_retry(exc, exc_info)
+            return True
+        if outcome is not None:
+            logger.info("celery-threads: the lost attempt of %s[%s] of thread %s was reported "
+                        "after the gate had moved on (its lease lapsed, or it ended)",
+                        self.task.name, self.id, thread_id)
+            self._store_death_left_unstored(runtime, exc)
+        if self.task.acks_late:
+            self.acknowledge()
+        return True
+
+    def _store_death_left_unstored(self, runtime: Runtime, exc: BaseException) -> None:
+        """The member is dead in the gate but its result holds no final state: the process was
+        lost between its body's death (recorded in the gate) and Celery's store of the failure.
+        FAILURE is stored with the recorded reason (the exception itself went with the process).
+        A dispatcher that killed it stored its own FAILURE (``LeaseExpired``): left as it is."""
+        if not self.store_errors:
+            return
+        try:
+            record = runtime.gate.dead_record(self.id)
+            if record is None:
+                return
+            backend = self.task.backend
+            if backend.get_task_meta(self.id, cache=False)["status"] in states.READY_STATES:
+                return
+            reason = record.meta.get("exception", "")
+            backend.mark_as_failure(self.id, WorkerLostError(f"{exc}, after it died: {reason}"),
+                                    request=seams.request_context(self))
+        except Exception:
+            logger.debug("celery-threads: could not store the death of %s", self.id,
+                         exc_info=True)
 
     def _announce_lost_retry(self, exc: BaseException, exc_info: Any) -> None:
         """What Celery does for a retried task: RETRY state, ``task-retried`` event, ack."""
@@ -335,8 +390,13 @@ def _fail_handed_off(request: Any, exc: BaseException) -> None:
                                                   holder=pool_holder(request)))
         logger.warning("celery-threads: the pool process running %s of thread %s by handoff was "
                        "lost (%s)", task_id, thread_id, exc)
+        # No request of it reaches Celery's handling in this process: its state is stored here,
+        # final only when it died.
         if outcome.status == Lapse.DIED:
             runtime.announce_death(thread_id, task_id, f"WorkerLostError: {exc}", 0)
+            request.task.backend.mark_as_failure(task_id, exc)
+        elif outcome.status == Lapse.RETRIED:
+            request.task.backend.mark_as_retry(task_id, exc)
     except Exception:
         logger.exception("celery-threads: could not fail %s of thread %s; its lease will lapse",
                          task_id, thread_id)
