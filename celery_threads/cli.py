@@ -303,6 +303,9 @@ def show(ctx: click.Context, thread_id: str, as_json: bool) -> None:
         ]
         if a.republished:
             pairs.append(("republished", f"{a.republished} time(s): no worker claimed it"))
+        if a.stopping:
+            pairs.append(("deleted", "its worker is stopping it; the next member starts once "
+                                     "it has stopped"))
         click.echo("Active member")
         _echo_lines(_pairs(pairs))
     click.echo("")

@@ -75,6 +75,11 @@ class Dispatcher:
             report.retried += 1
             logger.warning("celery-threads: lease of member %s of thread %s lapsed (worker "
                            "lost?); it will run again", outcome.info, thread_id)
+        elif outcome.status == Lapse.DELETED:
+            # Deleted while it ran, and no worker was left to stop it and end it.
+            logger.info("celery-threads: lease of deleted member %s of thread %s lapsed; it "
+                        "has left its thread", outcome.info, thread_id)
+            self.runtime.mark_revoked(outcome.info)
         elif outcome.status == Lapse.DIED:
             report.died += 1
             record = self.runtime.gate.dead_record(outcome.info)

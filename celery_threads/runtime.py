@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 import traceback as tb
 from typing import Any, Optional
 
@@ -14,7 +15,18 @@ from celery import Celery
 
 from . import seams
 from .config import ThreadsConfig, forget_config, read_config, sanitized_url
-from .gate import ENDED, NO_HOLDER, DeadRecord, DirectRelease, Gate, Outcome, Release, make_client
+from .gate import (
+    DELETED,
+    ENDED,
+    NO_HOLDER,
+    STOPPING,
+    DeadRecord,
+    DirectRelease,
+    Gate,
+    Outcome,
+    Release,
+    make_client,
+)
 from .gate.access import check_access
 from .gate.cluster import check_shards, is_cluster
 from .gate.deadline import unbounded_class
@@ -30,6 +42,9 @@ _ATTR = "_celery_threads_runtime"
 #: How long after its TTL ends a release published with one is given up on (see _deadline_at_ttl):
 #: the time a worker that received it just in time needs to start it.
 EXPIRY_GRACE_MS = 1000
+#: How long ``Threads.delete`` waits for a deleted member that its worker stops (a prefork pool
+#: process, terminated) to leave its thread, so that it returns after the next member's release.
+STOP_WAIT = 5.0
 _lock = threading.Lock()
 
 
@@ -143,9 +158,18 @@ class Runtime:
         self.publish(outcome.release, producer)
         return outcome
 
-    def delete_member(self, task_id: str) -> Optional[str]:
+    def delete_member(self, task_id: str, wait: float = STOP_WAIT) -> Optional[str]:
         """Detach a member whatever its state and promote the next; returns its previous state
-        (``None`` if it was not a member).
+        (``None`` if it was not a member), or ``STOPPING``.
+
+        A member running in a prefork pool process (its claim says it can be stopped) is only
+        marked deleted in the gate (``STOPPING``) and revoked with terminate: its worker's main
+        process signals the process and, once it has exited, ends the member, which releases the
+        next one.  This call waits up to ``wait`` seconds for that, so that it returns after the
+        promotion; a member still running then leaves when its worker stops it, its own body
+        returns, or its lease lapses (logged).  A member running where it cannot be stopped (the
+        threads, solo or gevent pool) is detached at once and the next one promoted, while its
+        body runs on.
 
         A running member is revoked with terminate, and its worker announces it.  For a waiting or
         released one, the result backend is marked REVOKED here, and one worker (elected by a note
@@ -154,17 +178,33 @@ class Runtime:
         thread_id = self.gate.thread_of(task_id)
         if thread_id is None:
             return None
-        outcome = self.apply(self.gate.delete(task_id, thread_id=thread_id))
+        outcome = self.apply(self.gate.delete(task_id, stop=True, thread_id=thread_id))
         if not outcome.done:
             return None
         # ENDED: the call was replayed after its reply was lost, and the member may have been
         # running: revoke with terminate (a no-op where it does not run).
-        running = outcome.info in ("RUNNING", ENDED)
-        if outcome.info != "RUNNING":
+        running = outcome.info in ("RUNNING", STOPPING, ENDED)
+        if outcome.info not in ("RUNNING", STOPPING):
             self.gate.note_deleted(thread_id, task_id)
             self.mark_revoked(task_id)
         self.app.control.revoke(task_id, terminate=running)
+        if outcome.info == STOPPING:
+            self._wait_stopped(thread_id, task_id, wait)
         return outcome.info
+
+    def _wait_stopped(self, thread_id: str, task_id: str, wait: float) -> None:
+        """Wait, at most ``wait`` seconds, until a member marked deleted has left its thread."""
+        deadline = time.monotonic() + wait
+        pause = 0.01
+        while self.gate.holds(thread_id, task_id):
+            if time.monotonic() >= deadline:
+                logger.info("celery-threads: deleted member %s of thread %s still runs %ss "
+                            "after its revoke; the next member starts once its worker has "
+                            "stopped it (or its body returns, or its lease lapses)",
+                            task_id, thread_id, wait)
+                return
+            time.sleep(pause)
+            pause = min(pause * 2, 0.1)
 
     def mark_revoked(self, task_id: str, reason: str = "deleted from its thread") -> None:
         try:
@@ -185,7 +225,7 @@ class Runtime:
         meta = {"retries": retries, "exception": exception, "traceback": trace}
         outcome = self.apply(self.gate.kill(thread_id, task_id, token, meta, keep=keep,
                                             caller=caller, fenced=fenced, holder=holder))
-        if outcome.done:
+        if outcome.done and outcome.info != DELETED:   # DELETED: deleted while it ran, not dead
             self.announce_death(thread_id, task_id, exception, retries)
         return outcome
 

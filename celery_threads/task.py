@@ -16,13 +16,13 @@ from celery.utils.saferepr import saferepr
 
 from .config import ThreadsConfig, read_config
 from .errors import ConfigurationError, GateUnavailable, InvalidThreadId, NotReplicated
-from .gate import Claim, Gate, Outcome, deadline
+from .gate import DELETED, Claim, Gate, Outcome, deadline
 from .install import install
 from .protocol import OUR_HEADERS, THREAD_HEADER, TOKEN_HEADER, eta_ms, normalize_thread_id, retry_settings
 from .publish import CapturingProducer
 from .runtime import Runtime, get_runtime
 from .worker import handoff
-from .worker.lease import Keeper, Lease, new_claimant
+from .worker.lease import Keeper, Lease, new_claimant, stoppable
 from .worker.lease import keeper as lease_keeper
 
 logger = logging.getLogger(__name__)
@@ -219,6 +219,8 @@ class ThreadedTask(Task):
         """The member ends, then its replacement joins the replacement's own thread as a new
         arrival under the same task id; returns that enqueue's outcome."""
         finished: Outcome = runtime.gate.finish(thread_id, task_id, token, caller=caller)
+        if finished.info == DELETED:    # deleted while it ran: no replacement joins
+            return finished             # (the caller publishes its successor's release)
         if not finished.done:
             logger.warning("celery-threads: replacement of %s[%s] dropped: the member no longer "
                            "holds thread %s (deleted, or its lease lapsed)", self.name, task_id,
@@ -270,8 +272,15 @@ class ThreadedTask(Task):
                     _running.pop(key, None)
             # The member's code has returned (its lease's end is no longer watched): its ending.
             ending = handoff.Ending(lease.claimant, new_claimant(hostname))
-            _record_end(runtime, lease, lambda: self._ended(
+            deleted = _record_end(runtime, lease, lambda: self._ended(
                 runtime, thread_id, task_id, token, retries, failure, running.reentry, ending))
+            if deleted and not isinstance(failure, (SystemExit, KeyboardInterrupt)):
+                # Deleted while it ran (Threads.delete): it ends REVOKED, whatever its body did,
+                # and the tracer stores nothing over that.
+                logger.info("celery-threads: %s[%s] of thread %s was deleted while it ran; "
+                            "revoked", self.name, task_id, thread_id)
+                runtime.mark_revoked(task_id)
+                raise Ignore()
             if failure is not None:
                 raise failure
             return result
@@ -286,7 +295,8 @@ class ThreadedTask(Task):
         sent = time.monotonic()
         try:
             status, claimed_ms = runtime.gate.claim_at(
-                thread_id, task_id, token, runtime.config.keepalive_ms, hostname, claimant)
+                thread_id, task_id, token, runtime.config.keepalive_ms, hostname, claimant,
+                stoppable=stoppable())
         except redis.RedisError as exc:
             logger.warning("celery-threads: not running %s[%s] of thread %s: the gate at %s did "
                            "not answer its claim (%s); the gate hands it out again once its "
@@ -303,32 +313,35 @@ class ThreadedTask(Task):
 
     def _ended(self, runtime: Runtime, thread_id: str, task_id: str, token: str, retries: int,
                exc: Optional[BaseException], reentry: Optional[Reentry],
-               ending: handoff.Ending) -> None:
+               ending: handoff.Ending) -> bool:
         """Apply the member's ending to the gate, once its body has fully unwound.  Called again
-        with the same arguments when the gate did not answer (see :func:`_record_end`)."""
+        with the same arguments when the gate did not answer (see :func:`_record_end`).  Returns
+        whether the gate ended it as deleted (it was deleted while it ran: no retry, no death)."""
         gate = runtime.gate
+        outcome: Optional[Outcome] = None
         if reentry is not None:
             # self.retry() was called (also with throw=False): it wins however the body ended.
-            runtime.publish(self._reenter(runtime, thread_id, task_id, token, reentry,
-                                          ending.caller).release)
+            outcome = self._reenter(runtime, thread_id, task_id, token, reentry, ending.caller)
+            runtime.publish(outcome.release)
         elif exc is None or isinstance(exc, Ignore):
-            handoff.finish(runtime, self, thread_id, task_id, token, ending)
+            return handoff.finish(runtime, self, thread_id, task_id, token, ending)
         elif isinstance(exc, Retry):
             # Retry raised by hand, without self.retry() publishing: re-enter now.
-            runtime.apply(gate.requeue(thread_id, task_id, token, retries=retries + 1,
-                                       caller=ending.caller))
+            outcome = runtime.apply(gate.requeue(thread_id, task_id, token, retries=retries + 1,
+                                                 caller=ending.caller))
         elif isinstance(exc, Reject) and exc.requeue:
-            runtime.apply(gate.requeue(thread_id, task_id, token, retries=retries,
-                                       caller=ending.caller))
+            outcome = runtime.apply(gate.requeue(thread_id, task_id, token, retries=retries,
+                                                 caller=ending.caller))
         elif isinstance(exc, Reject):
-            runtime.kill(thread_id, task_id, token, exc=exc, retries=retries,
-                         keep=self.dead_letter, reason=f"Rejected: {exc.reason!r}",
-                         caller=ending.caller, fenced=True)
+            outcome = runtime.kill(thread_id, task_id, token, exc=exc, retries=retries,
+                                   keep=self.dead_letter, reason=f"Rejected: {exc.reason!r}",
+                                   caller=ending.caller, fenced=True)
         elif isinstance(exc, Exception):
-            runtime.kill(thread_id, task_id, token, exc=exc, retries=retries,
-                         keep=self.dead_letter, caller=ending.caller, fenced=True)
+            outcome = runtime.kill(thread_id, task_id, token, exc=exc, retries=retries,
+                                   keep=self.dead_letter, caller=ending.caller, fenced=True)
         # Anything else (SystemExit, ...): the process is going away; the lease lapses and the
         # gate counts a failed attempt.
+        return outcome is not None and outcome.info == DELETED
 
 
 _signatures: dict[tuple[Any, bool], inspect.Signature] = {}
@@ -361,17 +374,17 @@ def _signature(run: Any) -> inspect.Signature:
     return found
 
 
-def _record_end(runtime: Runtime, lease: Lease, end: Callable[[], Any]) -> None:
+def _record_end(runtime: Runtime, lease: Lease, end: Callable[[], bool]) -> bool:
     """Apply a member's ending to the gate.  While the gate does not answer, the ending is kept
     and tried again for as long as the member's lease can hold (the keeper goes on renewing it),
     so a member that ended is not run again because its ending came late: every transition gives
     the same outcome when a call whose reply was lost is sent again.  Past its lease, the gate
-    counts the attempt as failed (it runs again if retries remain)."""
+    counts the attempt as failed (it runs again if retries remain).  Returns what ``end``
+    returned (``False`` when it could not be applied)."""
     warned = False
     while True:
         try:
-            end()
-            return
+            return end()
         except redis.RedisError as exc:
             remaining = lease.remaining()
             if lease.lost or remaining <= 0:
@@ -379,7 +392,7 @@ def _record_end(runtime: Runtime, lease: Lease, end: Callable[[], Any]) -> None:
                              "gate at %s (%s) while its lease held; the gate counts the attempt "
                              "as failed", lease.task_id, lease.thread_id,
                              runtime.config.redis_url, exc)
-                return
+                return False
             if not warned:
                 warned = True
                 logger.warning("celery-threads: the gate at %s did not answer (%s); the end of %s "

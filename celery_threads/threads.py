@@ -28,6 +28,9 @@ class MemberInfo(NamedTuple):
     scheduled_at: datetime        # aware UTC
     state: str                    # "WAITING", "RELEASED" or "RUNNING"
     retries: int
+    # Deleted while it runs in a process its worker stops (prefork): still RUNNING, and the
+    # thread's next member starts once its code has stopped.
+    stopping: bool = False
 
 
 class ThreadInfo(NamedTuple):
@@ -105,18 +108,20 @@ class Threads:
         return None if snapshot is None else self._info(snapshot)
 
     def _member(self, snapshot: ThreadSnapshot, task_id: str, scheduled_ms: int,
-                state: str) -> MemberInfo:
+                state: str, stopping: bool = False) -> MemberInfo:
         raw = snapshot.records.get(task_id)
         record = parse_record(raw) if raw is not None else None
         name = task_name(record.envelope) if record is not None else ""
         retries = record.retries if record is not None else 0
-        return MemberInfo(task_id, name, _utc(scheduled_ms), state, retries)  # type: ignore[arg-type]
+        return MemberInfo(task_id, name, _utc(scheduled_ms), state, retries,  # type: ignore[arg-type]
+                          stopping)
 
     def _info(self, snapshot: ThreadSnapshot) -> ThreadInfo:
         active = None
         if snapshot.active:
             a = snapshot.active
-            active = self._member(snapshot, a["task"], int(a.get("sched", 0)), a["state"])
+            active = self._member(snapshot, a["task"], int(a.get("sched", 0)), a["state"],
+                                  a.get("del") == "1")
         waiting = [self._member(snapshot, task_id, ms, "WAITING")
                    for task_id, ms in snapshot.waiting]
         return ThreadInfo(snapshot.thread_id, active, waiting)
@@ -128,7 +133,14 @@ class Threads:
 
     @_admin
     def delete(self, task_id: str) -> bool:
-        """Detach a member at once and promote the next; a running one is revoked with terminate.
+        """Detach a member and promote the next; a running one is revoked with terminate.
+
+        A waiting or released member (nothing of it runs) leaves at once.  A member running in a
+        prefork pool process leaves once its worker has stopped that process, and the next
+        member is released only then; this call waits for that, at most
+        :data:`~celery_threads.runtime.STOP_WAIT` seconds (meanwhile :meth:`get` shows it
+        RUNNING with ``stopping``).  A member running under the threads, solo or gevent pool,
+        which cannot be stopped, leaves at once and its body runs on beside the next member.
 
         Returns ``True`` if ``task_id`` was a member.
         """
@@ -333,6 +345,7 @@ class ActiveStatus(NamedTuple):
     claimed_at: Optional[datetime]
     republished: int                  # times its release was republished, unclaimed
     arguments: str = ""               # as Celery's argsrepr and kwargsrepr show them
+    stopping: bool = False            # deleted; the next starts once its worker has stopped it
 
 
 class WaitingStatus(NamedTuple):
@@ -437,6 +450,7 @@ def _status(snapshot: ThreadSnapshot, now: int) -> ThreadStatus:
             deadline=_at(deadline), expires_in=(deadline - now) / 1000.0,
             worker=a.get("worker") or None, claimed_at=_utc(claimed),
             republished=int(a.get("n", 0) or 0), arguments=arguments_of(a["task"]),
+            stopping=a.get("del") == "1",
         )
     waiting = [WaitingStatus(task_id, name_of(task_id), _at(ms),
                              arrival.get(task_id, 0), retries_of(task_id), arguments_of(task_id))

@@ -19,8 +19,9 @@ from typing import Any, Optional
 
 DONE, NOOP = 1, 0
 CLAIMED, ALREADY_CLAIMED, STALE = 1, 2, 0
-REPUBLISH, RETRIED, DIED = 2, 3, 4
+REPUBLISH, RETRIED, DIED, DELETED_LAPSE = 2, 3, 4, 5
 RELEASED, RUNNING, WAITING = "RELEASED", "RUNNING", "WAITING"
+STOPPING, DELETED = "STOPPING", "DELETED"   # delete's info when it marks; an ending's of a marked one
 ENDED_WINDOW_MS = 30_000   # ENDED_WINDOW in lua/_common.lua
 
 
@@ -50,6 +51,11 @@ class Active:
     # replayed; caller None: a call of its own, never replayed).
     prev: Optional[tuple[str, str, str, Optional[str]]] = None
     pst: Optional[tuple[int, str]] = None
+    # The claim's process can be stopped from outside (a prefork pool process): a delete of the
+    # RUNNING member marks it (``deleted``) instead of detaching it, and every later ending of
+    # it ends it as deleted (lua/_common.lua marked_deleted).
+    stop: bool = False
+    deleted: bool = False
 
 
 @dataclass
@@ -172,7 +178,7 @@ class Model:
             return None
         status, info = active.pst
         mine = active.state == RUNNING and claimant != "" and active.by == claimant
-        if mine or (active.state == RELEASED and claimant == ""):
+        if mine or (active.state == RELEASED and (claimant == "" or info == DELETED)):
             if mine:
                 info = str(active.claimed)
             return Outcome(status, info, self._release_of(thread))  # type: ignore[arg-type]
@@ -227,6 +233,16 @@ class Model:
     def _killed_by(self, task_id: str, caller: Optional[str]) -> bool:
         return bool(caller) and task_id in self.dead and self.dead_callers.get(task_id) == caller
 
+    def _ends_deleted(self, thread_id: str) -> bool:
+        """When the active member was marked deleted, it leaves now as deleted (an ending other
+        than its worker's after its process exited): no retry, no dead letter."""
+        thread = self.threads[thread_id]
+        assert thread.active is not None
+        if not thread.active.deleted:
+            return False
+        self._drop_active(thread)
+        return True
+
     def _fail_active(self, thread: Thread, reason: str, caller: Optional[str] = None) -> int:
         """A failed attempt: retry at now + retry delay while retries remain, else die."""
         assert thread.active is not None
@@ -258,7 +274,7 @@ class Model:
         return Outcome(DONE, "", self._release_head(thread_id))
 
     def claim(self, thread_id: str, task_id: str, token: str, keepalive_ms: int,
-              worker: str, claimant: str = "") -> int:
+              worker: str, claimant: str = "", *, stoppable: bool = False) -> int:
         active = self._active(thread_id, task_id, token)
         if active is None:
             return STALE
@@ -266,7 +282,7 @@ class Model:
             # The same claimant's claim replayed is answered as the first.
             return CLAIMED if claimant != "" and active.by == claimant else ALREADY_CLAIMED
         active.state, active.deadline, active.worker = RUNNING, self.now + keepalive_ms, worker
-        active.by, active.claimed = claimant, self.now
+        active.by, active.claimed, active.stop = claimant, self.now, stoppable
         return CLAIMED
 
     def renew(self, thread_id: str, task_id: str, token: str, keepalive_ms: int,
@@ -329,6 +345,9 @@ class Model:
             return Outcome(DONE, "") if self._ended_lately(task_id) else Outcome(NOOP, "")
         if self._not_the_claimants(thread_id, caller):
             return Outcome(NOOP, "")
+        if self._ends_deleted(thread_id):    # nothing claimed for the caller
+            return Outcome(DONE, DELETED, self._release_after(thread_id, "f", task_id, token,
+                                                              DONE, DELETED, caller))
         self._drop_active(self.threads[thread_id])
         release = self._release_after(thread_id, "f", task_id, token, DONE, "", caller)
         if release is None or claim is None:
@@ -336,7 +355,7 @@ class Model:
         active = self.threads[thread_id].active
         assert active is not None
         active.state, active.deadline, active.worker = RUNNING, self.now + claim[0], claim[1]
-        active.by, active.claimed = claimant, self.now
+        active.by, active.claimed, active.stop = claimant, self.now, True
         return Outcome(DONE, str(self.now), release)
 
     def unclaim(self, thread_id: str, task_id: str, token: str) -> Outcome:
@@ -345,7 +364,11 @@ class Model:
         active = self._active(thread_id, task_id, token)
         if active is None:
             return Outcome(NOOP, "")
+        if active.state == RUNNING and active.deleted:      # it never started: it ends
+            self._drop_active(self.threads[thread_id])
+            return Outcome(DELETED_LAPSE, task_id, self._release_head(thread_id))
         active.state, active.worker, active.by, active.claimed = RELEASED, None, None, None
+        active.stop = False
         return self.hand_back(thread_id, task_id, token)
 
     def requeue(self, thread_id: str, task_id: str, token: str, *, retries: int,
@@ -356,6 +379,9 @@ class Model:
             return again if again is not None else Outcome(NOOP, "")
         if self._not_the_claimants(thread_id, caller):
             return Outcome(NOOP, "")
+        if self._ends_deleted(thread_id):
+            return Outcome(DONE, DELETED, self._release_after(thread_id, "r", task_id, token,
+                                                              DONE, DELETED, caller))
         self._requeue_active(self.threads[thread_id], self._schedule(delay_ms, at_ms), retries,
                              envelope)
         return Outcome(DONE, "", self._release_after(thread_id, "r", task_id, token, DONE, "",
@@ -373,13 +399,19 @@ class Model:
             return Outcome(NOOP, "")
         if self._held_elsewhere(thread_id, holder):
             return Outcome(NOOP, "")
+        if self._ends_deleted(thread_id):
+            return Outcome(DONE, DELETED, self._release_after(thread_id, "k", task_id, token,
+                                                              DONE, DELETED, caller))
         self._kill_active(self.threads[thread_id], keep, {"thread_id": thread_id, **meta},
                           caller)
         return Outcome(DONE, "", self._release_after(thread_id, "k", task_id, token, DONE, "",
                                                      caller))
 
     def delete(self, task_id: str, *, token: str = "", only_waiting: bool = False,
-               only_released: bool = False) -> Outcome:
+               only_released: bool = False, stop: bool = False,
+               holder: Optional[str] = None) -> Outcome:
+        """``stop``: a RUNNING member whose claim is stoppable is marked deleted and stays
+        active (``STOPPING``); its worker ends it once its process has exited."""
         thread_id = self.tasks.get(task_id)
         if thread_id is None:
             return Outcome(NOOP, "")
@@ -389,6 +421,11 @@ class Model:
             if (only_waiting or (token != "" and thread.active.token != token)
                     or (only_released and state != RELEASED)):
                 return Outcome(NOOP, state)
+            if self._held_elsewhere(thread_id, holder):
+                return Outcome(NOOP, state)
+            if stop and state == RUNNING and thread.active.stop:
+                thread.active.deleted = True
+                return Outcome(DONE, STOPPING)
             current = thread.active.token
             self._drop_active(thread)
             return Outcome(DONE, state, self._release_after(thread_id, "d", task_id, current,
@@ -416,6 +453,9 @@ class Model:
             active.deadline = self.now + self.release_timeout_ms * 2 ** backoff
             return Outcome(REPUBLISH, "republish", self._release_of(thread))
         task_id = active.task_id
+        if active.deleted:          # no worker is left to stop it
+            self._drop_active(thread)
+            return Outcome(DELETED_LAPSE, task_id, self._release_head(thread_id))
         reason = (f"LeaseExpired: the worker running it sent no keepalive for "
                   f"{self.keepalive_text} (worker lost?), and no retries were left")
         status = self._fail_active(thread, reason)
@@ -431,7 +471,11 @@ class Model:
             return Outcome(DIED, task_id) if self._killed_by(task_id, caller) else Outcome(NOOP, "")
         if active.state != RUNNING or self._held_elsewhere(thread_id, holder):
             return Outcome(NOOP, "")
-        status = self._fail_active(self.threads[thread_id], reason, caller)
+        if active.deleted:
+            self._drop_active(self.threads[thread_id])
+            status = DELETED_LAPSE
+        else:
+            status = self._fail_active(self.threads[thread_id], reason, caller)
         return Outcome(status, task_id, self._release_after(thread_id, "x", task_id, token,
                                                             status, task_id, caller))
 

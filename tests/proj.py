@@ -252,13 +252,28 @@ def where(self, thread, label, sleep=0.0):
 def beater(self, thread, label, seconds=30.0, until=None):
     """Runs up to `seconds`, writing a heartbeat (the Redis server's clock) into list
     beats:<thread> every 10 ms; ends early once the key `until` exists."""
+    _beat(self, thread, label, seconds, until)
+    return label
+
+
+def _beat(task, thread, label, seconds, until):
     r = history()
-    with _Span(self, thread, label):
+    with _Span(task, thread, label):
         end = time.monotonic() + seconds
         while time.monotonic() < end and not (until and r.exists(until)):
             seconds_, micros = r.time()
             r.rpush(f"beats:{thread}", f"{label}|{seconds_ * 1_000_000 + micros}")
             time.sleep(0.01)
+
+
+@app.task(base=ThreadedTask, bind=True, thread_key="thread", max_retries=0)
+def deaf(self, thread, label, seconds=3.0):
+    """As `beater`, for `seconds`, ignoring SIGTERM (Celery's default terminate signal)."""
+    previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        _beat(self, thread, label, seconds, None)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     return label
 
 

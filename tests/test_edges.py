@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import pytest
 
 from celery_threads import Threads
-from tests.helpers import events, starts, tid, wait_for
+from tests.helpers import beats, events, last_beat, now_us, started_at, starts, tid, wait_for
 from tests.isolated import pointed_at
 from tests.netfault import Relay, script_call
 
@@ -32,30 +32,6 @@ def relay(redis_server) -> Iterator[Relay]:
     link = Relay(redis_server.port)
     yield link
     link.close()
-
-
-def now_us(r) -> int:
-    seconds, micros = r.time()
-    return seconds * 1_000_000 + micros
-
-
-def beats(r, thread: str, label: str) -> list[int]:
-    rows = [x.decode().split("|") for x in r.lrange(f"beats:{thread}", 0, -1)]
-    return [int(at) for who, at in rows if who == label]
-
-
-def last_beat(r, thread: str, label: str, quiet: float = 0.5, timeout: float = 5.0) -> int:
-    """``label``'s last heartbeat, once it has not beaten for ``quiet`` seconds (or after
-    ``timeout`` seconds, when it goes on beating)."""
-    end = time.monotonic() + timeout
-    while time.monotonic() < end and now_us(r) - beats(r, thread, label)[-1] < quiet * 1e6:
-        time.sleep(0.05)
-    return beats(r, thread, label)[-1]
-
-
-def started_at(r, thread: str, label: str) -> int:
-    [at] = [e.at_us for e in events(r, thread) if e.kind == "start" and e.label == label]
-    return at
 
 
 def test_a_worker_cut_off_from_the_gate_stops_its_member_before_the_lease_ends(

@@ -326,14 +326,18 @@ class GateMachine(RuleBasedStateMachine):
     # -- the worker holding the active member ---------------------------------------------------
     @precondition(has_active)
     @rule(pick=st.integers(0, 999), keepalive=st.sampled_from([50, RELEASE_TIMEOUT, 1000]),
-          worker=st.sampled_from(["w1", "w2"]), claimant=CLAIMANTS)
-    def claim(self, pick: int, keepalive: int, worker: str, claimant: str) -> None:
-        """A delivery claims the active member; the same claimant again is its claim replayed."""
+          worker=st.sampled_from(["w1", "w2"]), claimant=CLAIMANTS, stoppable=st.booleans())
+    def claim(self, pick: int, keepalive: int, worker: str, claimant: str,
+              stoppable: bool = False) -> None:
+        """A delivery claims the active member; the same claimant again is its claim replayed.
+        ``stoppable``: a prefork pool process's claim (a delete waits for it to stop)."""
         thread_id, task_id, mtok, rtok = self.active_target(pick)
         self.same(self.gate.peek(thread_id, task_id, rtok),
                   self.model.peek(thread_id, task_id, mtok), "peek")
-        self.same(self.gate.claim(thread_id, task_id, rtok, keepalive, worker, claimant),
-                  self.model.claim(thread_id, task_id, mtok, keepalive, worker, claimant),
+        self.same(self.gate.claim(thread_id, task_id, rtok, keepalive, worker, claimant,
+                                  stoppable=stoppable),
+                  self.model.claim(thread_id, task_id, mtok, keepalive, worker, claimant,
+                                   stoppable=stoppable),
                   "claim")
 
     @precondition(has_active)
@@ -469,7 +473,7 @@ class GateMachine(RuleBasedStateMachine):
 
     # -- a worker holding an old (or a bogus) token ---------------------------------------------
     @rule(op=st.sampled_from(["peek", "claim", "renew", "finish", "requeue", "kill", "fail",
-                              "delete", "delete_expired", "handback"]),
+                              "delete", "delete_expired", "mark_deleted", "handback"]),
           pick=st.integers(0, 999), bogus=st.integers(0, 4), flag=st.booleans(),
           holder=st.sampled_from(HOLDERS))
     def fenced_call(self, op: str, pick: int, bogus: int, flag: bool,
@@ -501,19 +505,49 @@ class GateMachine(RuleBasedStateMachine):
             self.same_outcome(self.gate.delete(task_id, token=rtok, only_released=True),
                               self.model.delete(task_id, token=mtok, only_released=True),
                               "delete")
-        else:   # the worker's delete on revoke: fenced by its token
-            self.same_outcome(self.gate.delete(task_id, token=rtok, only_waiting=flag),
-                              self.model.delete(task_id, token=mtok, only_waiting=flag),
+        elif op == "mark_deleted":   # the worker's mark on revoke(terminate=True)
+            self.same_outcome(self.gate.delete(task_id, token=rtok, stop=True, holder=holder),
+                              self.model.delete(task_id, token=mtok, stop=True, holder=holder),
+                              "delete")
+        else:   # the worker's delete on revoke, or once a terminated pool process has exited
+            self.same_outcome(self.gate.delete(task_id, token=rtok, only_waiting=flag,
+                                               holder=holder),
+                              self.model.delete(task_id, token=mtok, only_waiting=flag,
+                                                holder=holder),
                               "delete")
 
     # -- the operator -------------------------------------------------------------------------
-    @rule(pick=st.integers(0, 999), member=st.integers(0, 3), only_waiting=st.booleans())
-    def delete(self, pick: int, member: int, only_waiting: bool) -> None:
-        """Threads.delete (any state) or a plain revoke (only_waiting) of a member or any id."""
+    @rule(pick=st.integers(0, 999), member=st.integers(0, 3), only_waiting=st.booleans(),
+          stop=st.integers(0, 2))
+    def delete(self, pick: int, member: int, only_waiting: bool, stop: int) -> None:
+        """Threads.delete (any state; ``stop``: a running member in a stoppable process is
+        marked, as Threads.delete does) or a plain revoke (only_waiting) of a member or any id.
+        Marks land mostly on the active member, so its endings meet them."""
         members = sorted(self.model.tasks)
-        task_id = members[pick % len(members)] if members and member else self.known_task(pick)
-        self.same_outcome(self.gate.delete(task_id, only_waiting=only_waiting),
-                          self.model.delete(task_id, only_waiting=only_waiting), "delete")
+        actives = sorted(t.active.task_id for t in self.model.threads.values()
+                         if t.active is not None)
+        if stop == 2 and actives:
+            task_id = actives[pick % len(actives)]
+        else:
+            task_id = (members[pick % len(members)] if members and member
+                       else self.known_task(pick))
+        kw: dict[str, Any] = (dict(only_waiting=True) if only_waiting and not stop
+                              else dict(stop=bool(stop)))
+        self.same_outcome(self.gate.delete(task_id, **kw), self.model.delete(task_id, **kw),
+                          "delete")
+
+    @precondition(lambda self: any(t.active is not None and t.active.stop and not t.active.deleted
+                                   for t in self.model.threads.values()))
+    @rule(pick=st.integers(0, 999))
+    def delete_stoppable(self, pick: int) -> None:
+        """Threads.delete of a member RUNNING in a stoppable process: it is marked, and whatever
+        ends it next (its worker once the process exited, its own ending, a lapse) meets the
+        mark."""
+        running = sorted(t.active.task_id for t in self.model.threads.values()
+                         if t.active is not None and t.active.stop and not t.active.deleted)
+        task_id = running[pick % len(running)]
+        self.same_outcome(self.gate.delete(task_id, stop=True),
+                          self.model.delete(task_id, stop=True), "delete")
 
     @precondition(has_dead)
     @rule(pick=st.integers(0, 999), from_dead=st.integers(0, 4),
@@ -616,6 +650,9 @@ class GateMachine(RuleBasedStateMachine):
             assert int(active["n"]) == a.n, f"{what}: republications {active} vs {a}"
             if a.state == M.RUNNING:
                 assert active["worker"] == a.worker, f"{what}: worker {active} vs {a}"
+            assert (active.get("stop", ""), active.get("del")) == (
+                "1" if a.stop else "", "1" if a.deleted else None), (
+                f"{what}: stop/del {active} vs {a}")
             self.bind(thread_id, a.task_id, a.token, active["token"])
             field = next(f for f, t in named.items() if t == a.task_id)
             long = field[:1] == b"\x01" and len(field) == 37

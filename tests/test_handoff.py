@@ -219,6 +219,9 @@ def test_terminating_a_handed_off_member(proj, make_deployment, r, how):
     [start] = [e.at_us for e in events(r, thread) if e.label == "long" and e.kind == "start"]
     ends = [e.at_us for e in events(r, thread) if e.label == "long" and e.kind == "end"]
     assert all(end - start < 10_000_000 for end in ends), "long ran on after its terminate"
+    # The next member starts once long's process has exited: after its unwinding wrote its end.
+    [next_start] = [e.at_us for e in events(r, thread) if e.label == "next" and e.kind == "start"]
+    assert all(end < next_start for end in ends), "next started while long was unwinding"
     wait_for(lambda: Threads(proj.app).get(thread) is None, what="the thread to vanish")
 
 

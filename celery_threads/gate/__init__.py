@@ -24,6 +24,7 @@ from .records import (  # noqa: F401
 from .replies import (  # noqa: F401
     ALREADY_CLAIMED,
     CLAIMED,
+    DELETED,
     DIED,
     DONE,
     ENDED,
@@ -34,6 +35,7 @@ from .replies import (  # noqa: F401
     REPUBLISH,
     RETRIED,
     STALE,
+    STOPPING,
     Claim,
     DeadRecord,
     Done,

@@ -230,16 +230,22 @@ class Gate:
         return self._call("release", thread_id)
 
     def claim(self, thread_id: str, task_id: str, token: str, keepalive_ms: int,
-              worker: str, claimant: str = "") -> Claim:
-        return self.claim_at(thread_id, task_id, token, keepalive_ms, worker, claimant)[0]
+              worker: str, claimant: str = "", *, stoppable: bool = False) -> Claim:
+        return self.claim_at(thread_id, task_id, token, keepalive_ms, worker, claimant,
+                             stoppable=stoppable)[0]
 
     def claim_at(self, thread_id: str, task_id: str, token: str, keepalive_ms: int,
-                 worker: str, claimant: str = "") -> tuple[Claim, int]:
+                 worker: str, claimant: str = "", *,
+                 stoppable: bool = False) -> tuple[Claim, int]:
         """``claim``'s status, and the Redis server's time of the claim (ms; 0 unless claimed).
 
         ``claimant``: this delivery's own id; only it renews the lease (:meth:`renew`), and the
-        same claimant's claim replayed is answered ``CLAIMED`` with the first claim's time."""
-        reply = self._run("claim", thread_id, task_id, token, keepalive_ms, worker, claimant)
+        same claimant's claim replayed is answered ``CLAIMED`` with the first claim's time.
+        ``stoppable``: the claiming process can be stopped from outside (a prefork pool
+        process), so that a delete of the running member waits until it has stopped
+        (:meth:`delete` with ``stop``)."""
+        reply = self._run("claim", thread_id, task_id, token, keepalive_ms, worker, claimant,
+                          "1" if stoppable else "")
         status = Claim(int(reply[0]))
         return status, int(_text(reply[1])) if status == Claim.CLAIMED else 0
 
@@ -294,11 +300,16 @@ class Gate:
         to the caller, who runs it (in-process handoff), even where the gate would publish it.
         ``claim`` (with ``keep_release``): ``(keepalive_ms, worker, claimant)``, and the released
         member is also claimed for the caller; the outcome's ``info`` is then the claim's time on
-        the Redis server's clock (ms), else empty."""
+        the Redis server's clock (ms), else empty.  Such a claim is stoppable (see
+        :meth:`claim_at`): only a prefork pool process runs members by handoff.  A member that
+        was marked deleted while it ran ends as deleted: ``info`` is :data:`DELETED`, and the
+        next member is released (not claimed) for the caller to publish, as without
+        ``keep_release``."""
         if claim is not None and not keep_release:
             raise ValueError("finish(claim=...) needs keep_release=True")
         handoff = ("1", *(claim or ("", "", ""))) if keep_release else ("", "", "", "")
-        return self._call("finish", thread_id, task_id, token, *handoff, call_id(caller))
+        return self._call("finish", thread_id, task_id, token, *handoff, call_id(caller),
+                          "1" if claim is not None else "")
 
     def requeue(self, thread_id: str, task_id: str, token: str, *, retries: int,
                 delay_ms: int = 0, at_ms: Optional[int] = None,
@@ -332,16 +343,27 @@ class Gate:
                           holder or "")
 
     def delete(self, task_id: str, *, token: str = "", only_waiting: bool = False,
-               only_released: bool = False, thread_id: Optional[str] = None,
-               caller: Optional[str] = None) -> Outcome:
+               only_released: bool = False, stop: bool = False,
+               thread_id: Optional[str] = None, caller: Optional[str] = None,
+               holder: Optional[str] = None) -> Outcome:
         """Detach a member; pass ``thread_id`` when it is known, to save looking it up.
         ``only_waiting``: only a WAITING member; ``only_released``: only the active member
-        RELEASED under ``token`` (not once a worker has claimed it)."""
+        RELEASED under ``token`` (not once a worker has claimed it).  ``stop``: a member RUNNING
+        in a process that can be stopped (a stoppable claim) is only marked deleted, and stays
+        active until its code has stopped (info :data:`STOPPING`; lua/delete.lua).  ``holder``:
+        refused while the member is RUNNING under another worker process's claim (see
+        :meth:`kill`)."""
         thread_id = thread_id or self.thread_of(task_id)
         if thread_id is None:
             return Outcome(NOOP, "", None)
-        mode = "1" if only_waiting else "2" if only_released else "0"
-        return self._call("delete", thread_id, task_id, token, mode, call_id(caller))
+        mode = "1" if only_waiting else "2" if only_released else "3" if stop else "0"
+        return self._call("delete", thread_id, task_id, token, mode, call_id(caller),
+                          holder or "")
+
+    def holds(self, thread_id: str, task_id: str) -> bool:
+        """Whether ``task_id`` is the active member of its thread (a plain read)."""
+        task = self.client.hget(self.keys.thread(thread_id).active, "task")
+        return task is not None and _text(task) == task_id
 
     def expire(self, thread_id: str) -> Outcome:
         return self._call("expire", thread_id, MAX_REPUBLISH_BACKOFF, self._keepalive_text)

@@ -34,12 +34,13 @@ class Renewal(IntEnum):
 
 class Lapse(IntEnum):
     """expire, fail, handback: what became of an active member whose release or lease lapsed, or
-    whose attempt failed: nothing, published again under its token, re-entered for a retry, or
-    dead."""
+    whose attempt failed: nothing, published again under its token, re-entered for a retry,
+    dead, or ended as deleted (it had been deleted while it ran: ``STOPPING``)."""
     NOOP = 0
     REPUBLISH = 2
     RETRIED = 3
     DIED = 4
+    DELETED = 5
 
 
 class Restart(IntEnum):
@@ -59,6 +60,12 @@ RENEWED, NOT_YOURS = Renewal.RENEWED, Renewal.NOT_YOURS
 REPUBLISH, RETRIED, DIED = Lapse.REPUBLISH, Lapse.RETRIED, Lapse.DIED
 #: delete's info when a replayed call finds the member already gone (it may have been RUNNING).
 ENDED = "ENDED"
+#: delete's info when the member runs in a process its worker can stop: it is marked deleted and
+#: stays active until its code has stopped (lua/delete.lua, mode "3").
+STOPPING = "STOPPING"
+#: finish's, requeue's and kill's info when they ended a member marked deleted: it ends as
+#: deleted (REVOKED), neither retried nor dead, and finish claimed nothing for its caller.
+DELETED = "DELETED"
 
 
 @dataclass(frozen=True)

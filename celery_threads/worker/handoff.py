@@ -42,7 +42,7 @@ from collections.abc import Iterator
 from typing import Any, Callable, NamedTuple, Optional
 
 from .. import seams
-from ..gate import Release
+from ..gate import DELETED, Release
 from ..protocol import THREAD_HEADER, TOKEN_HEADER, is_threaded
 from ..publish import UndecodableEnvelope, decode_envelope
 from ..runtime import Runtime, get_runtime
@@ -218,34 +218,40 @@ def _wrap(original: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def finish(runtime: Runtime, task: Any, thread_id: str, task_id: str, token: str,
-           ending: Ending) -> None:
+           ending: Ending) -> bool:
     """``finish`` of a member that ended in this process: the next member runs here when it can,
-    else its release is published (or the gate has published it)."""
+    else its release is published (or the gate has published it).  Returns whether the member
+    ended as deleted (deleted while it ran): its successor then goes through the broker, since
+    the worker's main process is about to stop this process."""
     job = _job
     if ending.handoff is None:
         ending.handoff = job is not None and _may_take(runtime, task, job)
     if ending.sent is None:
         ending.sent = time.monotonic()
     if not ending.handoff or job is None:
-        runtime.apply(runtime.gate.finish(thread_id, task_id, token, caller=ending.caller))
-        return
+        return runtime.apply(runtime.gate.finish(thread_id, task_id, token,
+                                                 caller=ending.caller)).info == DELETED
     # One round trip: the next member is released and claimed for this process at once.
     outcome = runtime.gate.finish(
         thread_id, task_id, token, keep_release=True,
         claim=(runtime.config.keepalive_ms, task.request.hostname or "", ending.claimant),
         caller=ending.caller)
+    if outcome.info == DELETED:       # nothing was claimed for this process
+        runtime.publish(outcome.release)
+        return True
     release = outcome.release
     if release is None:
-        return
+        return False
     # Held (renewed) from now on: the rest of this member's trace may take a while.
     lease = keeper(runtime).lease(release.thread_id, release.task_id, release.token,
                                   ending.claimant, ending.sent)
     taken = _runnable(runtime, release)
     if taken is None:
         _give_back(release, lease)
-        return
+        return False
     job.pending = taken._replace(claimed_ms=int(outcome.info or 0), lease=lease)
     _note(release)     # from now on, the worker fails it at once if this process is lost
+    return False
 
 
 def take_claim(task_id: str, token: str) -> Optional[tuple[int, Lease]]:

@@ -44,7 +44,7 @@ from celery.worker.strategy import default as default_strategy
 from .. import seams
 from ..config import read_config, sanitized_url
 from ..errors import ConfigurationError
-from ..gate import NO_HOLDER, Lapse, Outcome, Renewal, claimant_prefix
+from ..gate import NO_HOLDER, STOPPING, Lapse, Outcome, Renewal, claimant_prefix
 from ..protocol import REPUBLISHED_HEADER, THREAD_HEADER, TOKEN_HEADER, eta_ms, is_threaded, retry_settings
 from ..publish import encode_envelope, request_member
 from ..runtime import Runtime, get_runtime, unreachable
@@ -277,6 +277,12 @@ class ThreadedRequest(Request):
         if outcome is not None and outcome.status == Lapse.RETRIED:
             self._announce_lost_retry(exc, exc_info)
             return True
+        if outcome is not None and outcome.status == Lapse.DELETED:
+            # Deleted while it ran (Threads.delete): it ends as REVOKED, whatever ended its process.
+            runtime.mark_revoked(self.id)
+            if self.task.acks_late:
+                self.acknowledge()
+            return True
         if outcome is not None:
             logger.info("celery-threads: the lost attempt of %s[%s] of thread %s was reported "
                         "after the gate had moved on (its lease lapsed, or it ended)",
@@ -320,10 +326,11 @@ class ThreadedRequest(Request):
 
 
 def when_gone(pid: Optional[int], action: Callable[[], Any], timeout: float,
-              what: str = "") -> None:
+              what: str = "", anyway: bool = True) -> None:
     """Run ``action`` once the process ``pid`` has exited (in a thread of its own), or at once
     when ``pid`` is this process (a pool without processes) or no longer exists.  Past
-    ``timeout`` seconds it runs anyway, with a warning: as when a lease lapses."""
+    ``timeout`` seconds it runs anyway, with a warning: as when a lease lapses; not
+    ``anyway``: it does not run then (the member ends otherwise, see :func:`_delete_once_stopped`)."""
     if not pid or pid == os.getpid():
         _run_logged(action, what)
         return
@@ -338,9 +345,14 @@ def when_gone(pid: Optional[int], action: Callable[[], Any], timeout: float,
     def wait() -> None:
         if _wait_exit(pid, fd, timeout):
             logger.debug("celery-threads: pool process %s exited; ending %s", pid, what)
-        else:
+        elif anyway:
             logger.warning("celery-threads: pool process %s still runs %ss after %s timed out; "
                            "ending it in its thread all the same", pid, timeout, what)
+        else:
+            logger.warning("celery-threads: pool process %s still runs %ss after deleted member "
+                           "%s was signalled (its code ignores the signal?); it leaves its thread "
+                           "when its body returns or its lease lapses", pid, timeout, what)
+            return
         _run_logged(action, what)
 
     threading.Thread(target=wait, name="celery-threads-when-gone", daemon=True).start()
@@ -404,15 +416,69 @@ def _fail_handed_off(request: Any, exc: BaseException) -> None:
 
 def on_task_revoked(sender: Any = None, request: Any = None, terminated: bool = False,
                     expired: bool = False, **kwargs: Any) -> None:
-    """A revoked member (revoke on receipt, terminate while running, expired) leaves its thread."""
+    """A revoked member (revoke on receipt, terminate while running, expired) leaves its thread:
+    at once, or, terminated in a pool process (prefork), once that process has exited."""
     if not is_threaded(sender) or request is None:
         return
-    headers = request.headers or {}
+    headers = request.headers or {}      # the request's context (Celery sends no Request)
     token = headers.get(TOKEN_HEADER)
     if not token:
         return
     runtime = get_runtime(sender.app)
+    running = _terminating.pop(request.id, None) if terminated else None
+    if running is not None:
+        pid, holder = running
+        _delete_once_stopped(runtime, str(headers.get(THREAD_HEADER) or ""), request.id,
+                             str(token), pid, holder)
+        return
     runtime.apply(runtime.gate.delete(request.id, token=token))
+
+
+#: task id -> (pid, claimant prefix) of the pool process (prefork) running it, noted by the revoke
+#: command just before Celery's terminate signals that process; read by :func:`on_task_revoked`
+#: (Celery forgets the request, and its pool process, before it sends ``task_revoked``).
+_terminating: dict[str, tuple[int, Optional[str]]] = {}
+
+
+def _note_terminating(task_ids: Any) -> None:
+    """Before Celery's ``revoke(terminate=True)``: which pool process of this worker runs each of
+    ``task_ids``.  Not one that runs in the worker's own process (threads, solo, gevent pools),
+    which cannot be stopped."""
+    _terminating.clear()
+    for task_id in task_ids:
+        request = worker_state.requests.get(task_id)
+        pid = getattr(request, "worker_pid", None)
+        if request is not None and pid and pid != os.getpid():
+            _terminating[task_id] = (pid, pool_holder(request))
+
+
+def _mark_deleted(runtime: Runtime, thread_id: Optional[str], task_id: str, token: str,
+                  holder: Optional[str] = None) -> bool:
+    """Mark a member this worker is about to stop as deleted in the gate; whether it was marked
+    (``False``: it is gone, or was detached at once, since its claim did not say that its process
+    can be stopped).  From then on, however else it ends (its own finish, a kill or fail, a
+    retry, its lease's lapse), it ends as deleted, and its finish hands nothing to its process."""
+    outcome = runtime.apply(runtime.gate.delete(task_id, token=token, stop=True,
+                                                thread_id=thread_id or None, holder=holder))
+    return outcome.info == STOPPING
+
+
+def _delete_once_stopped(runtime: Runtime, thread_id: Optional[str], task_id: str, token: str,
+                         pid: int, holder: Optional[str] = None, marked: bool = False) -> None:
+    """A member terminated in pool process ``pid``: marked deleted at once (unless ``marked``
+    already), and ended, which releases the next member, once that process has exited (a pidfd
+    wait, as for the hard time limit): nothing of its code, ``finally`` blocks included, runs
+    beside the next member.  A process still running ``threads_keepalive`` seconds later (code
+    that ignores the signal) is left alone: its member leaves when its body returns (its finish
+    ends it as deleted) or its lease lapses."""
+    if not marked and not _mark_deleted(runtime, thread_id, task_id, token, holder):
+        return
+
+    def end() -> None:
+        runtime.apply(runtime.gate.delete(task_id, token=token, thread_id=thread_id or None,
+                                          holder=holder))
+
+    when_gone(pid, end, runtime.config.keepalive, what=task_id, anyway=False)
 
 
 def _end_revoked_member(runtime: Runtime, consumer: Any, task_id: str) -> None:
@@ -430,15 +496,15 @@ def _end_revoked_member(runtime: Runtime, consumer: Any, task_id: str) -> None:
 
 def _terminate_handed_off(runtime: Runtime, task_id: str, signal: Any) -> None:
     """``revoke(terminate=True)`` of a member a pool process runs by handoff (handoff.py), which
-    Celery's own revoke does not know of.  As for a terminated task: the member leaves its thread
-    (fenced by its token; the next is promoted), its process gets the signal, and the result
-    backend marks it REVOKED.
+    Celery's own revoke does not know of.  As for a terminated task: the member is marked deleted
+    (fenced by its token), its process gets the signal, the member leaves its thread once the
+    process has exited (the next is promoted then), and the result backend marks it REVOKED.
 
-    The signal is fenced too: it is sent only if, once the member has left the gate, the
-    process's slot still names that member under that token.  Until then the process may have
-    finished it and be running a later member (its finish handed it one): that one is not
-    signalled.  From the gate's delete on, the member's own finish can no longer hand the process
-    a later member, so a slot that still names it after the delete means that the process is
+    The signal is fenced too: it is sent only if, once the member is marked deleted in the gate,
+    the process's slot still names that member under that token.  Until then the process may
+    have finished it and be running a later member (its finish handed it one): that one is not
+    signalled.  From the gate's mark on, the member's own finish can no longer hand the process
+    a later member, so a slot that still names it after the mark means that the process is
     still in that member's pool job.  What remains is the time between the slot's last read and
     the signal: the process would have to end that job and start another one, which only this
     process (the worker's main process) gives it, from this same thread, and with Celery's
@@ -452,10 +518,10 @@ def _terminate_handed_off(runtime: Runtime, task_id: str, signal: Any) -> None:
     found = handoff.running(task_id)
     if found is None:
         return
-    pid, (_, _, token) = found
+    pid, (thread_id, _, token) = found
     pidfd = _open_pidfd(pid)      # from here on, the signal reaches that process or none
     try:
-        runtime.apply(runtime.gate.delete(task_id, token=token))
+        marked = _mark_deleted(runtime, thread_id, task_id, token)
         if handoff.running(task_id) != found:
             logger.info("celery-threads: not terminating %s: pool process %s no longer runs it "
                         "by handoff (token %s)", task_id, pid, token)
@@ -470,6 +536,8 @@ def _terminate_handed_off(runtime: Runtime, task_id: str, signal: Any) -> None:
                 os.kill(pid, signum)
         except ProcessLookupError:
             pass    # it has just exited: the main process fails its member as lost
+        if marked:
+            _delete_once_stopped(runtime, thread_id, task_id, token, pid, marked=True)
     finally:
         if pidfd is not None:
             os.close(pidfd)
@@ -498,7 +566,12 @@ def wrap_revoke_command() -> None:
 
     def revoke(state: Any, task_id: Any, terminate: bool = False, signal: Any = None,
                **kwargs: Any) -> Any:
-        reply = original(state, task_id, terminate=terminate, signal=signal, **kwargs)
+        if terminate:
+            _note_terminating(maybe_list(task_id) or [])
+        try:
+            reply = original(state, task_id, terminate=terminate, signal=signal, **kwargs)
+        finally:
+            _terminating.clear()
         consumer = state.consumer
         if getattr(consumer.app, "_celery_threads_installed", False):
             runtime = get_runtime(consumer.app)

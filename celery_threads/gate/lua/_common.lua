@@ -9,7 +9,8 @@
 --   KEYS[6] deadrec  HASH    task id -> died_at_ms "\n" meta_json "\n" envelope
 --   KEYS[7] queue    ZSET    this thread's waiting members (seq, field) -> scheduled_at (ms)
 --   KEYS[8] active   HASH    this thread's active member: task, token, state, since, deadline,
---                            worker, by (the claimant), n, l, prev and pst (see DETACHED)
+--                            worker, by (the claimant), n, l, prev and pst (see DETACHED),
+--                            stop and del (see marked_deleted)
 --   KEYS[9] ended    ZSET    task id -> ended_at (ms) of members that ended in the last
 --                            ENDED_WINDOW; +inf: a UUID member keyed by its long form (add_member)
 -- ARGV (common head):
@@ -35,8 +36,9 @@ if redis.replicate_commands then pcall(redis.replicate_commands) end  -- Redis 6
 -- the library loaded.
 local K_SEQ, K_DUE, K_LEASES, K_TASKS, K_DEAD, K_DEADREC, K_Q, K_A, K_ENDED
 local NOW, NOW_US, TID, RELEASE_TIMEOUT, WAKE, DIRECT
--- {keepalive ms, worker, claimant}: a script whose caller runs what it releases (finish with
--- ARGV[9]) sets this, and the member it releases is claimed for that caller at once (activate).
+-- {keepalive ms, worker, claimant, stop}: a script whose caller runs what it releases (finish
+-- with ARGV[9]) sets this, and the member it releases is claimed for that caller at once
+-- (activate); stop '1': the caller's process can be stopped from outside (claim.lua ARGV[11]).
 local CLAIM
 -- {"<kind>|<task>|<token>|<caller>", status, info}: the active member this call (of kind: f
 -- finish, k kill, r requeue, x fail, d delete) has detached and the reply it gives.  The member
@@ -138,7 +140,7 @@ local function activate(task, field, sched, in_due, rec)
     deadline = NOW + CLAIM[1]
     redis.call('HSET', K_A, 'task', task, 'token', token, 'state', 'RUNNING', 'since', NOW,
       'deadline', deadline, 'sched', sched, 'n', 0, 'l', long, 'claimed', NOW, 'worker', CLAIM[2],
-      'by', CLAIM[3])
+      'by', CLAIM[3], 'stop', CLAIM[4] or '')
   else
     deadline = NOW + RELEASE_TIMEOUT
     redis.call('HSET', K_A, 'task', task, 'token', token, 'state', 'RELEASED', 'since', NOW,
@@ -354,8 +356,9 @@ end
 -- The reply a call that detached the active member (task, token) gave, for the same call replayed
 -- after its reply was lost, while the member it released is still active: that release again when
 -- it is still RELEASED (the caller publishes it; a second copy loses the claim), or when it is
--- RUNNING for `claimant` (a finish that claimed it for its caller: then never a RELEASED one);
--- else the reply without it.  nil when the active member was not released by such a call (none
+-- RUNNING for `claimant` (a finish that claimed it for its caller: then never a RELEASED one,
+-- unless the finish ended a member marked deleted, which claims nothing); else the reply
+-- without it.  nil when the active member was not released by such a call (none
 -- is, or a later call released it).
 local function replayed(kind, task, token, claimant)
   if CALLER == '' then return nil end
@@ -364,7 +367,7 @@ local function replayed(kind, task, token, claimant)
   local status, info = string.match(a[2], '^(%d+)|(.*)$')
   status = tonumber(status)
   local mine = a[5] == 'RUNNING' and claimant ~= '' and a[6] == claimant
-  if mine or (a[5] == 'RELEASED' and claimant == '') then
+  if mine or (a[5] == 'RELEASED' and (claimant == '' or info == 'DELETED')) then
     local _, rec = find_member(K_TASKS, a[3])
     if mine then info = a[7] end
     return reply(status, info, { a[3], a[4], rec })
@@ -385,6 +388,18 @@ local function killed_by_caller(task)
   local first = string.sub(rec, 1, (string.find(rec, '\n', 1, true) or 1) - 1)
   return string.match(first, '|(.*)$') == CALLER
 end
+
+-- Whether the active member was deleted while it ran and waits for its worker to stop it
+-- (delete.lua ARGV[8] "3"): 'del' is set only on a RUNNING member whose claim said that its
+-- process can be stopped from outside ('stop', a prefork pool process: claim.lua ARGV[11]).  The
+-- next member is released only once that member's code has stopped: its worker's main process
+-- ends it when its pool process has exited (delete.lua with its token).  Every other ending of
+-- such a member ends it as deleted: no retry, no dead letter (finish, requeue, kill: info
+-- DELETED; fail, expire, handback: DELETED_LAPSE).
+local function marked_deleted()
+  return redis.call('HGET', K_A, 'del') == '1'
+end
+local DELETED_LAPSE = 5
 
 -- Detach the active member for good (it ended) and forget it.  `field`: its tasks-hash field
 -- when the caller has it (else found from the task id), here and in the functions below.

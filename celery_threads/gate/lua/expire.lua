@@ -3,8 +3,12 @@
 -- A RELEASED member nobody claimed is republished under the same token (the first delivery to
 -- arrive wins the claim), its deadline backing off.  A RUNNING member whose lease lapsed counts as a
 -- failed attempt: it re-enters after its retry delay while retries remain, else it dies.
+-- A RUNNING member marked deleted (marked_deleted) whose lease lapsed ends as deleted: no worker
+-- is left to stop it (a worker cut off from the gate kills its pool process before its lease
+-- ends).
 -- Returns {0, ''} nothing to do, {2, 'republish'} with the release to publish again,
--- {3, task} retried, {4, task} died; 3 and 4 carry the next release, if any.
+-- {3, task} retried, {4, task} died, {5, task} ended as deleted; 3, 4 and 5 carry the next
+-- release, if any.
 local a = redis.call('HMGET', K_A, 'task', 'token', 'state', 'deadline', 'n')
 if a[1] == false then
   -- Another dispatcher handled this thread since our scan; its head may be due by now.
@@ -19,6 +23,10 @@ if state == 'RELEASED' then
   local n = tonumber(a[5]) + 1
   local backoff = math.min(n, tonumber(ARGV[6]))
   return republish_active(task, token, NOW + RELEASE_TIMEOUT * (2 ^ backoff), n)
+end
+if marked_deleted() then
+  drop_active(task)
+  return reply(DELETED_LAPSE, task, release_head(true))
 end
 local status = fail_active(task, 'LeaseExpired: the worker running it sent no keepalive for ' ..
   ARGV[7] .. ' (worker lost?), and no retries were left')

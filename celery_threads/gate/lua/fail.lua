@@ -4,7 +4,8 @@
 --   ARGV[9] caller: the call's own id, the same when it is sent again (CALLER in _common.lua)
 --   ARGV[10] holder: the lost pool process's claimant prefix; refused while the member is
 --            RUNNING under another process's claim (see held_elsewhere; optional)
--- Returns {3, task} retried or {4, task} died, plus the next release; {0, ''} when (task, token)
+-- Returns {3, task} retried, {4, task} died, or {5, task} ended as deleted (it was marked
+-- deleted: marked_deleted), plus the next release; {0, ''} when (task, token)
 -- is not the active member (or is RUNNING under another process's claim).  Replayed (its reply lost), it returns the same while the member it
 -- released is active (see replayed), or {4, task} when this call killed it (else {0, ''}: the
 -- worker's report of a pool process it lost must not count what the process reported itself).
@@ -19,6 +20,7 @@ if state ~= 'RUNNING' then
   return reply(0, '')
 end
 if held_elsewhere(state, ARGV[10]) then return reply(0, '') end
-local status = fail_active(task, ARGV[8])
+local status = DELETED_LAPSE
+if marked_deleted() then drop_active(task) else status = fail_active(task, ARGV[8]) end
 detached('x', task, token, status, task)
 return reply(status, task, release_head(true))

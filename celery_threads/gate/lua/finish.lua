@@ -7,6 +7,11 @@
 --           token (one round trip instead of two; the caller gives it back with handback's
 --           ARGV[8] if it cannot run it)
 --   ARGV[12] caller: the call's own id, the same when it is sent again (CALLER in _common.lua)
+--   ARGV[13] "1": the caller's process can be stopped from outside (claim.lua ARGV[11]), for the
+--            member claimed with ARGV[9] (optional)
+-- A member marked deleted (marked_deleted) ends as deleted: {1, 'DELETED'} plus the next release,
+-- never claimed for the caller (its worker is about to stop its process) and published here
+-- where the gate publishes releases.
 -- Returns {1, ''} plus the release ({1, now ms} plus the release when it was claimed), or {0, ''}
 -- when (task, token) is not the active member, or is RUNNING for another claimant than the
 -- caller.  Replayed (its reply lost), it returns the same while the member it released is active
@@ -14,12 +19,12 @@
 -- ended lately).
 local task, token = ARGV[6], ARGV[7]
 CALLER = ARGV[12] or ''
-local claimant = ''
+local claimant, direct = '', DIRECT
 if ARGV[8] == '1' then
   DIRECT = ''
   if ARGV[9] and ARGV[9] ~= '' then
     claimant = ARGV[11] or ''
-    CLAIM = { tonumber(ARGV[9]), ARGV[10], claimant }
+    CLAIM = { tonumber(ARGV[9]), ARGV[10], claimant, ARGV[13] or '' }
   end
 end
 local state, long = is_active(task, token)
@@ -30,6 +35,12 @@ if not state then
   return reply(0, '')
 end
 if not_the_claimants(state) then return reply(0, '') end
+if marked_deleted() then
+  CLAIM, DIRECT = nil, direct
+  drop_active(task, active_field(task, long))
+  detached('f', task, token, 1, 'DELETED')
+  return reply(1, 'DELETED', release_head(true))
+end
 drop_active(task, active_field(task, long))
 detached('f', task, token, 1, '')
 local released = release_head(true)

@@ -7,11 +7,16 @@
 -- The member stays RELEASED under the same token and its release deadline restarts; the caller
 -- publishes it again at once (the first delivery to be claimed wins, so a copy the worker still
 -- starts is harmless).  Returns {2, 'republish', task, token, record}, or {0, ''} when the member
--- no longer holds the thread under that token or has been claimed (unless ARGV[8]).
+-- no longer holds the thread under that token or has been claimed (unless ARGV[8]).  A member
+-- marked deleted (marked_deleted) that its claimant gives back never started: it ends as
+-- deleted, {5, task} plus the next release.
 local state = is_active(ARGV[6], ARGV[7])
-if state == 'RUNNING' and ARGV[8] == '1' then
+if state == 'RUNNING' and ARGV[8] == '1' and marked_deleted() then
+  drop_active(ARGV[6])
+  return reply(DELETED_LAPSE, ARGV[6], release_head(true))
+elseif state == 'RUNNING' and ARGV[8] == '1' then
   redis.call('HSET', K_A, 'state', 'RELEASED')
-  redis.call('HDEL', K_A, 'claimed', 'worker', 'by')
+  redis.call('HDEL', K_A, 'claimed', 'worker', 'by', 'stop')
 elseif state ~= 'RELEASED' then
   return reply(0, '')
 end

@@ -9,7 +9,8 @@
 --   ARGV[12] holder: a worker process's claimant prefix; refused while the member is RUNNING
 --            under another process's claim (see held_elsewhere; optional)
 -- Returns {1, ''} plus the release, or {0, ''} when (task, token) is not the active member (or,
--- fenced, is RUNNING for another claimant or another process).
+-- fenced, is RUNNING for another claimant or another process); {1, 'DELETED'} plus the release
+-- when the member was marked deleted (marked_deleted): it ends as deleted, not dead.
 -- Replayed (its reply lost), it returns the same while the member it released is active (see
 -- replayed), or {1, ''} once that one has moved on or when it released none (the member is in
 -- the dead-letter store by this call; one dropped without keep is not told from another's kill).
@@ -24,6 +25,11 @@ if not state then
 end
 if ARGV[11] == '1' and not_the_claimants(state) then return reply(0, '') end
 if held_elsewhere(state, ARGV[12]) then return reply(0, '') end
+if marked_deleted() then
+  drop_active(task)
+  detached('k', task, token, 1, 'DELETED')
+  return reply(1, 'DELETED', release_head(true))
+end
 kill_active(task, ARGV[8] == '1', ARGV[9])
 detached('k', task, token, 1, '')
 return reply(1, '', release_head(true))

@@ -6,7 +6,8 @@
 --            (Task.replace), which takes the member's place with its own retry settings
 --   ARGV[14] caller: the call's own id, the same when it is sent again (CALLER in _common.lua)
 -- Returns {1, ''} plus the release, or {0, ''} when (task, token) is not the active member (or
--- is RUNNING for another claimant than the caller).
+-- is RUNNING for another claimant than the caller); {1, 'DELETED'} plus the release when the
+-- member was marked deleted (marked_deleted): it ends instead of waiting again.
 -- Replayed (its reply lost), it returns the same while the member it released is active (see
 -- replayed); else {0, ''}: a member waiting again may have been requeued by this call or by the
 -- lapse of its lease, which this call must not be told it did.
@@ -19,6 +20,11 @@ if not state then
   return reply(0, '')
 end
 if not_the_claimants(state) then return reply(0, '') end
+if marked_deleted() then
+  drop_active(task)
+  detached('r', task, token, 1, 'DELETED')
+  return reply(1, 'DELETED', release_head(true))
+end
 local sched
 if ARGV[8] == 'keep' then
   sched = tonumber(redis.call('HGET', K_A, 'sched')) or NOW
