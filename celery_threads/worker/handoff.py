@@ -12,19 +12,21 @@ The fencing is unchanged. The same ``finish`` releases the member under a new to
 claims it for this process (one round trip where a release and a claim took two), and its run
 starts under that token (``ThreadedTask.__call__`` takes the claim instead of making one). If
 the member cannot run here after all (the conditions below), it is given back, RELEASED under
-the same token, and published. From the claim on, this process's slot names the member, so
-that the worker's main process fails it at once if the process is lost (a failed attempt, as
-for any member whose process dies); otherwise its lease lapses. While it runs, this process
-holds its lease (:mod:`celery_threads.worker.lease`) from the moment of the claim, through the rest of
-the previous member's trace, and starts it only while that lease holds.  The main process learns of
-it only from the slot, to fail it or to terminate it on ``revoke(terminate=True)``.
+the same token, and published. From the claim on, this process's slot (:mod:`.slots`) names
+the member, whatever its thread id and task id, so that the worker's main process fails it at
+once if the process is lost (a failed attempt, as for any member whose process dies).  While it
+runs, this process holds its lease (:mod:`celery_threads.worker.lease`) from the moment of the
+claim, through the rest of the previous member's trace, and starts it only while that lease
+holds.  The main process learns of it only from the slot, to fail it or to terminate it on
+``revoke(terminate=True)``.
 
 A member runs here only where a broker delivery would have brought it to this worker with
 nothing more to it. Otherwise its release is published as before. The conditions are:
 
-* the worker is a prefork worker and not shutting down (while it sends task events, the pool
-  process sends a handed-off member's events itself, so Flower and ``celery events`` see it as
-  any task: :class:`_Events`);
+* the worker is a prefork worker and not shutting down (from the moment its main process is told
+  to stop: :func:`shutting_down`; a member claimed before, and not started yet, is given back).
+  While it sends task events, the pool process sends a handed-off member's events itself, so
+  Flower and ``celery events`` see it as any task (:class:`_Events`);
 * the pool job has run for less than ``threads_local_handoff`` seconds (default 1.0; 0 turns the
   handoff off). The job, and the report of its first member to the worker's main process, never
   outlast that budget by more than one member's run;
@@ -185,9 +187,9 @@ def _active_task_id(member: Member) -> Optional[str]:
 def shutting_down() -> None:
     """``worker_shutting_down``: the worker's main process has just been told to stop (warm or
     cold), before any of its steps stops.  From now on no pool process takes a member by
-    handoff: it goes through the broker, to a worker that is not stopping.  The steps stop later
-    (the pool, draining its running tasks, may stop before this package's step does), so the
-    flag is lowered here, at once."""
+    handoff: it goes through the broker, to a worker that is not stopping.  The steps stop later,
+    and Celery stops the pool, which waits for the running tasks (whose successes would hand
+    off members), before this package's step: so the flag is lowered here, at once."""
     global _stopping
     if _allowed is None or os.getpid() != _main_pid:
         return
@@ -209,7 +211,9 @@ def sync(worker: Any, stopping: bool = False) -> None:
     if dispatcher is not None:
         groups = getattr(dispatcher, "groups", None)
         events = bool(dispatcher.enabled) and (not groups or "task" in groups)
-    _allowed.value = 0 if _stopping else (EVENTS if events else ON)
+    _allowed.value = OFF if _stopping else (EVENTS if events else ON)
+    if _stopping:     # set meanwhile by shutting_down, in the main thread: it wins
+        _allowed.value = OFF
 
 
 # -- a pool process -----------------------------------------------------------------------------
