@@ -115,6 +115,13 @@ def _on_pool_process_start(**kwargs: Any) -> None:
     on_pool_process_start()
 
 
+@signals.worker_shutting_down.connect
+def _on_worker_shutting_down(**kwargs: Any) -> None:
+    from .worker.handoff import shutting_down
+
+    shutting_down()
+
+
 @signals.task_revoked.connect
 def _on_task_revoked(sender: Any = None, **kwargs: Any) -> None:
     from .worker.step import on_task_revoked

@@ -230,7 +230,7 @@ def _stand_in_pool_process(conn) -> None:
     each release the test sends, and answers each message once done."""
     from celery_threads.worker import handoff
 
-    handoff._slot_at = 0
+    handoff._slot_index = 0
     while True:
         release = conn.recv()
         if release is not None:

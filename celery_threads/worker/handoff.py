@@ -12,19 +12,21 @@ The fencing is unchanged. The same ``finish`` releases the member under a new to
 claims it for this process (one round trip where a release and a claim took two), and its run
 starts under that token (``ThreadedTask.__call__`` takes the claim instead of making one). If
 the member cannot run here after all (the conditions below), it is given back, RELEASED under
-the same token, and published. From the claim on, this process's slot names the member, so
-that the worker's main process fails it at once if the process is lost (a failed attempt, as
-for any member whose process dies); otherwise its lease lapses. While it runs, this process
-holds its lease (:mod:`celery_threads.worker.lease`) from the moment of the claim, through the rest of
-the previous member's trace, and starts it only while that lease holds.  The main process learns of
-it only from the slot, to fail it or to terminate it on ``revoke(terminate=True)``.
+the same token, and published. From the claim on, this process's slot (:mod:`.slots`) names
+the member, whatever its thread id and task id, so that the worker's main process fails it at
+once if the process is lost (a failed attempt, as for any member whose process dies).  While it
+runs, this process holds its lease (:mod:`celery_threads.worker.lease`) from the moment of the
+claim, through the rest of the previous member's trace, and starts it only while that lease
+holds.  The main process learns of it only from the slot, to fail it or to terminate it on
+``revoke(terminate=True)``.
 
 A member runs here only where a broker delivery would have brought it to this worker with
 nothing more to it. Otherwise its release is published as before. The conditions are:
 
-* the worker is a prefork worker and not shutting down (while it sends task events, the pool
-  process sends a handed-off member's events itself, so Flower and ``celery events`` see it as
-  any task: :class:`_Events`);
+* the worker is a prefork worker and not shutting down (from the moment its main process is told
+  to stop: :func:`shutting_down`; a member claimed before, and not started yet, is given back).
+  While it sends task events, the pool process sends a handed-off member's events itself, so
+  Flower and ``celery events`` see it as any task (:class:`_Events`);
 * the pool job has run for less than ``threads_local_handoff`` seconds (default 1.0; 0 turns the
   handoff off). The job, and the report of its first member to the worker's main process, never
   outlast that budget by more than one member's run;
@@ -47,6 +49,7 @@ from ..protocol import THREAD_HEADER, TOKEN_HEADER, is_threaded
 from ..publish import UndecodableEnvelope, decode_envelope
 from ..runtime import Runtime, get_runtime
 from .lease import Lease, keeper
+from .slots import Member, Slots
 
 logger = logging.getLogger(__name__)
 
@@ -55,12 +58,19 @@ _app: Any = None
 _allowed: Any = None          # multiprocessing.RawValue('b'): OFF, ON, or EVENTS
 OFF, ON, EVENTS = 0, 1, 2      # EVENTS: on, and the pool process sends the task events
 _stopping = False
-#: One slot per pool process (by its index): the member it runs by handoff, for the main process
-#: to fail at once if the process dies (:func:`lost_member`).  ``<pid: 8 bytes><length: 4><thread
-#: id>\0<task id>\0<token>``; length 0 when it runs none.
-_slots: Any = None
-_SLOT = 1536
-_slot_at: Optional[int] = None     # this pool process's slot offset
+_main_pid = 0                  # the worker's main process (prepare's)
+#: One slot per pool process (by its index): the member it runs by handoff (:mod:`.slots`).
+_slots: Optional[Slots] = None
+_slot_index: Optional[int] = None     # this pool process's slot
+#: In the main process: the slots (index -> sequence number) whose member it has failed as lost,
+#: so that a later read does not report that member again (a slot is written by its pool process
+#: only, so the main process does not clear it).
+_reported: dict[int, int] = {}
+#: How long the main process waits for a slot that its pool process is rewriting (a write takes
+#: microseconds; a process preempted in the middle of one, longer), and for one whose process died
+#: (it may have stopped in mid-write: then that member's lease lapses instead).
+_PATIENCE = 0.5
+_PATIENCE_LOST = 0.05
 
 
 class Taken(NamedTuple):
@@ -112,11 +122,12 @@ class Ending:
 # -- the worker's main process ----------------------------------------------------------------
 def prepare(worker: Any) -> None:
     """Before the pool forks: the flag its processes read."""
-    global _app, _allowed, _stopping, _slots
-    _app, _stopping = worker.app, False
+    global _app, _allowed, _stopping, _slots, _main_pid
+    _app, _stopping, _main_pid = worker.app, False, os.getpid()
     _allowed = multiprocessing.RawValue("b", EVENTS if getattr(worker, "task_events", False)
                                         else ON)
-    _slots = multiprocessing.RawArray("c", pool_size(worker) * _SLOT)
+    _slots = Slots(pool_size(worker))
+    _reported.clear()
 
 
 def pool_size(worker: Any) -> int:
@@ -125,40 +136,67 @@ def pool_size(worker: Any) -> int:
                int(getattr(worker, "max_concurrency", 0) or 0), 1)
 
 
-def _slot_members() -> Iterator[tuple[int, int, tuple[str, str, str]]]:
-    """``(offset, pid, (thread id, task id, token))`` of each pool process running a member by
-    handoff."""
+def _slot_members(patience: float = _PATIENCE) -> Iterator[tuple[int, int, int, Member]]:
+    """``(index, seq, pid, member)`` of each pool process running a member by handoff, but for
+    members already failed as lost."""
     if _slots is None:
         return
-    for at in range(0, len(_slots), _SLOT):
-        pid = int.from_bytes(_slots[at:at + 8], "little")
-        length = int.from_bytes(_slots[at + 8:at + 12], "little")
-        if not pid or not length:
-            continue
-        parts = _slots[at + 12:at + 12 + length].decode("utf-8", "replace").split("\0")
-        if len(parts) == 3:
-            yield at, pid, (parts[0], parts[1], parts[2])
+    for index, seq, pid, member in _slots.members(patience):
+        if _reported.get(index) != seq:
+            yield index, seq, pid, member
 
 
 def running(task_id: str) -> Optional[tuple[int, tuple[str, str, str]]]:
     """``(pid, (thread id, task id, token))`` of the pool process running ``task_id`` by
     handoff, if any."""
-    for _, pid, member in _slot_members():
-        if member[1] == task_id:
-            return pid, member
+    for _, _, pid, member in _slot_members():
+        if member.matches(task_id):
+            return pid, (member.thread_id, task_id, member.token)
     return None
 
 
 def lost_member(pid: Any) -> Optional[tuple[str, str, str]]:
     """``(thread id, task id, token)`` of the member the dead pool process ``pid`` was running by
-    handoff, if any (and its slot is cleared)."""
+    handoff, if any (reported once)."""
     if not pid:
         return None
-    for at, found, member in _slot_members():
+    for index, seq, found, member in _slot_members(_PATIENCE_LOST):
         if found == int(pid):
-            _slots[at:at + 12] = bytes(12)
-            return member
+            _reported[index] = seq
+            task_id = member.task_id or _active_task_id(member)
+            return None if task_id is None else (member.thread_id, task_id, member.token)
     return None
+
+
+def _active_task_id(member: Member) -> Optional[str]:
+    """The task id of a member whose slot holds only its digest (a task id too long for the
+    slot): the thread's active member in the gate, when it is that member under that token
+    (else it is no longer active there, and there is nothing to fail)."""
+    try:
+        [(active, _, _)] = get_runtime(_app).gate.thread_summaries([member.thread_id])
+    except Exception:
+        logger.exception("celery-threads: could not read the active member of thread %s from "
+                         "the gate; its lease will lapse", member.thread_id)
+        return None
+    task_id = active.get("task")
+    if task_id is None or active.get("token") != member.token or not member.matches(task_id):
+        return None
+    return task_id
+
+
+def shutting_down() -> None:
+    """``worker_shutting_down``: the worker's main process has just been told to stop (warm or
+    cold), before any of its steps stops.  From now on no pool process takes a member by
+    handoff: it goes through the broker, to a worker that is not stopping.  The steps stop later,
+    and Celery stops the pool, which waits for the running tasks (whose successes would hand
+    off members), before this package's step: so the flag is lowered here, at once."""
+    global _stopping
+    if _allowed is None or os.getpid() != _main_pid:
+        return
+    _stopping = True
+    _allowed.value = OFF
+    logger.info("celery-threads: the worker is shutting down; its pool processes take no more "
+                "members by handoff (the broker delivers them)")
 
 
 def sync(worker: Any, stopping: bool = False) -> None:
@@ -173,7 +211,9 @@ def sync(worker: Any, stopping: bool = False) -> None:
     if dispatcher is not None:
         groups = getattr(dispatcher, "groups", None)
         events = bool(dispatcher.enabled) and (not groups or "task" in groups)
-    _allowed.value = 0 if _stopping else (EVENTS if events else ON)
+    _allowed.value = OFF if _stopping else (EVENTS if events else ON)
+    if _stopping:     # set meanwhile by shutting_down, in the main thread: it wins
+        _allowed.value = OFF
 
 
 # -- a pool process -----------------------------------------------------------------------------
@@ -184,10 +224,10 @@ def on_pool_process_start() -> None:
         return
     if get_runtime(_app).config.local_handoff <= 0 or not seams.active("handoff"):
         return
-    global _slot_at
+    global _slot_index
     index = seams.pool_process_index()
-    if _slots is not None and index is not None and (index + 1) * _SLOT <= len(_slots):
-        _slot_at = index * _SLOT
+    if _slots is not None and index is not None and index < len(_slots):
+        _slot_index = index
     for name, original in seams.trace_functions():
         if not getattr(original, "_celery_threads", False):
             seams.wrap_trace_function(name, _wrap(original))
@@ -199,7 +239,9 @@ def _wrap(original: Callable[..., Any]) -> Callable[..., Any]:
         job = _job = _Job()
         try:
             result = original(*args, **kwargs)
-            while job.pending is not None:
+            # A member claimed before the worker began to stop, but not started yet, is given
+            # back (below) once it is: it goes through the broker.
+            while job.pending is not None and _allowed.value != OFF:
                 taken, job.pending = job.pending, None
                 _run(original, taken)
             return result
@@ -207,7 +249,7 @@ def _wrap(original: Callable[..., Any]) -> Callable[..., Any]:
             _job = None
             if job.pending is not None:   # the job ended abnormally: the member goes out
                 _give_back(job.pending.release, job.pending.lease)
-            if _slot_at is not None:
+            if _slot_index is not None:
                 _note(None)
             if _dispatchers:
                 _flush_events()
@@ -382,17 +424,17 @@ def _run(original: Callable[..., Any], taken: Taken) -> None:
 
 def _note(release: Optional[Release]) -> None:
     """Write (or clear) this process's slot: the member it runs by handoff."""
-    at = _slot_at
-    if at is None or _slots is None:
+    if _slot_index is None or _slots is None:
         return
-    if release is None:
-        _slots[at + 8:at + 12] = bytes(4)
-        return
-    data = "\0".join((release.thread_id, release.task_id, release.token)).encode()
-    if len(data) > _SLOT - 12:
-        data = b""       # a very long thread id: the lease lapse recovers it instead
-    _slots[at + 12:at + 12 + len(data)] = data
-    _slots[at:at + 12] = (os.getpid().to_bytes(8, "little") + len(data).to_bytes(4, "little"))
+    member = (None if release is None
+              else Member(release.thread_id, release.task_id, release.token))
+    try:
+        _slots.write(_slot_index, os.getpid(), member)
+    except ValueError as exc:      # not a valid thread id: its lease lapse recovers it
+        logger.warning("celery-threads: %s of thread %s is not named in this process's handoff "
+                       "slot (%s); if the process is lost, it waits for its lease to lapse",
+                       member and member.task_id, member and member.thread_id, exc)
+        _slots.write(_slot_index, os.getpid(), None)
 
 
 class _Events:
