@@ -20,7 +20,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("publishing", {"publish"}),
     ("the per-process runtime and the dispatcher", {"runtime", "dispatcher"}),
     ("the worker side", {"worker", "worker.step", "worker.lease", "worker.native",
-                         "worker.handoff", "worker.noack"}),
+                         "worker.handoff", "worker.slots", "worker.noack"}),
     ("the wiring", {"install"}),
     ("the task class", {"task"}),
     ("the admin API, the CLI and the package's public names", {"threads", "cli", "__init__"}),
