@@ -141,9 +141,17 @@ def _replica_in_sync(port: int) -> bool:
 REDIS_CLI = shutil.which("redis-cli", path="/usr/bin:/usr/local/bin") or "redis-cli"
 
 
+# A master that answers no other master's PING for cluster-node-timeout (15 s by default) is
+# marked failed; having no replica to take over, it leaves the cluster down (CLUSTERDOWN) until it
+# answers again and, for a master with slots, twice that time has passed.  A busy machine must
+# not do that to a test: no test here is about a node failing.
+CLUSTER_NODE_TIMEOUT_MS = 120_000
+
+
 class RedisClusterServers:
     """Three ``redis-server --cluster-enabled yes`` masters joined by ``redis-cli --cluster
-    create``."""
+    create``, none of them marked failed by the others while the test runs
+    (``CLUSTER_NODE_TIMEOUT_MS``)."""
 
     def __init__(self, masters: int = 3) -> None:
         self.binary = next(iter(redis_binaries().values()))
@@ -155,7 +163,8 @@ class RedisClusterServers:
         for port in self.ports:
             self.procs.append(subprocess.Popen(
                 [self.binary, "--port", str(port), "--bind", "127.0.0.1", "--cluster-enabled",
-                 "yes", "--cluster-config-file", f"{self.dir}/nodes-{port}.conf", "--save", "",
+                 "yes", "--cluster-config-file", f"{self.dir}/nodes-{port}.conf",
+                 "--cluster-node-timeout", str(CLUSTER_NODE_TIMEOUT_MS), "--save", "",
                  "--appendonly", "no", "--dir", self.dir, "--logfile", f"{self.dir}/{port}.log"],
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         for port in self.ports:
@@ -213,7 +222,7 @@ class RedisClusterServers:
             keys = src.execute_command("CLUSTER", "GETKEYSINSLOT", slot, batch)
             if not keys:
                 break
-            src.execute_command("MIGRATE", "127.0.0.1", to_port, "", 0, 5000, "KEYS", *keys)
+            src.execute_command("MIGRATE", "127.0.0.1", to_port, "", 0, 60_000, "KEYS", *keys)
             time.sleep(pace)
         for port in (to_port, src_port, *[p for p in self.ports if p not in (to_port, src_port)]):
             self.node(port).execute_command("CLUSTER", "SETSLOT", slot, "NODE",
