@@ -240,10 +240,15 @@ def suicide(self, thread, label):
 
 
 @app.task(base=ThreadedTask, bind=True, thread_key="thread")
-def where(self, thread, label, sleep=0.0):
-    """Records the pool process it ran in (list pid:<thread>)."""
+def where(self, thread, label, sleep=0.0, until=None):
+    """Records the pool process it ran in (list pid:<thread>); then waits until the key `until`
+    exists (when given; at most 30 s) and sleeps `sleep` seconds."""
     with _Span(self, thread, label):
-        history().rpush(f"pid:{thread}", os.getpid())
+        r = history()
+        r.rpush(f"pid:{thread}", os.getpid())
+        deadline = time.monotonic() + 30
+        while until and not r.exists(until) and time.monotonic() < deadline:
+            time.sleep(0.01)
         time.sleep(sleep)
     return label
 
