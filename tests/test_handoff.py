@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from tests.helpers import assert_serial, events, starts, tid, wait_for
+from tests.helpers import assert_serial, events, starts, tid, wait_for, within
 
 
 @pytest.fixture
@@ -166,14 +166,9 @@ def test_events_turned_off_and_on_at_runtime(proj, make_deployment, r):
         def a_burst_sends_its_events() -> bool:
             # The worker passes the setting on to its pool processes within a second or two,
             # or more on a busy machine: a burst sent before then sends none.
-            rest = handed_off_burst(proj, w, 2, tid("ev"))
-            try:
-                for x in rest:
-                    wait_for(lambda: any(e.get("uuid") == x.id and e["type"] == "task-succeeded"
-                                         for e in got), timeout=5)
-            except AssertionError:
-                return False
-            return True
+            ids = {x.id for x in handed_off_burst(proj, w, 2, tid("ev"))}
+            return within(lambda: ids <= {e.get("uuid") for e in got
+                                          if e["type"] == "task-succeeded"}, timeout=5)
 
         wait_for(a_burst_sends_its_events, timeout=120, interval=0.5,
                  what="the pool processes to send the handed-off members' events")
