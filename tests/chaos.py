@@ -626,6 +626,19 @@ class Workload:
 
 # -- the run ----------------------------------------------------------------------------------
 
+def _await_quiet(client: redis.Redis, key: str, quiet: float = 1.0, timeout: float = 30.0) -> None:
+    """Until the list ``key`` has not grown for ``quiet`` seconds (at most ``timeout``): the rows
+    a process writes after its member's finish, however late a busy machine lets it write them."""
+    end = time.monotonic() + timeout
+    length = client.llen(key)
+    while time.monotonic() < end:
+        time.sleep(quiet)
+        now = client.llen(key)
+        if now == length:
+            return
+        length = now
+
+
 def parse_history(rows: list[dict[str, Any]]) -> tuple[list[Event], list[Enqueue],
                                                         list[Deletion]]:
     events: list[Event] = []
@@ -757,7 +770,7 @@ def run(opts: Options) -> Report:
             time.sleep(0.5)
         busy = cluster.gate_busy()
         say(f"  quiesced in {time.time() - t_quiet:.1f}s ({busy} threads left in the gate)")
-        time.sleep(1.0)                      # the last fin rows follow the last finishes
+        _await_quiet(history, HISTORY_KEY)   # the last fin rows follow the last finishes
         gate = cluster.gate_state()
         logs = cluster.logs_summary()
         rows = read_history(history, HISTORY_KEY)

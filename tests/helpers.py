@@ -28,6 +28,16 @@ def wait_for(condition: Callable[[], T], timeout: float = 20.0, interval: float 
         time.sleep(interval)
 
 
+def within(condition: Callable[[], object], timeout: float) -> bool:
+    """Whether ``condition()`` comes true within ``timeout`` seconds: for a probe sent again
+    until one gets through (``wait_for(probe, ...)``)."""
+    try:
+        wait_for(condition, timeout=timeout)
+    except AssertionError:
+        return False
+    return True
+
+
 @dataclass(frozen=True)
 class Event:
     kind: str       # "start" or "end"

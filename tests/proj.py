@@ -11,6 +11,7 @@ import os
 import signal
 import sys
 import time
+from typing import Optional
 
 import redis
 from celery import Celery
@@ -88,6 +89,14 @@ def history() -> redis.Redis[bytes]:
     return _history
 
 
+def _await_key(key: Optional[str], timeout: float = 30.0) -> None:
+    """Until the history holds ``key`` (when given; at most ``timeout`` seconds): a member held
+    until the test has sent what must queue behind it, however busy the machine."""
+    deadline = time.monotonic() + timeout
+    while key and not history().exists(key) and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
 def _record(thread: str, event: str, label: str, task_id: str) -> None:
     """Append an event stamped with the Redis server's clock; counts members running at once."""
     r = history()
@@ -118,10 +127,12 @@ class _Span:
 
 @app.task(base=ThreadedTask, bind=True, thread_key="thread", max_retries=3,
           default_retry_delay=0.2)
-def record(self, thread, label, sleep=0.0, fail_times=0, countdown=0.2, bare=False):
-    """Runs `sleep` seconds; fails (with self.retry) its first `fail_times` attempts (`bare`:
-    self.retry without an exception)."""
+def record(self, thread, label, sleep=0.0, fail_times=0, countdown=0.2, bare=False, until=None):
+    """Waits until the key `until` exists (when given; at most 30 s), runs `sleep` seconds;
+    fails (with self.retry) its first `fail_times` attempts (`bare`: self.retry without an
+    exception)."""
     with _Span(self, thread, label):
+        _await_key(until)
         time.sleep(sleep)
         if self.request.retries < fail_times:
             if bare:
@@ -240,10 +251,12 @@ def suicide(self, thread, label):
 
 
 @app.task(base=ThreadedTask, bind=True, thread_key="thread")
-def where(self, thread, label, sleep=0.0):
-    """Records the pool process it ran in (list pid:<thread>)."""
+def where(self, thread, label, sleep=0.0, until=None):
+    """Records the pool process it ran in (list pid:<thread>); then waits until the key `until`
+    exists (when given; at most 30 s) and sleeps `sleep` seconds."""
     with _Span(self, thread, label):
         history().rpush(f"pid:{thread}", os.getpid())
+        _await_key(until)
         time.sleep(sleep)
     return label
 

@@ -13,10 +13,12 @@ from tests.helpers import assert_serial, starts, tid, wait_for
 def mixed_load(proj: Any, r: Any, threads: list[str]) -> dict[str, Any]:
     """Per thread: three ordered members (the second fails once and retries), one that dies and
     one that is deleted while it waits; returns the threads listed meanwhile and each thread's
-    dead member's task id."""
+    dead member's task id.  Each thread's first member is held until every call was sent: the
+    order the retry takes its place in is then the same however fast the calls go out."""
     results = {}
+    go = f"go:{tid('mixed')}"
     for thread in threads:
-        results[thread] = [proj.record.delay(thread, "a", sleep=0.05),
+        results[thread] = [proj.record.delay(thread, "a", sleep=0.05, until=go),
                            proj.record.delay(thread, "b", fail_times=1, countdown=0.1),
                            proj.record.delay(thread, "c")]
     dead = {thread: proj.boom.delay(thread, "d") for thread in threads}
@@ -25,6 +27,7 @@ def mixed_load(proj: Any, r: Any, threads: list[str]) -> dict[str, Any]:
     listed = set(t.ids())
     for thread in threads:
         assert t.delete(deleted[thread].id)
+    r.set(go, 1)
     for thread in threads:
         assert [x.get(timeout=60) for x in results[thread]] == ["a", "b", "c"]
     wait_for(lambda: all(len(starts(r, thread)) == 5 for thread in threads), timeout=60,

@@ -378,7 +378,10 @@ def test_gate_down_while_workers_finish_members_loses_nothing(outage_cluster: Cl
              what="members to be running")
     down = chaos_tasks.record("redis_down")
     cluster.gate_server.stop()
-    time.sleep(3.0)                   # the running members finish while the gate is away
+    # Running members finish while the gate is away (their 1 s bodies, or longer on a busy
+    # machine).
+    wait_for(lambda: any(r["k"] == "end" and r["t"] > down for r in history()), timeout=30,
+             what="a member to end while the gate is away")
     cluster.gate_server.start()
     up = chaos_tasks.record("redis_up")
 

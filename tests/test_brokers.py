@@ -33,9 +33,12 @@ class BrokerContract:
         r = proj.history()
         threads = [tid(self.broker) for _ in range(6)]
         results = []
+        go = f"go:{threads[0]}"     # each m0 held until every call was sent, however slowly
         for t in threads:
-            results.append(proj.record.delay(t, "m0", sleep=0.05, fail_times=1, countdown=0.3))
+            results.append(proj.record.delay(t, "m0", sleep=0.05, fail_times=1, countdown=0.3,
+                                             until=go))
             results += [proj.record.delay(t, f"m{i}", sleep=0.05) for i in range(1, 4)]
+        r.set(go, 1)
         for x in results:
             x.get(timeout=60)
         for t in threads:

@@ -5,18 +5,19 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import requests
 
 from celery_threads import Threads
 from tests.conftest import ROOT, free_port
-from tests.helpers import starts, tid, wait_for
+from tests.helpers import starts, tid, wait_for, within
 
 
 @pytest.fixture
 def flower(make_deployment, proj):
+    """Flower on the deployment's broker, once it shows a task from its events (before then, a
+    busy machine may not have attached its event consumer yet)."""
     d = make_deployment()
     d.worker("w", concurrency=1)
     port = free_port()
@@ -28,7 +29,13 @@ def flower(make_deployment, proj):
     base = f"http://127.0.0.1:{port}"
     try:
         wait_for(lambda: _up(base), timeout=30, what="flower to listen")
-        time.sleep(1.0)   # let it attach its event consumer before anything is sent
+
+        def shows_a_probe() -> bool:
+            probe = proj.plain.delay(tid("flower-probe"), "probe")
+            probe.get(timeout=30)
+            return within(lambda: _task(base, probe.id).get("state") == "SUCCESS", timeout=5)
+
+        wait_for(shows_a_probe, timeout=90, interval=0.1, what="flower to receive events")
         yield base, d
     finally:
         os.killpg(proc.pid, signal.SIGTERM)

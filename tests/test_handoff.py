@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from tests.helpers import assert_serial, events, starts, tid, wait_for
+from tests.helpers import assert_serial, events, starts, tid, wait_for, within
 
 
 @pytest.fixture
@@ -24,10 +24,13 @@ def received(worker, task_id: str) -> bool:
 
 
 def burst(proj, thread: str, n: int, **options):
-    """A first member that runs 0.5 s, then `n` members that queue behind it."""
-    first = proj.where.apply_async((thread, "first"), {"sleep": 0.5}, **options)
+    """A first member that runs until `n` members queue behind it (however long a busy machine
+    takes to send them), and those members."""
+    go = f"go:{thread}"
+    first = proj.where.apply_async((thread, "first"), {"until": go}, **options)
     wait_for(lambda: starts(proj.history(), thread) == ["first"], what="the first member")
     rest = [proj.where.apply_async((thread, f"m{i}"), **options) for i in range(n)]
+    proj.history().set(go, 1)
     return first, rest
 
 
@@ -74,10 +77,11 @@ def test_a_claimed_member_that_cannot_run_here_is_given_back(proj, make_deployme
     d = make_deployment(CT_EVENTS="0")
     w = d.worker("giveback", concurrency=2)
     thread = tid("gb")
-    first = proj.where.apply_async((thread, "first"), {"sleep": 0.5})
+    first = proj.where.apply_async((thread, "first"), {"until": f"go:{thread}"})
     wait_for(lambda: starts(r, thread) == ["first"], what="the first member")
     expiring = proj.where.apply_async((thread, "expiring"), expires=300)
     plain = proj.where.apply_async((thread, "plain"))
+    r.set(f"go:{thread}", 1)       # first ends once both wait behind it
     assert [x.get(timeout=30) for x in (first, expiring, plain)] == ["first", "expiring", "plain"]
     assert starts(r, thread) == ["first", "expiring", "plain"]
     assert_serial(r, thread)
@@ -88,9 +92,11 @@ def test_a_claimed_member_that_cannot_run_here_is_given_back(proj, make_deployme
              what="the thread's keys to vanish")
 
 
-def collect_events(app, seconds_quiet: float = 1.5):
-    """Start a receiver of every event on the broker; returns (events list, stop)."""
+def collect_events(app):
+    """Start a receiver of every event on the broker; returns (events list, stop) once it
+    received an event sent after it started."""
     import threading
+    import uuid
 
     got: list[dict] = []
     conn = app.connection_for_read()
@@ -103,7 +109,11 @@ def collect_events(app, seconds_quiet: float = 1.5):
             pass
 
     threading.Thread(target=run, daemon=True).start()
-    time.sleep(seconds_quiet)      # its queue is bound before anything is sent
+    probe = uuid.uuid4().hex
+    with app.events.default_dispatcher() as dispatcher:    # until its queue is bound
+        wait_for(lambda: dispatcher.send("probe-receiver", probe=probe)
+                 or any(e.get("probe") == probe for e in got), timeout=60, interval=0.2,
+                 what="the event receiver to be bound")
 
     def stop() -> None:
         recv.should_stop = True
@@ -152,11 +162,16 @@ def test_events_turned_off_and_on_at_runtime(proj, make_deployment, r):
         assert not [e for e in got if e.get("uuid") in {x.id for x in rest}
                     and e["type"] != "task-sent"]
         proj.app.control.enable_events()
-        time.sleep(2.5)   # the worker passes it on to its pool processes within a second or two
-        rest = handed_off_burst(proj, w, 2, tid("ev"))
-        for x in rest:
-            wait_for(lambda: any(e.get("uuid") == x.id and e["type"] == "task-succeeded"
-                                 for e in got), what=f"task-succeeded of {x.id}")
+
+        def a_burst_sends_its_events() -> bool:
+            # The worker passes the setting on to its pool processes within a second or two,
+            # or more on a busy machine: a burst sent before then sends none.
+            ids = {x.id for x in handed_off_burst(proj, w, 2, tid("ev"))}
+            return within(lambda: ids <= {e.get("uuid") for e in got
+                                          if e["type"] == "task-succeeded"}, timeout=5)
+
+        wait_for(a_burst_sends_its_events, timeout=120, interval=0.5,
+                 what="the pool processes to send the handed-off members' events")
     finally:
         stop()
 
@@ -168,10 +183,11 @@ def test_a_pool_process_lost_during_a_handed_off_member(proj, make_deployment, r
     d = make_deployment(CT_EVENTS="0", CT_KEEPALIVE="30", CT_DISPATCH_INTERVAL="0.2")
     d.worker("lost", concurrency=2)
     thread = tid("lost")
-    first = proj.where.apply_async((thread, "first"), {"sleep": 0.5})
+    first = proj.where.apply_async((thread, "first"), {"until": f"go:{thread}"})
     wait_for(lambda: starts(r, thread) == ["first"], what="the first member")
     doomed = proj.suicide.delay(thread, f"suicide-{thread}")     # kills its process once
     after = proj.where.delay(thread, "after")
+    r.set(f"go:{thread}", 1)       # first ends once both wait behind it: doomed is handed off
     assert after.get(timeout=15) == "after"
     assert doomed.get(timeout=15) == f"suicide-{thread}"
     assert first.get(timeout=5) == "first" and first.state == "SUCCESS"
@@ -199,10 +215,11 @@ def test_terminating_a_handed_off_member(proj, make_deployment, r, how):
     d = make_deployment(CT_EVENTS="0")
     d.worker("term", concurrency=2)
     thread = tid("term")
-    first = proj.where.apply_async((thread, "first"), {"sleep": 0.5})
+    proj.where.apply_async((thread, "first"), {"until": f"go:{thread}"})
     wait_for(lambda: starts(r, thread) == ["first"], what="the first member")
     long = proj.where.apply_async((thread, "long"), {"sleep": 30})
     nxt = proj.where.delay(thread, "next")
+    r.set(f"go:{thread}", 1)       # first ends once long waits behind it: long is handed off
     wait_for(lambda: starts(r, thread) == ["first", "long"], what="the handed-off member")
     assert len(set(pids(r, thread))) == 1, "long was not handed off"
     t0 = time.time()

@@ -24,11 +24,13 @@ def test_threads_run_serially_in_order_with_retries_and_deaths(proj, make_deploy
     r = proj.history()
     threads = [tid(f"{pool}-{broker}") for _ in range(3)]
     ends, doomed = [], []
+    go = f"go:{threads[0]}"     # each m0 held until every call was sent, however slowly
     for t in threads:
-        ends.append(proj.record.delay(t, "m0", sleep=0.05, fail_times=1, countdown=0.3))
+        ends.append(proj.record.delay(t, "m0", sleep=0.05, fail_times=1, countdown=0.3, until=go))
         ends.append(proj.record.delay(t, "m1", sleep=0.05))
         doomed.append(proj.boom.delay(t, "x").id)
         ends.append(proj.record.delay(t, "m2", sleep=0.05))
+    r.set(go, 1)
     for x in ends:
         x.get(timeout=60)
     threads_api = Threads(proj.app)

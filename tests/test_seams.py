@@ -200,10 +200,12 @@ def test_a_worker_on_changed_libraries_falls_back_and_keeps_threads_serial(proj,
     r = proj.history()
     threads = [tid("faults") for _ in range(3)]
     ends = []
+    go = f"go:{threads[0]}"     # each m0 held until every call was sent, however slowly
     for t in threads:
-        ends.append(proj.record.delay(t, "m0", sleep=0.05, fail_times=1, countdown=0.2))
+        ends.append(proj.record.delay(t, "m0", sleep=0.05, fail_times=1, countdown=0.2, until=go))
         ends.append(proj.record.delay(t, "m1", sleep=0.05))
         ends.append(proj.record.delay(t, "m2", sleep=0.05))
+    r.set(go, 1)
     # The revoke command's fallback: a revoked waiting member is dropped when it is released.
     blocked = tid("revoked")
     first = proj.record.delay(blocked, "b0", sleep=2.0)

@@ -423,7 +423,8 @@ def test_a_sentinel_gate_has_the_rights_of_its_user_checked_on_the_master(
     """The probe runs on the master the sentinel names (the user exists there only: ACLs are not
     replicated), the scripts' inner commands included."""
     prefix, user = f"ct-acl-{uuid.uuid4().hex[:6]}", f"gate-{uuid.uuid4().hex[:6]}"
-    master = redis.Redis(port=sentinel_setup.master_port)
+    master_port, _ = sentinel_setup.roles()
+    master = redis.Redis(port=master_port)
     url = f"sentinel://{user}:pw@127.0.0.1:{sentinel_setup.sentinel_port}/0"
 
     def check(*remove: str) -> None:
@@ -434,7 +435,7 @@ def test_a_sentinel_gate_has_the_rights_of_its_user_checked_on_the_master(
         check_access(make_client(url, {"master_name": MASTER}), Keys(prefix), url)
 
     check()
-    named = (rf"user '{user}'.* on the master 127\.0\.0\.1:{sentinel_setup.master_port}: "
+    named = (rf"user '{user}'.* on the master 127\.0\.0\.1:{master_port}: "
              rf"command 'hsetnx'.*ACL SETUSER {user} \+hsetnx")
     with pytest.raises(ConfigurationError, match=named):
         check("-hsetnx")                # run only inside the gate's scripts

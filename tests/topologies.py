@@ -20,9 +20,20 @@ from tests.helpers import wait_for
 MASTER = "ctmaster"
 
 
+# A sentinel fails over a master that has not answered its PINGs for down-after-milliseconds.
+# A busy machine can stall a server for a second or more, so the setup waits a minute: a test
+# not about failover never sees one.  The failover test shortens it just before its kill
+# (``watch_closely``).  failover-timeout starts nothing; it bounds each step of a failover under
+# way, and a failover that timed out is tried again after twice that time.
+QUIET_DOWN_AFTER_MS = 60_000
+CLOSE_DOWN_AFTER_MS = 1_000
+FAILOVER_TIMEOUT_MS = 10_000
+
+
 class SentinelSetup:
-    """A master, a replica of it, and one sentinel watching them (quorum 1), with short timeouts:
-    the master counts as down after 1 s of silence, a failover may take 5 s."""
+    """A master, a replica of it, and one sentinel watching them (quorum 1).  The sentinel
+    leaves a stalled master alone (``QUIET_DOWN_AFTER_MS``) until ``watch_closely``; who is
+    master is what ``master()`` (the sentinel's answer) says, never assumed from the ports."""
 
     def __init__(self) -> None:
         self.binary = default_redis_binary()
@@ -46,8 +57,8 @@ class SentinelSetup:
         with open(conf, "w") as f:
             f.write(f"port {self.sentinel_port}\nbind 127.0.0.1\ndir {self.dir}\n"
                     f"sentinel monitor {MASTER} 127.0.0.1 {self.master_port} 1\n"
-                    f"sentinel down-after-milliseconds {MASTER} 1000\n"
-                    f"sentinel failover-timeout {MASTER} 5000\n"
+                    f"sentinel down-after-milliseconds {MASTER} {QUIET_DOWN_AFTER_MS}\n"
+                    f"sentinel failover-timeout {MASTER} {FAILOVER_TIMEOUT_MS}\n"
                     # told of the replica up front: it would find it within 10 s on its own
                     f"sentinel known-replica {MASTER} 127.0.0.1 {self.replica_port}\n")
         self.procs["sentinel"] = subprocess.Popen(
@@ -72,7 +83,25 @@ class SentinelSetup:
         return int(host_port[1]) if host_port else None
 
     def port(self, name: str) -> int:
+        """The port of the server started as ``name`` ("master" or "replica"), whatever its
+        role now."""
         return self.master_port if name == "master" else self.replica_port
+
+    def roles(self) -> tuple[int, int]:
+        """(master, replica): the ports of the master the sentinel names and of the other
+        server."""
+        master = self.master()
+        assert master in (self.master_port, self.replica_port), master
+        return master, self.replica_port if master == self.master_port else self.master_port
+
+    def name_of(self, port: int) -> str:
+        return "master" if port == self.master_port else "replica"
+
+    def watch_closely(self) -> None:
+        """From now on the sentinel counts the master as down after ``CLOSE_DOWN_AFTER_MS`` of
+        silence: for the failover test, right before it kills the master."""
+        redis.Redis(port=self.sentinel_port).execute_command(
+            "SENTINEL", "SET", MASTER, "down-after-milliseconds", CLOSE_DOWN_AFTER_MS)
 
     def restart_as_replica(self, name: str) -> None:
         """The killed server ``name`` started again as a replica of the other one, as its
@@ -82,7 +111,7 @@ class SentinelSetup:
         self._server(name, self.port(name), "--replicaof", "127.0.0.1", str(other))
         new_master = redis.Redis(port=other)
         wait_for(lambda: new_master.info("replication").get("connected_slaves") == 1
-                 and _replica_in_sync(self.port(name)), timeout=30, interval=0.1,
+                 and _replica_in_sync(self.port(name)), timeout=60, interval=0.1,
                  what="the old master to become a replica of the new one")
 
     def kill(self, name: str) -> None:
@@ -112,9 +141,17 @@ def _replica_in_sync(port: int) -> bool:
 REDIS_CLI = shutil.which("redis-cli", path="/usr/bin:/usr/local/bin") or "redis-cli"
 
 
+# A master that answers no other master's PING for cluster-node-timeout (15 s by default) is
+# marked failed; having no replica to take over, it leaves the cluster down (CLUSTERDOWN) until it
+# answers again and, for a master with slots, twice that time has passed.  A busy machine must
+# not do that to a test: no test here is about a node failing.
+CLUSTER_NODE_TIMEOUT_MS = 120_000
+
+
 class RedisClusterServers:
     """Three ``redis-server --cluster-enabled yes`` masters joined by ``redis-cli --cluster
-    create``."""
+    create``, none of them marked failed by the others while the test runs
+    (``CLUSTER_NODE_TIMEOUT_MS``)."""
 
     def __init__(self, masters: int = 3) -> None:
         self.binary = next(iter(redis_binaries().values()))
@@ -126,7 +163,8 @@ class RedisClusterServers:
         for port in self.ports:
             self.procs.append(subprocess.Popen(
                 [self.binary, "--port", str(port), "--bind", "127.0.0.1", "--cluster-enabled",
-                 "yes", "--cluster-config-file", f"{self.dir}/nodes-{port}.conf", "--save", "",
+                 "yes", "--cluster-config-file", f"{self.dir}/nodes-{port}.conf",
+                 "--cluster-node-timeout", str(CLUSTER_NODE_TIMEOUT_MS), "--save", "",
                  "--appendonly", "no", "--dir", self.dir, "--logfile", f"{self.dir}/{port}.log"],
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         for port in self.ports:
@@ -184,7 +222,7 @@ class RedisClusterServers:
             keys = src.execute_command("CLUSTER", "GETKEYSINSLOT", slot, batch)
             if not keys:
                 break
-            src.execute_command("MIGRATE", "127.0.0.1", to_port, "", 0, 5000, "KEYS", *keys)
+            src.execute_command("MIGRATE", "127.0.0.1", to_port, "", 0, 60_000, "KEYS", *keys)
             time.sleep(pace)
         for port in (to_port, src_port, *[p for p in self.ports if p not in (to_port, src_port)]):
             self.node(port).execute_command("CLUSTER", "SETSLOT", slot, "NODE",
