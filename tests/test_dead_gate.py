@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import signal
 import socket
-import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -20,6 +19,7 @@ from typing import Any
 import pytest
 import redis
 
+from bench.gateunavailable import black_hole as silent_server
 from celery_threads import Threads
 from celery_threads.errors import GateUnavailable
 from tests.conftest import RedisServer
@@ -43,30 +43,8 @@ def gate_server() -> Iterator[RedisServer]:
 @pytest.fixture
 def black_hole() -> Iterator[int]:
     """A port whose server accepts connections and never answers."""
-    server = socket.socket()
-    server.bind(("127.0.0.1", 0))
-    server.listen(64)
-    server.settimeout(0.2)
-    held: list[socket.socket] = []
-    stop = threading.Event()
-
-    def accept() -> None:
-        while not stop.is_set():
-            try:
-                held.append(server.accept()[0])
-            except OSError:
-                continue
-
-    acceptor = threading.Thread(target=accept, daemon=True)
-    acceptor.start()
-    try:
-        yield int(server.getsockname()[1])
-    finally:
-        stop.set()
-        acceptor.join()
-        for conn in held:
-            conn.close()
-        server.close()
+    with silent_server() as port:
+        yield port
 
 
 def _free_port() -> int:
