@@ -514,6 +514,15 @@ class Gate:
         handful, never a scan of the threads."""
         return {_text(k): _text(v) for k, v in self.client.hgetall(shard.paused).items()}
 
+    def paused_leases(self, shard: ShardKeys) -> dict[str, Optional[int]]:
+        """The paused threads of ``shard``, each with its active member's deadline (ms), or
+        ``None`` when nothing is active (then the thread is in no index): O(paused threads)."""
+        thread_ids = list(self.paused(shard))
+        if not thread_ids:
+            return {}
+        scores = self.client.zmscore(shard.leases, thread_ids)
+        return {t: None if score is None else int(score) for t, score in zip(thread_ids, scores)}
+
     def paused_reasons(self, thread_ids: Sequence[str]) -> list[Optional[str]]:
         """Each thread's pause reason, or ``None`` when it is not paused (one round trip)."""
         pipe = self.client.pipeline(transaction=False)
