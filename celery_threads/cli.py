@@ -24,7 +24,7 @@ from .config import read_config
 from .errors import ConfigurationError, ThreadsError, UnknownTask
 from .gate.eviction import Eviction, check_eviction
 from .runtime import unreachable
-from .threads import DISPATCHER_HINT, StuckThread, Threads, ThreadSummary
+from .threads import DISPATCHER_HINT, NO_REASON, StuckThread, Threads, ThreadSummary
 
 EX_STUCK = 3           # `stats`: at least one thread is stuck
 EX_EVICTING = 4        # `stats`: the gate's Redis may evict waiting members (and none is stuck)
@@ -236,29 +236,37 @@ _SORTS: dict[str, Callable[[ThreadSummary], Any]] = {
               help="id; members (most first); age (longest active first).")
 @click.option("--limit", type=click.IntRange(min=1), default=None,
               help="Show at most this many threads.")
+@click.option("--paused", "only_paused", is_flag=True,
+              help="List only the paused threads (read without reading the others).")
 @json_option
 @click.pass_context
 @_guarded
-def ls(ctx: click.Context, sort: str, limit: Optional[int], as_json: bool) -> None:
-    """List threads: members, active member, when the head is eligible."""
-    summaries = sorted(_threads(ctx).summaries(), key=_SORTS[sort])
+def ls(ctx: click.Context, sort: str, limit: Optional[int], only_paused: bool,
+       as_json: bool) -> None:
+    """List threads: members, active member, when the head is eligible, pause."""
+    summaries = sorted(_threads(ctx).summaries(paused=only_paused), key=_SORTS[sort])
     total = len(summaries)
     shown = summaries[:limit] if limit else summaries
     if as_json:
         _echo_json(shown)
         return
     if not shown:
-        click.echo("No threads.")
+        click.echo("No paused threads." if only_paused else "No threads.")
         return
-    # Ids are printed whole (they are pasted into show and delete), the thread's last.
+    # Ids are printed whole (they are pasted into show and delete), the thread's last; the
+    # PAUSED column (a pause's reason) only when a thread shown is paused.
+    pauses = any(s.paused is not None for s in shown)
     columns = [Column("MEMBERS", right=True), Column("STATE"), Column("ACTIVE FOR", right=True),
-               Column("NEXT ELIGIBLE"), Column("ACTIVE TASK"), Column("THREAD")]
+               Column("NEXT ELIGIBLE"), Column("ACTIVE TASK"),
+               *([Column("PAUSED", shrink=1)] if pauses else []), Column("THREAD")]
     _echo_lines(_table(columns, [
         (s.members, s.active_state, None if s.active_for is None else _duration(s.active_for),
-         None if s.head_age is None else _relative(-s.head_age), s.active_task, s.thread_id)
+         None if s.head_age is None else _relative(-s.head_age), s.active_task,
+         *([s.paused] if pauses else []), s.thread_id)
         for s in shown]))
     more = f" (first {len(shown)} shown)" if len(shown) < total else ""
-    click.echo(f"{total} thread{'s' if total != 1 else ''}{more}")
+    kind = " paused" if only_paused else ""
+    click.echo(f"{total}{kind} thread{'s' if total != 1 else ''}{more}")
 
 
 @threads.command()
@@ -271,7 +279,7 @@ def show(ctx: click.Context, thread_id: str, as_json: bool) -> None:
     status = _threads(ctx).status(thread_id)
     if status is None:
         raise click.ClickException(
-            f"no thread {thread_id!r}: a thread exists only while it has members. "
+            f"no thread {thread_id!r}: a thread exists only while it has members or is paused. "
             "`celery threads ls` lists the existing threads.")
     if as_json:
         _echo_json({**_jsonable(status), "members": status.members})
@@ -279,9 +287,14 @@ def show(ctx: click.Context, thread_id: str, as_json: bool) -> None:
     n = status.members
     click.echo(f"Thread {status.thread_id}: {n} member{'s' if n != 1 else ''} "
                f"(Redis time {_when(status.now)})")
+    if status.paused is not None:
+        click.echo(f"PAUSED: {status.paused}. Nothing more of it is released until "
+                   f"`celery threads resume {status.thread_id}`.")
     click.echo("")
     a = status.active
-    if a is None:
+    if a is None and status.paused is not None:
+        click.echo("Active member: none (paused).")
+    elif a is None:
         click.echo(f"Active member: none; the head is eligible "
                    f"{_relative(None if status.head_age is None else -status.head_age)}.")
     else:
@@ -346,6 +359,46 @@ def delete(ctx: click.Context, task_id: str, as_json: bool) -> None:
         _echo_json({"task_id": task_id, "thread_id": thread_id, "deleted": True})
     else:
         click.echo(f"Deleted member {task_id} of thread {thread_id}.")
+
+
+@threads.command()
+@click.argument("thread_id")
+@click.option("--reason", default=None, help="Why, shown by show and ls.")
+@json_option
+@click.pass_context
+@_guarded
+def pause(ctx: click.Context, thread_id: str, reason: Optional[str], as_json: bool) -> None:
+    """Stop releasing a thread's members until `resume`.
+
+    The member released or running goes on to its end; new calls still join the thread.  The
+    pause stays, even while the thread has no member, until resumed.
+    """
+    t = _threads(ctx)
+    new = t.pause(thread_id, reason)
+    reason = reason or NO_REASON
+    if as_json:
+        _echo_json({"thread_id": thread_id, "paused": True, "reason": reason,
+                    "was_paused": not new})
+        return
+    again = "" if new else " (it was paused already; the reason is replaced)"
+    click.echo(f"Paused thread {thread_id}: {reason}{again}.  A member released or running goes "
+               f"on to its end; `celery threads resume {thread_id}` releases the rest.")
+
+
+@threads.command()
+@click.argument("thread_id")
+@json_option
+@click.pass_context
+@_guarded
+def resume(ctx: click.Context, thread_id: str, as_json: bool) -> None:
+    """Release a paused thread's members again, its due head at once."""
+    if not _threads(ctx).resume(thread_id):
+        raise click.ClickException(f"thread {thread_id!r} is not paused; "
+                                   "`celery threads ls --paused` lists the paused threads.")
+    if as_json:
+        _echo_json({"thread_id": thread_id, "resumed": True})
+    else:
+        click.echo(f"Resumed thread {thread_id}.")
 
 
 @threads.command()
@@ -457,9 +510,9 @@ def stats(ctx: click.Context, stuck_after: Optional[float], as_json: bool) -> No
 
     A thread is stuck when an active member's lease or release deadline lapsed, or an idle
     head has been due, for longer than --stuck-after without the dispatcher acting on it: no
-    dispatcher is running.  The gate's Redis may evict members when its maxmemory-policy is
-    allkeys-* with a maxmemory set (a warning is shown for any other policy but noeviction).
-    Use it as a health check.
+    dispatcher is running (a paused thread is never stuck).  The gate's Redis may evict members
+    when its maxmemory-policy is allkeys-* with a maxmemory set (a warning is shown for any
+    other policy but noeviction).  Use it as a health check.
     """
     t = _threads(ctx)
     numbers = t.stats(grace=stuck_after)
@@ -485,6 +538,7 @@ def stats(ctx: click.Context, stuck_after: Optional[float], as_json: bool) -> No
             ("  waiting", numbers.members["WAITING"]),
             ("  released", numbers.members["RELEASED"]),
             ("  running", numbers.members["RUNNING"]),
+            ("paused threads", numbers.paused),
             ("dead letters", numbers.dead),
             ("oldest due idle head", oldest),
             ("stuck", max(numbers.stuck, len(stuck)) if stuck else 0),

@@ -84,6 +84,13 @@ class ShardKeys:
         return f"{self.tag}:ended"
 
     @property
+    def paused(self) -> str:
+        """HASH thread id -> reason of each paused thread (``Threads.pause``): operator state,
+        kept until ``resume`` whether or not the thread has members.  A paused thread with no
+        active member sits in neither the due nor the leases index."""
+        return f"{self.tag}:paused"
+
+    @property
     def wake_channel(self) -> str:
         """Pub/sub channel told when a future head becomes the shard's earliest."""
         return f"{self.tag}:wake"
@@ -122,7 +129,7 @@ class ThreadKeys:
     def script_keys(self) -> list[str]:
         s = self.shard
         return [s.seq, s.due, s.leases, s.tasks, s.dead, s.dead_records, self.queue, self.active,
-                s.ended]
+                s.ended, s.paused]
 
 
 @dataclass(frozen=True)

@@ -10,12 +10,15 @@ from celery import Celery
 
 from .config import read_config
 from .errors import UnknownTask
-from .gate import Restart, ThreadSnapshot, deadline, parse_record
+from .gate import Pause, Restart, Resume, ThreadSnapshot, deadline, parse_record
 from .protocol import normalize_thread_id, retry_settings
 from .publish import arguments_repr, decode_arguments, task_name
 from .runtime import get_runtime
 
 T = TypeVar("T")
+
+NO_REASON = "paused"
+"""The reason of a pause given none: ``ThreadInfo.paused`` is ``None`` only when not paused."""
 
 
 def _utc(ms: Optional[int]) -> Optional[datetime]:
@@ -37,6 +40,7 @@ class ThreadInfo(NamedTuple):
     thread_id: str
     active: Optional[MemberInfo]  # released to the broker or running
     waiting: list[MemberInfo]     # in the order they would be released
+    paused: Optional[str] = None  # the pause's reason (NO_REASON when given none), or None
 
 
 class DeadTask(NamedTuple):
@@ -103,7 +107,9 @@ class Threads:
 
     @_admin
     def get(self, thread_id: Any) -> Optional[ThreadInfo]:
-        """The thread's active and waiting members, or ``None`` when the thread does not exist."""
+        """The thread's active and waiting members and its pause, or ``None`` when the thread
+        does not exist.  A paused thread exists while it is paused, even with no member left (an
+        operator's pause is state to see: ``ThreadInfo(thread_id, None, [], reason)``)."""
         snapshot = self.gate.snapshot(normalize_thread_id(thread_id))
         return None if snapshot is None else self._info(snapshot)
 
@@ -124,12 +130,41 @@ class Threads:
                                   a.get("del") == "1")
         waiting = [self._member(snapshot, task_id, ms, "WAITING")
                    for task_id, ms in snapshot.waiting]
-        return ThreadInfo(snapshot.thread_id, active, waiting)
+        return ThreadInfo(snapshot.thread_id, active, waiting, snapshot.paused)
 
     @_admin_iter
     def ids(self) -> Iterator[str]:
-        """The ids of existing threads (an incremental scan of the gate's indexes)."""
+        """The ids of existing threads, paused ones included (an incremental scan of the gate's
+        indexes, then its paused threads)."""
         return self.gate.thread_ids()
+
+    @_admin
+    def pause(self, thread_id: Any, reason: Optional[str] = None) -> bool:
+        """Stop releasing the thread's members until :meth:`resume`: the member released or
+        running goes on to its end, a retry of it waits in the thread, new calls still join.
+
+        The pause is operator state, kept in the gate's Redis with the members (it survives
+        worker and Redis restarts as they do), even while the thread has no member.  ``reason``
+        shows in :meth:`get`, ``celery threads show`` and ``ls`` (:data:`NO_REASON` when none is
+        given); pausing a paused thread replaces it.  Returns ``True`` when the thread was not
+        paused already."""
+        outcome = self.gate.pause(normalize_thread_id(thread_id), reason or NO_REASON)
+        return outcome.status == Pause.PAUSED
+
+    @_admin
+    def resume(self, thread_id: Any) -> bool:
+        """Release the thread's members again; its head, when due and nothing is active, is
+        released at once.  Returns ``True`` if the thread was paused."""
+        outcome = self.runtime.apply(self.gate.resume(normalize_thread_id(thread_id)))
+        return outcome.status == Resume.RESUMED
+
+    @_admin
+    def paused(self) -> dict[str, str]:
+        """The paused threads and their reasons (read without a scan of the threads)."""
+        found: dict[str, str] = {}
+        for shard in self.gate.keys.all_shards():
+            found.update(self.gate.paused(shard))
+        return found
 
     @_admin
     def delete(self, task_id: str) -> bool:
@@ -217,12 +252,13 @@ class Threads:
         return None if snapshot is None else _status(snapshot, now)
 
     @_admin_iter
-    def summaries(self, batch: int = 500) -> Iterator[ThreadSummary]:
+    def summaries(self, batch: int = 500, paused: bool = False) -> Iterator[ThreadSummary]:
         """One line of health per existing thread (``celery threads ls``), read ``batch`` threads
-        per round trip.  Reads every thread: O(threads)."""
+        per round trip.  Reads every thread: O(threads); with ``paused``, only the paused ones:
+        O(paused threads)."""
         seen: set[str] = set()
         pending: list[str] = []
-        for thread_id in self.ids():
+        for thread_id in (self.paused() if paused else self.ids()):
             if thread_id in seen:   # the index scan may return a thread twice
                 continue
             seen.add(thread_id)
@@ -235,9 +271,10 @@ class Threads:
 
     def _summaries(self, thread_ids: list[str]) -> Iterator[ThreadSummary]:
         now = self.gate.now_ms()
-        for thread_id, (active, waiting, head) in zip(thread_ids,
-                                                      self.gate.thread_summaries(thread_ids)):
-            if not active and head is None:
+        reasons = self.gate.paused_reasons(thread_ids)
+        for thread_id, (active, waiting, head), reason in zip(
+                thread_ids, self.gate.thread_summaries(thread_ids), reasons):
+            if not active and head is None and reason is None:
                 continue            # it ended between the scan and the read
             since = _int(active.get("since"))
             yield ThreadSummary(
@@ -248,6 +285,7 @@ class Threads:
                 active_for=None if since is None else (now - since) / 1000.0,
                 next_eligible_at=None if head is None else _at(head[1]),
                 head_age=None if head is None else (now - head[1]) / 1000.0,
+                paused=reason,
             )
 
     @_admin
@@ -259,7 +297,8 @@ class Threads:
         * an idle thread whose head has been due for more than ``grace`` seconds without being
           released.
 
-        Either means no dispatcher is running (no ``celery beat`` and no worker).  ``grace``
+        Either means no dispatcher is running (no ``celery beat`` and no worker).  A paused thread
+        is never stuck: an operator holds it (and its idle head is in no index).  ``grace``
         defaults to :attr:`stuck_after`.  Read through the index ZSETs by score: O(log n + stuck
         threads), at most ``limit`` of each kind per shard.
         """
@@ -269,6 +308,8 @@ class Threads:
         found: list[StuckThread] = []
         for shard in self.gate.keys.all_shards():
             lapsed, due = self.gate.overdue(shard, cutoff, limit)
+            paused = self.gate.paused(shard)
+            lapsed = [(t, score) for t, score in lapsed if t not in paused]
             rows = self.gate.thread_summaries([t for t, _ in lapsed] + [t for t, _ in due])
             for (thread_id, score), (active, _, _) in zip(lapsed, rows[:len(lapsed)]):
                 stuck = _stuck_active(thread_id, score, active, now, cutoff)
@@ -283,12 +324,13 @@ class Threads:
 
     @_admin
     def stats(self, grace: Optional[float] = None) -> Stats:
-        """Counts of threads, members by state and dead letters, the oldest waiting head, and how
-        many threads are :meth:`stuck` (``grace`` as there).  Everything is read from the
-        indexes in O(log n), except the RELEASED/RUNNING split: O(active members)."""
+        """Counts of threads, members by state, paused threads and dead letters, the oldest
+        waiting head, and how many threads are :meth:`stuck` (``grace`` as there).  Everything is
+        read from the indexes in O(log n), except the RELEASED/RUNNING split (O(active members))
+        and the paused threads (O(paused threads))."""
         grace_ms = int((self.stuck_after if grace is None else grace) * 1000)
         now = self.gate.now_ms()
-        threads = members = active = dead = stuck = 0
+        threads = members = active = dead = stuck = paused = 0
         states: dict[str, int] = {}
         oldest: Optional[tuple[str, int]] = None
         for shard in self.gate.keys.all_shards():
@@ -298,6 +340,12 @@ class Threads:
             active += counts["active"]
             dead += counts["dead"]
             stuck += counts["lapsed"] + counts["overdue_heads"]
+            # A paused thread is never stuck; one with nothing active is in no index.
+            held = self.gate.paused_leases(shard)
+            paused += len(held)
+            threads += sum(1 for score in held.values() if score is None)
+            stuck -= sum(1 for score in held.values()
+                         if score is not None and score <= now - grace_ms)
             if counts["oldest_due"] is not None and (oldest is None
                                                      or counts["oldest_due"][1] < oldest[1]):
                 oldest = counts["oldest_due"]
@@ -317,6 +365,7 @@ class Threads:
             dead=dead,
             oldest_waiting_head=head,
             stuck=stuck,
+            paused=paused,
         )
 
 
@@ -368,6 +417,7 @@ class ThreadStatus(NamedTuple):
     waiting: list[WaitingStatus]      # in the order they would be released
     next_eligible_at: Optional[datetime]   # the head's scheduled_at
     head_age: Optional[float]         # seconds since the head became eligible; negative: not yet
+    paused: Optional[str] = None      # the pause's reason, or None
 
     @property
     def members(self) -> int:
@@ -384,6 +434,7 @@ class ThreadSummary(NamedTuple):
     active_for: Optional[float]       # seconds the active member has been active
     next_eligible_at: Optional[datetime]   # the head's scheduled_at
     head_age: Optional[float]         # seconds since the head became eligible; negative: not yet
+    paused: Optional[str] = None      # the pause's reason, or None
 
 
 class StuckThread(NamedTuple):
@@ -413,6 +464,7 @@ class Stats(NamedTuple):
     dead: int                         # tasks in the dead-letter store
     oldest_waiting_head: Optional[WaitingHead]   # the idle thread's head due the longest
     stuck: int                        # threads :meth:`Threads.stuck` would list
+    paused: int = 0                   # paused threads (never stuck)
 
 
 def _at(ms: int) -> datetime:
@@ -460,6 +512,7 @@ def _status(snapshot: ThreadSnapshot, now: int) -> ThreadStatus:
         thread_id=snapshot.thread_id, now=_at(now), active=active,
         waiting=waiting, next_eligible_at=_utc(head_ms),
         head_age=None if head_ms is None else (now - head_ms) / 1000.0,
+        paused=snapshot.paused,
     )
 
 

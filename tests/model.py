@@ -4,8 +4,9 @@ It states the semantics of ``celery_threads/gate/lua/*.lua`` without Redis: a th
 at most one of which is *active* (RELEASED to a worker under a fencing token, or RUNNING under a
 lease); the others wait.  The head is the waiting member with the earliest scheduled_at, ties broken
 by arrival order.  After every transition that detaches or re-queues the active member, or adds a
-member, the head is released when it is due and nothing is active ("release_head").  A thread
-exists only while it has members.
+member, the head is released when it is due and nothing is active ("release_head"), unless an
+operator paused the thread.  A thread exists only while it has members; a pause (``paused``) is
+kept apart, with or without members, until resumed.
 
 Fencing tokens here are the model's own strings (``"m1"``, ``"m2"``, ...): the test maps them one to
 one onto the gate's tokens instead of assuming how the gate makes them.  Every method mirrors the
@@ -119,6 +120,7 @@ class Model:
         self._detached: Optional[tuple[tuple[str, str, str, Optional[str]],
                                        tuple[int, str]]] = None
         self.dead_callers: dict[str, Optional[str]] = {}   # task id -> the call that killed it
+        self.paused: dict[str, str] = {}         # thread id -> the pause's reason
 
     # -- helpers ---------------------------------------------------------------------------
     def _schedule(self, delay_ms: int, at_ms: Optional[int]) -> int:
@@ -149,7 +151,7 @@ class Model:
             del self.threads[thread_id]             # the last member left: the thread is gone
             return None
         head = waiting[0]
-        if head.sched > self.now:
+        if head.sched > self.now or thread_id in self.paused:
             return None
         thread.active = Active(head.task_id, f"m{next(self._tokens)}", RELEASED,
                                self.now + self.release_timeout_ms)
@@ -496,11 +498,24 @@ class Model:
     def forget(self, task_id: str) -> bool:
         return self.dead.pop(task_id, None) is not None
 
+    def pause(self, thread_id: str, reason: str) -> Outcome:
+        """Nothing of the thread is released until :meth:`resume`; 1 when it was not paused."""
+        new = thread_id not in self.paused
+        self.paused[thread_id] = reason
+        return Outcome(DONE if new else NOOP, "")
+
+    def resume(self, thread_id: str) -> Outcome:
+        """1 and the due head's release, if any, when the thread was paused; else 0."""
+        if self.paused.pop(thread_id, None) is None:
+            return Outcome(NOOP, "")
+        return Outcome(DONE, "", self._release_head(thread_id))
+
     # -- the dispatcher's view ----------------------------------------------------------------
     def due_index(self) -> dict[str, int]:
-        """thread id -> head's scheduled_at, for every existing thread with nothing active."""
+        """thread id -> head's scheduled_at, for every existing thread with nothing active that
+        is not paused."""
         return {t.thread_id: t.waiting()[0].sched for t in self.threads.values()
-                if t.active is None}
+                if t.active is None and t.thread_id not in self.paused}
 
     def lease_index(self) -> dict[str, int]:
         """thread id -> the active member's deadline, for every thread with an active member."""

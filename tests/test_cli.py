@@ -405,7 +405,7 @@ def test_stats_of_a_healthy_gate(proj, app, cli):
     pairs = dict(line.rsplit(None, 1) for line in lines if line.strip() and line != oldest)
     assert {k.strip(): v for k, v in pairs.items()} == {
         "threads": "2", "members": "4", "waiting": "2", "released": "1", "running": "1",
-        "dead letters": "1", "stuck": "0"}
+        "paused threads": "0", "dead letters": "1", "stuck": "0"}
 
     data = as_json(cli("stats", "--json"))
     assert (data["threads"], data["members"], data["dead"], data["stuck"]) == (
@@ -447,6 +447,75 @@ def test_stats_exits_3_and_lists_what_is_stuck(app, cli):
 
 # -- presentation and errors ----------------------------------------------------------------
 
+# -- pause and resume ---------------------------------------------------------------------------
+
+def test_pause_shows_in_show_ls_and_stats_until_resume(proj, app, cli):
+    held, other, empty = tid("cli-held"), tid("cli-other"), tid("cli-empty")
+    first = proj.record.delay(held, "m0").id
+    second = proj.record.delay(held, "m1").id
+    proj.record.delay(other, "x")
+
+    out = ok(cli("pause", held, "--reason", "fixing bug 12"))
+    assert f"Paused thread {held}: fixing bug 12." in out and f"resume {held}" in out
+    assert as_json(cli("pause", empty, "--json")) == {
+        "thread_id": empty, "paused": True, "reason": "paused", "was_paused": False}
+    assert as_json(cli("pause", held, "--reason", "fixing bug 13", "--json"))["was_paused"]
+
+    out = ok(cli("show", held))
+    assert "PAUSED: fixing bug 13." in out and f"`celery threads resume {held}`" in out
+    assert first in out and second in out        # the released member goes on; m1 waits
+    data = as_json(cli("show", held, "--json"))
+    assert (data["paused"], data["active"]["task_id"]) == ("fixing bug 13", first)
+    shown = ok(cli("show", empty))              # a pause with no member is operator state
+    assert "0 members" in shown and "PAUSED: paused." in shown
+    assert as_json(cli("show", empty, "--json"))["paused"] == "paused"
+
+    lines = ok(cli("ls")).splitlines()
+    assert lines[0].split()[-2:] == ["PAUSED", "THREAD"]
+    rows = {line.split()[-1]: line for line in lines[1:-1]}
+    assert set(rows) == {held, other, empty} and lines[-1] == "3 threads"
+    assert "fixing" in rows[held] and "paused" in rows[empty]     # cut to fit 80 columns
+    lines = ok(cli("ls", "--paused")).splitlines()
+    assert sorted(line.split()[-1] for line in lines[1:-1]) == sorted([held, empty])
+    assert lines[-1] == "2 paused threads"
+    paused = {row["thread_id"]: row for row in as_json(cli("ls", "--paused", "--json"))}
+    assert {t: row["paused"] for t, row in paused.items()} == {held: "fixing bug 13",
+                                                               empty: "paused"}
+    assert (paused[held]["members"], paused[empty]["members"]) == (2, 0)
+
+    stats = as_json(cli("stats", "--json"))
+    assert (stats["threads"], stats["paused"], stats["stuck"]) == (3, 2, 0)
+    assert [line.split()[-1] for line in ok(cli("stats")).splitlines()
+            if line.startswith("paused threads")] == ["2"]
+
+    assert ok(cli("resume", held)) == f"Resumed thread {held}.\n"
+    assert as_json(cli("resume", empty, "--json")) == {"thread_id": empty, "resumed": True}
+    result = cli("resume", empty)
+    assert result.exit_code == 1 and "is not paused" in result.stderr
+    assert "ls --paused" in result.stderr
+    assert ok(cli("ls", "--paused")) == "No paused threads.\n"
+    assert as_json(cli("show", held, "--json"))["paused"] is None
+    assert cli("show", empty).exit_code == 1     # no member and no pause: gone
+    assert as_json(cli("stats", "--json"))["paused"] == 0
+
+
+def test_a_paused_thread_is_never_stuck(app, cli):
+    lease, head = tid("cli-stuck-paused"), tid("cli-stuck-paused")
+    past = gate_in_the_past(app, HOUR)
+    token = past.enqueue(lease, "lost-lease", envelope("lost-lease", lease)).release.token
+    past.claim(lease, "lost-lease", token, 30_000, "gone@box")
+    gate_in_the_past(app, 121).enqueue(head, "late-head", envelope("late-head", head),
+                                       delay_ms=1)
+    assert cli("stats").exit_code == 3
+    for thread in (lease, head):
+        ok(cli("pause", thread))
+    result = cli("stats", "--json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert (data["stuck"], data["stuck_threads"], data["paused"], data["threads"]) == (
+        0, [], 2, 2)
+
+
 def test_tables_fit_in_80_columns(proj, app, cli):
     long_id = "account-" + "x" * 120
     for i in range(3):
@@ -478,7 +547,8 @@ def test_every_command_takes_json(proj, app, cli):
     kill_member(Threads(app).gate, tid("cli-json"), "json-dead")
     kill_member(Threads(app).gate, tid("cli-json"), "json-dead-2")
     for args in (("ls",), ("show", thread), ("dead",), ("stats",), ("delete", waiting),
-                 ("restart", "json-dead"), ("forget", "json-dead-2"), ("forget", "--all", "-y")):
+                 ("restart", "json-dead"), ("forget", "json-dead-2"), ("forget", "--all", "-y"),
+                 ("pause", thread), ("ls", "--paused"), ("resume", thread)):
         result = cli(*args, "--json")
         assert result.exit_code == 0, (args, result.output)
         json.loads(result.stdout)
@@ -522,7 +592,8 @@ def celery_process(env: dict[str, str], *args: str) -> subprocess.CompletedProce
 def test_the_celery_command_has_threads_subcommands(env):
     done = celery_process(env, "--help")
     assert done.returncode == 0, done.stderr
-    for command in ("ls", "show", "delete", "dead", "restart", "forget", "stats"):
+    for command in ("ls", "show", "delete", "dead", "restart", "forget", "stats", "pause",
+                    "resume"):
         assert f"  {command} " in done.stdout
 
 

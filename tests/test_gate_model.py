@@ -568,6 +568,19 @@ class GateMachine(RuleBasedStateMachine):
         task_id = dead[pick % len(dead)] if from_dead else self.known_task(pick)
         self.same(self.gate.forget(task_id), self.model.forget(task_id), "forget")
 
+    # -- the operator ---------------------------------------------------------------------------
+    @rule(thread_id=st.sampled_from(THREAD_IDS), reason=st.sampled_from(["", "fixing a bug"]))
+    def pause(self, thread_id: str, reason: str) -> None:
+        self.same_outcome(self.gate.pause(thread_id, reason), self.model.pause(thread_id, reason),
+                          "pause")
+
+    @rule(thread_id=st.sampled_from(THREAD_IDS), pick=st.integers(0, 999), paused=st.booleans())
+    def resume(self, thread_id: str, pick: int, paused: bool) -> None:
+        """A paused thread (``paused``: when there is one), or any."""
+        if paused and self.model.paused:
+            thread_id = sorted(self.model.paused)[pick % len(self.model.paused)]
+        self.same_outcome(self.gate.resume(thread_id), self.model.resume(thread_id), "resume")
+
     # -- the agreement, after every step ------------------------------------------------------
     @invariant()
     def gate_agrees_with_model(self) -> None:
@@ -583,11 +596,14 @@ class GateMachine(RuleBasedStateMachine):
         pipe.hgetall(s.dead_records)
         pipe.keys("*")
         pipe.zrange(s.ended, 0, -1, withscores=True)
+        pipe.hgetall(s.paused)
         for thread_id in threads:
             k = s.thread(thread_id)
             pipe.hgetall(k.active)
             pipe.zrange(k.queue, 0, -1, withscores=True)
-        due, leases, tasks, dead, dead_records, keys, ended, *per_thread = pipe.execute()
+        due, leases, tasks, dead, dead_records, keys, ended, paused, *per_thread = pipe.execute()
+        paused = {k.decode(): v.decode() for k, v in paused.items()}
+        assert paused == model.paused, f"paused {paused} vs model {model.paused}"
         # +inf: a UUID member keyed by its long form (its short field was taken when it came):
         # exactly those, and the others as the model's ended index (a dead-lettered id restarted
         # in its window and keyed long has only the +inf one).
@@ -604,7 +620,10 @@ class GateMachine(RuleBasedStateMachine):
         assert due == model.due_index(), f"due index {due} vs model {model.due_index()}"
         assert leases == model.lease_index(), f"leases {leases} vs model {model.lease_index()}"
         assert not set(due) & set(leases), "a thread in both indexes"
-        assert set(due) | set(leases) == set(model.threads), "an existing thread in no index"
+        # A paused thread with nothing active is in no index: no tick of the dispatcher reads it.
+        idle_paused = {t for t, th in model.threads.items() if th.active is None and t in paused}
+        assert set(due) | set(leases) == set(model.threads) - idle_paused, (
+            "an existing thread in no index")
 
         records = {record_task(k, v): parse_record(v) for k, v in tasks.items()}
         named = {k: record_task(k, v) for k, v in tasks.items()}        # field -> task id
@@ -689,7 +708,7 @@ class GateMachine(RuleBasedStateMachine):
         for key, present in ((s.due, model.due_index()), (s.leases, model.lease_index()),
                              (s.tasks, model.tasks), (s.dead, model.dead),
                              (s.dead_records, model.dead),
-                             (s.ended, model.ended or long_uuids)):
+                             (s.ended, model.ended or long_uuids), (s.paused, model.paused)):
             if present:
                 expected.add(key)
         for thread in model.threads.values():
@@ -711,15 +730,23 @@ class GateMachine(RuleBasedStateMachine):
         if turn == 0:
             thread_id = threads[(self.checks // 8) % len(threads)]
             snap, thread = self.gate.snapshot(thread_id), model.threads.get(thread_id)
-            assert (snap is None) == (thread is None), f"snapshot of {thread_id}: {snap}"
+            paused = model.paused.get(thread_id)
+            assert (snap is None) == (thread is None and paused is None), (
+                f"snapshot of {thread_id}: {snap}")
+            if snap is not None:
+                assert snap.paused == paused, f"snapshot of {thread_id}: {snap}"
+            if snap is not None and thread is None:
+                assert (snap.active, snap.waiting) == ({}, []), f"snapshot of {thread_id}: {snap}"
             if snap is not None and thread is not None:
                 assert snap.waiting == [(m.task_id, m.sched) for m in thread.waiting()]
-                assert snap.due_at == (None if thread.active else thread.waiting()[0].sched)
+                assert snap.due_at == (None if thread.active or paused is not None
+                                       else thread.waiting()[0].sched)
                 active = thread.active.task_id if thread.active else None
                 assert snap.active.get("task") == active
         elif turn == 1:
             listed = list(self.gate.thread_ids())
-            assert sorted(listed) == sorted(model.threads), f"thread_ids {listed}"
+            assert sorted(listed) == sorted(set(model.threads) | set(model.paused)), (
+                f"thread_ids {listed}")
         elif turn == 2:
             task_id = self.known_task(self.checks // 8)
             assert self.gate.thread_of(task_id) == model.thread_of(task_id), task_id

@@ -41,9 +41,11 @@ from .replies import (  # noqa: F401
     Done,
     Lapse,
     Outcome,
+    Pause,
     Release,
     Renewal,
     Restart,
+    Resume,
     Scan,
     ThreadSnapshot,
 )

@@ -375,6 +375,16 @@ class Gate:
         return self._call("fail", thread_id, task_id, token, reason, call_id(caller),
                           holder or "")
 
+    def pause(self, thread_id: str, reason: str) -> Outcome:
+        """Stop releasing the thread's members until :meth:`resume` (lua/pause.lua): status
+        ``PAUSED``, or ``ALREADY_PAUSED`` (the reason is replaced)."""
+        return self._call("pause", thread_id, reason)
+
+    def resume(self, thread_id: str) -> Outcome:
+        """Release again (lua/resume.lua): ``RESUMED``, with the due head's release if any, or
+        ``NOT_PAUSED``."""
+        return self._call("resume", thread_id)
+
     def restart(self, task_id: str, *, max_retries: Optional[int] = None,
                 retry_delay_ms: int = 0, thread_id: Optional[str] = None) -> Outcome:
         """Re-enter a dead task; pass ``thread_id`` (its dead record's) when it is known."""
@@ -439,9 +449,10 @@ class Gate:
         """A consistent read of one thread (a read-only script: its members' records live in the
         shard's tasks hash, under ids the thread's own keys name)."""
         keys = self.keys.thread(thread_id)
-        active, queue, records, due_at = self._snapshot(
-            keys=[keys.active, keys.queue, keys.shard.tasks, keys.shard.due], args=[thread_id])
-        if not active and not queue:
+        active, queue, records, due_at, paused = self._snapshot(
+            keys=[keys.active, keys.queue, keys.shard.tasks, keys.shard.due, keys.shard.paused],
+            args=[thread_id])
+        if not active and not queue and not paused:
             return None
         return ThreadSnapshot(
             thread_id=thread_id,
@@ -449,10 +460,13 @@ class Gate:
             waiting=[(_text(t), int(score)) for t, score in zip(queue[::2], queue[1::2])],
             records={_text(t): r for t, r in zip(records[::2], records[1::2])},
             due_at=None if due_at in (b"", "", None) else int(due_at),
+            paused=_text(paused[0]) if paused else None,
         )
 
     def thread_ids(self) -> Iterator[str]:
-        """Every existing thread: each is in exactly one of the due and leases indexes.
+        """Every existing thread: each is in exactly one of the due and leases indexes, or paused
+        (a paused thread with no active member is in neither; one with no member at all exists
+        for its pause alone).
 
         A thread that moves between the two during the scan is yielded once (or, when it moves
         from the index not yet read to the one already read, missed, as with any SCAN).
@@ -465,6 +479,10 @@ class Gate:
                     if thread_id not in seen:
                         seen.add(thread_id)
                         yield thread_id
+            for thread_id in self.paused(shard):
+                if thread_id not in seen:
+                    seen.add(thread_id)
+                    yield thread_id
 
     def dead_record(self, task_id: str) -> Optional[DeadRecord]:
         for shard in self.keys.all_shards():
@@ -490,6 +508,27 @@ class Gate:
             if limit is not None:
                 records = records[-limit:] if limit else []
         return records
+
+    def paused(self, shard: ShardKeys) -> dict[str, str]:
+        """The paused threads of ``shard`` and their reasons: O(paused threads), an operator's
+        handful, never a scan of the threads."""
+        return {_text(k): _text(v) for k, v in self.client.hgetall(shard.paused).items()}
+
+    def paused_leases(self, shard: ShardKeys) -> dict[str, Optional[int]]:
+        """The paused threads of ``shard``, each with its active member's deadline (ms), or
+        ``None`` when nothing is active (then the thread is in no index): O(paused threads)."""
+        thread_ids = list(self.paused(shard))
+        if not thread_ids:
+            return {}
+        scores = self.client.zmscore(shard.leases, thread_ids)
+        return {t: None if score is None else int(score) for t, score in zip(thread_ids, scores)}
+
+    def paused_reasons(self, thread_ids: Sequence[str]) -> list[Optional[str]]:
+        """Each thread's pause reason, or ``None`` when it is not paused (one round trip)."""
+        pipe = self.client.pipeline(transaction=False)
+        for thread_id in thread_ids:
+            pipe.hget(self.keys.thread(thread_id).shard.paused, thread_id)
+        return [None if r is None else _text(r) for r in pipe.execute()] if thread_ids else []
 
     def dead_count(self) -> int:
         return sum(int(self.client.zcard(shard.dead)) for shard in self.keys.all_shards())

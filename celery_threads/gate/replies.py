@@ -50,9 +50,22 @@ class Restart(IntEnum):
     ALREADY_MEMBER = 2
 
 
+class Pause(IntEnum):
+    """pause: the thread was paused already (its reason is replaced), or it is paused now."""
+    ALREADY_PAUSED = 0
+    PAUSED = 1
+
+
+class Resume(IntEnum):
+    """resume: the thread was not paused, or its releases go on (the reply may carry one)."""
+    NOT_PAUSED = 0
+    RESUMED = 1
+
+
 #: The statuses each script replies with (``Done`` for the others).
 REPLIES: dict[str, type[IntEnum]] = {"claim": Claim, "renew": Renewal, "expire": Lapse,
-                                     "fail": Lapse, "handback": Lapse, "restart": Restart}
+                                     "fail": Lapse, "handback": Lapse, "restart": Restart,
+                                     "pause": Pause, "resume": Resume}
 # The names callers use most.
 DONE, NOOP = Done.DONE, Done.NOOP
 CLAIMED, ALREADY_CLAIMED, STALE = Claim.CLAIMED, Claim.ALREADY_CLAIMED, Claim.STALE
@@ -107,6 +120,7 @@ class ThreadSnapshot:
     waiting: list[tuple[str, int]]      # (task id, scheduled_at ms) in release order
     records: dict[str, bytes]
     due_at: Optional[int]
+    paused: Optional[str] = None        # the pause's reason, when the thread is paused
 
 
 @dataclass(frozen=True)

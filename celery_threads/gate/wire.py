@@ -257,7 +257,7 @@ class _Packer:
         self.queue = [part.encode() for part in keys[6].split(self._MARK)]
         self.active = [part.encode() for part in keys[7].split(self._MARK)]
         self.shard_keys = b"".join(_bulk(key.encode()) for key in keys[:6])
-        self.last_key_and_clock = _bulk(keys[8].encode()) + _bulk(b"")
+        self.last_keys_and_clock = b"".join(_bulk(key.encode()) for key in keys[8:]) + _bulk(b"")
         self.settings = b"".join(_bulk(_arg(v)) for v in (release_timeout_ms,
                                                             shard.wake_channel, direct_arg))
         self.key_count = len(keys)
@@ -271,7 +271,7 @@ class _Packer:
         parts = [b"*%d\r\n" % (3 + self.key_count + 5 + len(args)), head, self.shard_keys,
                  _bulk(self.queue[0] + thread + self.queue[1]),
                  _bulk(self.active[0] + thread + self.active[1]),
-                 self.last_key_and_clock, _bulk(thread), self.settings]
+                 self.last_keys_and_clock, _bulk(thread), self.settings]
         parts.extend(_bulk(_arg(a)) for a in args)
         return b"".join(parts)
 

@@ -13,6 +13,8 @@
 --                            stop and del (see marked_deleted)
 --   KEYS[9] ended    ZSET    task id -> ended_at (ms) of members that ended in the last
 --                            ENDED_WINDOW; +inf: a UUID member keyed by its long form (add_member)
+--   KEYS[10] paused  HASH    thread id -> reason, of each paused thread (pause.lua): nothing of
+--                            it is released until resume.lua; while idle it is in no index
 -- ARGV (common head):
 --   ARGV[1] now      "" to use the Redis server's TIME, else milliseconds (tests only)
 --   ARGV[2] thread   thread id
@@ -34,7 +36,7 @@ if redis.replicate_commands then pcall(redis.replicate_commands) end  -- Redis 6
 -- (EVALSHA), once per call after these definitions; as a function of the library (FCALL, Redis
 -- 7+, see gate.function_library), at the start of each call, the definitions made once when
 -- the library loaded.
-local K_SEQ, K_DUE, K_LEASES, K_TASKS, K_DEAD, K_DEADREC, K_Q, K_A, K_ENDED
+local K_SEQ, K_DUE, K_LEASES, K_TASKS, K_DEAD, K_DEADREC, K_Q, K_A, K_ENDED, K_PAUSED
 local NOW, NOW_US, TID, RELEASE_TIMEOUT, WAKE, DIRECT
 -- {keepalive ms, worker, claimant, stop}: a script whose caller runs what it releases (finish
 -- with ARGV[9]) sets this, and the member it releases is claimed for that caller at once
@@ -53,6 +55,7 @@ local CALLER
 local function begin(keys, argv)
   K_SEQ, K_DUE, K_LEASES, K_TASKS = keys[1], keys[2], keys[3], keys[4]
   K_DEAD, K_DEADREC, K_Q, K_A, K_ENDED = keys[5], keys[6], keys[7], keys[8], keys[9]
+  K_PAUSED = keys[10]
   NOW, NOW_US = server_clock(argv[1])
   TID = argv[2]
   RELEASE_TIMEOUT = tonumber(argv[3])
@@ -107,13 +110,19 @@ local function make_record(seq, retries, maxr, delay, envelope, tail)
     '|' .. #TID .. '\n' .. TID .. envelope
 end
 
+-- Whether an operator paused the thread (pause.lua): then nothing of it is released.
+local function thread_paused()
+  return redis.call('HEXISTS', K_PAUSED, TID) == 1
+end
+
 -- Index a thread that has no active member: in due at its head's scheduled_at, or, when it has
--- no member left, in neither index (its queue, emptied, is gone already).  `detached`: the caller has just
--- detached the active member, so the thread sits in the leases index (not in due).  `head`: the
--- queue's head, as read by the caller.
-local function index_idle(detached, head)
+-- no member left or is paused, in neither index (its queue, emptied, is gone already; a paused
+-- thread is not due until resumed, so the dispatcher never reads it).  `detached`: the caller has
+-- just detached the active member, so the thread sits in the leases index (not in due).  `head`:
+-- the queue's head, as read by the caller; `paused`: whether the thread is paused.
+local function index_idle(detached, head, paused)
   redis.call('ZREM', K_LEASES, TID)
-  if head[1] == nil then
+  if head[1] == nil or paused then
     if not detached then redis.call('ZREM', K_DUE, TID) end
     return
   end
@@ -157,10 +166,12 @@ end
 -- Release the queue's head when it is due; the thread has no active member (`detached`: the
 -- caller has just detached it).  `known`: {field, record} of a member the caller holds, saving
 -- the read of its record when it is the head.  Returns {task, token, record} or nil.
+-- Every release of a waiting member comes here: a paused thread releases nothing.
 local function release_idle(detached, known)
   local head = redis.call('ZRANGE', K_Q, 0, 0, 'WITHSCORES')
-  if head[1] == nil or tonumber(head[2]) > NOW then
-    index_idle(detached, head)
+  local paused = head[1] ~= nil and thread_paused()
+  if head[1] == nil or paused or tonumber(head[2]) > NOW then
+    index_idle(detached, head, paused)
     return nil
   end
   local field = member_field(head[1])
@@ -468,7 +479,7 @@ local function add_member(task, sched, retries, maxr, delay, envelope, again)
     redis.call('ZADD', K_Q, sched, queue_member(seq, field))
     return nil
   end
-  if sched <= NOW and redis.call('EXISTS', K_Q) == 0 then
+  if sched <= NOW and redis.call('EXISTS', K_Q) == 0 and not thread_paused() then
     -- An empty thread (so in neither index): its only member is released without being queued.
     return activate(task, field, sched, false, rec)
   end

@@ -1,9 +1,10 @@
 -- snapshot: a consistent read of one thread (no writes), for inspection.
 --   KEYS[1] active   KEYS[2] queue   KEYS[3] the shard's tasks hash   KEYS[4] the shard's due index
+--   KEYS[5] the shard's paused hash
 --   ARGV[1] thread id
 -- Returns {active as a flat field/value list, the waiting members as a flat task id/score list,
 --          the records of the active and waiting members as a flat task id/record list,
---          the thread's score in the due index or ""}.
+--          the thread's score in the due index or "", {the pause's reason} or {}}.
 local active = redis.call('HGETALL', KEYS[1])
 local queue = redis.call('ZRANGE', KEYS[2], 0, -1, 'WITHSCORES')
 local records = {}
@@ -32,4 +33,6 @@ for start = 1, #fields, 1000 do    -- in chunks: unpack() is bounded by Lua's st
     end
   end
 end
-return { active, waiting, records, redis.call('ZSCORE', KEYS[4], ARGV[1]) or '' }
+local paused = redis.call('HGET', KEYS[5], ARGV[1])
+return { active, waiting, records, redis.call('ZSCORE', KEYS[4], ARGV[1]) or '',
+         paused and { paused } or {} }
