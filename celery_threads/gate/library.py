@@ -9,7 +9,7 @@ from importlib import resources
 from typing import NamedTuple
 
 SCRIPT_NAMES = ("enqueue", "release", "claim", "renew", "finish", "requeue", "kill", "delete",
-                "expire", "fail", "restart", "handback")
+                "expire", "fail", "restart", "handback", "redrive", "purge")
 
 
 def _load_lua(name: str) -> str:
