@@ -254,6 +254,8 @@ class Threads:
                 self.runtime.publish(release)
                 done = sum(1 for c in codes if c in (Redriven.AT_PLACE, Redriven.NEW_ARRIVAL))
                 for record, code in zip(batch, codes):
+                    if code in (Redriven.AT_PLACE, Redriven.NEW_ARRIVAL):
+                        self._forget_result(record.task_id)
                     if code == Redriven.NEW_ARRIVAL:
                         logger.warning("celery-threads: dead letter %s of thread %s was stored "
                                        "without its place; it re-entered as a new arrival",
@@ -262,6 +264,15 @@ class Threads:
                 if progress is not None:
                     progress(len(batch))
         return redriven
+
+    def _forget_result(self, task_id: str) -> None:
+        """A redriven member waits in the gate again: its stored FAILURE goes, so that its
+        ``AsyncResult`` is ``PENDING`` until it runs (and ``get()`` waits for that run)."""
+        try:
+            self.app.backend.forget(task_id)
+        except Exception:   # no result backend, or it is down: its next run overwrites it
+            logger.debug("celery-threads: could not forget the result of %s", task_id,
+                         exc_info=True)
 
     def _retry_settings(self, record: DeadRecord) -> tuple[Optional[int], int]:
         task = self.app.tasks.get(task_name(record.envelope))
