@@ -567,7 +567,7 @@ def stats(ctx: click.Context, stuck_after: Optional[float], as_json: bool) -> No
             ("  released", numbers.members["RELEASED"]),
             ("  running", numbers.members["RUNNING"]),
             ("dead letters", numbers.dead),
-            ("  dropped by retention", numbers.dead_dropped),
+            ("  retention drops", numbers.dead_dropped),
             ("oldest due idle head", oldest),
             ("stuck", max(numbers.stuck, len(stuck)) if stuck else 0),
         ], indent=0)))

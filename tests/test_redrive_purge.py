@@ -155,5 +155,5 @@ def test_retention_drops_letters_past_the_bound_and_the_ttl(proj, make_deploymen
     wait_for(lambda: threads.stats().dead_dropped == 4, timeout=30,
              what="the other two dropped by the TTL")
     assert threads.dead() == []
-    [line] = [x for x in cli("stats").stdout.splitlines() if "dropped by retention" in x]
+    [line] = [x for x in cli("stats").stdout.splitlines() if "retention drops" in x]
     assert line.split()[-1] == "4", line
