@@ -8,11 +8,12 @@ check.  Times are the gate's Redis server clock, printed in UTC.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import shutil
 import textwrap
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from datetime import datetime
 from typing import Any, Callable, NamedTuple, Optional, TypeVar, cast
 
@@ -31,6 +32,7 @@ EX_EVICTING = 4        # `stats`: the gate's Redis may evict waiting members (an
 EX_UNAVAILABLE = 69    # the gate's Redis cannot be reached (sysexits EX_UNAVAILABLE, as Celery)
 EX_CONFIG = 78         # a threads_* setting is wrong (sysexits EX_CONFIG)
 DEAD_LIMIT = 100       # `dead`: the latest deaths listed unless --limit says otherwise
+PROGRESS_FROM = 1000   # `purge`, `redrive`: a progress bar on a terminal from this many items
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -498,6 +500,85 @@ def forget(ctx: click.Context, task_id: Optional[str], forget_all: bool, yes: bo
         click.echo(f"Forgot {len(forgotten)} dead task{'s' if len(forgotten) != 1 else ''}.")
 
 
+@contextlib.contextmanager
+def _progress(total: int, label: str) -> Iterator[Callable[[int], None]]:
+    """A click progress bar on stderr while it is a terminal (else nothing shows); yields the
+    callback a batched operator action tells after each batch."""
+    if total < PROGRESS_FROM or not click.get_text_stream("stderr").isatty():
+        yield lambda n: None
+        return
+    with click.progressbar(length=total, label=label,
+                           file=click.get_text_stream("stderr")) as bar:
+        yield bar.update
+
+
+@threads.command()
+@click.argument("thread_id", required=False)
+@click.option("--limit", type=click.IntRange(min=0), default=None,
+              help="Redrive at most this many, oldest death first.")
+@click.option("--dry-run", is_flag=True, help="List what would be redriven; change nothing.")
+@json_option
+@click.pass_context
+@_guarded
+def redrive(ctx: click.Context, thread_id: Optional[str], limit: Optional[int], dry_run: bool,
+            as_json: bool) -> None:
+    """Put dead letters back into their threads at their original place.
+
+    Those of THREAD_ID, or of every thread; oldest death first.  Each keeps its task id, its
+    scheduled time and its arrival order, with its retries reset, so a thread's redriven members
+    run in their original order and before members that arrived after them.
+    """
+    t = _threads(ctx)
+    letters = t.redrivable(thread_id, limit)
+    if dry_run:
+        if as_json:
+            _echo_json({"dry_run": True, "would_redrive": letters})
+            return
+        for d in letters:
+            click.echo(f"{_when(d.died_at)}  {d.task_id}  thread {d.thread_id}  {d.name or '?'}")
+        click.echo(f"would redrive {len(letters)} dead task{'s' if len(letters) != 1 else ''}")
+        return
+    try:
+        # The tasks' max_retries and default_retry_delay come from their registered classes.
+        t.app.loader.import_default_modules()
+    except Exception as exc:
+        click.echo(f"warning: could not import the app's task modules ({exc}); the tasks keep "
+                   "default retry settings", err=True)
+    with _progress(len(letters), "redriving") as progress:
+        count = t.redrive(thread_id, limit, progress=progress)
+    if as_json:
+        _echo_json({"redriven": count})
+    else:
+        click.echo(f"Redrove {count} dead task{'s' if count != 1 else ''} to their original "
+                   "place.")
+
+
+@threads.command()
+@click.argument("thread_id", required=False)
+@click.option("--force", "-f", is_flag=True, help="Do not ask for confirmation.")
+@json_option
+@click.pass_context
+@_guarded
+def purge(ctx: click.Context, thread_id: Optional[str], force: bool, as_json: bool) -> None:
+    """Drop the waiting members of THREAD_ID, or of every thread.
+
+    A released or running member goes on.  Dropped members end as REVOKED in the result
+    backend.  Asks first, unless -f.
+    """
+    t = _threads(ctx)
+    waiting = t.waiting_count(thread_id)
+    where = f"thread {thread_id}" if thread_id is not None else "every thread"
+    if not force:
+        click.confirm(f"Drop the {waiting} waiting member{'s' if waiting != 1 else ''} of "
+                      f"{where}? This cannot be undone.", abort=True, err=True)
+    with _progress(waiting, "purging") as progress:
+        count = t.purge(thread_id, progress=progress)
+    if as_json:
+        _echo_json({"purged": count})
+    else:
+        click.echo(f"Dropped {count} waiting member{'s' if count != 1 else ''} of {where}.")
+
+
 @threads.command()
 @click.option("--stuck-after", type=click.FloatRange(min=0), default=None, metavar="SECONDS",
               help="How late counts as stuck (default: 3 dispatcher ticks).")
@@ -540,6 +621,7 @@ def stats(ctx: click.Context, stuck_after: Optional[float], as_json: bool) -> No
             ("  running", numbers.members["RUNNING"]),
             ("paused threads", numbers.paused),
             ("dead letters", numbers.dead),
+            ("  retention drops", numbers.dead_dropped),
             ("oldest due idle head", oldest),
             ("stuck", max(numbers.stuck, len(stuck)) if stuck else 0),
         ], indent=0)))

@@ -30,6 +30,8 @@ DEFAULTS: dict[str, Any] = {
     "threads_redis_options": None,
     "threads_wait_replicas": 0,
     "threads_publish_timeout": 5.0,
+    "threads_dead_letter_max": None,
+    "threads_dead_letter_ttl": None,
 }
 
 
@@ -55,6 +57,11 @@ class ThreadsConfig:
     #: before it raises ``GateUnavailable``; a worker's own gate calls ride out longer outages
     #: (gate/deadline.py)
     publish_timeout: float = 5.0
+    #: dead-letter retention: past this many letters the oldest are dropped (None: no bound),
+    #: ``ceil(max / shards)`` per shard
+    dead_letter_max: Optional[int] = None
+    #: dead-letter retention: letters older than this many seconds are dropped (None: kept)
+    dead_letter_ttl: Optional[float] = None
 
     @property
     def keepalive_ms(self) -> int:
@@ -68,6 +75,11 @@ class ThreadsConfig:
 def _setting(app: Celery, name: str) -> Any:
     value = app.conf.get(name)
     return DEFAULTS[name] if value is None else value
+
+
+def _optional(app: Celery, name: str, kind: Any) -> Any:
+    value = app.conf.get(name)
+    return None if value is None else kind(value)
 
 
 _SCHEMES = ("redis", "rediss", "unix", "sentinel")
@@ -142,6 +154,8 @@ def read_config(app: Celery) -> ThreadsConfig:
         redis_options=gate_redis_options(app, redis_url),
         wait_replicas=int(_setting(app, "threads_wait_replicas")),
         publish_timeout=float(_setting(app, "threads_publish_timeout")),
+        dead_letter_max=_optional(app, "threads_dead_letter_max", int),
+        dead_letter_ttl=_optional(app, "threads_dead_letter_ttl", float),
     )
     if (config.keepalive <= 0 or config.dispatch_interval <= 0 or config.release_timeout <= 0
             or config.publish_timeout <= 0):
@@ -149,6 +163,11 @@ def read_config(app: Celery) -> ThreadsConfig:
             "threads_keepalive, threads_dispatch_interval, threads_release_timeout and "
             "threads_publish_timeout must be positive numbers of seconds."
         )
+    if ((config.dead_letter_max is not None and config.dead_letter_max < 0)
+            or (config.dead_letter_ttl is not None and config.dead_letter_ttl <= 0)):
+        raise ConfigurationError(
+            "threads_dead_letter_max must be None (no bound) or a number of letters, 0 or more; "
+            "threads_dead_letter_ttl None (kept) or a positive number of seconds.")
     if config.wait_replicas < 0:
         raise ConfigurationError(
             "threads_wait_replicas must be 0 (no WAIT) or a number of replicas.")

@@ -26,6 +26,7 @@ class TickReport:
     republished: int = 0
     retried: int = 0
     died: int = 0
+    dead_dropped: int = 0               # dead letters dropped by retention
     next_ms: Optional[int] = None       # earliest known future work (server clock, ms)
     now_ms: int = 0
     more: bool = False                  # a batch was full: run again at once
@@ -63,6 +64,24 @@ class Dispatcher:
                 self.runtime.publish(outcome.release)
         for thread_id, outcome in zip(scan.lapsed, gate.expire_many(scan.lapsed)):
             self._after_expire(thread_id, outcome, report)
+        self._retain_dead(shard, report)
+
+    def _retain_dead(self, shard: ShardKeys, report: TickReport) -> None:
+        """Dead-letter retention (``threads_dead_letter_max``, ``threads_dead_letter_ttl``): the
+        shard's oldest letters past its share of the bound, or older than the TTL, are dropped,
+        at most ``threads_dispatch_batch`` per tick (one O(log n + dropped) script)."""
+        config = self.runtime.config
+        if config.dead_letter_max is None and config.dead_letter_ttl is None:
+            return
+        keep = (None if config.dead_letter_max is None
+                else -(-config.dead_letter_max // config.shards))    # ceil: a share per shard
+        ttl_ms = None if config.dead_letter_ttl is None else int(config.dead_letter_ttl * 1000)
+        dropped, more = self.runtime.gate.trim_dead(shard, keep, ttl_ms, config.dispatch_batch)
+        if dropped:
+            report.dead_dropped += dropped
+            logger.info("celery-threads: dropped %s dead letter(s) past threads_dead_letter_max "
+                        "or threads_dead_letter_ttl", dropped)
+        report.more = report.more or more
 
     def _after_expire(self, thread_id: str, outcome: Outcome, report: TickReport) -> None:
         if outcome.status == Lapse.REPUBLISH:

@@ -76,6 +76,12 @@ class ShardKeys:
         return f"{self.tag}:dead:records"
 
     @property
+    def dead_dropped(self) -> str:
+        """STRING counter: dead letters dropped by retention (``threads_dead_letter_max`` and
+        ``threads_dead_letter_ttl``), ever."""
+        return f"{self.tag}:dead:dropped"
+
+    @property
     def ended(self) -> str:
         """ZSET task id -> ended_at (ms) of the members that left in the last 30 s: an enqueue
         of one of them (a replay after a lost reply) is a duplicate, not a new member.  A UUID

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import functools
+import heapq
+import logging
 from collections.abc import Iterator
 from datetime import datetime, timezone
 from typing import Any, Callable, NamedTuple, Optional, TypeVar
@@ -10,12 +12,24 @@ from celery import Celery
 
 from .config import read_config
 from .errors import UnknownTask
-from .gate import Pause, Restart, Resume, ThreadSnapshot, deadline, parse_record
+from .gate import (
+    DEAD_CHUNK,
+    OPERATOR_BATCH,
+    DeadRecord,
+    Pause,
+    Redriven,
+    Restart,
+    Resume,
+    ThreadSnapshot,
+    deadline,
+    parse_record,
+)
 from .protocol import normalize_thread_id, retry_settings
 from .publish import arguments_repr, decode_arguments, task_name
 from .runtime import get_runtime
 
 T = TypeVar("T")
+logger = logging.getLogger(__name__)
 
 NO_REASON = "paused"
 """The reason of a pause given none: ``ThreadInfo.paused`` is ``None`` only when not paused."""
@@ -188,23 +202,7 @@ class Threads:
         the app accepts (see :class:`DeadTask`)."""
         if limit is not None and limit < 0:
             raise ValueError(f"limit must be 0 or more, not {limit}")
-        tasks = []
-        for record in self.gate.dead_records(limit):
-            try:
-                args, kwargs = decode_arguments(self.app, record.envelope)
-            except Exception:
-                args, kwargs = [], {}
-            tasks.append(DeadTask(
-                task_id=record.task_id,
-                thread_id=str(record.meta.get("thread_id", "")),
-                name=task_name(record.envelope),
-                args=args,
-                kwargs=kwargs,
-                retries=int(record.meta.get("retries", 0)),
-                exception=str(record.meta.get("exception", "")),
-                died_at=_utc(record.died_at_ms),  # type: ignore[arg-type]
-            ))
-        return tasks
+        return [self._dead_task(record) for record in self.gate.dead_records(limit)]
 
     @_admin
     def restart(self, task_id: str) -> Any:
@@ -217,8 +215,7 @@ class Threads:
         record = self.gate.dead_record(task_id)
         if record is None:
             raise UnknownTask(f"{task_id} is not in the dead-letter store (see Threads.dead())")
-        task = self.app.tasks.get(task_name(record.envelope))
-        max_retries, retry_delay_ms = (retry_settings(task) if task is not None else (3, 0))
+        max_retries, retry_delay_ms = self._retry_settings(record)
         outcome = self.gate.restart(
             task_id, max_retries=max_retries, retry_delay_ms=retry_delay_ms,
             thread_id=str(record.meta["thread_id"]))
@@ -231,6 +228,150 @@ class Threads:
     def forget(self, task_id: str) -> bool:
         """Drop a dead task from the store; ``True`` if it was there."""
         return self.gate.forget(task_id)
+
+    # -- redrive and purge ------------------------------------------------------------------
+
+    @_admin
+    def redrivable(self, thread_id: Any = None, limit: Optional[int] = None) -> list[DeadTask]:
+        """The dead letters :meth:`redrive` would put back (of ``thread_id``, or of every thread;
+        oldest death first; at most ``limit``): a dry run, which changes nothing.  The store is
+        read in death order, :data:`~celery_threads.gate.DEAD_CHUNK` letters per read; with a
+        ``thread_id`` every letter is read (the store has no index by thread)."""
+        return [self._dead_task(r) for r in self._redrivable(thread_id, limit)]
+
+    def _redrivable(self, thread_id: Any, limit: Optional[int]) -> list[DeadRecord]:
+        if limit is not None and limit < 0:
+            raise ValueError(f"limit must be 0 or more, not {limit}")
+        wanted = None if thread_id is None else normalize_thread_id(thread_id)
+        chosen: list[DeadRecord] = []
+        # Each shard is in death order; merged by time across shards.
+        for record in heapq.merge(*(self._dead_in_order(s) for s in self.gate.keys.all_shards()),
+                                  key=lambda r: r.died_at_ms):
+            if limit is not None and len(chosen) >= limit:
+                break
+            if wanted is None or str(record.meta.get("thread_id", "")) == wanted:
+                chosen.append(record)
+        return chosen
+
+    def _dead_in_order(self, shard: Any) -> Iterator[DeadRecord]:
+        start = 0
+        while True:
+            ids = self.gate.dead_ids(shard, start, DEAD_CHUNK)
+            if not ids:
+                return
+            raws: list[Any] = self.gate.client.hmget(shard.dead_records, ids)
+            for task_id, raw in zip(ids, raws):
+                if raw is not None:
+                    yield DeadRecord.parse(task_id, raw)
+            start += len(ids)
+
+    @_admin
+    def redrive(self, thread_id: Any = None, limit: Optional[int] = None, *,
+                progress: Optional[Callable[[int], None]] = None) -> int:
+        """Put dead letters (of ``thread_id``, or of every thread; oldest death first; at most
+        ``limit``) back into their threads at their original place: the scheduled_at and
+        arrival number they had, same task id, retries reset.  A thread's redriven members run
+        in their original order and before members that arrived after them.  A letter that died
+        before the store kept places re-enters as a new arrival (logged).
+
+        The letters go back :data:`~celery_threads.gate.api.OPERATOR_BATCH` per script call, each
+        thread's in their original order; ``progress(n)`` is told after each call.  Returns the
+        number redriven."""
+        by_thread: dict[str, list[DeadRecord]] = {}
+        for record in self._redrivable(thread_id, limit):
+            by_thread.setdefault(str(record.meta["thread_id"]), []).append(record)
+        redriven = 0
+        for thread, records in by_thread.items():
+            # By place, so that the head released after each call is the earliest of them all.
+            records.sort(key=_place)
+            for at in range(0, len(records), OPERATOR_BATCH):
+                batch = records[at:at + OPERATOR_BATCH]
+                codes, release = self.gate.redrive(
+                    thread, [(r.task_id, *self._retry_settings(r)) for r in batch])
+                self.runtime.publish(release)
+                done = sum(1 for c in codes if c in (Redriven.AT_PLACE, Redriven.NEW_ARRIVAL))
+                for record, code in zip(batch, codes):
+                    if code in (Redriven.AT_PLACE, Redriven.NEW_ARRIVAL):
+                        self._forget_result(record.task_id)
+                    if code == Redriven.NEW_ARRIVAL:
+                        logger.warning("celery-threads: dead letter %s of thread %s was stored "
+                                       "without its place; it re-entered as a new arrival",
+                                       record.task_id, thread)
+                redriven += done
+                if progress is not None:
+                    progress(len(batch))
+        return redriven
+
+    def _forget_result(self, task_id: str) -> None:
+        """A redriven member waits in the gate again: its stored FAILURE goes, so that its
+        ``AsyncResult`` is ``PENDING`` until it runs (and ``get()`` waits for that run)."""
+        try:
+            self.app.backend.forget(task_id)
+        except Exception:   # no result backend, or it is down: its next run overwrites it
+            logger.debug("celery-threads: could not forget the result of %s", task_id,
+                         exc_info=True)
+
+    def _retry_settings(self, record: DeadRecord) -> tuple[Optional[int], int]:
+        task = self.app.tasks.get(task_name(record.envelope))
+        return retry_settings(task) if task is not None else (3, 0)
+
+    def _dead_task(self, record: DeadRecord) -> DeadTask:
+        try:
+            args, kwargs = decode_arguments(self.app, record.envelope)
+        except Exception:
+            args, kwargs = [], {}
+        return DeadTask(
+            task_id=record.task_id,
+            thread_id=str(record.meta.get("thread_id", "")),
+            name=task_name(record.envelope),
+            args=args,
+            kwargs=kwargs,
+            retries=int(record.meta.get("retries", 0)),
+            exception=str(record.meta.get("exception", "")),
+            died_at=_utc(record.died_at_ms),  # type: ignore[arg-type]
+        )
+
+    @_admin
+    def waiting_count(self, thread_id: Any = None) -> int:
+        """How many members wait (not released nor running) in ``thread_id``, or in every
+        thread: O(1) reads."""
+        if thread_id is not None:
+            keys = self.gate.keys.thread(normalize_thread_id(thread_id))
+            return int(self.gate.client.zcard(keys.queue))
+        client = self.gate.client
+        return sum(max(0, int(client.hlen(s.tasks)) - int(client.zcard(s.leases)))
+                   for s in self.gate.keys.all_shards())
+
+    @_admin
+    def purge(self, thread_id: Any = None, *,
+              progress: Optional[Callable[[int], None]] = None) -> int:
+        """Drop the waiting members of ``thread_id``, or of every thread; a released or running
+        member goes on.  Dropped members end as ``REVOKED`` in the result backend and leave the
+        gate as any ending does; a thread's keys vanish with its last member.
+
+        Members are dropped :data:`~celery_threads.gate.api.OPERATOR_BATCH` per script call, the
+        last in release order first (so nothing is released meanwhile); every thread is found
+        through the gate's indexes with a cursor.  ``progress(n)`` is told after each call.
+        Members that arrive while a thread is being purged may be dropped too.  Returns the
+        number dropped."""
+        if thread_id is not None:
+            return self._purge_thread(normalize_thread_id(thread_id), progress)
+        return sum(self._purge_thread(t, progress) for t in self.gate.thread_ids())
+
+    def _purge_thread(self, thread_id: str, progress: Optional[Callable[[int], None]]) -> int:
+        # Bounded, so that producers adding members as fast as they go cannot keep it going.
+        bound = 2 * int(self.gate.client.zcard(self.gate.keys.thread(thread_id).queue)) + 1
+        total = 0
+        while total < bound:
+            dropped, left = self.gate.purge(thread_id)
+            for task_id in dropped:
+                self.runtime.mark_revoked(task_id, "purged from its thread")
+            total += len(dropped)
+            if progress is not None and dropped:
+                progress(len(dropped))
+            if not dropped or not left:
+                break
+        return total
 
     # -- health -----------------------------------------------------------------------------
     # Every "now" below is the Redis server's clock (TIME), the clock the gate's scripts use.
@@ -366,6 +507,7 @@ class Threads:
             oldest_waiting_head=head,
             stuck=stuck,
             paused=paused,
+            dead_dropped=self.gate.dead_dropped(),
         )
 
 
@@ -465,6 +607,16 @@ class Stats(NamedTuple):
     oldest_waiting_head: Optional[WaitingHead]   # the idle thread's head due the longest
     stuck: int                        # threads :meth:`Threads.stuck` would list
     paused: int = 0                   # paused threads (never stuck)
+    dead_dropped: int = 0             # dead letters dropped by retention, ever
+
+
+def _place(record: DeadRecord) -> tuple[int, int, int]:
+    """A dead letter's place in its thread (scheduled_at, arrival number); one whose record kept
+    none sorts last."""
+    seq, sched = record.meta.get("seq"), record.meta.get("sched")
+    if isinstance(seq, int) and isinstance(sched, int):
+        return 0, sched, seq
+    return 1, record.died_at_ms, 0
 
 
 def _at(ms: int) -> datetime:

@@ -121,6 +121,8 @@ class Model:
                                        tuple[int, str]]] = None
         self.dead_callers: dict[str, Optional[str]] = {}   # task id -> the call that killed it
         self.paused: dict[str, str] = {}         # thread id -> the pause's reason
+        self.dead_places: dict[str, tuple[int, int]] = {}  # task id -> its (sched, seq) at death
+        self.dead_dropped = 0                    # dead letters dropped by retention
 
     # -- helpers ---------------------------------------------------------------------------
     def _schedule(self, delay_ms: int, at_ms: Optional[int]) -> int:
@@ -190,14 +192,17 @@ class Model:
         return self.ended.get(task_id, -ENDED_WINDOW_MS - 1) >= self.now - ENDED_WINDOW_MS
 
     def _add_member(self, thread_id: str, task_id: str, sched: int, max_retries: int,
-                    retry_delay_ms: int, envelope: bytes, again: bool = False) -> bool:
+                    retry_delay_ms: int, envelope: bytes, again: bool = False,
+                    seq: Optional[int] = None) -> bool:
+        """``seq``: the arrival number it keeps (a redrive), else a new one."""
         if task_id in self.tasks:
             return False
         if not again and self.ended.get(task_id, -ENDED_WINDOW_MS - 1) >= self.now - ENDED_WINDOW_MS:
             return False
         thread = self.threads.setdefault(thread_id, Thread(thread_id))
-        thread.members[task_id] = Member(task_id, sched, next(self._arrivals), 0, max_retries,
-                                         retry_delay_ms, envelope)
+        thread.members[task_id] = Member(task_id, sched,
+                                         next(self._arrivals) if seq is None else seq, 0,
+                                         max_retries, retry_delay_ms, envelope)
         self.tasks[task_id] = thread_id
         return True
 
@@ -228,7 +233,11 @@ class Model:
         m = thread.members[thread.active.task_id]
         if keep:   # a task id that died before goes to the end of the death order
             self.dead.pop(m.task_id, None)
-            self.dead[m.task_id] = Dead(m.task_id, meta, m.envelope, self.now)
+            # Its place, for a redrive: the gate adds its seq and scheduled_at to the meta (the
+            # test compares the gate's seq by the order it gives, as for every seq).
+            self.dead[m.task_id] = Dead(m.task_id, {**meta, "sched": m.sched}, m.envelope,
+                                        self.now)
+            self.dead_places[m.task_id] = (m.sched, m.seq)
             self.dead_callers[m.task_id] = caller
         self._drop_active(thread)
 
@@ -509,6 +518,64 @@ class Model:
         if self.paused.pop(thread_id, None) is None:
             return Outcome(NOOP, "")
         return Outcome(DONE, "", self._release_head(thread_id))
+    def redrive(self, thread_id: str, letters: list[tuple[str, Optional[int], int]], *,
+                caller: Optional[str] = None) -> tuple[list[str], Optional[Release]]:
+        """lua/redrive.lua: each dead letter of the thread back at its place (scheduled_at and
+        arrival number at death), retries reset; the head released once all are back."""
+        codes: list[str] = []
+        again: set[str] = set()
+        for task_id, max_retries, retry_delay_ms in letters:
+            mark = f"\0redriven:{caller or ''}:{task_id}"
+            record = self.dead.get(task_id)
+            if record is not None and record.meta.get("thread_id") == thread_id:
+                sched, seq = self.dead_places[task_id]
+                maxr = -1 if max_retries is None else int(max_retries)
+                if not self._add_member(thread_id, task_id, sched, maxr, retry_delay_ms,
+                                        record.envelope, again=True, seq=seq):
+                    codes.append("a")
+                    continue
+                del self.dead[task_id]
+                self.ended.pop(task_id, None)   # live again: its old run no longer ended
+                if caller:
+                    self.ended[mark] = self.now
+                codes.append("r")
+            elif record is None and caller and self._ended_lately(mark):
+                codes.append("r")
+                again.add(task_id)
+            else:
+                codes.append("-")
+        release = self._release_head(thread_id)
+        thread = self.threads.get(thread_id)
+        if (release is None and thread is not None and thread.active is not None
+                and thread.active.task_id in again and thread.active.state == RELEASED):
+            release = self._release_of(thread)
+        return codes, release
+
+    def purge(self, thread_id: str, limit: int = 100) -> tuple[list[str], int]:
+        """lua/purge.lua: drop at most ``limit`` waiting members, the last in release order
+        first; nothing is released.  (task ids dropped, how many still wait)."""
+        thread = self.threads.get(thread_id)
+        if thread is None:
+            return [], 0
+        waiting = thread.waiting()
+        dropped = [m.task_id for m in reversed(waiting[-limit:])] if limit > 0 else []
+        for task_id in dropped:
+            del thread.members[task_id]
+            del self.tasks[task_id]
+            self._mark_ended(task_id)
+        left = len(waiting) - len(dropped)
+        if not thread.members:
+            del self.threads[thread_id]
+        return dropped, left
+
+    def trim_dead(self, keep: Optional[int], limit: int) -> tuple[int, bool]:
+        """lua/trim_dead.lua by count (its TTL rests on the shard counter's scores, which the
+        model does not keep): the oldest deaths past ``keep`` go, at most ``limit``."""
+        over = max(0, len(self.dead) - keep) if keep is not None else 0
+        for task_id in list(self.dead)[:min(over, limit)]:
+            del self.dead[task_id]
+        self.dead_dropped += min(over, limit)
+        return min(over, limit), over > limit
 
     # -- the dispatcher's view ----------------------------------------------------------------
     def due_index(self) -> dict[str, int]:

@@ -43,6 +43,8 @@ app.conf.update(
     threads_redis_options=dict(json.loads(os.environ.get("CT_REDIS_OPTIONS") or "{}"),
                                **({"cluster": True} if os.environ.get("CT_CLUSTER") == "1" else {})),
     threads_wait_replicas=int(os.environ.get("CT_WAIT_REPLICAS", "0")),
+    threads_dead_letter_max=os.environ.get("CT_DEAD_LETTER_MAX") or None,
+    threads_dead_letter_ttl=os.environ.get("CT_DEAD_LETTER_TTL") or None,
     task_default_queue=os.environ.get("CT_QUEUE", "celery"),
     task_acks_late=os.environ.get("CT_ACKS_LATE") == "1",
     worker_prefetch_multiplier=int(os.environ.get("CT_PREFETCH", "4")),
@@ -174,6 +176,15 @@ def boom(self, thread, label, sleep=0.0):
     with _Span(self, thread, label):
         time.sleep(sleep)
         raise ValueError(f"{label} exploded")
+
+
+@app.task(base=ThreadedTask, bind=True, thread_key="thread", max_retries=0)
+def flaky(self, thread, label):
+    """Fails for good (no retries) while the key flaky:<thread> exists, else succeeds."""
+    with _Span(self, thread, label):
+        if history().exists(f"flaky:{thread}"):
+            raise ValueError(f"{label} failed: flaky:{thread} is set")
+    return label
 
 
 @app.task(base=ThreadedTask, bind=True, thread_key="thread", dead_letter=False, max_retries=0)

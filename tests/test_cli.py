@@ -405,7 +405,7 @@ def test_stats_of_a_healthy_gate(proj, app, cli):
     pairs = dict(line.rsplit(None, 1) for line in lines if line.strip() and line != oldest)
     assert {k.strip(): v for k, v in pairs.items()} == {
         "threads": "2", "members": "4", "waiting": "2", "released": "1", "running": "1",
-        "paused threads": "0", "dead letters": "1", "stuck": "0"}
+        "paused threads": "0", "dead letters": "1", "retention drops": "0", "stuck": "0"}
 
     data = as_json(cli("stats", "--json"))
     assert (data["threads"], data["members"], data["dead"], data["stuck"]) == (

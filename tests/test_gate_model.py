@@ -101,6 +101,13 @@ def note(what: str) -> None:
     OUTCOMES[what] += 1
 
 
+def without_seq(meta: dict[str, Any]) -> dict[str, Any]:
+    """A dead record's meta without the arrival number the gate keeps in it (the model's seqs
+    are its own; the order they give is checked through the redriven members' places)."""
+    assert isinstance(meta.get("seq"), int), f"dead record without its seq: {meta}"
+    return {k: v for k, v in meta.items() if k != "seq"}
+
+
 def has_active(self: GateMachine) -> bool:
     return any(t.active is not None for t in self.model.threads.values())
 
@@ -139,6 +146,7 @@ class GateMachine(RuleBasedStateMachine):
         self.serial = 0
         self.checks = 0
         self.counter_start = 0                   # where the shard counter started (0: unset)
+        self.last_redrive: Optional[tuple[str, list[Any], str]] = None
         STATS["examples"] += 1
 
     # -- helpers ----------------------------------------------------------------------------
@@ -580,6 +588,45 @@ class GateMachine(RuleBasedStateMachine):
         if paused and self.model.paused:
             thread_id = sorted(self.model.paused)[pick % len(self.model.paused)]
         self.same_outcome(self.gate.resume(thread_id), self.model.resume(thread_id), "resume")
+    @precondition(has_dead)
+    @rule(thread_id=st.sampled_from([None, *THREAD_IDS]),
+          picks=st.lists(st.integers(0, 999), min_size=1, max_size=3),
+          unknown=st.booleans(), replay=st.integers(0, 3),
+          max_retries=st.sampled_from([None, 0, 1]),
+          retry_delay=st.sampled_from([0, RELEASE_TIMEOUT]))
+    def redrive(self, thread_id: Optional[str], picks: list[int], unknown: bool, replay: int,
+                max_retries: Optional[int], retry_delay: int) -> None:
+        """Dead letters (of this thread, another, or none) back at their place, into the first
+        one's thread (None) or another; or (replay 0) the last redrive sent again after its
+        reply was lost, under the same caller."""
+        if replay == 0 and self.last_redrive is not None:
+            thread_id, letters, caller = self.last_redrive
+        else:
+            dead = list(self.model.dead)
+            ids = [dead[p % len(dead)] for p in picks]
+            if thread_id is None:
+                thread_id = self.model.dead[ids[0]].meta["thread_id"]
+            if unknown:
+                ids.append(self.known_task(len(picks)))
+            letters = [(t, max_retries, retry_delay) for t in ids]
+            self.serial += 1
+            caller = f"redrive-{self.serial}"
+            self.last_redrive = (thread_id, letters, caller)
+        codes, release = self.gate.redrive(thread_id, letters, caller=caller)
+        want_codes, want_release = self.model.redrive(thread_id, letters, caller=caller)
+        self.same_outcome(gate_module.Outcome(1, "".join(codes), release),
+                          M.Outcome(1, "".join(want_codes), want_release), "redrive")
+
+    @rule(thread_id=st.sampled_from(THREAD_IDS), limit=st.sampled_from([1, 2, 100]))
+    def purge(self, thread_id: str, limit: int) -> None:
+        self.same(self.gate.purge(thread_id, limit), self.model.purge(thread_id, limit), "purge")
+
+    @precondition(has_dead)
+    @rule(keep=st.integers(0, 3), limit=st.sampled_from([1, 100]))
+    def trim_dead(self, keep: int, limit: int) -> None:
+        self.same(self.gate.trim_dead(self.shard, keep, None, limit),
+                  self.model.trim_dead(keep, limit), "trim_dead")
+        assert int(self.r.get(self.shard.dead_dropped) or 0) == self.model.dead_dropped
 
     # -- the agreement, after every step ------------------------------------------------------
     @invariant()
@@ -638,7 +685,7 @@ class GateMachine(RuleBasedStateMachine):
         for task_id, raw in dead_records.items():
             died_at, meta, body = raw.split(b"\n", 2)
             at, _, caller = died_at.decode().partition("|")     # the call that killed it
-            dead_parsed[task_id.decode()] = (int(at), json.loads(meta), body)
+            dead_parsed[task_id.decode()] = (int(at), without_seq(json.loads(meta)), body)
             named_caller = model.dead_callers.get(task_id.decode())
             assert named_caller is None or caller == named_caller, (task_id, caller, named_caller)
         expected_dead = {d.task_id: (d.died_at_ms, d.meta, d.envelope) for d in model.dead.values()}
@@ -708,7 +755,8 @@ class GateMachine(RuleBasedStateMachine):
         for key, present in ((s.due, model.due_index()), (s.leases, model.lease_index()),
                              (s.tasks, model.tasks), (s.dead, model.dead),
                              (s.dead_records, model.dead),
-                             (s.ended, model.ended or long_uuids), (s.paused, model.paused)):
+                             (s.ended, model.ended or long_uuids), (s.paused, model.paused),
+                             (s.dead_dropped, model.dead_dropped)):
             if present:
                 expected.add(key)
         for thread in model.threads.values():
@@ -751,7 +799,7 @@ class GateMachine(RuleBasedStateMachine):
             task_id = self.known_task(self.checks // 8)
             assert self.gate.thread_of(task_id) == model.thread_of(task_id), task_id
         elif turn == 3:
-            dead = [(d.task_id, d.meta, d.envelope, d.died_at_ms)
+            dead = [(d.task_id, without_seq(d.meta), d.envelope, d.died_at_ms)
                     for d in self.gate.dead_records()]
             expected = [(d.task_id, d.meta, d.envelope, d.died_at_ms)
                         for d in model.dead.values()]
@@ -760,7 +808,7 @@ class GateMachine(RuleBasedStateMachine):
                 record, want = self.gate.dead_record(task_id), model.dead.get(task_id)
                 assert (record is None) == (want is None), task_id
                 if record is not None and want is not None:
-                    assert (record.meta, record.envelope, record.died_at_ms) == (
+                    assert (without_seq(record.meta), record.envelope, record.died_at_ms) == (
                         want.meta, want.envelope, want.died_at_ms)
         elif turn == 4:
             rows = self.gate.thread_summaries(threads)

@@ -35,6 +35,7 @@ from .replies import (
     DeadRecord,
     Done,
     Outcome,
+    Redriven,
     Release,
     Renewal,
     Scan,
@@ -49,6 +50,9 @@ from .wire import (
 
 logger = logging.getLogger(__name__)
 DEAD_CHUNK = 500           # dead records read per HMGET
+#: Dead letters redriven, waiting members purged and dead letters dropped by retention per script
+#: call: each call is short, so a long operator action never blocks Redis.
+OPERATOR_BATCH = 100
 MAX_REPUBLISH_BACKOFF = 6  # a lost release is republished after 1, 2, 4, ... 64 release timeouts
 
 
@@ -103,6 +107,8 @@ class Gate:
                                                 + _load_lua("snapshot.lua"))
         self._summaries = client.register_script(_load_lua("_member.lua") + "\n"
                                                  + _load_lua("summaries.lua"))
+        self._trim_dead = client.register_script(_load_lua("_clock.lua") + "\n"
+                                                 + _load_lua("trim_dead.lua"))
 
     # -- plumbing ---------------------------------------------------------------------------
     def _now_arg(self) -> str:
@@ -395,6 +401,42 @@ class Gate:
             thread_id = str(record.meta["thread_id"])
         return self._call("restart", thread_id, task_id, _max_retries(max_retries),
                           retry_delay_ms)
+
+    def redrive(self, thread_id: str, letters: Sequence[tuple[str, Optional[int], int]], *,
+                caller: Optional[str] = None) -> tuple[list[Redriven], Optional[Release]]:
+        """Put dead letters of ``thread_id``, ``(task id, max_retries, retry_delay_ms)`` each
+        (at most :data:`OPERATOR_BATCH` per call), back at their original place in one script
+        (lua/redrive.lua); a code per letter, and the release of the thread's head, if any."""
+        args = [a for task_id, maxr, delay in letters
+                for a in (task_id, _max_retries(maxr), delay)]
+        outcome = self._call("redrive", thread_id, call_id(caller), *args)
+        return [Redriven(c) for c in outcome.info], outcome.release
+
+    def purge(self, thread_id: str, limit: int = OPERATOR_BATCH) -> tuple[list[str], int]:
+        """Drop at most ``limit`` waiting members of ``thread_id``, the last in release order
+        first (lua/purge.lua): the task ids dropped, and how many still wait."""
+        _, left, dropped = self._run("purge", thread_id, limit)
+        return [_text(t) for t in dropped], int(left)
+
+    def trim_dead(self, shard: ShardKeys, keep: Optional[int], ttl_ms: Optional[int],
+                  limit: int = OPERATOR_BATCH) -> tuple[int, bool]:
+        """Dead-letter retention on ``shard``: drop its oldest letters past ``keep`` letters or
+        older than ``ttl_ms``, at most ``limit`` (lua/trim_dead.lua).  How many were dropped, and
+        whether more are due."""
+        dropped, more = self._trim_dead(
+            keys=[shard.dead, shard.dead_records, shard.dead_dropped],
+            args=[self._now_arg(), "" if keep is None else keep,
+                  "" if ttl_ms is None else ttl_ms, limit])
+        return int(dropped), bool(int(more))
+
+    def dead_dropped(self) -> int:
+        """Dead letters dropped by retention, ever, over every shard."""
+        return sum(int(self.client.get(shard.dead_dropped) or 0)
+                   for shard in self.keys.all_shards())
+
+    def dead_ids(self, shard: ShardKeys, start: int, count: int) -> list[str]:
+        """Task ids of ``shard``'s dead-letter store in death order, ``count`` from ``start``."""
+        return [_text(t) for t in self.client.zrange(shard.dead, start, start + count - 1)]
 
     # -- dispatcher reads ---------------------------------------------------------------------
     def now_ms(self) -> int:

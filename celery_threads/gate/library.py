@@ -9,7 +9,8 @@ from importlib import resources
 from typing import NamedTuple
 
 SCRIPT_NAMES = ("enqueue", "release", "claim", "renew", "finish", "requeue", "kill", "delete",
-                "expire", "fail", "restart", "handback", "pause", "resume")
+                "expire", "fail", "restart", "handback", "pause", "resume", "redrive",
+                "purge")
 
 
 def _load_lua(name: str) -> str:

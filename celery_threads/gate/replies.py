@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from enum import IntEnum
+from enum import Enum, IntEnum
 from typing import Any, Optional
 
 
@@ -60,6 +60,13 @@ class Resume(IntEnum):
     """resume: the thread was not paused, or its releases go on (the reply may carry one)."""
     NOT_PAUSED = 0
     RESUMED = 1
+class Redriven(str, Enum):
+    """redrive's code per dead letter (lua/redrive.lua)."""
+
+    AT_PLACE = "r"        # back at its original place (arrival number, scheduled_at)
+    NEW_ARRIVAL = "n"     # back as a new arrival: its dead record kept no place (written before)
+    MEMBER = "a"          # a member already: it stays in the store
+    UNKNOWN = "-"         # not in the store, or of another thread
 
 
 #: The statuses each script replies with (``Done`` for the others).

@@ -436,6 +436,15 @@ local function kill_active(task, keep, meta_json, field, rec)
   if not rec then field, rec = find_member(K_TASKS, task) end
   if keep then
     local p = parse_record(rec)
+    -- Its place, for a redrive (redrive.lua): its arrival number and scheduled_at, added to the
+    -- caller's meta (a JSON object).
+    local sched = redis.call('HGET', K_A, 'sched')
+    local place = '"seq":' .. p.seq .. (sched and ',"sched":' .. sched or '')
+    if string.find(meta_json, '^{%s*}$') then
+      meta_json = '{' .. place .. '}'
+    elseif string.sub(meta_json, -1) == '}' then
+      meta_json = string.sub(meta_json, 1, -2) .. ',' .. place .. '}'
+    end
     -- Scored by the shard counter, so deaths in one millisecond keep their order.
     redis.call('ZADD', K_DEAD, string.format('%d', next_seq()), task)
     -- The first line: when it died, and the call that killed it (killed_by_caller).
@@ -449,8 +458,9 @@ end
 -- A new arrival joins the thread, and is released at once when it is due and nothing is active.
 -- Returns false when the task id is already a member (a duplicate spends an arrival number, which
 -- only leaves a gap) or, unless `again` (a restart), ended in the last ENDED_WINDOW; else the
--- release ({task, token, record}) or nil.
-local function add_member(task, sched, retries, maxr, delay, envelope, again)
+-- release ({task, token, record}) or nil.  `seq`: the arrival number it keeps (a redrive puts a
+-- dead letter back at its place); it is then only queued, and the caller releases the head.
+local function add_member(task, sched, retries, maxr, delay, envelope, again, seq)
   local field, tail = task_field(task)
   if not again then
     -- One read refuses both an id that ended in the window and a UUID that is a member keyed by
@@ -463,7 +473,8 @@ local function add_member(task, sched, retries, maxr, delay, envelope, again)
     -- A restarted member is live again: a stale call of its ended run no longer finds it ended.
     redis.call('ZREM', K_ENDED, task)
   end
-  local seq = string.format('%d', next_seq())
+  local queued = seq ~= nil
+  seq = seq or string.format('%d', next_seq())
   local rec = make_record(seq, retries, maxr, delay, envelope, tail)
   if redis.call('HSETNX', K_TASKS, field, rec) == 0 then
     if not tail or string.sub(redis.call('HGET', K_TASKS, field), 2, 3) == tail then
@@ -475,7 +486,7 @@ local function add_member(task, sched, retries, maxr, delay, envelope, again)
     redis.call('ZADD', K_ENDED, '+inf', task)     -- until it ends (mark_ended)
     redis.call('PERSIST', K_ENDED)
   end
-  if redis.call('EXISTS', K_A) == 1 then
+  if queued or redis.call('EXISTS', K_A) == 1 then
     redis.call('ZADD', K_Q, sched, queue_member(seq, field))
     return nil
   end
