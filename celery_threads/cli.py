@@ -8,13 +8,17 @@ check.  Times are the gate's Redis server clock, printed in UTC.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
+import heapq
+import itertools
 import json
 import shutil
+import sys
 import textwrap
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from datetime import datetime
-from typing import Any, Callable, NamedTuple, Optional, TypeVar, cast
+from typing import Any, Callable, Generic, NamedTuple, Optional, TypeVar, cast
 
 import click
 import redis
@@ -33,6 +37,7 @@ EX_CONFIG = 78         # a threads_* setting is wrong (sysexits EX_CONFIG)
 DEAD_LIMIT = 100       # `dead`: the latest deaths listed unless --limit says otherwise
 
 F = TypeVar("F", bound=Callable[..., Any])
+T = TypeVar("T")
 
 
 class GateUnreachable(click.ClickException):
@@ -208,6 +213,22 @@ def _echo_lines(lines: Sequence[str]) -> None:
         click.echo(text)
 
 
+class _NoProgress:
+    def update(self, n: int) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def _progress(length: int, label: str, as_json: bool) -> Iterator[Any]:
+    """click's progress bar for a long loop, on a terminal only: none with --json or when stdout
+    is not a TTY (a pipe, a file, a script)."""
+    if as_json or not sys.stdout.isatty():
+        yield _NoProgress()
+        return
+    with click.progressbar(length=length, label=label) as bar:
+        yield bar
+
+
 def _pairs(pairs: Sequence[tuple[str, Any]], indent: int = 2) -> list[str]:
     """``label  value`` lines, the values aligned."""
     label_width = max(len(label) for label, _ in pairs)
@@ -232,18 +253,27 @@ _SORTS: dict[str, Callable[[ThreadSummary], Any]] = {
 
 
 @threads.command("ls")
-@click.option("--sort", type=click.Choice(list(_SORTS)), default="id", show_default=True,
-              help="id; members (most first); age (longest active first).")
+@click.option("--sort", type=click.Choice(list(_SORTS)), default=None,
+              help="id; members (most first); age (longest active first).  Sorting reads "
+                   "every thread; unsorted (the default), threads come in the gate's order "
+                   "and --limit N reads only N of them.")
 @click.option("--limit", type=click.IntRange(min=1), default=None,
               help="Show at most this many threads.")
 @json_option
 @click.pass_context
 @_guarded
-def ls(ctx: click.Context, sort: str, limit: Optional[int], as_json: bool) -> None:
+def ls(ctx: click.Context, sort: Optional[str], limit: Optional[int], as_json: bool) -> None:
     """List threads: members, active member, when the head is eligible."""
-    summaries = sorted(_threads(ctx).summaries(), key=_SORTS[sort])
-    total = len(summaries)
-    shown = summaries[:limit] if limit else summaries
+    summaries = _threads(ctx).summaries(limit=None if sort or not limit else limit + 1)
+    if sort is None:
+        # One more than shown tells whether more exist, without counting them all.
+        read = list(itertools.islice(summaries, limit + 1) if limit else summaries)
+        shown, total = read[:limit], None if limit and len(read) > limit else len(read)
+    else:
+        counted = _Counted(summaries)
+        key = _SORTS[sort]
+        shown = heapq.nsmallest(limit, counted, key=key) if limit else sorted(counted, key=key)
+        total = counted.n
     if as_json:
         _echo_json(shown)
         return
@@ -257,8 +287,24 @@ def ls(ctx: click.Context, sort: str, limit: Optional[int], as_json: bool) -> No
         (s.members, s.active_state, None if s.active_for is None else _duration(s.active_for),
          None if s.head_age is None else _relative(-s.head_age), s.active_task, s.thread_id)
         for s in shown]))
+    if total is None:
+        click.echo(f"first {len(shown)} threads shown; more exist "
+                   "(`celery threads stats` counts them)")
+        return
     more = f" (first {len(shown)} shown)" if len(shown) < total else ""
     click.echo(f"{total} thread{'s' if total != 1 else ''}{more}")
+
+
+class _Counted(Generic[T]):
+    """An iterable that counts the items taken from it (``n``)."""
+
+    def __init__(self, items: Iterable[T]) -> None:
+        self.items, self.n = items, 0
+
+    def __iter__(self) -> Iterator[T]:
+        for item in self.items:
+            self.n += 1
+            yield item
 
 
 @threads.command()
@@ -434,11 +480,15 @@ def forget(ctx: click.Context, task_id: Optional[str], forget_all: bool, yes: bo
         else:
             click.echo(f"Forgot dead task {task_id}.")
         return
-    ids = [r.task_id for r in t.gate.dead_records()]
-    if ids and not yes:
-        click.confirm(f"Forget all {len(ids)} dead task{'s' if len(ids) != 1 else ''}? "
+    total = t.gate.dead_count()
+    if total and not yes:
+        click.confirm(f"Forget all {total} dead task{'s' if total != 1 else ''}? "
                       "This cannot be undone.", abort=True, err=True)
-    forgotten = [i for i in ids if t.forget(i)]
+    forgotten: list[str] = []
+    with _progress(total, "Forgetting dead tasks", as_json) as bar:
+        for batch in t.forget_all():
+            forgotten += batch
+            bar.update(len(batch))
     if as_json:
         _echo_json({"forgotten": forgotten})
     else:
