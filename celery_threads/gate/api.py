@@ -472,7 +472,7 @@ class Gate:
         # in bit-reversed order, whatever each table's size), so a cursor one index returned
         # resumes the other.  The round's next cursor is the nearer of the two; what the other
         # index returned past it may come again, from either index, until the cursor passes the
-        # position it returned: ``recent`` keeps those ids (about one page) to skip them.
+        # position it returned: ``recent`` keeps those ids (about a page or two) to skip them.
         cursor = 0
         recent: dict[str, int] = {}     # id -> position past which it cannot come again
         while True:
@@ -490,7 +490,11 @@ class Gate:
                     recent[thread_id] = max(position, recent.get(thread_id, 0))
             if reached == SCAN_END:
                 return
-            recent = {t: position for t, position in recent.items() if position > reached}
+            # A smaller table resumes from the start of its bucket holding ``reached``: ids just
+            # behind it may come again, so the nearest ones behind are kept too (bounded).
+            behind = sorted((p, t) for t, p in recent.items() if p <= reached)[-(page + 1024):]
+            recent = {t: p for t, p in recent.items() if p > reached}
+            recent.update((t, p) for p, t in behind)
             cursor = _reverse_bits(reached)
 
     def dead_record(self, task_id: str) -> Optional[DeadRecord]:
