@@ -460,9 +460,10 @@ class Gate:
 
         Each round reads both indexes of a shard from one ZSCAN cursor in one MULTI, so a thread
         moving between them is seen in one or the other.  A thread that exists throughout the
-        listing is yielded at least once, and none twice, except when Redis shrinks an index's
-        hash table during the listing (SCAN's own caveat: an index lost 90% of its threads
-        meanwhile).  Threads created or ended meanwhile may or may not appear.
+        listing is yielded at least once, and once only, unless Redis shrinks an index's hash
+        table during the listing (an index lost 90% of its threads meanwhile: SCAN's own
+        caveat), when one may come twice.  Threads created or ended meanwhile may or may not
+        appear (docs/internals.md, "Listing threads").
         """
         for shard in self.keys.all_shards():
             yield from self._shard_thread_ids(shard, page)
