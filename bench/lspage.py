@@ -136,7 +136,8 @@ def run(args: argparse.Namespace) -> int:
     rows.append([f"ls --limit {LIMIT}: {large:,} over {small:,} threads", "-", ratio, "-", "-",
                  h.verdict(ratio <= 1.5)])
     h.report("lspage: ls --limit 20", "lspage", args.quick, where,
-             f"none beyond the run (one process reading, {len(sizes)} redis-servers)",
+             f"one process reading, {len(sizes)} redis-servers; the machine's own load: "
+             "see its load average",
              ["read", "threads", "wall ms (median)", "min", "max", "Redis commands"], rows,
              [f"{args.repeats} repeats, alternating sides and sizes; Redis commands include "
               "those run inside scripts (INFO commandstats)"],
