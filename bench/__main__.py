@@ -15,6 +15,7 @@ BENCHMARKS = {
     "lockretry": "Redis lock + self.retry(countdown=0.5) vs threaded tasks, 4 processes",
     "scale": "gate cost of a member's life with 1,000 vs 1,000,000 waiting members",
     "dispatch": "dispatcher tick cost, and countdown lateness vs plain Celery",
+    "lspage": "celery threads ls --limit 20 at 20,000 and 1,000,000 threads, before/after the cursor",
     "gateunavailable": "time for a producer's apply_async to raise GateUnavailable on a dead gate",
 }
 

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import heapq
+import itertools
 import json
 import shutil
 import textwrap
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from datetime import datetime
-from typing import Any, Callable, NamedTuple, Optional, TypeVar, cast
+from typing import Any, Callable, Generic, NamedTuple, Optional, TypeVar, cast
 
 import click
 import redis
@@ -35,6 +37,7 @@ DEAD_LIMIT = 100       # `dead`: the latest deaths listed unless --limit says ot
 PROGRESS_FROM = 1000   # `purge`, `redrive`: a progress bar on a terminal from this many items
 
 F = TypeVar("F", bound=Callable[..., Any])
+T = TypeVar("T")
 
 
 class GateUnreachable(click.ClickException):
@@ -234,8 +237,10 @@ _SORTS: dict[str, Callable[[ThreadSummary], Any]] = {
 
 
 @threads.command("ls")
-@click.option("--sort", type=click.Choice(list(_SORTS)), default="id", show_default=True,
-              help="id; members (most first); age (longest active first).")
+@click.option("--sort", type=click.Choice(list(_SORTS)), default=None,
+              help="id; members (most first); age (longest active first).  Sorting reads "
+                   "every thread; unsorted (the default), threads come in the gate's order "
+                   "and --limit N reads only N of them.")
 @click.option("--limit", type=click.IntRange(min=1), default=None,
               help="Show at most this many threads.")
 @click.option("--paused", "only_paused", is_flag=True,
@@ -243,12 +248,20 @@ _SORTS: dict[str, Callable[[ThreadSummary], Any]] = {
 @json_option
 @click.pass_context
 @_guarded
-def ls(ctx: click.Context, sort: str, limit: Optional[int], only_paused: bool,
+def ls(ctx: click.Context, sort: Optional[str], limit: Optional[int], only_paused: bool,
        as_json: bool) -> None:
     """List threads: members, active member, when the head is eligible, pause."""
-    summaries = sorted(_threads(ctx).summaries(paused=only_paused), key=_SORTS[sort])
-    total = len(summaries)
-    shown = summaries[:limit] if limit else summaries
+    summaries = _threads(ctx).summaries(limit=None if sort or not limit else limit + 1,
+                                        paused=only_paused)
+    if sort is None:
+        # One more than shown tells whether more exist, without counting them all.
+        read = list(itertools.islice(summaries, limit + 1) if limit else summaries)
+        shown, total = read[:limit], None if limit and len(read) > limit else len(read)
+    else:
+        counted = _Counted(summaries)
+        key = _SORTS[sort]
+        shown = heapq.nsmallest(limit, counted, key=key) if limit else sorted(counted, key=key)
+        total = counted.n
     if as_json:
         _echo_json(shown)
         return
@@ -266,9 +279,25 @@ def ls(ctx: click.Context, sort: str, limit: Optional[int], only_paused: bool,
          None if s.head_age is None else _relative(-s.head_age), s.active_task,
          *([s.paused] if pauses else []), s.thread_id)
         for s in shown]))
+    if total is None:
+        click.echo(f"first {len(shown)} threads shown; more exist "
+                   "(`celery threads stats` counts them)")
+        return
     more = f" (first {len(shown)} shown)" if len(shown) < total else ""
     kind = " paused" if only_paused else ""
     click.echo(f"{total}{kind} thread{'s' if total != 1 else ''}{more}")
+
+
+class _Counted(Generic[T]):
+    """An iterable that counts the items taken from it (``n``)."""
+
+    def __init__(self, items: Iterable[T]) -> None:
+        self.items, self.n = items, 0
+
+    def __iter__(self) -> Iterator[T]:
+        for item in self.items:
+            self.n += 1
+            yield item
 
 
 @threads.command()
@@ -489,11 +518,15 @@ def forget(ctx: click.Context, task_id: Optional[str], forget_all: bool, yes: bo
         else:
             click.echo(f"Forgot dead task {task_id}.")
         return
-    ids = [r.task_id for r in t.gate.dead_records()]
-    if ids and not yes:
-        click.confirm(f"Forget all {len(ids)} dead task{'s' if len(ids) != 1 else ''}? "
+    total = t.gate.dead_count()
+    if total and not yes:
+        click.confirm(f"Forget all {total} dead task{'s' if total != 1 else ''}? "
                       "This cannot be undone.", abort=True, err=True)
-    forgotten = [i for i in ids if t.forget(i)]
+    forgotten: list[str] = []
+    with _progress(total, "Forgetting dead tasks", as_json, at_least=1) as progress:
+        for batch in t.forget_all():
+            forgotten += batch
+            progress(len(batch))
     if as_json:
         _echo_json({"forgotten": forgotten})
     else:
@@ -501,10 +534,12 @@ def forget(ctx: click.Context, task_id: Optional[str], forget_all: bool, yes: bo
 
 
 @contextlib.contextmanager
-def _progress(total: int, label: str) -> Iterator[Callable[[int], None]]:
-    """A click progress bar on stderr while it is a terminal (else nothing shows); yields the
-    callback a batched operator action tells after each batch."""
-    if total < PROGRESS_FROM or not click.get_text_stream("stderr").isatty():
+def _progress(total: int, label: str, as_json: bool = False, at_least: int = PROGRESS_FROM
+              ) -> Iterator[Callable[[int], None]]:
+    """click's progress bar on stderr for a batched operator action of at least ``at_least``
+    items, on a terminal only (none with --json, or when stderr is a pipe, a file, a script);
+    yields the callback told after each batch."""
+    if as_json or total < at_least or not click.get_text_stream("stderr").isatty():
         yield lambda n: None
         return
     with click.progressbar(length=total, label=label,

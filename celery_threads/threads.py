@@ -14,6 +14,7 @@ from .config import read_config
 from .errors import UnknownTask
 from .gate import (
     DEAD_CHUNK,
+    ID_PAGE,
     OPERATOR_BATCH,
     DeadRecord,
     Pause,
@@ -147,10 +148,16 @@ class Threads:
         return ThreadInfo(snapshot.thread_id, active, waiting, snapshot.paused)
 
     @_admin_iter
-    def ids(self) -> Iterator[str]:
-        """The ids of existing threads, paused ones included (an incremental scan of the gate's
-        indexes, then its paused threads)."""
-        return self.gate.thread_ids()
+    def ids(self, page: int = ID_PAGE) -> Iterator[str]:
+        """The ids of existing threads, paused ones included, in no particular order: a cursor
+        reading about ``page`` ids per round trip, so the first ``n`` cost O(n) reads however
+        many threads exist.
+
+        Read while threads come and go, every thread that exists throughout the listing is
+        listed at least once and none twice (but see :meth:`Gate.thread_ids
+        <celery_threads.gate.Gate.thread_ids>` for the one exception); one created or ended
+        meanwhile may or may not be."""
+        return self.gate.thread_ids(page)
 
     @_admin
     def pause(self, thread_id: Any, reason: Optional[str] = None) -> bool:
@@ -373,6 +380,23 @@ class Threads:
                 break
         return total
 
+    def forget_all(self, batch: int = DEAD_CHUNK) -> Iterator[list[str]]:
+        """Drop every task in the dead-letter store when the call starts, ``batch`` at a time
+        (never one unbounded command: Redis serves others between batches), oldest first; yields
+        each batch's task ids once it is dropped.  Forgetting goes on as the iterator is
+        consumed: stop iterating to stop.  Tasks that die meanwhile stay."""
+        if batch < 1:
+            raise ValueError(f"batch must be 1 or more, not {batch}")
+        with deadline.within(self.timeout, stall=True):
+            ends = [(shard, self.gate.last_death(shard)) for shard in self.gate.keys.all_shards()]
+        for shard, up_to in ends:
+            while up_to is not None:
+                with deadline.within(self.timeout, stall=True):
+                    forgotten = self.gate.forget_batch(shard, up_to, batch)
+                if not forgotten:
+                    break
+                yield forgotten
+
     # -- health -----------------------------------------------------------------------------
     # Every "now" below is the Redis server's clock (TIME), the clock the gate's scripts use.
 
@@ -393,16 +417,16 @@ class Threads:
         return None if snapshot is None else _status(snapshot, now)
 
     @_admin_iter
-    def summaries(self, batch: int = 500, paused: bool = False) -> Iterator[ThreadSummary]:
-        """One line of health per existing thread (``celery threads ls``), read ``batch`` threads
-        per round trip.  Reads every thread: O(threads); with ``paused``, only the paused ones:
-        O(paused threads)."""
-        seen: set[str] = set()
+    def summaries(self, batch: int = ID_PAGE, limit: Optional[int] = None,
+                  paused: bool = False) -> Iterator[ThreadSummary]:
+        """One line of health per existing thread (``celery threads ls``), in :meth:`ids`' order,
+        read ``batch`` threads per round trip.  Reads as many threads as the caller takes: the
+        first ``n`` cost O(n) reads.  ``limit``: the caller takes at most that many (the pages
+        read are sized to fit).  With ``paused``, only the paused threads: O(paused threads)."""
+        if limit is not None:
+            batch = max(1, min(batch, limit))
         pending: list[str] = []
-        for thread_id in (self.paused() if paused else self.ids()):
-            if thread_id in seen:   # the index scan may return a thread twice
-                continue
-            seen.add(thread_id)
+        for thread_id in (self.paused() if paused else self.ids(page=batch)):
             pending.append(thread_id)
             if len(pending) >= batch:
                 yield from self._summaries(pending)

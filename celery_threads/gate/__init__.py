@@ -6,7 +6,7 @@ names the transitions and turns their replies (:mod:`.replies`) into Python valu
 client for the topology (:mod:`.client`: a single Redis, Sentinel, a Redis Cluster) and, on the
 hot path, a line of its own (:mod:`.wire`).
 """
-from .api import DEAD_CHUNK, MAX_REPUBLISH_BACKOFF, OPERATOR_BATCH, Gate  # noqa: F401
+from .api import DEAD_CHUNK, ID_PAGE, MAX_REPUBLISH_BACKOFF, OPERATOR_BATCH, Gate  # noqa: F401
 from .client import RETRY_BUDGET, SOCKET_TIMEOUT, BoundedRetry, make_client, wait_timeout_ms  # noqa: F401
 from .library import SCRIPT_NAMES, Library, function_library, script_sources  # noqa: F401
 from .records import (  # noqa: F401

@@ -53,6 +53,8 @@ DEAD_CHUNK = 500           # dead records read per HMGET
 #: Dead letters redriven, waiting members purged and dead letters dropped by retention per script
 #: call: each call is short, so a long operator action never blocks Redis.
 OPERATOR_BATCH = 100
+ID_PAGE = 500              # thread ids asked of each index per round trip (ZSCAN's COUNT)
+SCAN_END = 1 << 64         # the position of a finished ZSCAN (cursor 0), past every other
 MAX_REPUBLISH_BACKOFF = 6  # a lost release is republished after 1, 2, 4, ... 64 release timeouts
 
 
@@ -505,26 +507,54 @@ class Gate:
             paused=_text(paused[0]) if paused else None,
         )
 
-    def thread_ids(self) -> Iterator[str]:
-        """Every existing thread: each is in exactly one of the due and leases indexes, or paused
-        (a paused thread with no active member is in neither; one with no member at all exists
-        for its pause alone).
+    def thread_ids(self, page: int = ID_PAGE) -> Iterator[str]:
+        """Every existing thread, a cursor over the shards' due and leases indexes (each thread
+        with no pause is in exactly one of them): about ``page`` ids per round trip, so the first
+        ``n`` ids cost O(n) reads whatever the gate's size.  Then each shard's paused threads
+        with no active member, which sit in neither index (one with no member at all exists for
+        its pause alone): O(paused threads).
 
-        A thread that moves between the two during the scan is yielded once (or, when it moves
-        from the index not yet read to the one already read, missed, as with any SCAN).
+        Each round reads both indexes of a shard from one ZSCAN cursor in one MULTI, so a thread
+        moving between them is seen in one or the other.  A thread that exists throughout the
+        listing is yielded at least once, and once only, unless Redis shrinks an index's hash
+        table during the listing (an index lost 90% of its threads meanwhile: SCAN's own
+        caveat), when one may come twice.  Threads created or ended meanwhile may or may not
+        appear (docs/internals.md, "Listing threads").
         """
-        seen: set[str] = set()
         for shard in self.keys.all_shards():
-            for index in (shard.due, shard.leases):
-                for member, _ in self.client.zscan_iter(index):
+            yield from self._shard_thread_ids(shard, page)
+
+    def _shard_thread_ids(self, shard: ShardKeys, page: int) -> Iterator[str]:
+        # ZSCAN's cursor is a position in one order of hashes shared by both indexes (the bucket
+        # in bit-reversed order, whatever each table's size), so a cursor one index returned
+        # resumes the other.  The round's next cursor is the nearer of the two; what the other
+        # index returned past it may come again, from either index, until the cursor passes the
+        # position it returned: ``recent`` keeps those ids (about a page or two) to skip them.
+        cursor = 0
+        recent: dict[str, int] = {}     # id -> position past which it cannot come again
+        while True:
+            pipe = self.client.pipeline(transaction=True)
+            pipe.zscan(shard.due, cursor, count=page)
+            pipe.zscan(shard.leases, cursor, count=page)
+            replies = pipe.execute()
+            rounds = [(_scan_position(int(after)), rows) for after, rows in replies]
+            reached = min(position for position, _ in rounds)
+            for position, rows in rounds:
+                for member, _score in rows:
                     thread_id = _text(member)
-                    if thread_id not in seen:
-                        seen.add(thread_id)
+                    if thread_id not in recent:
                         yield thread_id
-            for thread_id in self.paused(shard):
-                if thread_id not in seen:
-                    seen.add(thread_id)
-                    yield thread_id
+                    recent[thread_id] = max(position, recent.get(thread_id, 0))
+            if reached == SCAN_END:
+                # A paused thread with an active member is in leases: listed above.
+                yield from (t for t, lease in self.paused_leases(shard).items() if lease is None)
+                return
+            # A smaller table resumes from the start of its bucket holding ``reached``: ids just
+            # behind it may come again, so the nearest ones behind are kept too (bounded).
+            behind = sorted((p, t) for t, p in recent.items() if p <= reached)[-(page + 1024):]
+            recent = {t: p for t, p in recent.items() if p > reached}
+            recent.update((t, p) for p, t in behind)
+            cursor = _reverse_bits(reached)
 
     def dead_record(self, task_id: str) -> Optional[DeadRecord]:
         for shard in self.keys.all_shards():
@@ -591,6 +621,25 @@ class Gate:
             if any(pipe.execute()):
                 return True
         return False
+
+    def last_death(self, shard: ShardKeys) -> Optional[int]:
+        """The score (its shard's sequence number) of ``shard``'s latest death, ``None`` when its
+        dead-letter store is empty."""
+        latest = self.client.zrange(shard.dead, -1, -1, withscores=True)
+        return int(latest[0][1]) if latest else None
+
+    def forget_batch(self, shard: ShardKeys, up_to: int, limit: int) -> list[str]:
+        """Forget at most ``limit`` of ``shard``'s dead tasks, oldest first, among those whose
+        score is at most ``up_to`` (:meth:`last_death`); the ids forgotten.  O(limit log n)."""
+        ids = [_text(t) for t in self.client.zrangebyscore(shard.dead, "-inf", up_to,
+                                                            start=0, num=limit)]
+        if not ids:
+            return []
+        pipe = self.client.pipeline(transaction=True)
+        pipe.zrem(shard.dead, *ids)
+        pipe.hdel(shard.dead_records, *ids)
+        pipe.execute()
+        return ids
 
     # -- health reads (read-only, for Threads' health API and the command line) ---------------
     def thread_summaries(self, thread_ids: Sequence[str]
@@ -683,6 +732,17 @@ class Gate:
         if pending:
             count(pending)
         return counts
+
+
+def _reverse_bits(value: int) -> int:
+    """``value``'s 64 bits in reverse order: a ZSCAN cursor to its position and back."""
+    return int(f"{value:064b}"[::-1], 2)
+
+
+def _scan_position(cursor: int) -> int:
+    """Where the ZSCAN that returned ``cursor`` stopped, in the order it walks hashes (the
+    bit-reversed bucket: the same order for tables of any size)."""
+    return SCAN_END if cursor == 0 else _reverse_bits(cursor)
 
 
 def _rerun_unrun(replies: Sequence[Any], rerun: Callable[[int], Any]) -> list[Any]:
