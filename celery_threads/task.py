@@ -274,6 +274,12 @@ class ThreadedTask(Task):
             ending = handoff.Ending(lease.claimant, new_claimant(hostname))
             deleted = _record_end(runtime, lease, lambda: self._ended(
                 runtime, thread_id, task_id, token, retries, failure, running.reentry, ending))
+            if deleted is None:
+                # Its ending never reached the gate while the lease held: the gate counts this
+                # attempt as failed and runs the member again, whose outcome is the member's.
+                # Celery stores nothing of this one (what it stored last, STARTED or RETRY,
+                # stays until then).
+                raise Ignore()
             if deleted and not isinstance(failure, (SystemExit, KeyboardInterrupt)):
                 # Deleted while it ran (Threads.delete): it ends REVOKED, whatever its body did,
                 # and the tracer stores nothing over that.
@@ -374,32 +380,42 @@ def _signature(run: Any) -> inspect.Signature:
     return found
 
 
-def _record_end(runtime: Runtime, lease: Lease, end: Callable[[], bool]) -> bool:
+def _record_end(runtime: Runtime, lease: Lease, end: Callable[[], bool]) -> Optional[bool]:
     """Apply a member's ending to the gate.  While the gate does not answer, the ending is kept
     and tried again for as long as the member's lease can hold (the keeper goes on renewing it),
     so a member that ended is not run again because its ending came late: every transition gives
-    the same outcome when a call whose reply was lost is sent again.  Past its lease, the gate
-    counts the attempt as failed (it runs again if retries remain).  Returns what ``end``
-    returned (``False`` when it could not be applied)."""
+    the same outcome when a call whose reply was lost is sent again.  No attempt waits past the
+    lease: from then on the gate counts the attempt as failed (it runs again if retries remain).
+    Returns what ``end`` returned, or ``None`` when it could not be applied while the lease
+    held.  An ending that may have reached the gate all the same (a call went out and its reply
+    never came) returns ``False``: the gate may hold it, and the member's result is stored as
+    usual."""
     warned = False
+    maybe_sent = False
     while True:
-        try:
-            return end()
-        except redis.RedisError as exc:
-            remaining = lease.remaining()
-            if lease.lost or remaining <= 0:
-                logger.error("celery-threads: could not record the end of %s of thread %s in the "
-                             "gate at %s (%s) while its lease held; the gate counts the attempt "
-                             "as failed", lease.task_id, lease.thread_id,
-                             runtime.config.redis_url, exc)
-                return False
-            if not warned:
-                warned = True
-                logger.warning("celery-threads: the gate at %s did not answer (%s); the end of %s "
-                               "of thread %s is kept and sent again while its lease holds "
-                               "(%.1fs)", runtime.config.redis_url, exc, lease.task_id,
-                               lease.thread_id, remaining)
-            time.sleep(min(0.5, remaining))
+        # Never past the lease: once it has lapsed the gate has counted the attempt as failed
+        # (and may have run it again), and a late ending must not count it a second time.
+        with deadline.within(max(lease.remaining(), 0.0), bound="the member's lease") as limit:
+            try:
+                return end()
+            except redis.RedisError as exc:
+                error = exc
+                maybe_sent = maybe_sent or limit.unanswered
+        remaining = lease.remaining()
+        if lease.lost or remaining <= 0:
+            logger.error("celery-threads: could not record the end of %s of thread %s in the "
+                         "gate at %s (%s) while its lease held; the gate counts the attempt as "
+                         "failed%s", lease.task_id, lease.thread_id, runtime.config.redis_url,
+                         error, " (unless a call that went out reached it)" if maybe_sent else
+                         " and runs the member again while retries remain")
+            return False if maybe_sent else None
+        if not warned:
+            warned = True
+            logger.warning("celery-threads: the gate at %s did not answer (%s); the end of %s "
+                           "of thread %s is kept and sent again while its lease holds "
+                           "(%.1fs)", runtime.config.redis_url, error, lease.task_id,
+                           lease.thread_id, remaining)
+        time.sleep(min(0.5, remaining))
 
 
 @contextmanager

@@ -35,11 +35,13 @@ class Deadline:
     """The time left to a caller's gate call.  ``stall``: the bound counts from the last reply
     instead (an admin call that reads a large gate goes on for as long as Redis answers)."""
 
-    __slots__ = ("seconds", "stall", "at", "unanswered", "error")
+    __slots__ = ("seconds", "stall", "at", "unanswered", "error", "bound")
 
-    def __init__(self, seconds: float, stall: bool = False) -> None:
+    def __init__(self, seconds: float, stall: bool = False,
+                 bound: str = "threads_publish_timeout") -> None:
         self.seconds = seconds
         self.stall = stall
+        self.bound = bound      # what sets it, for the error
         self.at = time.monotonic() + seconds
         #: a script call was sent and its reply was not read: it may have run
         self.unanswered = False
@@ -64,9 +66,11 @@ _current: ContextVar[Optional[Deadline]] = ContextVar("celery_threads_deadline",
 
 
 @contextmanager
-def within(seconds: float, *, stall: bool = False) -> Iterator[Deadline]:
-    """Bound every gate wait of this context (thread, greenlet, task) to ``seconds`` in all."""
-    deadline = Deadline(seconds, stall)
+def within(seconds: float, *, stall: bool = False, bound: str = "threads_publish_timeout"
+           ) -> Iterator[Deadline]:
+    """Bound every gate wait of this context (thread, greenlet, task) to ``seconds`` in all;
+    ``bound`` names what sets that time, in the error when it runs out."""
+    deadline = Deadline(seconds, stall, bound)
     token = _current.set(deadline)
     try:
         yield deadline
@@ -87,7 +91,7 @@ def clamp(timeout: Optional[float]) -> Optional[float]:
     left = deadline.remaining()
     if left <= 0:
         raise DeadlinePassed(
-            f"the call's bound of {deadline.seconds:g}s for the gate (threads_publish_timeout) "
+            f"the call's bound of {deadline.seconds:g}s for the gate ({deadline.bound}) "
             "ran out" + (f"; the last attempt: {deadline.error}" if deadline.error else ""))
     left = max(left, MIN_WAIT)
     return left if timeout is None else min(timeout, left)
