@@ -79,7 +79,8 @@ def test_redriven_letters_run_first_in_their_original_order(proj, make_deploymen
     for member in dying + later + [hold]:
         wait_for(lambda m=member: state(proj, m) == "SUCCESS", what=f"{member.id} SUCCESS")
     assert starts(r, thread) == ["d1", "d2", "d3", "hold", "d1", "d2", "d3", "l1", "l2"]
-    assert not r.lrange("overlaps", 0, -1)
+    # The history is shared with other tests: only this thread's overlaps count.
+    assert not [x for x in r.lrange("overlaps", 0, -1) if x.decode().startswith(f"{thread}|")]
     wait_for(lambda: not gate_keys(r, thread), what="the thread's keys to vanish")
     assert Threads(proj.app).redrive(thread) == 0
 

@@ -111,6 +111,7 @@ class Gate:
                                                  + _load_lua("summaries.lua"))
         self._trim_dead = client.register_script(_load_lua("_clock.lua") + "\n"
                                                  + _load_lua("trim_dead.lua"))
+        self._ids = client.register_script(_load_lua("ids.lua"))
 
     # -- plumbing ---------------------------------------------------------------------------
     def _now_arg(self) -> str:
@@ -533,14 +534,13 @@ class Gate:
         cursor = 0
         recent: dict[str, int] = {}     # id -> position past which it cannot come again
         while True:
-            pipe = self.client.pipeline(transaction=True)
-            pipe.zscan(shard.due, cursor, count=page)
-            pipe.zscan(shard.leases, cursor, count=page)
-            replies = pipe.execute()
-            rounds = [(_scan_position(int(after)), rows) for after, rows in replies]
+            # One script (not MULTI, which a gate's ACL user may lack, nor a cluster pipeline):
+            # both indexes from the same cursor in one atomic step.
+            replies = self._ids(keys=[shard.due, shard.leases], args=[cursor, page])
+            rounds = [(_scan_position(int(after)), rows[::2]) for after, rows in replies]
             reached = min(position for position, _ in rounds)
-            for position, rows in rounds:
-                for member, _score in rows:
+            for position, members in rounds:
+                for member in members:
                     thread_id = _text(member)
                     if thread_id not in recent:
                         yield thread_id
