@@ -50,10 +50,10 @@ def die_three(proj, r, thread: str) -> list:
     """Three members of ``thread`` that die on their first attempt (max_retries=0), in order."""
     r.set(f"flaky:{thread}", 1)
     dying = [proj.flaky.delay(thread, f"d{i}") for i in (1, 2, 3)]
-    wait_for(lambda: len(dead_of(proj, thread)) == 3, what="three dead letters")
+    wait_for(lambda: len(dead_of(proj, thread)) == 3, what="three dead letters", timeout=60)
     assert dead_of(proj, thread) == [d.id for d in dying]
     for d in dying:
-        wait_for(lambda d=d: state(proj, d) == "FAILURE", what=f"{d.id} FAILURE")
+        wait_for(lambda d=d: state(proj, d) == "FAILURE", what=f"{d.id} FAILURE", timeout=60)
     return dying
 
 
@@ -66,7 +66,7 @@ def test_redriven_letters_run_first_in_their_original_order(proj, make_deploymen
     thread = tid("redrive")
     dying = die_three(proj, r, thread)
     hold = proj.beater.delay(thread, "hold", seconds=30, until=f"go:{thread}")
-    wait_for(lambda: "hold" in starts(r, thread), what="the holding member to start")
+    wait_for(lambda: "hold" in starts(r, thread), what="the holding member to start", timeout=60)
     later = [proj.record.delay(thread, f"l{i}") for i in (1, 2)]
     r.delete(f"flaky:{thread}")
     assert Threads(proj.app).redrive(thread) == 3
@@ -77,11 +77,11 @@ def test_redriven_letters_run_first_in_their_original_order(proj, make_deploymen
     assert [state(proj, x) for x in dying] == ["PENDING"] * 3   # waiting in the gate again
     r.set(f"go:{thread}", 1)
     for member in dying + later + [hold]:
-        wait_for(lambda m=member: state(proj, m) == "SUCCESS", what=f"{member.id} SUCCESS")
+        wait_for(lambda m=member: state(proj, m) == "SUCCESS", what=f"{member.id} SUCCESS", timeout=60)
     assert starts(r, thread) == ["d1", "d2", "d3", "hold", "d1", "d2", "d3", "l1", "l2"]
     # The history is shared with other tests: only this thread's overlaps count.
     assert not [x for x in r.lrange("overlaps", 0, -1) if x.decode().startswith(f"{thread}|")]
-    wait_for(lambda: not gate_keys(r, thread), what="the thread's keys to vanish")
+    wait_for(lambda: not gate_keys(r, thread), what="the thread's keys to vanish", timeout=60)
     assert Threads(proj.app).redrive(thread) == 0
 
 
@@ -98,12 +98,12 @@ def test_redrive_dry_run_and_limit_on_the_command_line(proj, make_deployment, r)
     assert [x["task_id"] for x in listed["would_redrive"]] == [x.id for x in dying]
     assert dead_of(proj, thread) == [x.id for x in dying]
     assert as_json(cli("redrive", thread, "--limit", "1", "--json")) == {"redriven": 1}
-    wait_for(lambda: state(proj, dying[0]) == "SUCCESS", what="the redriven letter to succeed")
+    wait_for(lambda: state(proj, dying[0]) == "SUCCESS", what="the redriven letter to succeed", timeout=60)
     assert dead_of(proj, thread) == [x.id for x in dying[1:]]
     assert [state(proj, x) for x in dying[1:]] == ["FAILURE", "FAILURE"]
     assert as_json(cli("redrive", "--json")) == {"redriven": 2}      # every thread's
     for x in dying[1:]:
-        wait_for(lambda x=x: state(proj, x) == "SUCCESS", what=f"{x.id} SUCCESS")
+        wait_for(lambda x=x: state(proj, x) == "SUCCESS", what=f"{x.id} SUCCESS", timeout=60)
     assert starts(r, thread) == ["d1", "d2", "d3", "d1", "d2", "d3"]
 
 
@@ -116,7 +116,7 @@ def test_purge_drops_waiting_members_and_lets_the_running_one_finish(proj, make_
     one, two = tid("purge-one"), tid("purge-two")
     holds = {t: proj.beater.delay(t, "hold", seconds=30, until=f"go:{t}") for t in (one, two)}
     for t in (one, two):
-        wait_for(lambda t=t: "hold" in starts(r, t), what="the holding member to start")
+        wait_for(lambda t=t: "hold" in starts(r, t), what="the holding member to start", timeout=60)
     waiting = {t: [proj.record.delay(t, f"w{i}") for i in range(3)] for t in (one, two)}
 
     refused = cli("purge", one, input="n\n")
@@ -126,15 +126,15 @@ def test_purge_drops_waiting_members_and_lets_the_running_one_finish(proj, make_
         assert state(proj, w) == "REVOKED"
     assert len(Threads(proj.app).get(two).waiting) == 3
     r.set(f"go:{one}", 1)
-    wait_for(lambda: state(proj, holds[one]) == "SUCCESS", what="the running member to finish")
-    wait_for(lambda: not gate_keys(r, one), what="the purged thread's keys to vanish")
+    wait_for(lambda: state(proj, holds[one]) == "SUCCESS", what="the running member to finish", timeout=60)
+    wait_for(lambda: not gate_keys(r, one), what="the purged thread's keys to vanish", timeout=60)
 
     assert Threads(proj.app).purge() == 3
     for w in waiting[two]:
         assert state(proj, w) == "REVOKED"
     r.set(f"go:{two}", 1)
-    wait_for(lambda: state(proj, holds[two]) == "SUCCESS", what="the running member to finish")
-    wait_for(lambda: not gate_keys(r, two), what="the purged thread's keys to vanish")
+    wait_for(lambda: state(proj, holds[two]) == "SUCCESS", what="the running member to finish", timeout=60)
+    wait_for(lambda: not gate_keys(r, two), what="the purged thread's keys to vanish", timeout=60)
     assert starts(r, one) == starts(r, two) == ["hold"]
     assert Threads(proj.app).get(one) is None and Threads(proj.app).get(two) is None
 
@@ -148,9 +148,9 @@ def test_retention_drops_letters_past_the_bound_and_the_ttl(proj, make_deploymen
     thread = tid("retain")
     dying = [proj.boom.delay(thread, f"b{i}") for i in range(4)]
     for x in dying:
-        wait_for(lambda x=x: state(proj, x) == "FAILURE", what=f"{x.id} to die")
+        wait_for(lambda x=x: state(proj, x) == "FAILURE", what=f"{x.id} to die", timeout=60)
     threads = Threads(proj.app)
-    wait_for(lambda: threads.stats().dead_dropped == 2, what="two letters dropped by the max")
+    wait_for(lambda: threads.stats().dead_dropped == 2, what="two letters dropped by the max", timeout=60)
     assert [t.task_id for t in threads.dead()] == [x.id for x in dying[2:]]
     assert as_json(cli("stats", "--json"))["dead_dropped"] == 2
     wait_for(lambda: threads.stats().dead_dropped == 4, timeout=30,
