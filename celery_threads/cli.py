@@ -14,6 +14,7 @@ import heapq
 import itertools
 import json
 import shutil
+import sys
 import textwrap
 from collections.abc import Iterable, Iterator, Sequence
 from datetime import datetime
@@ -539,11 +540,10 @@ def _progress(total: int, label: str, as_json: bool = False, at_least: int = PRO
     """click's progress bar on stderr for a batched operator action of at least ``at_least``
     items, on a terminal only (none with --json, or when stderr is a pipe, a file, a script);
     yields the callback told after each batch."""
-    if as_json or total < at_least or not click.get_text_stream("stderr").isatty():
+    if as_json or total < at_least or not sys.stderr.isatty():
         yield lambda n: None
         return
-    with click.progressbar(length=total, label=label,
-                           file=click.get_text_stream("stderr")) as bar:
+    with click.progressbar(length=total, label=label, file=sys.stderr) as bar:
         yield bar.update
 
 
