@@ -97,6 +97,12 @@ class ShardKeys:
         return f"{self.tag}:paused"
 
     @property
+    def stats(self) -> str:
+        """HASH of the shard's counters, kept by the transitions themselves (``celery threads
+        metrics`` reads them; never a scan of threads or members)."""
+        return f"{self.tag}:stats"
+
+    @property
     def wake_channel(self) -> str:
         """Pub/sub channel told when a future head becomes the shard's earliest."""
         return f"{self.tag}:wake"
@@ -132,10 +138,16 @@ class ThreadKeys:
         l: whether it is keyed by its long form)."""
         return f"{self.base}:a"
 
+    @property
+    def policy(self) -> str:
+        """HASH of the thread's policy state (task options ``thread_rate_limit``, ``coalesce``,
+        ``debounce``): it outlives the thread's last member only as long as a policy needs it."""
+        return f"{self.base}:p"
+
     def script_keys(self) -> list[str]:
         s = self.shard
         return [s.seq, s.due, s.leases, s.tasks, s.dead, s.dead_records, self.queue, self.active,
-                s.ended, s.paused]
+                s.ended, s.paused, s.stats, self.policy]
 
 
 @dataclass(frozen=True)

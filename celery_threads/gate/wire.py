@@ -239,25 +239,29 @@ def _bulk(value: bytes) -> bytes:
 class _Packer:
     """The hot path's EVALSHA commands for one shard, their constant parts packed once.
 
-    Every script call takes the shard's keys, the thread's two keys, then the server's clock (empty
-    here), the thread id, three settings and the script's own arguments; only the thread's parts
-    and the own arguments are packed per call.  Gives the bytes redis-py would send for the same
-    call (tests/test_wire.py), in a third of the time (cProfile of 15,000 calls: 13 µs per call
-    against 41 µs for naming the keys and packing them with :func:`_pack`; client CPU per
-    enqueue/claim/finish life 166 against 193 µs).
+    Every script call takes the shard's keys and the thread's keys (keys.py's order), then the
+    server's clock (empty here), the thread id, three settings and the script's own arguments;
+    only the thread's parts and the own arguments are packed per call.  Gives the bytes redis-py
+    would send for the same call (tests/test_wire.py), in a fraction of the time
+    (``python -m bench.callcost`` shows the client's side).
     """
 
     _MARK = "\x00thread\x00"
 
     def __init__(self, shard: ShardKeys, release_timeout_ms: int, direct_arg: str) -> None:
         keys = shard.thread(self._MARK).script_keys()
-        # The thread's keys as the parts around its id (the names are keys.py's alone).
-        if [i for i, key in enumerate(keys) if self._MARK in key] != [6, 7]:
-            raise AssertionError(f"script keys moved; _Packer expects the thread's at 6, 7: {keys}")
-        self.queue = [part.encode() for part in keys[6].split(self._MARK)]
-        self.active = [part.encode() for part in keys[7].split(self._MARK)]
-        self.shard_keys = b"".join(_bulk(key.encode()) for key in keys[:6])
-        self.last_keys_and_clock = b"".join(_bulk(key.encode()) for key in keys[8:]) + _bulk(b"")
+        # The keys as runs of constant bytes between the thread's keys, each of those kept as the
+        # parts around its id (the names are keys.py's alone).
+        self.parts: list[bytes | tuple[bytes, bytes]] = []
+        run = b""
+        for key in keys:
+            if self._MARK in key:
+                before, after = key.split(self._MARK)
+                self.parts.extend([run, (before.encode(), after.encode())])
+                run = b""
+            else:
+                run += _bulk(key.encode())
+        self.parts.append(run + _bulk(b""))   # then the clock (empty: the server's)
         self.settings = b"".join(_bulk(_arg(v)) for v in (release_timeout_ms,
                                                             shard.wake_channel, direct_arg))
         self.key_count = len(keys)
@@ -268,12 +272,16 @@ class _Packer:
 
     def pack(self, head: bytes, thread_id: str, args: Sequence[Any]) -> bytes:
         thread = thread_id.encode()
-        parts = [b"*%d\r\n" % (3 + self.key_count + 5 + len(args)), head, self.shard_keys,
-                 _bulk(self.queue[0] + thread + self.queue[1]),
-                 _bulk(self.active[0] + thread + self.active[1]),
-                 self.last_keys_and_clock, _bulk(thread), self.settings]
-        parts.extend(_bulk(_arg(a)) for a in args)
-        return b"".join(parts)
+        out = [b"*%d\r\n" % (3 + self.key_count + 5 + len(args)), head]
+        for part in self.parts:
+            if isinstance(part, tuple):
+                out.append(_bulk(part[0] + thread + part[1]))
+            else:
+                out.append(part)
+        out.append(_bulk(thread))
+        out.append(self.settings)
+        out.extend(_bulk(_arg(a)) for a in args)
+        return b"".join(out)
 
 
 def _arg(value: Any) -> bytes:

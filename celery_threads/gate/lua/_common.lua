@@ -15,6 +15,8 @@
 --                            ENDED_WINDOW; +inf: a UUID member keyed by its long form (add_member)
 --   KEYS[10] paused  HASH    thread id -> reason, of each paused thread (pause.lua): nothing of
 --                            it is released until resume.lua; while idle it is in no index
+--   KEYS[11] stats   HASH    the shard's counters, kept by the transitions (metrics)
+--   KEYS[12] policy  HASH    this thread's policy state (rate, coalesce, debounce)
 -- ARGV (common head):
 --   ARGV[1] now      "" to use the Redis server's TIME, else milliseconds (tests only)
 --   ARGV[2] thread   thread id
@@ -37,6 +39,7 @@ if redis.replicate_commands then pcall(redis.replicate_commands) end  -- Redis 6
 -- 7+, see gate.function_library), at the start of each call, the definitions made once when
 -- the library loaded.
 local K_SEQ, K_DUE, K_LEASES, K_TASKS, K_DEAD, K_DEADREC, K_Q, K_A, K_ENDED, K_PAUSED
+local K_STATS, K_POLICY
 local NOW, NOW_US, TID, RELEASE_TIMEOUT, WAKE, DIRECT
 -- {keepalive ms, worker, claimant, stop}: a script whose caller runs what it releases (finish
 -- with ARGV[9]) sets this, and the member it releases is claimed for that caller at once
@@ -55,7 +58,7 @@ local CALLER
 local function begin(keys, argv)
   K_SEQ, K_DUE, K_LEASES, K_TASKS = keys[1], keys[2], keys[3], keys[4]
   K_DEAD, K_DEADREC, K_Q, K_A, K_ENDED = keys[5], keys[6], keys[7], keys[8], keys[9]
-  K_PAUSED = keys[10]
+  K_PAUSED, K_STATS, K_POLICY = keys[10], keys[11], keys[12]
   NOW, NOW_US = server_clock(argv[1])
   TID = argv[2]
   RELEASE_TIMEOUT = tonumber(argv[3])
