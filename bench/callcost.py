@@ -7,12 +7,24 @@ between repeats: Redis's time per call, the inner commands included (``INFO comm
 ``usec`` / ``calls`` of ``evalsha`` or ``fcall``), and the client's CPU per call
 (``time.process_time`` around the calls, through ``Gate`` as workers make them).  For reference,
 a trivial script's round trip (``return 1``): the client's CPU and wall time per call.
+
+``--against REV``: the cost of a change instead.  The same lives through this checkout's gate and
+through the gate of commit ``REV`` (checked out into a temporary worktree), each in a process of
+its own importing its own tree, the two alternating between repeats on one private redis-server
+(their function libraries coexist: each is named by a digest of its source).  FCALL only, the way
+workers call on Redis 7.
 """
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
 import time
 import uuid
+from pathlib import Path
 from typing import Any
 
 from bench import harness as h
@@ -43,12 +55,79 @@ def _one_way(gate: Any, client: Any, calls: int, tag: str) -> dict[str, tuple[fl
     return out
 
 
+def _probe(url: str, calls: int, tag: str) -> int:
+    """One side of ``--against``: the gate of the tree on ``PYTHONPATH`` (FCALL), ``calls`` lives,
+    as JSON.  This file runs as a script there, so that an older tree needs no probe of its own."""
+    import redis
+
+    from celery_threads.gate import Gate, make_client
+    from celery_threads.keys import Keys
+    client = redis.Redis.from_url(url)
+    gate = Gate(make_client(url), Keys(f"cc-{tag}"), release_timeout_ms=60_000, functions=True)
+    _one_way(gate, client, 200, f"warm-{tag}")
+    print(json.dumps(_one_way(gate, client, calls, tag)))
+    return 0
+
+
+def _against(rev: str, calls: int, repeats: int) -> int:
+    """This checkout against commit ``rev``, alternating, on one redis-server."""
+    here = h.ROOT
+    with tempfile.TemporaryDirectory(prefix="callcost-") as tmp, h.Stack("callcost") as stack:
+        tree = Path(tmp) / "before"
+        subprocess.run(["git", "-C", str(here), "worktree", "add", "-q", "--detach", str(tree), rev],
+                       check=True)
+        try:
+            server = stack.redis()
+            where = h.machine(server)
+            sides = {"before": tree, "after": here}
+            results: dict[tuple[str, str], list[tuple[float, float]]] = {}
+            for rep in range(repeats):
+                order = list(sides) if rep % 2 == 0 else list(reversed(sides))
+                for side in order:
+                    h.progress(f"repeat {rep + 1}/{repeats}: {side}")
+                    out = subprocess.run(
+                        [sys.executable, __file__, "--probe", server.url(),
+                         "--calls", str(calls), "--tag", f"{side}-{rep}"],
+                        cwd=sides[side], env={**os.environ, "PYTHONPATH": str(sides[side])},
+                        check=True, capture_output=True, text=True).stdout
+                    for step, value in json.loads(out.strip().splitlines()[-1]).items():
+                        results.setdefault((side, step), []).append(tuple(value))
+        finally:
+            subprocess.run(["git", "-C", str(here), "worktree", "remove", "--force", str(tree)],
+                           check=False)
+    head = subprocess.run(["git", "-C", str(here), "rev-parse", "--short", "HEAD"],
+                          capture_output=True, text=True).stdout.strip()
+    rows = []
+    for step in STEPS:
+        for i, what in ((0, "Redis time per call, inner commands included (µs)"),
+                        (1, "client CPU per call (µs)")):
+            b, a = (h.median([v[i] for v in results[(side, step)]]) for side in ("before", "after"))
+            rows.append([f"{step}: {what}", b, a, h.ratio(a, b)])
+    print(h.table("callcost: a change's cost per gate call (FCALL)", [
+        f"command: `python -m bench.callcost --against {rev} --calls {calls} --repeats {repeats}`",
+        f"machine: {where}",
+        f"before: {rev}; after: this checkout ({head}, with its uncommitted changes)",
+        f"load: {calls:,} idle-thread lives (enqueue, claim, finish) per side and repeat; "
+        f"{repeats} repeat(s), the sides alternating"],
+        ["measure", "before", "after", "ratio"], rows,
+        [f"medians over {repeats} repeat(s); ratio = after / before."]))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.callcost", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--calls", type=int, default=5000, help="lives per way and repeat (5,000)")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--against", metavar="REV",
+                   help="compare this checkout with commit REV (FCALL) instead of the two ways")
+    p.add_argument("--probe", help=argparse.SUPPRESS)
+    p.add_argument("--tag", default="probe", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.probe:
+        return _probe(args.probe, args.calls, args.tag)
+    if args.against:
+        return _against(args.against, args.calls, args.repeats)
     from celery_threads.gate import Gate, make_client
     from celery_threads.keys import Keys
 
