@@ -11,8 +11,12 @@ local task, token, claimant = ARGV[6], ARGV[7], ARGV[10] or ''
 local state = is_active(task, token)
 if state == 'RELEASED' then
   local deadline = NOW + tonumber(ARGV[8])
+  -- Its body starts: its wait ends, unless a claim of this release (given back unstarted) counted it.
+  local a = redis.call('HMGET', K_A, 'sched', 'w')
+  if not a[2] then observe_wait(a[1]) end
   redis.call('HSET', K_A, 'state', 'RUNNING', 'claimed', NOW, 'deadline', deadline, 'worker', ARGV[9],
-    'by', claimant, 'stop', ARGV[11] or '')
+    'by', claimant, 'stop', ARGV[11] or '', 'w', 1)
+  count('running')
   redis.call('ZADD', K_LEASES, deadline, TID)
   return reply(1, tostring(NOW))
 elseif state == 'RUNNING' then
