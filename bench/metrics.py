@@ -1,0 +1,132 @@
+"""metrics: what a ``celery threads metrics`` scrape costs on a gate of 1,000 and of 1,000,000
+waiting members.
+
+The gate is filled directly, through the real enqueue script in pipelines (``Gate.enqueue``, as
+``bench scale`` does), on a private redis-server per size: 10 waiting members per thread; half
+the threads hold an active (released, never claimed) member, the other half are idle with their
+heads a day ahead, except one idle thread in a hundred whose head fell due without a dispatcher to
+release it (so the oldest-due and stuck gauges have something to find).  Then, alternating between
+the sizes, each ``--repeats`` times: one scrape as the exporter serves it (the Prometheus text of
+every metric, ``exporter.render``, no ``--top``).
+
+Reported: wall time (median of the repeats, with min and max), the Redis server's time of the
+scrape's commands (``INFO commandstats``: the ``usec`` added by every command but ``INFO`` itself)
+and how many commands it sent.  Target: the 1,000,000 scrape within 1.5x of the 1,000 one in
+Redis time (a few O(1) and O(log n) reads per shard, never a scan).
+"""
+from __future__ import annotations
+
+import argparse
+import time
+import uuid
+from typing import Any
+
+from celery import Celery
+
+from bench import harness as h
+
+DAY_MS = 86_400_000
+PER_THREAD = 10
+ENVELOPE = b'{"headers":{"task":"bench.noop"}}\n' + b"x" * 300
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--sizes", type=str, default=None,
+                   help="waiting members, comma-separated (default 1000,1000000; "
+                        "--quick: 1000,20000)")
+
+
+def _app(server: h.RedisServer) -> Celery:
+    app = Celery(f"bench-metrics-{server.port}", broker=server.url(h.BROKER_DB))
+    app.conf.threads_redis_url = server.url()
+    return app
+
+
+def _fill(app: Celery, waiting: int, label: str) -> float:
+    """The gate of ``app`` with ``waiting`` waiting members; the fill's seconds."""
+    from celery_threads import Threads
+
+    gate = Threads(app).gate
+    threads = max(2, waiting // PER_THREAD)
+    t0 = time.monotonic()
+    h.progress(f"{label}: {threads:,} threads, active members for half of them")
+    h.enqueue_many(gate, [(f"t-{i}", str(uuid.uuid4()), 0) for i in range(0, threads, 2)],
+                   ENVELOPE)
+    h.progress(f"{label}: {threads * PER_THREAD:,} waiting members")
+    for start in range(0, threads, 10_000):
+        rows = []
+        for i in range(start, min(threads, start + 10_000)):
+            delay = 0 if i % 2 == 0 else (1 if i % 100 == 1 else DAY_MS)
+            rows += [(f"t-{i}", str(uuid.uuid4()), delay) for _ in range(PER_THREAD)]
+        h.enqueue_many(gate, rows, ENVELOPE)
+    return time.monotonic() - t0
+
+
+def _commandstats(client: Any) -> tuple[int, int]:
+    """(usec, calls) of every command so far but INFO."""
+    stats = client.info("commandstats")
+    return (sum(int(v["usec"]) for k, v in stats.items() if k != "cmdstat_info"),
+            sum(int(v["calls"]) for k, v in stats.items() if k != "cmdstat_info"))
+
+
+def _scrape(app: Celery, client: Any) -> tuple[float, int, int, str]:
+    """One scrape: (wall s, Redis usec, commands, its text)."""
+    from celery_threads import Threads
+    from celery_threads.exporter import render
+
+    threads = Threads(app)
+    usec0, calls0 = _commandstats(client)
+    t0 = time.perf_counter()
+    text = render(threads)
+    wall = time.perf_counter() - t0
+    usec1, calls1 = _commandstats(client)
+    return wall, usec1 - usec0, calls1 - calls0, text
+
+
+def _value(text: str, name: str) -> str:
+    return next(line.split()[-1] for line in text.splitlines() if line.startswith(name + " "))
+
+
+def run(args: argparse.Namespace) -> int:
+    sizes = [int(s) for s in (args.sizes or ("1000,20000" if args.quick else
+                                             "1000,1000000")).split(",")]
+    with h.Stack("metrics") as stack:
+        servers = [stack.redis(f"redis-{n}") for n in sizes]
+        apps = [_app(server) for server in servers]
+        clients = [server.client() for server in servers]
+        fills = [_fill(app, n, f"{n:,}") for app, n in zip(apps, sizes)]
+        for app, client in zip(apps, clients):       # connect and load scripts once
+            _scrape(app, client)
+        walls: dict[int, list[float]] = {}
+        usecs: dict[int, list[float]] = {}
+        commands: dict[int, int] = {}
+        texts: dict[int, str] = {}
+        for repeat in range(args.repeats):
+            h.progress(f"repeat {repeat + 1}/{args.repeats}")
+            for app, client, n in zip(apps, clients, sizes):
+                wall, usec, count, texts[n] = _scrape(app, client)
+                walls.setdefault(n, []).append(wall)
+                usecs.setdefault(n, []).append(usec)
+                commands[n] = count
+        where = h.machine(servers[0])
+    rows = []
+    for n, fill in zip(sizes, fills):
+        w, u = walls[n], usecs[n]
+        rows.append([f"{n:,}", h.median(w) * 1000, min(w) * 1000, max(w) * 1000, h.median(u),
+                     commands[n], _value(texts[n], 'celery_threads_members{state="waiting"}'),
+                     round(fill, 1)])
+    small, large = sizes[0], sizes[-1]
+    redis_ratio = h.ratio(h.median(usecs[large]), h.median(usecs[small]))
+    wall_ratio = h.ratio(h.median(walls[large]), h.median(walls[small]))
+    rows.append([f"{large:,} over {small:,}", wall_ratio, "-", "-", redis_ratio, "-", "-",
+                 h.verdict(redis_ratio <= 1.5)])
+    h.report("metrics: a scrape of celery threads metrics", "metrics", args.quick, where,
+             f"one process scraping, {len(sizes)} redis-servers; the machine's own load: see its "
+             "load average",
+             ["waiting members", "wall ms (median)", "min", "max", "Redis µs (median)",
+              "Redis commands", "waiting (scraped)", "fill s"], rows,
+             [f"{args.repeats} repeats, alternating sizes; Redis µs and commands from INFO "
+              "commandstats (INFO itself left out), commands run inside scripts included; "
+              "filled through the enqueue script in pipelines of 1,000"],
+             options=f" --sizes {args.sizes}" if args.sizes else "")
+    return 0
