@@ -437,6 +437,28 @@ class Model:
         return Outcome(DONE, "", self._release_after(thread_id, "r", task_id, token, DONE, "",
                                                      caller))
 
+    def replace(self, thread_id: str, task_id: str, token: str, envelope: bytes, *,
+                at_ms: Optional[int] = None, max_retries: Optional[int] = None,
+                retry_delay_ms: int = 0, caller: Optional[str] = None) -> Outcome:
+        """``Task.replace`` in the same thread: the member waits again with the replacement's
+        message and retry settings, retries 0, its scheduled_at kept unless ``at_ms``; a new task
+        in its place, not a retry (no count)."""
+        if self._active(thread_id, task_id, token) is None:
+            again = self._replayed(thread_id, "r", task_id, token, caller)
+            return again if again is not None else Outcome(NOOP, "")
+        if self._not_the_claimants(thread_id, caller):
+            return Outcome(NOOP, "")
+        if self._ends_deleted(thread_id):
+            return Outcome(DONE, DELETED, self._release_after(thread_id, "r", task_id, token,
+                                                              DONE, DELETED, caller))
+        thread = self.threads[thread_id]
+        m = thread.members[task_id]
+        m.max_retries = -1 if max_retries is None else int(max_retries)
+        m.retry_delay_ms = retry_delay_ms
+        self._requeue_active(thread, m.sched if at_ms is None else int(at_ms), 0, envelope)
+        return Outcome(DONE, "", self._release_after(thread_id, "r", task_id, token, DONE, "",
+                                                     caller))
+
     def kill(self, thread_id: str, task_id: str, token: str, meta: dict[str, Any], *,
              keep: bool = True, caller: Optional[str] = None, fenced: bool = False,
              holder: Optional[str] = None) -> Outcome:

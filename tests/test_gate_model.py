@@ -388,7 +388,8 @@ class GateMachine(RuleBasedStateMachine):
     def end_attempt(self, pick: int, how: str, retries: int, at: bool, delay: int, offset: int,
                     flag: bool, other: int, holder: Optional[str]) -> None:
         """The worker holding the active member ends its attempt: success, retry (requeue, with
-        a new envelope when ``flag``), death (kept in the dead letters when ``flag``), or a lost
+        a new envelope when ``flag``; with an odd ``retries`` too, a replacement: Task.replace
+        in the same thread, which is not counted as a retry), death (kept in the dead letters when ``flag``), or a lost
         pool child (fail).  A worker's ending is its claim's: its caller id is the claimant
         (``other == 0``: another caller's, which a member RUNNING for a claimant refuses, as
         after a lost claim and another delivery's claim).  A kill or a lost pool child with a
@@ -406,6 +407,8 @@ class GateMachine(RuleBasedStateMachine):
             self._ending("finish", lambda: self.gate.finish(thread_id, task_id, rtok,
                                                             caller=self.caller),
                          lambda: self.model.finish(thread_id, task_id, mtok, caller=self.caller))
+        elif how == "requeue" and flag and retries % 2:    # a new body: a replacement's
+            self._replace(thread_id, task_id, mtok, rtok, retries, at, offset)
         elif how == "requeue":
             self._requeue(thread_id, task_id, mtok, rtok, retries, at, delay, offset, flag)
         elif how == "kill":
@@ -446,6 +449,17 @@ class GateMachine(RuleBasedStateMachine):
         kw["caller"] = self.caller
         self._ending("requeue", lambda: self.gate.requeue(thread_id, task_id, rtok, **kw),
                      lambda: self.model.requeue(thread_id, task_id, mtok, **kw))
+
+    def _replace(self, thread_id: str, task_id: str, mtok: str, rtok: str, retries: int,
+                 at: bool, offset: int) -> None:
+        """Task.replace in the same thread: the member waits again as its replacement (new
+        message and retry settings, ``retries`` as its max_retries), not counted as a retry."""
+        kw: dict[str, Any] = dict(at_ms=self.model.now + offset if at else None,
+                                  max_retries=retries or None, retry_delay_ms=retries * 10,
+                                  caller=self.caller)
+        body = self.envelope(task_id)
+        self._ending("replace", lambda: self.gate.replace(thread_id, task_id, rtok, body, **kw),
+                     lambda: self.model.replace(thread_id, task_id, mtok, body, **kw))
 
     def _kill(self, thread_id: str, task_id: str, mtok: str, rtok: str, keep: bool,
               retries: int, holder: Optional[str] = None) -> None:
