@@ -148,8 +148,8 @@ def run(args: argparse.Namespace) -> int:
              ["waiting members", "wall ms (median)", "min", "max", "Redis µs (median)",
               "Redis commands", "waiting (scraped)", "fill s"], rows,
              [f"{args.repeats} repeats, alternating sizes; Redis µs and commands from INFO "
-              "commandstats (INFO itself left out), commands run inside scripts included; "
-              "filled through the enqueue script in pipelines of 1,000",
+              "commandstats (INFO itself left out; the reads of the scrape's one MULTI/EXEC "
+              "counted in EXEC's); filled through the enqueue script in pipelines of 1,000",
               f"Redis µs per scrape by command (mean): {breakdown}"],
              options=f" --sizes {args.sizes}" if args.sizes else "")
     return 0
