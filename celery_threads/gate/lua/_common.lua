@@ -459,16 +459,17 @@ end
 local DELETED_LAPSE = 5
 
 -- The active member leaves the active hash (it ended, or waits again): one RUNNING fewer when
--- it ran (the 'running' count).
-local function leave_active()
-  if redis.call('HGET', K_A, 'state') == 'RUNNING' then count('running', -1) end
+-- it ran (the 'running' count).  `state`: its state, when the caller has read it.
+local function leave_active(state)
+  if (state or redis.call('HGET', K_A, 'state')) == 'RUNNING' then count('running', -1) end
   redis.call('DEL', K_A)
 end
 
 -- Detach the active member for good (it ended) and forget it.  `field`: its tasks-hash field
--- when the caller has it (else found from the task id), here and in the functions below.
-local function drop_active(task, field)
-  leave_active()
+-- when the caller has it (else found from the task id), here and in the functions below;
+-- `state` as for leave_active.
+local function drop_active(task, field, state)
+  leave_active(state)
   redis.call('HDEL', K_TASKS, field or member_field_of(K_TASKS, task))
   mark_ended(task)
 end

@@ -43,7 +43,7 @@ if marked_deleted() then
   return reply(1, 'DELETED', release_head(true))
 end
 count_ending('succeeded')
-drop_active(task, active_field(task, long))
+drop_active(task, active_field(task, long), state)
 detached('f', task, token, 1, '')
 local released = release_head(true)
 return reply(1, (released and CLAIM) and tostring(NOW) or '', released)
