@@ -44,12 +44,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "--quick: 1000,20000)")
 
 
-def _app(server: h.RedisServer) -> Celery:
-    app = Celery(f"bench-metrics-{server.port}", broker=server.url(h.BROKER_DB))
-    app.conf.threads_redis_url = server.url()
-    return app
-
-
 def _fill(app: Celery, waiting: int, label: str) -> float:
     """The gate of ``app`` with ``waiting`` waiting members; the fill's seconds."""
     from celery_threads import Threads
@@ -100,11 +94,9 @@ def _value(text: str, name: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    sizes = [int(s) for s in (args.sizes or ("1000,20000" if args.quick else
-                                             "1000,1000000")).split(",")]
+    sizes = h.sizes(args, "1000,20000", "1000,1000000")
     with h.Stack("metrics") as stack:
-        servers = [stack.redis(f"redis-{n}") for n in sizes]
-        apps = [_app(server) for server in servers]
+        servers, apps = h.gate_servers(stack, "metrics", sizes)
         clients = [server.client() for server in servers]
         fills = [_fill(app, n, f"{n:,}") for app, n in zip(apps, sizes)]
         for app, client in zip(apps, clients):       # connect and load scripts once

@@ -423,26 +423,24 @@ class Model:
     def requeue(self, thread_id: str, task_id: str, token: str, *, retries: int,
                 delay_ms: int = 0, at_ms: Optional[int] = None,
                 envelope: bytes = b"", caller: Optional[str] = None) -> Outcome:
-        if self._active(thread_id, task_id, token) is None:
-            again = self._replayed(thread_id, "r", task_id, token, caller)
-            return again if again is not None else Outcome(NOOP, "")
-        if self._not_the_claimants(thread_id, caller):
-            return Outcome(NOOP, "")
-        if self._ends_deleted(thread_id):
-            return Outcome(DONE, DELETED, self._release_after(thread_id, "r", task_id, token,
-                                                              DONE, DELETED, caller))
-        self._requeue_active(self.threads[thread_id], self._schedule(delay_ms, at_ms), retries,
-                             envelope)
-        self._count("retries")
-        return Outcome(DONE, "", self._release_after(thread_id, "r", task_id, token, DONE, "",
-                                                     caller))
+        return self._reenter(thread_id, task_id, token, caller, self._schedule(delay_ms, at_ms),
+                             retries, envelope, None)
 
     def replace(self, thread_id: str, task_id: str, token: str, envelope: bytes, *,
                 at_ms: Optional[int] = None, max_retries: Optional[int] = None,
                 retry_delay_ms: int = 0, caller: Optional[str] = None) -> Outcome:
         """``Task.replace`` in the same thread: the member waits again with the replacement's
-        message and retry settings, retries 0, its scheduled_at kept unless ``at_ms``; a new task
-        in its place, not a retry (no count)."""
+        message and retry settings, retries 0, its scheduled_at kept unless ``at_ms``."""
+        maxr = -1 if max_retries is None else int(max_retries)
+        return self._reenter(thread_id, task_id, token, caller, at_ms, 0, envelope,
+                             (maxr, retry_delay_ms))
+
+    def _reenter(self, thread_id: str, task_id: str, token: str, caller: Optional[str],
+                 sched: Optional[int], retries: int, envelope: bytes,
+                 settings: Optional[tuple[int, int]]) -> Outcome:
+        """lua/requeue.lua: the active member waits again at ``sched`` (None: the scheduled_at
+        it was released at).  ``settings``: a replacement's (max_retries, retry delay), a new
+        task in the member's place, not a retry (no count)."""
         if self._active(thread_id, task_id, token) is None:
             again = self._replayed(thread_id, "r", task_id, token, caller)
             return again if again is not None else Outcome(NOOP, "")
@@ -453,9 +451,11 @@ class Model:
                                                               DONE, DELETED, caller))
         thread = self.threads[thread_id]
         m = thread.members[task_id]
-        m.max_retries = -1 if max_retries is None else int(max_retries)
-        m.retry_delay_ms = retry_delay_ms
-        self._requeue_active(thread, m.sched if at_ms is None else int(at_ms), 0, envelope)
+        if settings is not None:
+            m.max_retries, m.retry_delay_ms = settings
+        self._requeue_active(thread, m.sched if sched is None else sched, retries, envelope)
+        if settings is None:
+            self._count("retries")
         return Outcome(DONE, "", self._release_after(thread_id, "r", task_id, token, DONE, "",
                                                      caller))
 
