@@ -389,11 +389,12 @@ class GateMachine(RuleBasedStateMachine):
                     flag: bool, other: int, holder: Optional[str]) -> None:
         """The worker holding the active member ends its attempt: success, retry (requeue, with
         a new envelope when ``flag``; with an odd ``retries`` too, a replacement: Task.replace
-        in the same thread, which is not counted as a retry), death (kept in the dead letters when ``flag``), or a lost
-        pool child (fail).  A worker's ending is its claim's: its caller id is the claimant
-        (``other == 0``: another caller's, which a member RUNNING for a claimant refuses, as
-        after a lost claim and another delivery's claim).  A kill or a lost pool child with a
-        ``holder`` is the worker's main process's, fenced by that pool process's claims."""
+        in the same thread, which is not counted as a retry), death (kept in the dead letters
+        when ``flag``), or a lost pool child (fail).  A worker's ending is its claim's: its
+        caller id is the claimant (``other == 0``: another caller's, which a member RUNNING for a
+        claimant refuses, as after a lost claim and another delivery's claim).  A kill or a lost
+        pool child with a ``holder`` is the worker's main process's, fenced by that pool
+        process's claims."""
         thread_id, task_id, mtok, rtok = self.active_target(pick)
         active = self.model.threads[thread_id].active
         claimant = active.by if active is not None and active.state == M.RUNNING else None

@@ -22,6 +22,7 @@ from celery_threads import Threads
 from celery_threads.runtime import get_runtime
 from tests.conftest import ROOT, CeleryProcess, free_port
 from tests.helpers import starts, tid, wait_for
+from tests.isolated import pointed_at
 
 
 def cli(*args: str) -> Result:
@@ -191,3 +192,27 @@ def test_missing_prometheus_client_says_what_to_install(proj, tmp_path: Path):
                           text=True, timeout=120)
     assert done.returncode == 1, done
     assert "pip install 'celery-threads[metrics]'" in done.stderr, done.stderr
+
+
+def test_every_value_is_summed_over_the_shards(proj, isolated_app):
+    """With three shards, each shard keeps its own counters and indexes: the metrics are their
+    sums (the top threads ranked across shards)."""
+    with pointed_at(isolated_app, threads_shards=3):
+        gate = get_runtime(isolated_app).gate
+        ids = [f"sh-{i}" for i in range(6)]
+        assert len({gate.keys.shard_of(t) for t in ids}) > 1
+        released = {}
+        for n, thread in enumerate(ids):
+            for i in range(n + 2):       # the first is released, the rest wait
+                outcome = gate.enqueue(thread, f"{thread}-{i}", b"x")
+                if outcome.release is not None:
+                    released[thread] = outcome.release
+        for thread, release in released.items():
+            gate.claim(thread, release.task_id, release.token, 30_000, "w")
+            gate.finish(thread, release.task_id, release.token)
+        m = Threads(isolated_app).metrics(top=2)
+        assert m.threads == 6
+        assert m.members == {"waiting": sum(range(6)), "released": 6, "running": 0}
+        assert m.counters.endings == {"succeeded": 6, "dead": 0, "deleted": 0}
+        assert m.counters.wait_count == 6
+        assert m.thread_waiting == [("sh-5", 5), ("sh-4", 4)]
