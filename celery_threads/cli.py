@@ -697,8 +697,13 @@ def metrics(ctx: click.Context, port: int, address: str, top: int, once: bool) -
     if once:
         click.echo(exporter.render(t, top), nl=False)
         return
+    try:
+        server = exporter.listen(t, address, port, top)
+    except OSError as exc:
+        raise click.ClickException(f"cannot listen on {address}:{port}: {exc.strerror or exc}; "
+                                   "choose another --port or --address") from None
     click.echo(f"Serving celery-threads metrics at http://{address}:{port}/metrics", err=True)
-    exporter.serve(t, address, port, top)
+    server.join()
 
 
 def _echo_eviction(eviction: Sequence[Eviction]) -> None:

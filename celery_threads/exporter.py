@@ -8,6 +8,7 @@ state, and any number of them can run.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from threading import Thread
 
 from prometheus_client import CollectorRegistry, generate_latest, start_http_server
 from prometheus_client.core import (
@@ -21,7 +22,7 @@ from prometheus_client.registry import Collector
 from .metrics import OUTCOMES, STATES, Metrics
 from .threads import Threads
 
-__all__ = ["GateCollector", "registry", "render", "serve"]
+__all__ = ["GateCollector", "listen", "registry", "render"]
 
 
 class GateCollector(Collector):
@@ -96,7 +97,8 @@ def render(threads: Threads, top: int = 0) -> str:
     return generate_latest(registry(threads, top)).decode()
 
 
-def serve(threads: Threads, address: str, port: int, top: int = 0) -> None:
-    """Serve the metrics at ``http://address:port/metrics`` until the process is stopped."""
+def listen(threads: Threads, address: str, port: int, top: int = 0) -> Thread:
+    """Serve the metrics at ``http://address:port/metrics`` from a daemon thread, returned (join
+    it to serve until the process is stopped).  Raises OSError when the address is taken."""
     _server, thread = start_http_server(port, addr=address, registry=registry(threads, top))
-    thread.join()
+    return thread

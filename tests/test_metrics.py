@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -216,3 +217,13 @@ def test_every_value_is_summed_over_the_shards(proj, isolated_app):
         assert m.counters.endings == {"succeeded": 6, "dead": 0, "deleted": 0}
         assert m.counters.wait_count == 6
         assert m.thread_waiting == [("sh-5", 5), ("sh-4", 4)]
+
+
+def test_a_taken_port_is_a_clear_error(proj):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = cli("metrics", "--port", str(port))
+    assert result.exit_code == 1, result.output
+    assert f"cannot listen on 127.0.0.1:{port}" in result.output, result.output
