@@ -509,6 +509,28 @@ def captured_envelope(task: Any) -> bytes:
     return capture.envelope
 
 
+def gate_app(server: RedisServer, name: str) -> Any:
+    """A Celery app whose gate is ``server`` (its broker a database of the same server): for a
+    benchmark that fills and reads the gate directly, with no worker."""
+    from celery import Celery
+
+    app = Celery(f"bench-{name}-{server.port}", broker=server.url(BROKER_DB))
+    app.conf.threads_redis_url = server.url()
+    return app
+
+
+def sizes(args: Any, quick: str, full: str) -> list[int]:
+    """The run's sizes: ``--sizes`` when given, else ``quick`` or ``full`` (comma-separated)."""
+    return [int(n) for n in (args.sizes or (quick if args.quick else full)).split(",")]
+
+
+def gate_servers(stack: Stack, name: str, counts: Sequence[int]) -> tuple[list[RedisServer],
+                                                                         list[Any]]:
+    """A private redis-server per size, each with an app whose gate it is (:func:`gate_app`)."""
+    servers = [stack.redis(f"redis-{n}") for n in counts]
+    return servers, [gate_app(server, name) for server in servers]
+
+
 def enqueue_many(gate: Any, rows: list[tuple[str, str, int]], envelope: bytes,
                  batch: int = 1000) -> list[Any]:
     """Pipelined ``Gate.enqueue`` (setup only): rows of (thread, task id, delay ms)."""

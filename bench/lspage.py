@@ -36,12 +36,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "--quick: 2000,20000)")
 
 
-def _app(server: h.RedisServer) -> Celery:
-    app = Celery(f"bench-lspage-{server.port}", broker=server.url(h.BROKER_DB))
-    app.conf.threads_redis_url = server.url()
-    return app
-
-
 def _envelope(thread: str) -> bytes:
     from celery_threads.publish import encode_envelope
 
@@ -105,11 +99,9 @@ def _measure(server: h.RedisServer, read: Callable[[], Any]) -> tuple[float, int
 
 
 def run(args: argparse.Namespace) -> int:
-    sizes = [int(s) for s in (args.sizes or ("2000,20000" if args.quick else
-                                             "20000,1000000")).split(",")]
+    sizes = h.sizes(args, "2000,20000", "20000,1000000")
     with h.Stack("lspage") as stack:
-        servers = [stack.redis(f"redis-{n}") for n in sizes]
-        apps = [_app(server) for server in servers]
+        servers, apps = h.gate_servers(stack, "lspage", sizes)
         for app, n in zip(apps, sizes):
             _fill(app, n, f"{n:,}")
         for app in apps:                            # connect and load scripts once

@@ -669,6 +669,43 @@ def stats(ctx: click.Context, stuck_after: Optional[float], as_json: bool) -> No
         ctx.exit(EX_EVICTING)
 
 
+@threads.command()
+@click.option("--port", type=click.IntRange(0, 65535), default=9808, show_default=True,
+              help="TCP port of the /metrics endpoint.")
+@click.option("--address", default="127.0.0.1", show_default=True,
+              help="Address to listen on (0.0.0.0: every interface).")
+@click.option("--top", type=click.IntRange(min=0), default=0, metavar="N",
+              help="Also celery_threads_thread_waiting{thread_id} for the N threads with the "
+                   "most waiting members (reads every thread's queue length per scrape).")
+@click.option("--once", is_flag=True,
+              help="Print the metrics once in Prometheus' text format and exit.")
+@click.pass_context
+@_guarded
+def metrics(ctx: click.Context, port: int, address: str, top: int, once: bool) -> None:
+    """Serve Prometheus metrics at /metrics, read from the gate on each scrape.
+
+    The counters live in the gate, kept by its transitions: any number of exporters can run,
+    restart, or none at all.  Needs prometheus_client (the 'metrics' extra).
+    """
+    try:
+        from . import exporter  # an optional extra: imported only for this command
+    except ImportError as exc:
+        raise click.ClickException(
+            f"celery threads metrics needs prometheus_client ({exc}): "
+            "pip install 'celery-threads[metrics]'") from None
+    t = _threads(ctx)
+    if once:
+        click.echo(exporter.render(t, top), nl=False)
+        return
+    try:
+        server = exporter.listen(t, address, port, top)
+    except OSError as exc:
+        raise click.ClickException(f"cannot listen on {address}:{port}: {exc.strerror or exc}; "
+                                   "choose another --port or --address") from None
+    click.echo(f"Serving celery-threads metrics at http://{address}:{port}/metrics", err=True)
+    server.join()
+
+
 def _echo_eviction(eviction: Sequence[Eviction]) -> None:
     for risk in eviction:
         click.echo("")

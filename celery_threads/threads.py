@@ -25,6 +25,7 @@ from .gate import (
     deadline,
     parse_record,
 )
+from .metrics import Counters, Metrics
 from .protocol import normalize_thread_id, retry_settings
 from .publish import arguments_repr, decode_arguments, task_name
 from .runtime import get_runtime
@@ -493,10 +494,63 @@ class Threads:
         waiting head, and how many threads are :meth:`stuck` (``grace`` as there).  Everything is
         read from the indexes in O(log n), except the RELEASED/RUNNING split (O(active members))
         and the paused threads (O(paused threads))."""
-        grace_ms = int((self.stuck_after if grace is None else grace) * 1000)
         now = self.gate.now_ms()
-        threads = members = active = dead = stuck = paused = 0
+        totals = self._totals(now, grace)
         states: dict[str, int] = {}
+        for shard in self.gate.keys.all_shards():
+            for state, n in self.gate.active_states(shard).items():
+                states[state] = states.get(state, 0) + n
+        head = None
+        if totals.oldest is not None:
+            thread_id, scheduled = totals.oldest
+            row = self.gate.thread_summaries([thread_id])[0][2]
+            head = WaitingHead(thread_id, row[0] if row else "", _at(scheduled),
+                               (now - scheduled) / 1000.0)
+        return Stats(
+            now=_at(now),
+            threads=totals.threads,
+            members={"WAITING": max(0, totals.members - totals.active),
+                     "RELEASED": states.get("RELEASED", 0),
+                     "RUNNING": states.get("RUNNING", 0)},
+            dead=totals.dead,
+            oldest_waiting_head=head,
+            stuck=totals.stuck,
+            paused=totals.paused,
+            dead_dropped=self.gate.dead_dropped(),
+        )
+
+    @_admin
+    def metrics(self, top: int = 0, grace: Optional[float] = None) -> Metrics:
+        """Every metric of ``celery threads metrics`` (docs/metrics.md), summed over the shards:
+        the indexes' sizes and the counters the transitions keep, O(log n + paused threads), never
+        a scan of threads or members.  ``top``: also the ``top`` threads with the most waiting
+        members, which does read every thread (O(threads), in pages): opt-in.  ``stuck_threads``
+        is :meth:`stats`' count (``grace`` as there)."""
+        now = self.gate.now_ms()
+        totals = self._totals(now, grace)
+        counters = Counters()
+        for shard in self.gate.keys.all_shards():
+            counters += Counters.parse(self.gate.stats_counters(shard))
+        # The RUNNING count is the transitions' own; it cannot exceed the active members.
+        running = min(max(0, counters.running), totals.active)
+        return Metrics(
+            threads=totals.threads,
+            members={"waiting": max(0, totals.members - totals.active),
+                     "released": totals.active - running, "running": running},
+            paused_threads=totals.paused,
+            stuck_threads=totals.stuck,
+            oldest_due_seconds=0.0 if totals.oldest is None
+            else max(0, now - totals.oldest[1]) / 1000.0,
+            dead_letters=totals.dead,
+            counters=counters,
+            thread_waiting=self._most_waiting(top) if top > 0 else [],
+        )
+
+    def _totals(self, now: int, grace: Optional[float]) -> _Totals:
+        """The index counts of every shard, summed, and the stuck threads as :meth:`stuck` finds
+        them (a paused thread is never stuck): O(log n + paused threads) per shard."""
+        grace_ms = int((self.stuck_after if grace is None else grace) * 1000)
+        threads = members = active = dead = stuck = paused = 0
         oldest: Optional[tuple[str, int]] = None
         for shard in self.gate.keys.all_shards():
             counts = self.gate.index_counts(shard, now, now - grace_ms)
@@ -514,25 +568,18 @@ class Threads:
             if counts["oldest_due"] is not None and (oldest is None
                                                      or counts["oldest_due"][1] < oldest[1]):
                 oldest = counts["oldest_due"]
-            for state, n in self.gate.active_states(shard).items():
-                states[state] = states.get(state, 0) + n
-        head = None
-        if oldest is not None:
-            row = self.gate.thread_summaries([oldest[0]])[0][2]
-            head = WaitingHead(oldest[0], row[0] if row else "", _at(oldest[1]),
-                               (now - oldest[1]) / 1000.0)
-        return Stats(
-            now=_at(now),
-            threads=threads,
-            members={"WAITING": max(0, members - active),
-                     "RELEASED": states.get("RELEASED", 0),
-                     "RUNNING": states.get("RUNNING", 0)},
-            dead=dead,
-            oldest_waiting_head=head,
-            stuck=stuck,
-            paused=paused,
-            dead_dropped=self.gate.dead_dropped(),
-        )
+        return _Totals(threads, members, active, dead, stuck, paused, oldest)
+
+    def _most_waiting(self, top: int) -> list[tuple[str, int]]:
+        """The ``top`` threads with the most waiting members, most first (ties in :meth:`ids`'
+        order): every thread's queue length read, a page per round trip, ``top`` kept."""
+        def waiting() -> Iterator[tuple[str, int]]:
+            for page in _pages(self.ids(), ID_PAGE):
+                for thread_id, n in zip(page, self.gate.waiting_counts(page)):
+                    if n:
+                        yield thread_id, n
+
+        return heapq.nlargest(top, waiting(), key=lambda row: row[1])
 
 
 # -- health types and helpers ---------------------------------------------------------------
@@ -621,6 +668,27 @@ class WaitingHead(NamedTuple):
     task_id: str
     scheduled_at: datetime
     age: float                        # seconds it has been due
+
+
+class _Totals(NamedTuple):
+    threads: int
+    members: int
+    active: int
+    dead: int
+    stuck: int
+    paused: int
+    oldest: Optional[tuple[str, int]]     # (thread id, scheduled_at ms) of the oldest due head
+
+
+def _pages(items: Iterator[str], size: int) -> Iterator[list[str]]:
+    page: list[str] = []
+    for item in items:
+        page.append(item)
+        if len(page) >= size:
+            yield page
+            page = []
+    if page:
+        yield page
 
 
 class Stats(NamedTuple):

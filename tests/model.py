@@ -18,6 +18,8 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from celery_threads.metrics import WAIT_BUCKETS_MS
+
 DONE, NOOP = 1, 0
 CLAIMED, ALREADY_CLAIMED, STALE = 1, 2, 0
 REPUBLISH, RETRIED, DIED, DELETED_LAPSE = 2, 3, 4, 5
@@ -57,6 +59,7 @@ class Active:
     # it ends it as deleted (lua/_common.lua marked_deleted).
     stop: bool = False
     deleted: bool = False
+    waited: bool = False    # its wait (due -> claim) was counted (lua/claim.lua, 'w')
 
 
 @dataclass
@@ -123,8 +126,34 @@ class Model:
         self.paused: dict[str, str] = {}         # thread id -> the pause's reason
         self.dead_places: dict[str, tuple[int, int]] = {}  # task id -> its (sched, seq) at death
         self.dead_dropped = 0                    # dead letters dropped by retention
+        # The shard's stats hash (lua/_common.lua count): every field a transition touched.
+        self.stats: dict[str, int] = {}
 
     # -- helpers ---------------------------------------------------------------------------
+    def _count(self, name: str, n: int = 1) -> None:
+        self.stats[name] = self.stats.get(name, 0) + n
+
+    def _count_ending(self, outcome: str, n: int = 1) -> None:
+        self._count(f"ended:{outcome}", n)
+
+    def _claimed(self, thread: Thread) -> None:
+        """The active member's body starts: RUNNING counted, and its wait, once per release."""
+        active = thread.active
+        assert active is not None
+        self._count("running")
+        if not active.waited:
+            active.waited = True
+            wait = max(0, self.now - thread.members[active.task_id].sched)
+            bound = next((b for b in WAIT_BUCKETS_MS if wait <= b), None)
+            self._count(f"w:{'inf' if bound is None else bound}")
+            self._count("w:sum", wait)
+
+    def _leave_active(self, thread: Thread) -> None:
+        assert thread.active is not None
+        if thread.active.state == RUNNING:
+            self._count("running", -1)
+        thread.active = None
+
     def _schedule(self, delay_ms: int, at_ms: Optional[int]) -> int:
         return int(at_ms) if at_ms is not None else self.now + max(0, int(delay_ms))
 
@@ -209,7 +238,7 @@ class Model:
     def _drop_active(self, thread: Thread) -> str:
         assert thread.active is not None
         task_id = thread.active.task_id
-        thread.active = None
+        self._leave_active(thread)
         del thread.members[task_id]
         del self.tasks[task_id]
         self._mark_ended(task_id)
@@ -225,7 +254,7 @@ class Model:
         m.sched, m.retries = sched, retries
         if envelope:
             m.envelope = envelope
-        thread.active = None
+        self._leave_active(thread)
 
     def _kill_active(self, thread: Thread, keep: bool, meta: dict[str, Any],
                      caller: Optional[str] = None) -> None:
@@ -239,6 +268,7 @@ class Model:
                                         self.now)
             self.dead_places[m.task_id] = (m.sched, m.seq)
             self.dead_callers[m.task_id] = caller
+        self._count_ending("dead")
         self._drop_active(thread)
 
     def _killed_by(self, task_id: str, caller: Optional[str]) -> bool:
@@ -251,6 +281,7 @@ class Model:
         assert thread.active is not None
         if not thread.active.deleted:
             return False
+        self._count_ending("deleted")
         self._drop_active(thread)
         return True
 
@@ -260,6 +291,7 @@ class Model:
         m = thread.members[thread.active.task_id]
         if m.max_retries < 0 or m.retries < m.max_retries:
             self._requeue_active(thread, self.now + m.retry_delay_ms, m.retries + 1, b"")
+            self._count("retries")
             return RETRIED
         meta = {"thread_id": thread.thread_id, "retries": m.retries, "exception": reason,
                 "traceback": ""}
@@ -292,6 +324,7 @@ class Model:
         if active.state == RUNNING:
             # The same claimant's claim replayed is answered as the first.
             return CLAIMED if claimant != "" and active.by == claimant else ALREADY_CLAIMED
+        self._claimed(self.threads[thread_id])
         active.state, active.deadline, active.worker = RUNNING, self.now + keepalive_ms, worker
         active.by, active.claimed, active.stop = claimant, self.now, stoppable
         return CLAIMED
@@ -359,12 +392,14 @@ class Model:
         if self._ends_deleted(thread_id):    # nothing claimed for the caller
             return Outcome(DONE, DELETED, self._release_after(thread_id, "f", task_id, token,
                                                               DONE, DELETED, caller))
+        self._count_ending("succeeded")
         self._drop_active(self.threads[thread_id])
         release = self._release_after(thread_id, "f", task_id, token, DONE, "", caller)
         if release is None or claim is None:
             return Outcome(DONE, "", release)
         active = self.threads[thread_id].active
         assert active is not None
+        self._claimed(self.threads[thread_id])
         active.state, active.deadline, active.worker = RUNNING, self.now + claim[0], claim[1]
         active.by, active.claimed, active.stop = claimant, self.now, True
         return Outcome(DONE, str(self.now), release)
@@ -376,8 +411,11 @@ class Model:
         if active is None:
             return Outcome(NOOP, "")
         if active.state == RUNNING and active.deleted:      # it never started: it ends
+            self._count_ending("deleted")
             self._drop_active(self.threads[thread_id])
             return Outcome(DELETED_LAPSE, task_id, self._release_head(thread_id))
+        if active.state == RUNNING:
+            self._count("running", -1)
         active.state, active.worker, active.by, active.claimed = RELEASED, None, None, None
         active.stop = False
         return self.hand_back(thread_id, task_id, token)
@@ -385,6 +423,24 @@ class Model:
     def requeue(self, thread_id: str, task_id: str, token: str, *, retries: int,
                 delay_ms: int = 0, at_ms: Optional[int] = None,
                 envelope: bytes = b"", caller: Optional[str] = None) -> Outcome:
+        return self._reenter(thread_id, task_id, token, caller, self._schedule(delay_ms, at_ms),
+                             retries, envelope, None)
+
+    def replace(self, thread_id: str, task_id: str, token: str, envelope: bytes, *,
+                at_ms: Optional[int] = None, max_retries: Optional[int] = None,
+                retry_delay_ms: int = 0, caller: Optional[str] = None) -> Outcome:
+        """``Task.replace`` in the same thread: the member waits again with the replacement's
+        message and retry settings, retries 0, its scheduled_at kept unless ``at_ms``."""
+        maxr = -1 if max_retries is None else int(max_retries)
+        return self._reenter(thread_id, task_id, token, caller, at_ms, 0, envelope,
+                             (maxr, retry_delay_ms))
+
+    def _reenter(self, thread_id: str, task_id: str, token: str, caller: Optional[str],
+                 sched: Optional[int], retries: int, envelope: bytes,
+                 settings: Optional[tuple[int, int]]) -> Outcome:
+        """lua/requeue.lua: the active member waits again at ``sched`` (None: the scheduled_at
+        it was released at).  ``settings``: a replacement's (max_retries, retry delay), a new
+        task in the member's place, not a retry (no count)."""
         if self._active(thread_id, task_id, token) is None:
             again = self._replayed(thread_id, "r", task_id, token, caller)
             return again if again is not None else Outcome(NOOP, "")
@@ -393,8 +449,13 @@ class Model:
         if self._ends_deleted(thread_id):
             return Outcome(DONE, DELETED, self._release_after(thread_id, "r", task_id, token,
                                                               DONE, DELETED, caller))
-        self._requeue_active(self.threads[thread_id], self._schedule(delay_ms, at_ms), retries,
-                             envelope)
+        thread = self.threads[thread_id]
+        m = thread.members[task_id]
+        if settings is not None:
+            m.max_retries, m.retry_delay_ms = settings
+        self._requeue_active(thread, m.sched if sched is None else sched, retries, envelope)
+        if settings is None:
+            self._count("retries")
         return Outcome(DONE, "", self._release_after(thread_id, "r", task_id, token, DONE, "",
                                                      caller))
 
@@ -438,6 +499,7 @@ class Model:
                 thread.active.deleted = True
                 return Outcome(DONE, STOPPING)
             current = thread.active.token
+            self._count_ending("deleted")
             self._drop_active(thread)
             return Outcome(DONE, state, self._release_after(thread_id, "d", task_id, current,
                                                             DONE, state, None))
@@ -448,6 +510,7 @@ class Model:
             del thread.members[task_id]
             del self.tasks[task_id]
             self._mark_ended(task_id)
+            self._count_ending("deleted")
         return Outcome(DONE, state, self._release_head(thread_id))
 
     def expire(self, thread_id: str) -> Outcome:
@@ -464,7 +527,9 @@ class Model:
             active.deadline = self.now + self.release_timeout_ms * 2 ** backoff
             return Outcome(REPUBLISH, "republish", self._release_of(thread))
         task_id = active.task_id
+        self._count("lapses")
         if active.deleted:          # no worker is left to stop it
+            self._count_ending("deleted")
             self._drop_active(thread)
             return Outcome(DELETED_LAPSE, task_id, self._release_head(thread_id))
         reason = (f"LeaseExpired: the worker running it sent no keepalive for "
@@ -483,9 +548,11 @@ class Model:
         if active.state != RUNNING or self._held_elsewhere(thread_id, holder):
             return Outcome(NOOP, "")
         if active.deleted:
+            self._count_ending("deleted")
             self._drop_active(self.threads[thread_id])
             status = DELETED_LAPSE
         else:
+            self._count("lapses")
             status = self._fail_active(self.threads[thread_id], reason, caller)
         return Outcome(status, task_id, self._release_after(thread_id, "x", task_id, token,
                                                             status, task_id, caller))
@@ -563,6 +630,8 @@ class Model:
             del thread.members[task_id]
             del self.tasks[task_id]
             self._mark_ended(task_id)
+        if dropped:
+            self._count_ending("deleted", len(dropped))
         left = len(waiting) - len(dropped)
         if not thread.members:
             del self.threads[thread_id]

@@ -94,6 +94,9 @@ COUNTER_STARTS = st.builds(byte_boundary, st.sampled_from([0, *BOUNDARY_BITS]),
 
 # What a run exercised: printed with -s; the outcome breakdown with CT_MODEL_VERBOSE=1.
 STATS: Counter[str] = Counter()
+# The stats hash's fields every run must move (lua/_common.lua count).
+COUNTERS = ("ended:succeeded", "ended:dead", "ended:deleted", "retries", "lapses", "running",
+            "w:sum")
 OUTCOMES: Counter[str] = Counter()
 
 
@@ -385,11 +388,13 @@ class GateMachine(RuleBasedStateMachine):
     def end_attempt(self, pick: int, how: str, retries: int, at: bool, delay: int, offset: int,
                     flag: bool, other: int, holder: Optional[str]) -> None:
         """The worker holding the active member ends its attempt: success, retry (requeue, with
-        a new envelope when ``flag``), death (kept in the dead letters when ``flag``), or a lost
-        pool child (fail).  A worker's ending is its claim's: its caller id is the claimant
-        (``other == 0``: another caller's, which a member RUNNING for a claimant refuses, as
-        after a lost claim and another delivery's claim).  A kill or a lost pool child with a
-        ``holder`` is the worker's main process's, fenced by that pool process's claims."""
+        a new envelope when ``flag``; with an odd ``retries`` too, a replacement: Task.replace
+        in the same thread, which is not counted as a retry), death (kept in the dead letters
+        when ``flag``), or a lost pool child (fail).  A worker's ending is its claim's: its
+        caller id is the claimant (``other == 0``: another caller's, which a member RUNNING for a
+        claimant refuses, as after a lost claim and another delivery's claim).  A kill or a lost
+        pool child with a ``holder`` is the worker's main process's, fenced by that pool
+        process's claims."""
         thread_id, task_id, mtok, rtok = self.active_target(pick)
         active = self.model.threads[thread_id].active
         claimant = active.by if active is not None and active.state == M.RUNNING else None
@@ -403,6 +408,8 @@ class GateMachine(RuleBasedStateMachine):
             self._ending("finish", lambda: self.gate.finish(thread_id, task_id, rtok,
                                                             caller=self.caller),
                          lambda: self.model.finish(thread_id, task_id, mtok, caller=self.caller))
+        elif how == "requeue" and flag and retries % 2:    # a new body: a replacement's
+            self._replace(thread_id, task_id, mtok, rtok, retries, at, offset)
         elif how == "requeue":
             self._requeue(thread_id, task_id, mtok, rtok, retries, at, delay, offset, flag)
         elif how == "kill":
@@ -443,6 +450,17 @@ class GateMachine(RuleBasedStateMachine):
         kw["caller"] = self.caller
         self._ending("requeue", lambda: self.gate.requeue(thread_id, task_id, rtok, **kw),
                      lambda: self.model.requeue(thread_id, task_id, mtok, **kw))
+
+    def _replace(self, thread_id: str, task_id: str, mtok: str, rtok: str, retries: int,
+                 at: bool, offset: int) -> None:
+        """Task.replace in the same thread: the member waits again as its replacement (new
+        message and retry settings, ``retries`` as its max_retries), not counted as a retry."""
+        kw: dict[str, Any] = dict(at_ms=self.model.now + offset if at else None,
+                                  max_retries=retries or None, retry_delay_ms=retries * 10,
+                                  caller=self.caller)
+        body = self.envelope(task_id)
+        self._ending("replace", lambda: self.gate.replace(thread_id, task_id, rtok, body, **kw),
+                     lambda: self.model.replace(thread_id, task_id, mtok, body, **kw))
 
     def _kill(self, thread_id: str, task_id: str, mtok: str, rtok: str, keep: bool,
               retries: int, holder: Optional[str] = None) -> None:
@@ -644,11 +662,23 @@ class GateMachine(RuleBasedStateMachine):
         pipe.keys("*")
         pipe.zrange(s.ended, 0, -1, withscores=True)
         pipe.hgetall(s.paused)
+        pipe.hgetall(s.stats)
         for thread_id in threads:
             k = s.thread(thread_id)
             pipe.hgetall(k.active)
             pipe.zrange(k.queue, 0, -1, withscores=True)
-        due, leases, tasks, dead, dead_records, keys, ended, paused, *per_thread = pipe.execute()
+        (due, leases, tasks, dead, dead_records, keys, ended, paused, stats,
+         *per_thread) = pipe.execute()
+        # The metrics' counters (lua/_common.lua count): each ending, retry, lapse and wait
+        # counted exactly once, replays included; 'running' is the RUNNING members' number.
+        stats = {k.decode(): int(v) for k, v in stats.items()}
+        assert stats == model.stats, f"stats {stats} vs model {model.stats}"
+        running = sum(1 for t in model.threads.values()
+                      if t.active is not None and t.active.state == M.RUNNING)
+        assert stats.get("running", 0) == running, f"running {stats} vs {running} RUNNING"
+        for name, n in stats.items():
+            if n:
+                STATS[f"counted {name}"] += 1
         paused = {k.decode(): v.decode() for k, v in paused.items()}
         assert paused == model.paused, f"paused {paused} vs model {model.paused}"
         # +inf: a UUID member keyed by its long form (its short field was taken when it came):
@@ -756,7 +786,7 @@ class GateMachine(RuleBasedStateMachine):
                              (s.tasks, model.tasks), (s.dead, model.dead),
                              (s.dead_records, model.dead),
                              (s.ended, model.ended or long_uuids), (s.paused, model.paused),
-                             (s.dead_dropped, model.dead_dropped)):
+                             (s.dead_dropped, model.dead_dropped), (s.stats, model.stats)):
             if present:
                 expected.add(key)
         for thread in model.threads.values():
@@ -863,6 +893,9 @@ def test_gate_matches_model(gate_url: str, how: str) -> None:
           f"{STATS['calls']} gate calls compared, {STATS['long UUID fields']} states with a UUID "
           f"keyed by its long form; tied neighbours whose arrival numbers differ in length: "
           f"{STATS['ties across a length']}, above their last byte: {STATS['ties across a byte']}")
+    counted = {name: STATS[f"counted {name}"] for name in COUNTERS}
+    print(f"states with a counter: {counted}")
+    assert all(counted.values()), f"a counter the run never moved: {counted}"
     assert STATS["long UUID fields"] > 0, "no state had two members sharing a UUID's first bytes"
     assert STATS["ties across a length"] > 0, "no queue held tied members of seqs of two lengths"
     assert STATS["ties across a byte"] > 0, "no queue held tied members across a byte boundary"

@@ -9,7 +9,7 @@ import json
 import logging
 import time
 from collections.abc import Iterator, Sequence
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, cast
 
 import redis
 from redis.commands.core import Script
@@ -601,6 +601,17 @@ class Gate:
         for thread_id in thread_ids:
             pipe.hget(self.keys.thread(thread_id).shard.paused, thread_id)
         return [None if r is None else _text(r) for r in pipe.execute()] if thread_ids else []
+
+    def stats_counters(self, shard: ShardKeys) -> dict[Any, Any]:
+        """``shard``'s stats hash, the counters the transitions keep (celery_threads.metrics)."""
+        return cast(dict[Any, Any], self.client.hgetall(shard.stats))
+
+    def waiting_counts(self, thread_ids: Sequence[str]) -> list[int]:
+        """How many members wait in each thread's queue (one round trip)."""
+        pipe = self.client.pipeline(transaction=False)
+        for thread_id in thread_ids:
+            pipe.zcard(self.keys.thread(thread_id).queue)
+        return [int(n) for n in pipe.execute()] if thread_ids else []
 
     def dead_count(self) -> int:
         return sum(int(self.client.zcard(shard.dead)) for shard in self.keys.all_shards())

@@ -69,6 +69,47 @@ local function begin(keys, argv)
   CALLER = ''
 end
 
+-- Metrics: the shard's counters in K_STATS, kept by the transitions themselves, so a scrape is
+-- a few O(1) reads (celery_threads.metrics).  Fields (each an integer, HINCRBY):
+--   ended:succeeded, ended:dead, ended:deleted   members ended, once each (count_ending)
+--   retries    attempts that re-entered their thread (a retry, a lost attempt with retries left)
+--   lapses     leases of RUNNING members that lapsed (expire) or whose pool process was lost (fail)
+--   running    active members RUNNING now (a gauge: +1 on a claim, -1 when it leaves RUNNING)
+--   w:<ms>, w:inf, w:sum   the wait histogram: due (the member's scheduled_at) -> the claim that
+--              starts its body, one bucket field per bound (not cumulative) and the sum in ms
+-- Every count sits in the branch that changes the member, never in a replay's, so a call sent
+-- again after its reply was lost counts nothing twice.
+local function count(field, n)
+  redis.call('HINCRBY', K_STATS, field, n or 1)
+end
+
+-- A member ended as `outcome`: 'succeeded', 'dead' or 'deleted' (deleted, purged, expired,
+-- superseded: every transition that ends a member without running it to an end).  `n`: how many.
+local function count_ending(outcome, n)
+  count('ended:' .. outcome, n)
+end
+
+-- The wait histogram's bounds (ms), the same as celery_threads.metrics.WAIT_BUCKETS_MS.
+local WAIT_BUCKETS = { 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 30000, 60000,
+                       300000, 900000, 3600000 }
+
+-- The active member's body starts now (its claim): its wait from its due time `sched` (ms) is
+-- counted once per release: `w` in the active hash marks it, so a member a worker gave back
+-- unstarted (handback.lua ARGV[8]) and claims again is not counted twice.
+local function observe_wait(sched)
+  if not sched then return end
+  local wait = math.max(0, NOW - tonumber(sched))
+  local bucket = 'inf'
+  for _, bound in ipairs(WAIT_BUCKETS) do
+    if wait <= bound then
+      bucket = bound
+      break
+    end
+  end
+  redis.call('HINCRBY', K_STATS, 'w:' .. bucket, 1)
+  redis.call('HINCRBY', K_STATS, 'w:sum', wait)
+end
+
 -- How long an ended member's task id is remembered, so that an enqueue replayed after a lost reply
 -- cannot make it a member again and run it twice.  Longer than the client's replays: its retries
 -- give up 15 s after a call's first failure, and an attempt waits at most 5 s for its reply
@@ -152,7 +193,9 @@ local function activate(task, field, sched, in_due, rec)
     deadline = NOW + CLAIM[1]
     redis.call('HSET', K_A, 'task', task, 'token', token, 'state', 'RUNNING', 'since', NOW,
       'deadline', deadline, 'sched', sched, 'n', 0, 'l', long, 'claimed', NOW, 'worker', CLAIM[2],
-      'by', CLAIM[3], 'stop', CLAIM[4] or '')
+      'by', CLAIM[3], 'stop', CLAIM[4] or '', 'w', 1)
+    count('running')
+    observe_wait(sched)
   else
     deadline = NOW + RELEASE_TIMEOUT
     redis.call('HSET', K_A, 'task', task, 'token', token, 'state', 'RELEASED', 'since', NOW,
@@ -415,10 +458,18 @@ local function marked_deleted()
 end
 local DELETED_LAPSE = 5
 
--- Detach the active member for good (it ended) and forget it.  `field`: its tasks-hash field
--- when the caller has it (else found from the task id), here and in the functions below.
-local function drop_active(task, field)
+-- The active member leaves the active hash (it ended, or waits again): one RUNNING fewer when
+-- it ran (the 'running' count).  `state`: its state, when the caller has read it.
+local function leave_active(state)
+  if (state or redis.call('HGET', K_A, 'state')) == 'RUNNING' then count('running', -1) end
   redis.call('DEL', K_A)
+end
+
+-- Detach the active member for good (it ended) and forget it.  `field`: its tasks-hash field
+-- when the caller has it (else found from the task id), here and in the functions below;
+-- `state` as for leave_active.
+local function drop_active(task, field, state)
+  leave_active(state)
   redis.call('HDEL', K_TASKS, field or member_field_of(K_TASKS, task))
   mark_ended(task)
 end
@@ -431,10 +482,11 @@ local function requeue_active(task, sched, retries, envelope, field, rec)
   if envelope == '' then envelope = string.sub(rec, p.body_at) end
   redis.call('HSET', K_TASKS, field, make_record(p.seq, retries, p.maxr, p.delay, envelope, p.tail))
   redis.call('ZADD', K_Q, sched, queue_member(p.seq, field))
-  redis.call('DEL', K_A)
+  leave_active()
 end
 
--- Move the active member to the dead-letter store (when keep is true) and detach it.
+-- The active member died: to the dead-letter store (when keep is true), detached, and counted
+-- as a 'dead' ending either way.
 local function kill_active(task, keep, meta_json, field, rec)
   if not rec then field, rec = find_member(K_TASKS, task) end
   if keep then
@@ -455,6 +507,7 @@ local function kill_active(task, keep, meta_json, field, rec)
     redis.call('HSET', K_DEADREC, task, died .. '\n' .. meta_json .. '\n' ..
       string.sub(rec, p.body_at))
   end
+  count_ending('dead')
   drop_active(task, field)
 end
 
@@ -514,6 +567,7 @@ local function fail_active(task, reason)
   local p = parse_record(rec)
   if p.maxr < 0 or p.retries < p.maxr then
     requeue_active(task, NOW + p.delay, p.retries + 1, '', field, rec)
+    count('retries')
     return 3
   end
   local meta = cjson.encode({ thread_id = TID, retries = p.retries, exception = reason, traceback = '' })

@@ -8,17 +8,22 @@
 -- Returns {1, claim time ms} claimed (also to the same claimant's replay of the claim, with the
 -- first claim's time), {2, ''} already claimed by another delivery, {0, ''} stale.
 local task, token, claimant = ARGV[6], ARGV[7], ARGV[10] or ''
-local state = is_active(task, token)
+-- is_active's fencing check, with what the wait histogram needs in the same read.
+local a = redis.call('HMGET', K_A, 'task', 'token', 'state', 'sched', 'w')
+local state = a[1] == task and a[2] == token and a[3] or nil
 if state == 'RELEASED' then
   local deadline = NOW + tonumber(ARGV[8])
+  -- Its body starts: its wait ends, unless a claim of this release (given back unstarted) counted it.
+  if not a[5] then observe_wait(a[4]) end
   redis.call('HSET', K_A, 'state', 'RUNNING', 'claimed', NOW, 'deadline', deadline, 'worker', ARGV[9],
-    'by', claimant, 'stop', ARGV[11] or '')
+    'by', claimant, 'stop', ARGV[11] or '', 'w', 1)
+  count('running')
   redis.call('ZADD', K_LEASES, deadline, TID)
   return reply(1, tostring(NOW))
 elseif state == 'RUNNING' then
   if claimant ~= '' then
-    local a = redis.call('HMGET', K_A, 'by', 'claimed')
-    if a[1] == claimant then return reply(1, a[2]) end
+    local c = redis.call('HMGET', K_A, 'by', 'claimed')
+    if c[1] == claimant then return reply(1, c[2]) end
   end
   return reply(2, '')
 end

@@ -44,6 +44,7 @@ if state then
     return reply(1, 'STOPPING')
   end
   local current = redis.call('HGET', K_A, 'token')
+  count_ending('deleted')
   drop_active(task, field)
   detached('d', task, current, 1, state)
 else
@@ -52,5 +53,6 @@ else
   redis.call('ZREM', K_Q, queue_member(p.seq, field))
   redis.call('HDEL', K_TASKS, field)
   mark_ended(task)
+  count_ending('deleted')
 end
 return reply(1, state, release_head())

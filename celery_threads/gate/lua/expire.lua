@@ -24,7 +24,9 @@ if state == 'RELEASED' then
   local backoff = math.min(n, tonumber(ARGV[6]))
   return republish_active(task, token, NOW + RELEASE_TIMEOUT * (2 ^ backoff), n)
 end
+count('lapses')
 if marked_deleted() then
+  count_ending('deleted')
   drop_active(task)
   return reply(DELETED_LAPSE, task, release_head(true))
 end

@@ -21,6 +21,14 @@ if state ~= 'RUNNING' then
 end
 if held_elsewhere(state, ARGV[10]) then return reply(0, '') end
 local status = DELETED_LAPSE
-if marked_deleted() then drop_active(task) else status = fail_active(task, ARGV[8]) end
+-- A lost pool process counts as a lapse (its lease would have lapsed), unless its worker
+-- stopped it because the member was deleted.
+if marked_deleted() then
+  count_ending('deleted')
+  drop_active(task)
+else
+  count('lapses')
+  status = fail_active(task, ARGV[8])
+end
 detached('x', task, token, status, task)
 return reply(status, task, release_head(true))

@@ -37,11 +37,13 @@ end
 if not_the_claimants(state) then return reply(0, '') end
 if marked_deleted() then
   CLAIM, DIRECT = nil, direct
+  count_ending('deleted')
   drop_active(task, active_field(task, long))
   detached('f', task, token, 1, 'DELETED')
   return reply(1, 'DELETED', release_head(true))
 end
-drop_active(task, active_field(task, long))
+count_ending('succeeded')
+drop_active(task, active_field(task, long), state)
 detached('f', task, token, 1, '')
 local released = release_head(true)
 return reply(1, (released and CLAIM) and tostring(NOW) or '', released)

@@ -12,10 +12,12 @@
 -- deleted, {5, task} plus the next release.
 local state = is_active(ARGV[6], ARGV[7])
 if state == 'RUNNING' and ARGV[8] == '1' and marked_deleted() then
+  count_ending('deleted')
   drop_active(ARGV[6])
   return reply(DELETED_LAPSE, ARGV[6], release_head(true))
 elseif state == 'RUNNING' and ARGV[8] == '1' then
   redis.call('HSET', K_A, 'state', 'RELEASED')
+  count('running', -1)
   redis.call('HDEL', K_A, 'claimed', 'worker', 'by', 'stop')
 elseif state ~= 'RELEASED' then
   return reply(0, '')

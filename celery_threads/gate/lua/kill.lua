@@ -26,6 +26,7 @@ end
 if ARGV[11] == '1' and not_the_claimants(state) then return reply(0, '') end
 if held_elsewhere(state, ARGV[12]) then return reply(0, '') end
 if marked_deleted() then
+  count_ending('deleted')
   drop_active(task)
   detached('k', task, token, 1, 'DELETED')
   return reply(1, 'DELETED', release_head(true))

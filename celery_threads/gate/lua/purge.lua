@@ -19,6 +19,7 @@ for i = #tail, 1, -1 do
   end
 end
 if #tail > 0 then redis.call('ZREMRANGEBYRANK', K_Q, -#tail, -1) end
+if #dropped > 0 then count_ending('deleted', #dropped) end
 local left = redis.call('ZCARD', K_Q)
 if left == 0 and #tail > 0 and redis.call('EXISTS', K_A) == 0 then index_idle(false, {}) end
 return { 1, left, dropped }

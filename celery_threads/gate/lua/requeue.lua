@@ -21,6 +21,7 @@ if not state then
 end
 if not_the_claimants(state) then return reply(0, '') end
 if marked_deleted() then
+  count_ending('deleted')
   drop_active(task)
   detached('r', task, token, 1, 'DELETED')
   return reply(1, 'DELETED', release_head(true))
@@ -38,5 +39,7 @@ if ARGV[12] and ARGV[12] ~= '' then
   rec = make_record(p.seq, p.retries, ARGV[12], ARGV[13], string.sub(rec, p.body_at), p.tail)
 end
 requeue_active(task, sched, ARGV[10], ARGV[11], field, rec)
+-- A replacement (ARGV[12]) is a new task in the member's place, not another attempt.
+if not (ARGV[12] and ARGV[12] ~= '') then count('retries') end
 detached('r', task, token, 1, '')
 return reply(1, '', release_head(true))
