@@ -16,6 +16,8 @@ BENCHMARKS = {
     "scale": "gate cost of a member's life with 1,000 vs 1,000,000 waiting members",
     "dispatch": "dispatcher tick cost, and countdown lateness vs plain Celery",
     "lspage": "celery threads ls --limit 20 at 20,000 and 1,000,000 threads, before/after the cursor",
+    "gatecpu": "the gate's Redis and worker CPU per task: one Redis vs a 3-master cluster, and "
+               "plain Celery's broker",
     "gateunavailable": "time for a producer's apply_async to raise GateUnavailable on a dead gate",
 }
 
