@@ -52,8 +52,9 @@ def _redis_cpu(node: redis.Redis) -> float:
     return float(info["used_cpu_sys"]) + float(info["used_cpu_user"])
 
 
-def _worker_cpu(worker: h.Proc) -> float:
-    return h.cpu_seconds(worker.pid) + sum(h.cpu_seconds(c) for c in h.children_of(worker.pid))
+def _worker_cpu(worker: h.Proc) -> tuple[float, float]:
+    """CPU seconds of the worker's main process and of its pool processes."""
+    return h.cpu_seconds(worker.pid), sum(h.cpu_seconds(c) for c in h.children_of(worker.pid))
 
 
 def _script_names() -> dict[str, str]:
@@ -167,7 +168,9 @@ def _side(stack: h.Stack, side: str, args: argparse.Namespace, n: int, threads: 
     return {
         "gate_us": sum(per_master), "masters_us": per_master,
         "broker_us": (broker1 - broker0) * 1e6 / n,
-        "worker_us": (worker1 - worker0) * 1e6 / n, "producer_us": producer * 1e6 / n,
+        "worker_us": (sum(worker1) - sum(worker0)) * 1e6 / n,
+        "main_us": (worker1[0] - worker0[0]) * 1e6 / n, "pool_us": (worker1[1] - worker0[1]) * 1e6 / n,
+        "producer_us": producer * 1e6 / n,
         "scripts": scripts / n,
         "script_us": (usec["fcall"] + usec["evalsha"]) / scripts if scripts else float("nan"),
         "commands": {k: (c / n, usec[k] / c) for k, c in stats.most_common() if c},
@@ -228,6 +231,8 @@ def run(args: argparse.Namespace) -> int:
                          in list(side["commands"].items())[:14])
 
     notes = [
+        "worker CPU per task, main process / pool processes (µs): " + "; ".join(
+            f"{LABELS[k]} {out[k]['main_us']:.0f} / {out[k]['pool_us']:.0f}" for k in SIDES) + ".",
         "ratio = cluster / one Redis.  CPU per task: the servers' INFO cpu (user + system) and "
         "the processes' /proc times over the publish-and-run window of each side, divided by the "
         "tasks run; plain Celery's column is the same worker and producer without the gate.",

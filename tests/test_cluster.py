@@ -203,6 +203,16 @@ def test_cluster_hot_path_has_its_own_line_per_master_and_follows_a_moved_slot(
     assert line._shard_lines[0] is line._lines[f"127.0.0.1:{new}"]
 
 
+def test_a_cluster_workers_direct_line_check_probes_a_master(redis_cluster, monkeypatch):
+    """At worker start the direct-line seam is probed on a connection to the gate's server; on a
+    cluster, to a master (the cluster client has no pool of its own): the seam holds, and the
+    worker's pool processes take the line."""
+    from celery_threads import seams
+
+    monkeypatch.setattr(seams, "_gate_client", make_client(redis_cluster.url(), {"cluster": True}))
+    assert seams._check_direct_line(app=object()) is None
+
+
 def test_cluster_gate_goes_through_the_client_when_the_direct_line_does_not_hold(
         redis_cluster, monkeypatch):
     """The direct-line seam broken (a connection whose socket is not a plain socket): every
