@@ -194,16 +194,30 @@ def test_cluster_hot_path_has_its_own_line_per_master_and_follows_a_moved_slot(
     old = redis_cluster.owner(slot)
     new = next(p for p in redis_cluster.ports if p != old)
     redis_cluster.migrate_slot(slot, new, batch=100, pace=0)
-    moved = [t for t in threads if keys.shard_of(t) == 0]
-    _lives(gate, moved)
-    assert through_client, "the old master's MOVED went the client's way"
-    del through_client[:]
-    _lives(gate, moved)
-    assert through_client == []
-    assert line._shard_lines[0] is line._lines[f"127.0.0.1:{new}"]
+    try:
+        moved = [t for t in threads if keys.shard_of(t) == 0]
+        _lives(gate, moved)
+        assert through_client, "the old master's MOVED went the client's way"
+        del through_client[:]
+        _lives(gate, moved)
+        assert through_client == []
+        assert line._shard_lines[0] is line._lines[f"127.0.0.1:{new}"]
+    finally:    # the module's other tests expect the cluster's first layout
+        redis_cluster.migrate_slot(slot, old, batch=100, pace=0)
 
 
-def test_a_cluster_workers_direct_line_check_probes_a_master(redis_cluster, monkeypatch):
+@pytest.fixture
+def fresh_seams() -> Iterator[None]:
+    """The seams checked anew, and no broken result left for the module's other tests."""
+    from celery_threads import seams
+
+    seams._results.clear()
+    yield
+    seams._results.clear()
+
+
+def test_a_cluster_workers_direct_line_check_probes_a_master(redis_cluster, monkeypatch,
+                                                             fresh_seams):
     """At worker start the direct-line seam is probed on a connection to the gate's server; on a
     cluster, to a master (the cluster client has no pool of its own): the seam holds, and the
     worker's pool processes take the line."""
@@ -214,12 +228,12 @@ def test_a_cluster_workers_direct_line_check_probes_a_master(redis_cluster, monk
 
 
 def test_cluster_gate_goes_through_the_client_when_the_direct_line_does_not_hold(
-        redis_cluster, monkeypatch):
+        proj, redis_cluster, monkeypatch, fresh_seams):
     """The direct-line seam broken (a connection whose socket is not a plain socket): every
     transition on a cluster takes the cluster client's way, and works."""
     import redis
 
-    from tests.seam_faults import _Socket
+    from tests.seam_faults import _Socket  # after proj (the fixture): it imports tests.proj
 
     original = redis.Connection._connect
     monkeypatch.setattr(redis.Connection, "_connect", lambda self: _Socket(original(self)))
