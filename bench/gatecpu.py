@@ -69,6 +69,21 @@ def _script_names() -> dict[str, str]:
     return names
 
 
+def _threads_per_master(ports: list[int], shards: int, names: list[str]) -> list[int]:
+    """How many of ``names`` (thread ids) the master on each of ``ports`` holds."""
+    from redis.crc import key_slot
+
+    from celery_threads.keys import Keys
+
+    owner = {}
+    for start, end, master, *_ in redis.Redis(port=ports[0]).execute_command("CLUSTER", "SLOTS"):
+        for slot in range(int(start), int(end) + 1):
+            owner[slot] = int(master[1])
+    keys = Keys("bench", shards)
+    held = Counter(owner[key_slot(keys.thread(t).active.encode())] for t in names)
+    return [held[p] for p in ports]
+
+
 def _publish(task: Any, tag: str, n: int, threads: int, key: str) -> float:
     """Publish ``n`` tasks; the producer's CPU seconds for it."""
     cpu = time.process_time()
@@ -198,6 +213,7 @@ def run(args: argparse.Namespace) -> int:
             url, nodes = gates[side]
             out[side] = _side(stack, side, args, n, threads, broker, probe, url, nodes)
         problems = stack.celery_problems()
+        spread = _threads_per_master(ports, 6, [f"clusterrun-{i}" for i in range(threads)])
 
     s, c, p = out["single"], out["cluster"], out["plain"]
     busiest = max(c["masters_us"])
@@ -209,6 +225,8 @@ def run(args: argparse.Namespace) -> int:
          + " / ".join(f"{m:.0f}" for m in c["masters_us"]) + ")", s["gate_us"], busiest,
          h.ratio(busiest, s["gate_us"]), "-", "<= 0.40 (2.5x capacity)",
          h.verdict(busiest <= s["gate_us"] / 2.5)],
+        ["a master's Redis CPU per task were the threads spread evenly (all servers / 3, µs)",
+         s["gate_us"], c["gate_us"] / 3, h.ratio(c["gate_us"] / 3, s["gate_us"]), "-", "-", "-"],
         ["worker CPU per task (µs: main + pool processes)", s["worker_us"], c["worker_us"],
          h.ratio(c["worker_us"], s["worker_us"]), p["worker_us"], "cluster <= 1.2x",
          h.verdict(c["worker_us"] <= 1.2 * s["worker_us"])],
@@ -242,6 +260,8 @@ def run(args: argparse.Namespace) -> int:
         "gate commandstats per task (calls x µs per call, a script's inner commands included), "
         "one Redis: " + breakdown(s) + ".",
         "cluster: " + breakdown(c) + ".",
+        "the cluster's shards: 2 per master; the run's threads per master (their ids' crc32 "
+        "modulo 6 shards): " + " / ".join(str(x) for x in spread) + ".",
         "the gate's servers are not the broker's: releases are published through kombu (no "
         "direct release), on both gates; worker dispatch loops included.",
     ]
