@@ -17,6 +17,8 @@ BENCHMARKS = {
     "dispatch": "dispatcher tick cost, and countdown lateness vs plain Celery",
     "lspage": "celery threads ls --limit 20 at 20,000 and 1,000,000 threads, before/after the cursor",
     "metrics": "a celery threads metrics scrape on a gate of 1,000 and of 1,000,000 waiting members",
+    "gatecpu": "the gate's Redis and worker CPU per task: one Redis vs a 3-master cluster, and "
+               "plain Celery's broker",
     "gateunavailable": "time for a producer's apply_async to raise GateUnavailable on a dead gate",
 }
 

@@ -5,10 +5,10 @@ A life is one idle thread's member enqueued, claimed and finished (three gate ca
 producer and a worker make them, through :class:`celery_threads.gate.Gate`.  ``--processes``
 client processes per topology each run lives on threads of their own for ``--seconds`` seconds,
 the two topologies one after the other on the same machine.  One Redis: the gate's default
-client (its direct line and the library's functions, ``FCALL``).  The cluster: redis-py's cluster
-client with ``threads_shards`` shards (no direct line: ``FCALL`` through redis-py, routed by
-slot).  Redis time is ``INFO commandstats`` (every command's ``usec``) of each server, reset before
-the run; per master and in total, divided by the lives run.
+client (its direct line and the library's functions, ``FCALL``).  The cluster: the gate's cluster
+client with ``threads_shards`` shards (its line to each master, ``FCALL``; redis-py's cluster
+client for anything else).  Redis time is ``INFO commandstats`` (every command's ``usec``) of
+each server, reset before the run; per master and in total, divided by the lives run.
 """
 from __future__ import annotations
 
@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         f"machine: {where}",
         f"load: {args.processes} client processes per topology, each running idle-thread lives "
         f"(enqueue, claim, finish) for {args.seconds:g} s; one Redis first, then the cluster"],
-        ["measure", "one Redis (direct line, FCALL)", "3-master cluster (redis-py, FCALL)",
+        ["measure", "one Redis (direct line, FCALL)", "3-master cluster (line per master, FCALL)",
          "ratio"], rows,
         ["ratio = cluster / one Redis. On a machine with fewer cores than masters plus clients, "
          "the cluster's wall-clock rate is bounded by the CPU, not by any one master: its "

@@ -6,13 +6,17 @@ own workers at its own redis-server, broker, queue and key prefix:
 
 ``BENCH_REDIS_URL`` (gate and timings), ``BENCH_BROKER_URL``, ``BENCH_QUEUE``, ``BENCH_KEY_PREFIX``,
 ``BENCH_DISPATCH_INTERVAL``, ``BENCH_KEEPALIVE``, ``BENCH_RELEASE_TIMEOUT``, ``BENCH_PREFETCH``,
-``BENCH_WORKER_DISPATCH``; ``BENCH_READY_KEY`` is set in Redis when the worker or beat is ready.
+``BENCH_WORKER_DISPATCH``, ``BENCH_SHARDS``, ``BENCH_REDIS_OPTIONS`` (JSON: the gate client's
+options, e.g. ``{"cluster": true}``), ``BENCH_PROBE_URL`` (the probes' own Redis, when the gate's
+server must carry the gate's work alone; default ``BENCH_REDIS_URL``); ``BENCH_READY_KEY`` is set
+in the probes' Redis when the worker or beat is ready.
 
 Every probe is one Lua script stamped with the Redis server's ``TIME`` (:class:`Recorder`), and the
 threaded and plain variants of a task run exactly the same body.
 """
 from __future__ import annotations
 
+import json
 import os
 import time
 from typing import Any, Optional
@@ -39,6 +43,8 @@ def configure(env: Optional[dict[str, str]] = None) -> Celery:
         threads_keepalive=float(env.get("BENCH_KEEPALIVE", "30")),
         threads_release_timeout=float(env.get("BENCH_RELEASE_TIMEOUT", "60")),
         threads_worker_dispatch=env.get("BENCH_WORKER_DISPATCH", "1") == "1",
+        threads_shards=int(env.get("BENCH_SHARDS", "1")),
+        threads_redis_options=json.loads(env.get("BENCH_REDIS_OPTIONS") or "null"),
         threads_track_releases=env.get("BENCH_TRACK_RELEASES") == "1",
         worker_send_task_events=env.get("BENCH_EVENTS") == "1",
         task_default_queue=env.get("BENCH_QUEUE", "bench"),
@@ -62,6 +68,7 @@ def configure(env: Optional[dict[str, str]] = None) -> Celery:
     from celery_threads.runtime import reset
 
     reset(app)
+    _state["probe_url"] = env.get("BENCH_PROBE_URL") or redis_url
     _state.pop("recorder", None)
     _state.pop("locks", None)
     return app
@@ -73,7 +80,7 @@ configure()
 def recorder() -> Recorder:
     rec = _state.get("recorder")
     if rec is None or rec.pid != os.getpid():
-        rec = _state["recorder"] = Recorder(app.conf.threads_redis_url)
+        rec = _state["recorder"] = Recorder(_state["probe_url"])
     return rec
 
 

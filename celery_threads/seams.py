@@ -37,7 +37,8 @@ The seams (docs/compatibility.md has what each buys, measured):
   ``_context`` in the main process's ending of a lost member.  Fallback: read as not revoked
   (the gate's token fences the ending anyway), the retry stored without the request's context.
 * ``direct-line`` (redis-py): ``Connection._sock`` and ``_parser.parse_error`` for the pool
-  processes' EVALSHA/FCALL line (gate.DirectLine).  Fallback: redis-py's client.
+  processes' EVALSHA/FCALL line (gate.DirectLine; on a cluster, one to each master:
+  gate.cluster.ClusterLine).  Fallback: redis-py's client (on a cluster, its cluster client).
 """
 from __future__ import annotations
 
@@ -416,7 +417,7 @@ def _check_direct_line(app: Any = None) -> Optional[str]:
                       redis.exceptions.NoScriptError):
         return "redis.Connection._parser.parse_error no longer names a NOSCRIPT error"
     if app is not None and _gate_client is not None:   # a worker: its gate's socket is plain
-        pool = _gate_client.connection_pool
+        pool = _gate_pool(_gate_client)
         conn = pool.connection_class(**pool.connection_kwargs)
         try:
             conn.connect()
@@ -428,6 +429,14 @@ def _check_direct_line(app: Any = None) -> Optional[str]:
         if not isinstance(sock, socket.socket):
             return f"redis.Connection._sock is a {type(sock).__name__}, not a socket"
     return None
+
+
+def _gate_pool(client: Any) -> Any:
+    """The connection pool of the gate's server; on a Redis Cluster, of one master's (the line
+    connects to each master the same way)."""
+    if hasattr(client, "get_default_node"):
+        return client.get_redis_connection(client.get_default_node()).connection_pool
+    return client.connection_pool
 
 
 def connection_socket(conn: Any) -> Optional[socket.socket]:

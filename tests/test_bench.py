@@ -47,6 +47,7 @@ def _run(module_argv: list[str], timeout: float) -> str:
     ["gateunavailable"],
     ["lspage"],
     ["metrics"],
+    ["gatecpu"],
 ], ids=lambda argv: "-".join(argv).replace("--broker-", ""))
 def test_benchmark_runs_and_prints_its_table(argv: list[str], tmp_path: Path) -> None:
     if redis_binary() is None:

@@ -150,6 +150,104 @@ def test_cluster_gate_reloads_what_a_master_lost(redis_cluster):
     assert all(gate.snapshot(t).active["state"] == "RELEASED" for t in threads)
 
 
+def _lives(gate: Gate, threads: list[str]) -> None:
+    """Each thread's member enqueued, claimed and finished."""
+    for thread in threads:
+        task = str(uuid.uuid4())
+        outcome = gate.enqueue(thread, task, b'{"headers":{}}\n{}')
+        assert outcome.release is not None
+        assert gate.claim(thread, task, outcome.release.token, 30_000, "w", "c") == 1
+        assert gate.finish(thread, task, outcome.release.token, caller="c").done
+
+
+def _client_calls(gate: Gate, monkeypatch: Any) -> list[Any]:
+    """The transitions that go the cluster client's way from now on (its FCALL/EVALSHA)."""
+    seen: list[Any] = []
+    for name in ("fcall", "evalsha"):
+        original = getattr(gate.client, name)
+
+        def counted(*args: Any, _original: Any = original, **kwargs: Any) -> Any:
+            seen.append(args[0])
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(gate.client, name, counted)
+    return seen
+
+
+def test_cluster_hot_path_has_its_own_line_per_master_and_follows_a_moved_slot(
+        redis_cluster, monkeypatch):
+    """A cluster gate's transitions go over its own line to each shard's master (not the cluster
+    client), one line per master; when a shard's slot moves to another master, the call the old
+    master refuses (MOVED) goes the client's way, and the next ones take the line to the new
+    master."""
+    keys = Keys(f"cl-{uuid.uuid4().hex[:6]}", 6)
+    gate = Gate(make_client(redis_cluster.url(), {"cluster": True}), keys,
+                release_timeout_ms=60_000)
+    threads = spread(keys, 2, "cl")
+    _lives(gate, threads)                    # connections opened, the library loaded
+    through_client = _client_calls(gate, monkeypatch)
+    _lives(gate, threads)
+    assert through_client == []
+    line = gate._direct
+    assert sorted(line._lines) == sorted(f"127.0.0.1:{p}" for p in redis_cluster.ports)
+    slot = key_slot(keys.shard(0).seq.encode())
+    old = redis_cluster.owner(slot)
+    new = next(p for p in redis_cluster.ports if p != old)
+    redis_cluster.migrate_slot(slot, new, batch=100, pace=0)
+    try:
+        moved = [t for t in threads if keys.shard_of(t) == 0]
+        _lives(gate, moved)
+        assert through_client, "the old master's MOVED went the client's way"
+        del through_client[:]
+        _lives(gate, moved)
+        assert through_client == []
+        assert line._shard_lines[0] is line._lines[f"127.0.0.1:{new}"]
+    finally:    # the module's other tests expect the cluster's first layout
+        redis_cluster.migrate_slot(slot, old, batch=100, pace=0)
+
+
+@pytest.fixture
+def fresh_seams() -> Iterator[None]:
+    """The seams checked anew, and no broken result left for the module's other tests."""
+    from celery_threads import seams
+
+    seams._results.clear()
+    yield
+    seams._results.clear()
+
+
+def test_a_cluster_workers_direct_line_check_probes_a_master(redis_cluster, monkeypatch,
+                                                             fresh_seams):
+    """At worker start the direct-line seam is probed on a connection to the gate's server; on a
+    cluster, to a master (the cluster client has no pool of its own): the seam holds, and the
+    worker's pool processes take the line."""
+    from celery_threads import seams
+
+    monkeypatch.setattr(seams, "_gate_client", make_client(redis_cluster.url(), {"cluster": True}))
+    assert seams._check_direct_line(app=object()) is None
+
+
+def test_cluster_gate_goes_through_the_client_when_the_direct_line_does_not_hold(
+        proj, redis_cluster, monkeypatch, fresh_seams):
+    """The direct-line seam broken (a connection whose socket is not a plain socket): every
+    transition on a cluster takes the cluster client's way, and works."""
+    import redis
+
+    from tests.seam_faults import _Socket  # after proj (the fixture): it imports tests.proj
+
+    original = redis.Connection._connect
+    monkeypatch.setattr(redis.Connection, "_connect", lambda self: _Socket(original(self)))
+    keys = Keys(f"cf-{uuid.uuid4().hex[:6]}", 3)
+    gate = Gate(make_client(redis_cluster.url(), {"cluster": True}), keys,
+                release_timeout_ms=60_000)
+    threads = spread(keys, 1, "cf")
+    _lives(gate, threads)
+    through_client = _client_calls(gate, monkeypatch)
+    _lives(gate, threads)
+    assert len(through_client) == 3 * len(threads)
+    assert all(line._usable is False for line in gate._direct._lines.values())
+
+
 # -- with workers ---------------------------------------------------------------------------------
 def test_four_shards_on_one_redis(proj, sharded, redis_server, r):
     d = sharded(redis_server.url(0), 4, False)

@@ -92,8 +92,10 @@ class Gate:
             name: client.register_script(source) for name, source in script_sources().items()
         }
         self.library = function_library()
-        # A cluster routes each call by its slot: no line of the gate's own (cluster.py).
-        self._direct = (None if cluster.is_cluster(client)
+        # On a cluster, a line to each master, picked by the call's shard (cluster.py).
+        self._direct = (cluster.ClusterLine(client, self.library if functions else None,
+                                            keys.all_shards())
+                        if cluster.is_cluster(client)
                         else DirectLine(client, self.library if functions else None,
                                         _pack(("WAIT", *self.wait)) if self.wait else b""))
         self._functions = (cluster.Functions(client, self.library.source, self.library.functions)
@@ -147,7 +149,8 @@ class Gate:
         arguments = self._arguments(thread_id, args) if self.clock is not None else None
         if client is None and self._direct is not None and not fence:
             reply = self._direct.call(
-                lambda functions: self._command(name, thread_id, args, arguments, functions))
+                lambda functions: self._command(name, thread_id, args, arguments, functions),
+                self.keys.shard_of(thread_id))
             if reply is not _MISSED:
                 return self._confirmed(*reply) if self.wait else reply
         # Loads the script when the server does not have it; rides out outages with retries.

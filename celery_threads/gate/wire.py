@@ -24,6 +24,9 @@ logger = logging.getLogger(__name__)
 
 
 _MISSED = object()
+#: A cluster master's refusals of a call it did not run (the client's way follows them).
+_REDIRECTED = (redis.exceptions.AskError, redis.exceptions.TryAgainError,
+               redis.exceptions.ClusterDownError)
 
 
 class DirectLine:
@@ -53,9 +56,11 @@ class DirectLine:
         self._then = then
         self._usable = True         # false once the seam turned out not to hold: the client's way
 
-    def call(self, command: Callable[[bool], bytes]) -> Any:
+    def call(self, command: Callable[[bool], bytes], shard: int = 0) -> Any:
         """The reply to ``command(functions)`` (a packed ``FCALL`` of the library's function when
-        ``functions`` is true, else ``EVALSHA``), or ``_MISSED``.  The connection is the thread's
+        ``functions`` is true, else ``EVALSHA``), or ``_MISSED``.  ``shard``: the call's shard
+        (one server holds them all here; :class:`~celery_threads.gate.cluster.ClusterLine` picks
+        the shard's master by it).  The connection is the thread's
         own, outside the client's pool; it closes when the gate (and so this object) is dropped.
         It calls functions when it could load the library when it connected (Redis 7+)."""
         local = self._local
@@ -111,6 +116,10 @@ class DirectLine:
             if isinstance(error, (redis.ConnectionError, redis.TimeoutError,
                                   redis.exceptions.ReadOnlyError)):
                 self._drop()
+                return _MISSED
+            # On a cluster: the slot is served elsewhere (MOVED, ASK) or moving (TRYAGAIN,
+            # CLUSTERDOWN).  The call did not run; the cluster client follows the redirect.
+            if isinstance(error, _REDIRECTED):
                 return _MISSED
             raise error
         return (reply, replies[1]) if self._then else reply

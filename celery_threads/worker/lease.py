@@ -30,7 +30,6 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
-import secrets
 import signal
 import threading
 import time
@@ -40,6 +39,7 @@ from typing import Any, Optional
 
 from .. import seams
 from ..gate import Gate, Renewal, claimant_prefix
+from ..gate.records import unique_id
 from ..runtime import Runtime
 from . import native
 
@@ -60,9 +60,10 @@ def margin(keepalive: float) -> float:
 
 
 def new_claimant(hostname: str) -> str:
-    """A claim's own id: the worker, the process, and random bits (two deliveries of one release
-    in one process are two claimants)."""
-    return claimant_prefix(hostname, os.getpid()) + secrets.token_hex(6)
+    """A claim's own id: the worker, the process, and an id of the process's own (two deliveries
+    of one release in one process are two claimants; a process that reuses a dead one's pid
+    draws another nonce)."""
+    return claimant_prefix(hostname, os.getpid()) + unique_id()
 
 
 class Lease:
