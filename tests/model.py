@@ -123,6 +123,12 @@ class Model:
         self.paused: dict[str, str] = {}         # thread id -> the pause's reason
         self.dead_places: dict[str, tuple[int, int]] = {}  # task id -> its (sched, seq) at death
         self.dead_dropped = 0                    # dead letters dropped by retention
+        # Each thread's policy hash (K_POLICY) as coalesce and debounce keep it (lua/enqueue.lua):
+        # 'c:<task name>' -> "<task id>\n<burst start>\n<superseded>", 'w:<task id>' -> "1";
+        # and the threads whose hash lingers (has an expiry: the thread has ended since it was
+        # last written, lua/_common.lua policy_linger).
+        self.policy: dict[str, dict[str, str]] = {}
+        self.policy_lingers: set[str] = set()
 
     # -- helpers ---------------------------------------------------------------------------
     def _schedule(self, delay_ms: int, at_ms: Optional[int]) -> int:
@@ -151,6 +157,7 @@ class Model:
         waiting = thread.waiting()
         if not waiting:
             del self.threads[thread_id]             # the last member left: the thread is gone
+            self._policy_linger(thread_id)
             return None
         head = waiting[0]
         if head.sched > self.now or thread_id in self.paused:
@@ -204,7 +211,22 @@ class Model:
                                          next(self._arrivals) if seq is None else seq, 0,
                                          max_retries, retry_delay_ms, envelope)
         self.tasks[task_id] = thread_id
+        if again or seq is not None:
+            self._not_coalescable(thread_id, task_id)
         return True
+
+    def _policy_linger(self, thread_id: str) -> None:
+        if thread_id in self.policy:
+            self.policy_lingers.add(thread_id)
+
+    def _not_coalescable(self, thread_id: str, task_id: str) -> None:
+        """A member released once is never superseded: its 'w:' field goes."""
+        fields = self.policy.get(thread_id)
+        if fields is not None:
+            fields.pop(f"w:{task_id}", None)
+            if not fields:
+                del self.policy[thread_id]
+                self.policy_lingers.discard(thread_id)
 
     def _drop_active(self, thread: Thread) -> str:
         assert thread.active is not None
@@ -226,6 +248,7 @@ class Model:
         if envelope:
             m.envelope = envelope
         thread.active = None
+        self._not_coalescable(thread.thread_id, m.task_id)
 
     def _kill_active(self, thread: Thread, keep: bool, meta: dict[str, Any],
                      caller: Optional[str] = None) -> None:
@@ -269,17 +292,66 @@ class Model:
     # -- transitions (mirroring Gate) --------------------------------------------------------
     def enqueue(self, thread_id: str, task_id: str, envelope: bytes, *, delay_ms: int = 0,
                 at_ms: Optional[int] = None, max_retries: Optional[int] = None,
-                retry_delay_ms: int = 0) -> Outcome:
+                retry_delay_ms: int = 0, coalesce: Optional[str] = None, debounce_ms: int = 0,
+                debounce_max_ms: int = 0) -> Outcome:
         maxr = -1 if max_retries is None else int(max_retries)
-        if not self._add_member(thread_id, task_id, self._schedule(delay_ms, at_ms), maxr,
-                                retry_delay_ms, envelope):
+        sched = self._schedule(delay_ms, at_ms)
+        if coalesce is None:
+            if not self._add_member(thread_id, task_id, sched, maxr, retry_delay_ms, envelope):
+                return self._duplicate(thread_id, task_id, "")
+            return Outcome(DONE, "", self._release_head(thread_id))
+        # coalesce / debounce: supersede the task's latest call when it waits and never ran,
+        # and take its place (arrival number, the later scheduled_at).
+        fields = dict(self.policy.get(thread_id, {}))
+        latest = f"c:{coalesce}"
+        prev: Optional[str] = None
+        start, told = self.now, ""
+        if latest in fields:
+            prev, begun, told = fields[latest].split("\n", 2)
+            start = int(begun)
+        if prev == task_id:
+            return self._duplicate(thread_id, task_id, told)         # a replay
+        if task_id in self.tasks or self._ended_lately(task_id):
+            return self._duplicate(thread_id, task_id, "")
+        place: Optional[tuple[int, int]] = None
+        superseded = ""
+        if prev is not None and fields.pop(f"w:{prev}", None) is not None:
             thread = self.threads.get(thread_id)
-            active = thread.active if thread is not None else None
-            if thread is not None and active is not None and active.task_id == task_id \
-                    and active.state == RELEASED:
-                return Outcome(NOOP, "", self._release_of(thread))   # a replay: publish again
-            return Outcome(NOOP, "")
-        return Outcome(DONE, "", self._release_head(thread_id))
+            waiting = {m.task_id: m for m in thread.waiting()} if thread is not None else {}
+            if prev in waiting:
+                assert thread is not None
+                m = waiting[prev]
+                del thread.members[prev]
+                del self.tasks[prev]
+                self._mark_ended(prev)
+                place = (m.seq, m.sched)
+                superseded = prev + ("\n" + told.split("\n")[0] if told else "")
+        if place is None:
+            start = self.now
+        if debounce_ms > 0:
+            due = self.now + debounce_ms
+            if debounce_max_ms > 0:
+                due = min(due, max(self.now, start + debounce_max_ms))
+            sched = max(sched, due)
+        if place is not None:
+            self._add_member(thread_id, task_id, max(sched, place[1]), maxr, retry_delay_ms,
+                             envelope, seq=place[0])
+        else:
+            self._add_member(thread_id, task_id, sched, maxr, retry_delay_ms, envelope)
+        release = self._release_head(thread_id)
+        fields[latest] = f"{task_id}\n{start}\n{superseded}"
+        fields[f"w:{task_id}"] = "1"
+        self.policy[thread_id] = fields
+        self.policy_lingers.discard(thread_id)
+        return Outcome(DONE, superseded, release)
+
+    def _duplicate(self, thread_id: str, task_id: str, superseded: str) -> Outcome:
+        thread = self.threads.get(thread_id)
+        active = thread.active if thread is not None else None
+        if thread is not None and active is not None and active.task_id == task_id \
+                and active.state == RELEASED:
+            return Outcome(NOOP, superseded, self._release_of(thread))   # a replay: publish again
+        return Outcome(NOOP, superseded)
 
     def release(self, thread_id: str) -> Outcome:
         return Outcome(DONE, "", self._release_head(thread_id))
@@ -566,6 +638,7 @@ class Model:
         left = len(waiting) - len(dropped)
         if not thread.members:
             del self.threads[thread_id]
+            self._policy_linger(thread_id)
         return dropped, left
 
     def trim_dead(self, keep: Optional[int], limit: int) -> tuple[int, bool]:

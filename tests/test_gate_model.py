@@ -92,6 +92,26 @@ MAX_COUNTER = 3 * 2 ** 48
 COUNTER_STARTS = st.builds(byte_boundary, st.sampled_from([0, *BOUNDARY_BITS]),
                            st.sampled_from([1, 2, 3]), st.integers(1, 8))
 
+# An enqueue's coalesce/debounce (lua/enqueue.lua ARGV[13]): none, or (task name, debounce ms,
+# debounce_max ms) of one of two task names, so that calls of one supersede each other and not
+# the other's.  Half of the enqueues have one.
+POLICIES = st.one_of(
+    st.just((None, 0, 0)),
+    st.tuples(st.sampled_from(["sync", "other"]),
+              st.sampled_from([0, 0, 50, 3 * RELEASE_TIMEOUT]),
+              st.sampled_from([0, 0, 2 * RELEASE_TIMEOUT])))
+
+# What every run must have exercised (a count in STATS), and what it means when it did not.
+EXERCISED = {
+    "long UUID fields": "no state had two members sharing a UUID's first bytes",
+    "ties across a length": "no queue held tied members of seqs of two lengths",
+    "ties across a byte": "no queue held tied members across a byte boundary",
+    "coalescing enqueues": "no enqueue with coalesce or debounce",
+    "superseding enqueues": "no enqueue superseded a waiting call",
+    "replays told what they superseded": "no replay of a superseding enqueue",
+    "lingering policy hashes": "no thread ended with policy state",
+}
+
 # What a run exercised: printed with -s; the outcome breakdown with CT_MODEL_VERBOSE=1.
 STATS: Counter[str] = Counter()
 OUTCOMES: Counter[str] = Counter()
@@ -141,6 +161,8 @@ class GateMachine(RuleBasedStateMachine):
         self.last_token: dict[str, int] = {}     # thread id -> its latest release's gate token
         self.issued: list[Target] = []           # every release so far
         self.task_ids: list[str] = []            # every task id used so far
+        # Coalescing enqueues so far (thread id, task id, body, arguments), to replay them.
+        self.coalescing: list[tuple[str, str, bytes, dict[str, Any]]] = []
         self.caller: Optional[str] = None        # the current ending's own id (None: a fresh one)
         self.last_ending: Optional[tuple[str, Any, Any]] = None
         self.serial = 0
@@ -287,9 +309,11 @@ class GateMachine(RuleBasedStateMachine):
           at=st.booleans(), delay=st.one_of(st.just(0), st.integers(0, 3 * RELEASE_TIMEOUT)),
           offset=st.integers(-3 * RELEASE_TIMEOUT, 3 * RELEASE_TIMEOUT),
           max_retries=st.sampled_from([None, 0, 1, 2]),
-          retry_delay=st.sampled_from([0, 10, RELEASE_TIMEOUT, 5 * RELEASE_TIMEOUT]))
+          retry_delay=st.sampled_from([0, 10, RELEASE_TIMEOUT, 5 * RELEASE_TIMEOUT]),
+          policy=POLICIES)
     def enqueue(self, thread_id: str, dup: int, pick: int, at: bool, delay: int, offset: int,
-                max_retries: Optional[int], retry_delay: int) -> None:
+                max_retries: Optional[int], retry_delay: int,
+                policy: tuple[Optional[str], int, int] = (None, 0, 0)) -> None:
         dead = sorted(self.model.dead)
         if dup == 0 and self.task_ids:
             task_id = self.task_ids[pick % len(self.task_ids)]   # likely a duplicate
@@ -300,8 +324,39 @@ class GateMachine(RuleBasedStateMachine):
         body = self.envelope(task_id)
         kw: dict[str, Any] = dict(delay_ms=delay, at_ms=self.model.now + offset if at else None,
                                   max_retries=max_retries, retry_delay_ms=retry_delay)
-        self.same_outcome(self.gate.enqueue(thread_id, task_id, body, **kw),
-                          self.model.enqueue(thread_id, task_id, body, **kw), "enqueue")
+        if policy[0] is not None:
+            kw.update(coalesce=policy[0], debounce_ms=policy[1], debounce_max_ms=policy[2])
+            STATS["coalescing enqueues"] += 1
+        self._enqueue(thread_id, task_id, body, kw)
+        if policy[0] is not None:
+            self.coalescing.append((thread_id, task_id, body, kw))
+
+    def _enqueue(self, thread_id: str, task_id: str, body: bytes, kw: dict[str, Any]) -> None:
+        expected = self.model.enqueue(thread_id, task_id, body, **kw)
+        self.same_outcome(self.gate.enqueue(thread_id, task_id, body, **kw), expected, "enqueue")
+        if expected.info:
+            STATS["superseding enqueues" if expected.status else "replays told what they superseded"] += 1
+
+    @rule(thread_id=st.sampled_from(THREAD_IDS), calls=st.integers(2, 4), delay=st.integers(0, 50),
+          policy=POLICIES.filter(lambda p: p[0] is not None))
+    def coalescing_burst(self, thread_id: str, calls: int, delay: int,
+                         policy: tuple[Optional[str], int, int]) -> None:
+        """New calls of one task in a row, a few ms apart: each supersedes the one before
+        while it waits (and takes its place), or finds it released."""
+        for _ in range(calls):
+            task_id = self.next_task_id()
+            kw: dict[str, Any] = dict(delay_ms=delay, coalesce=policy[0], debounce_ms=policy[1],
+                                      debounce_max_ms=policy[2])
+            self._enqueue(thread_id, task_id, self.envelope(task_id), kw)
+            self.coalescing.append((thread_id, task_id, self.envelope(task_id), kw))
+            self.model.now += 7
+
+    @precondition(lambda self: bool(self.coalescing))
+    @rule(back=st.integers(0, 3))
+    def replay_coalescing_enqueue(self, back: int) -> None:
+        """A coalescing enqueue sent again (its reply lost): it supersedes nothing more, and is
+        told what it superseded while it is its task's latest call in the thread."""
+        self._enqueue(*self.coalescing[-1 - back % len(self.coalescing)])
 
     # -- the dispatcher -----------------------------------------------------------------------
     @rule(limit=st.sampled_from([1, 2, 500]))
@@ -648,7 +703,21 @@ class GateMachine(RuleBasedStateMachine):
             k = s.thread(thread_id)
             pipe.hgetall(k.active)
             pipe.zrange(k.queue, 0, -1, withscores=True)
+        for thread_id in threads:
+            pipe.hgetall(s.thread(thread_id).policy)
+            pipe.pttl(s.thread(thread_id).policy)
         due, leases, tasks, dead, dead_records, keys, ended, paused, *per_thread = pipe.execute()
+        policies = per_thread[2 * len(threads):]
+        for i, thread_id in enumerate(threads):
+            fields, ttl = policies[2 * i: 2 * i + 2]
+            fields = {k.decode(): v.decode() for k, v in fields.items()}
+            assert fields == model.policy.get(thread_id, {}), (
+                f"policy hash of {thread_id}: {fields} vs model {model.policy.get(thread_id)}")
+            # No expiry while the thread may hold a call to supersede; ENDED_WINDOW once it ended.
+            lingers = thread_id in model.policy_lingers
+            assert (ttl > 0) == lingers and (ttl == -1) == (bool(fields) and not lingers), (
+                f"policy hash of {thread_id}: pttl {ttl}, model lingers {lingers}")
+            STATS["lingering policy hashes"] += lingers
         paused = {k.decode(): v.decode() for k, v in paused.items()}
         assert paused == model.paused, f"paused {paused} vs model {model.paused}"
         # +inf: a UUID member keyed by its long form (its short field was taken when it came):
@@ -759,6 +828,8 @@ class GateMachine(RuleBasedStateMachine):
                              (s.dead_dropped, model.dead_dropped)):
             if present:
                 expected.add(key)
+        for thread_id in model.policy:
+            expected.add(s.thread(thread_id).policy)
         for thread in model.threads.values():
             k = s.thread(thread.thread_id)
             if thread.waiting():
@@ -860,12 +931,10 @@ def test_gate_matches_model(gate_url: str, how: str) -> None:
         GateMachine.client.close()
     steps = STATS["checks"] - STATS["examples"]     # the invariant also runs once at the start
     print(f"\ngate model: {STATS['examples']} examples, {steps} steps, "
-          f"{STATS['calls']} gate calls compared, {STATS['long UUID fields']} states with a UUID "
-          f"keyed by its long form; tied neighbours whose arrival numbers differ in length: "
-          f"{STATS['ties across a length']}, above their last byte: {STATS['ties across a byte']}")
-    assert STATS["long UUID fields"] > 0, "no state had two members sharing a UUID's first bytes"
-    assert STATS["ties across a length"] > 0, "no queue held tied members of seqs of two lengths"
-    assert STATS["ties across a byte"] > 0, "no queue held tied members across a byte boundary"
+          f"{STATS['calls']} gate calls compared; "
+          + ", ".join(f"{what}: {STATS[what]}" for what in EXERCISED))
+    for what, failure in EXERCISED.items():
+        assert STATS[what] > 0, failure
     calls = {k: v["calls"] for k, v in redis.Redis.from_url(gate_url).info("commandstats").items()}
     if how == "fcall":
         assert calls.get("cmdstat_fcall", 0) > 1000, calls

@@ -16,7 +16,11 @@
 --   KEYS[10] paused  HASH    thread id -> reason, of each paused thread (pause.lua): nothing of
 --                            it is released until resume.lua; while idle it is in no index
 --   KEYS[11] stats   HASH    the shard's counters, kept by the transitions (metrics)
---   KEYS[12] policy  HASH    this thread's policy state (rate, coalesce, debounce)
+--   KEYS[12] policy  HASH    this thread's policy state (rate, coalesce, debounce): for
+--                            coalesce/debounce 'c:<task name>' -> the task's latest call
+--                            (enqueue.lua) and 'w:<task id>' of a call not run yet
+--                            (not_coalescable); no expiry while the thread has members,
+--                            ENDED_WINDOW after its last one (policy_linger)
 -- ARGV (common head):
 --   ARGV[1] now      "" to use the Redis server's TIME, else milliseconds (tests only)
 --   ARGV[2] thread   thread id
@@ -118,6 +122,22 @@ local function thread_paused()
   return redis.call('HEXISTS', K_PAUSED, TID) == 1
 end
 
+-- The thread's policy hash (K_POLICY) while the thread has members has no expiry; once its last
+-- member has left, it is kept ENDED_WINDOW for calls replayed after a lost reply (an enqueue
+-- that superseded members learns which, see enqueue.lua), then vanishes.  A no-op (one command)
+-- for a thread that never had policy state.
+local function policy_linger()
+  redis.call('PEXPIRE', K_POLICY, ENDED_WINDOW)
+end
+
+-- A member that has been released once (it waits again after an attempt: a retry, a lost
+-- attempt, Reject(requeue=True), its replacement; or a restart or redrive of a dead one) is never
+-- superseded by coalesce or debounce: its 'w:<task id>' field (enqueue.lua), which marks a
+-- coalescable call that has not run yet, goes.  A no-op for a task without those policies.
+local function not_coalescable(task)
+  redis.call('HDEL', K_POLICY, 'w:' .. task)
+end
+
 -- Index a thread that has no active member: in due at its head's scheduled_at, or, when it has
 -- no member left or is paused, in neither index (its queue, emptied, is gone already; a paused
 -- thread is not due until resumed, so the dispatcher never reads it).  `detached`: the caller has
@@ -127,6 +147,9 @@ local function index_idle(detached, head, paused)
   redis.call('ZREM', K_LEASES, TID)
   if head[1] == nil or paused then
     if not detached then redis.call('ZREM', K_DUE, TID) end
+    -- The thread's last member has left: its policy state lingers only for replayed calls
+    -- (policy_linger).
+    if head[1] == nil then policy_linger() end
     return
   end
   redis.call('ZADD', K_DUE, head[2], TID)
@@ -429,6 +452,7 @@ local function requeue_active(task, sched, retries, envelope, field, rec)
   if not rec then field, rec = find_member(K_TASKS, task) end
   local p = parse_record(rec)
   if envelope == '' then envelope = string.sub(rec, p.body_at) end
+  not_coalescable(task)
   redis.call('HSET', K_TASKS, field, make_record(p.seq, retries, p.maxr, p.delay, envelope, p.tail))
   redis.call('ZADD', K_Q, sched, queue_member(p.seq, field))
   redis.call('DEL', K_A)
@@ -489,6 +513,7 @@ local function add_member(task, sched, retries, maxr, delay, envelope, again, se
     redis.call('ZADD', K_ENDED, '+inf', task)     -- until it ends (mark_ended)
     redis.call('PERSIST', K_ENDED)
   end
+  if again or queued then not_coalescable(task) end
   if queued or redis.call('EXISTS', K_A) == 1 then
     redis.call('ZADD', K_Q, sched, queue_member(seq, field))
     return nil
