@@ -301,7 +301,8 @@ class Model:
                 return self._duplicate(thread_id, task_id, "")
             return Outcome(DONE, "", self._release_head(thread_id))
         # coalesce / debounce: supersede the task's latest call when it waits and never ran,
-        # and take its place (arrival number, the later scheduled_at).
+        # and take its place (arrival number and scheduled_at; its own scheduled_at when that
+        # is later and in the future).
         fields = dict(self.policy.get(thread_id, {}))
         latest = f"c:{coalesce}"
         prev: Optional[str] = None
@@ -334,8 +335,9 @@ class Model:
                 due = min(due, max(self.now, start + debounce_max_ms))
             sched = max(sched, due)
         if place is not None:
-            self._add_member(thread_id, task_id, max(sched, place[1]), maxr, retry_delay_ms,
-                             envelope, seq=place[0])
+            sched = place[1] if sched <= self.now else max(sched, place[1])
+            self._add_member(thread_id, task_id, sched, maxr, retry_delay_ms, envelope,
+                             seq=place[0])
         else:
             self._add_member(thread_id, task_id, sched, maxr, retry_delay_ms, envelope)
         release = self._release_head(thread_id)

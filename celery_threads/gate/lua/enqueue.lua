@@ -9,8 +9,9 @@
 --   ARGV[13] (optional) coalesce="latest" or debounce: "" (neither), else
 --            "<debounce ms>|<debounce_max ms>|<task name>" (0: none).  The call supersedes the
 --            task's call in this thread that waits and has not run yet (its 'w:' field, see
---            not_coalescable), if any, and takes its place: that call's arrival number, at the
---            later of the two scheduled_at.  The superseded member leaves the gate as a purged
+--            not_coalescable), if any, and takes its place: that call's arrival number and
+--            scheduled_at, or its own scheduled_at when that is later and in the future (a
+--            countdown, an eta, a debounce).  The superseded member leaves the gate as a purged
 --            one does.  debounce: scheduled no earlier than now + debounce (the server's
 --            clock), but, with debounce_max, no later than debounce_max after the first call of
 --            the burst (the first of the calls that superseded each other), unless the call's
@@ -92,7 +93,9 @@ if debounce > 0 then
 end
 local released
 if place then
-  add_member(task, math.max(sched, place[2]), 0, ARGV[9], ARGV[10], ARGV[11], false, place[1])
+  -- Its own time counts only when it is later than now (a countdown, an eta, a debounce).
+  if sched <= NOW then sched = place[2] else sched = math.max(sched, place[2]) end
+  add_member(task, sched, 0, ARGV[9], ARGV[10], ARGV[11], false, place[1])
   released = release_head(false)
 else
   released = add_member(task, sched, 0, ARGV[9], ARGV[10], ARGV[11], false)
