@@ -310,10 +310,8 @@ class Model:
         if latest in fields:
             prev, begun, told = fields[latest].split("\n", 2)
             start = int(begun)
-        if prev == task_id:
-            return self._duplicate(thread_id, task_id, told)         # a replay
-        if task_id in self.tasks or self._ended_lately(task_id):
-            return self._duplicate(thread_id, task_id, "")
+        if task_id in self.tasks or self._ended_lately(task_id):     # a replay: told again
+            return self._duplicate(thread_id, task_id, told if prev == task_id else "")
         place: Optional[tuple[int, int]] = None
         superseded = ""
         if prev is not None and fields.pop(f"w:{prev}", None) is not None:

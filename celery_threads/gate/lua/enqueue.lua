@@ -68,9 +68,9 @@ local prev, start, told = nil, NOW, ''
 local last = redis.call('HGET', K_POLICY, latest)
 if last then prev, start, told = string.match(last, '^([^\n]*)\n(%d+)\n(.*)$') end
 start = tonumber(start)
--- A replay, or another duplicate: nothing is superseded (it is the duplicate check first).
-if prev == task then return duplicate(task, told) end
-if is_known(task) then return duplicate(task, '') end
+-- A duplicate (a replay: told what its first send superseded, while it is the task's latest
+-- call here) supersedes nothing: the duplicate check comes first.
+if is_known(task) then return duplicate(task, prev == task and told or '') end
 local place, superseded = nil, ''
 if prev and redis.call('HDEL', K_POLICY, 'w:' .. prev) == 1 then
   local field, rec = find_member(K_TASKS, prev)
