@@ -4,17 +4,21 @@ while the thread is busy runs only its last call, the others end REVOKED and the
 raises ``TaskRevokedError``; a running member of the same task is never touched; a debounced
 burst runs once, no earlier than the debounce after its last call reached the gate; debounce_max
 bounds how long a steady stream is put off; a member waiting for its retry is not superseded;
-concurrent producers leave exactly one call; a replayed call supersedes nothing more.
+concurrent producers leave exactly one call; a replayed call supersedes nothing more; the same
+on a Redis Cluster gate.
 """
 from __future__ import annotations
 
 import threading
+import uuid
 
 import pytest
 from celery.exceptions import TaskRevokedError
 
 from celery_threads import Threads
 from celery_threads.errors import ConfigurationError
+from celery_threads.gate import Gate, make_client
+from celery_threads.keys import Keys
 from tests.helpers import assert_serial, events, now_us, started_at, starts, tid, wait_for
 
 WAIT = 60   # condition waits on a busy 2-core machine
@@ -193,3 +197,23 @@ def test_bad_policy_values_are_refused_and_nothing_is_stored(proj, make_deployme
         with pytest.raises(ConfigurationError, match=next(iter(options))):
             proj.record.apply_async((thread, "x"), **options)
     assert Threads(proj.app).get(thread) is None
+
+
+def test_coalescing_on_a_cluster_gate(redis_cluster):
+    """On a Redis Cluster each thread's policy hash lives in its thread's slot: calls superseding
+    each other in threads spread over the masters, as functions and as scripts."""
+    for functions in (True, False):
+        gate = Gate(make_client(redis_cluster.url(), {"cluster": True}),
+                    Keys(f"co-{uuid.uuid4().hex[:6]}", 3), release_timeout_ms=60_000,
+                    functions=functions)
+        for shard in range(3):
+            thread = next(t for t in (f"c{i}" for i in range(100))
+                          if gate.keys.shard_of(t) == shard)
+            assert gate.enqueue(thread, str(uuid.uuid4()), b"busy").release is not None
+            calls = [str(uuid.uuid4()) for _ in range(3)]
+            told = [gate.enqueue(thread, c, b"sync", coalesce="sync").superseded for c in calls]
+            assert told == [[], [calls[0]], [calls[1], calls[0]]]
+            assert gate.enqueue(thread, calls[2], b"sync", coalesce="sync").superseded == [
+                calls[1], calls[0]]                                   # a replay is told again
+            snapshot = gate.snapshot(thread)
+            assert snapshot is not None and [t for t, _ in snapshot.waiting] == [calls[2]]
