@@ -20,6 +20,7 @@ from celery_threads.errors import ConfigurationError
 from celery_threads.gate import Gate, make_client
 from celery_threads.keys import Keys
 from tests.helpers import assert_serial, events, now_us, started_at, starts, tid, wait_for
+from tests.test_handoff import collect_events
 
 WAIT = 60   # condition waits on a busy 2-core machine
 
@@ -62,6 +63,7 @@ def pause(r, seconds: float) -> None:
 def test_a_burst_while_the_thread_is_busy_runs_only_its_last_call(proj, make_deployment, r):
     # The running member is a coalescing call of the same task: never touched.
     thread, go = busy_thread(proj, make_deployment, r, "coalesce", coalesce="latest")
+    events_seen, stop = collect_events(proj.app)
     burst = [proj.record.apply_async((thread, f"c{i}"), coalesce="latest") for i in range(6)]
     # Another task's waiting call is not superseded.
     other = proj.where.apply_async((thread, "other"))
@@ -69,6 +71,13 @@ def test_a_burst_while_the_thread_is_busy_runs_only_its_last_call(proj, make_dep
     assert info is not None and info.active is not None and info.active.name == proj.record.name
     assert [m.task_id for m in info.waiting] == [burst[-1].id, other.id]
     assert_revoked(proj, burst[:-1])
+    # Flower's view: one task-revoked event each, sent by a worker.
+    try:
+        wait_for(lambda: {b.id for b in burst[:-1]} <= {
+            e.get("uuid") for e in events_seen if e.get("type") == "task-revoked"},
+            timeout=WAIT, what="task-revoked events of the superseded calls")
+    finally:
+        stop()
 
     r.set(go, 1)
     assert burst[-1].get(timeout=WAIT) == "c5"
