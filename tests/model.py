@@ -35,6 +35,9 @@ class Member:
     max_retries: int        # -1: unlimited
     retry_delay_ms: int
     envelope: bytes
+    # A call with coalesce or debounce, its record marked (lua/_common.lua left_waiting); a
+    # retry's record is not.
+    coalescable: bool = False
 
 
 @dataclass
@@ -124,9 +127,9 @@ class Model:
         self.dead_places: dict[str, tuple[int, int]] = {}  # task id -> its (sched, seq) at death
         self.dead_dropped = 0                    # dead letters dropped by retention
         # Each thread's policy hash (K_POLICY) as coalesce and debounce keep it (lua/enqueue.lua):
-        # 'c:<task name>' -> "<task id>\n<burst start>\n<superseded>", 'w:<task id>' -> "1";
-        # and the threads whose hash lingers (has an expiry: the thread has ended since it was
-        # last written, lua/_common.lua policy_linger).
+        # 'c:<task name>' -> "<task id>\n<burst start>\n<superseded>", 'w:<task id>' -> "1"
+        # while that call waits unreleased, 'n' their count; and the threads whose hash has an
+        # expiry (no such call is left, lua/_common.lua left_waiting).
         self.policy: dict[str, dict[str, str]] = {}
         self.policy_lingers: set[str] = set()
 
@@ -157,11 +160,11 @@ class Model:
         waiting = thread.waiting()
         if not waiting:
             del self.threads[thread_id]             # the last member left: the thread is gone
-            self._policy_linger(thread_id)
             return None
         head = waiting[0]
         if head.sched > self.now or thread_id in self.paused:
             return None
+        self._left_waiting(thread_id, head)
         thread.active = Active(head.task_id, f"m{next(self._tokens)}", RELEASED,
                                self.now + self.release_timeout_ms)
         if self._detached is not None:
@@ -211,22 +214,18 @@ class Model:
                                          next(self._arrivals) if seq is None else seq, 0,
                                          max_retries, retry_delay_ms, envelope)
         self.tasks[task_id] = thread_id
-        if again or seq is not None:
-            self._not_coalescable(thread_id, task_id)
         return True
 
-    def _policy_linger(self, thread_id: str) -> None:
-        if thread_id in self.policy:
+    def _left_waiting(self, thread_id: str, m: Member) -> None:
+        """A call with coalesce or debounce left the queue (released, purged, deleted): no later
+        call supersedes it; the policy hash expires once no such call is left."""
+        if not m.coalescable:
+            return
+        fields = self.policy.setdefault(thread_id, {})
+        fields.pop(f"w:{m.task_id}", None)
+        fields["n"] = str(int(fields.get("n", "0")) - 1)
+        if int(fields["n"]) <= 0:
             self.policy_lingers.add(thread_id)
-
-    def _not_coalescable(self, thread_id: str, task_id: str) -> None:
-        """A member released once is never superseded: its 'w:' field goes."""
-        fields = self.policy.get(thread_id)
-        if fields is not None:
-            fields.pop(f"w:{task_id}", None)
-            if not fields:
-                del self.policy[thread_id]
-                self.policy_lingers.discard(thread_id)
 
     def _drop_active(self, thread: Thread) -> str:
         assert thread.active is not None
@@ -245,10 +244,10 @@ class Model:
         assert thread.active is not None
         m = thread.members[thread.active.task_id]
         m.sched, m.retries = sched, retries
+        m.coalescable = False              # its new record is unmarked
         if envelope:
             m.envelope = envelope
         thread.active = None
-        self._not_coalescable(thread.thread_id, m.task_id)
 
     def _kill_active(self, thread: Thread, keep: bool, meta: dict[str, Any],
                      caller: Optional[str] = None) -> None:
@@ -315,18 +314,20 @@ class Model:
         place: Optional[tuple[int, int]] = None
         superseded = ""
         if prev is not None and fields.pop(f"w:{prev}", None) is not None:
-            thread = self.threads.get(thread_id)
-            waiting = {m.task_id: m for m in thread.waiting()} if thread is not None else {}
-            if prev in waiting:
-                assert thread is not None
-                m = waiting[prev]
-                del thread.members[prev]
-                del self.tasks[prev]
-                self._mark_ended(prev)
-                place = (m.seq, m.sched)
-                superseded = prev + ("\n" + told.split("\n")[0] if told else "")
-        if place is None:
+            # It waits, never released: it leaves and this call takes its place.
+            thread = self.threads[thread_id]
+            m = thread.members.pop(prev)
+            del self.tasks[prev]
+            self._mark_ended(prev)
+            place = (m.seq, m.sched)
+            superseded = prev + ("\n" + told.split("\n")[0] if told else "")
+        else:
             start = self.now
+            fields["n"] = str(int(fields.get("n", "0")) + 1)
+        fields[latest] = f"{task_id}\n{start}\n{superseded}"
+        fields[f"w:{task_id}"] = "1"
+        self.policy[thread_id] = fields
+        self.policy_lingers.discard(thread_id)
         if debounce_ms > 0:
             due = self.now + debounce_ms
             if debounce_max_ms > 0:
@@ -334,16 +335,10 @@ class Model:
             sched = max(sched, due)
         if place is not None:
             sched = place[1] if sched <= self.now else max(sched, place[1])
-            self._add_member(thread_id, task_id, sched, maxr, retry_delay_ms, envelope,
-                             seq=place[0])
-        else:
-            self._add_member(thread_id, task_id, sched, maxr, retry_delay_ms, envelope)
-        release = self._release_head(thread_id)
-        fields[latest] = f"{task_id}\n{start}\n{superseded}"
-        fields[f"w:{task_id}"] = "1"
-        self.policy[thread_id] = fields
-        self.policy_lingers.discard(thread_id)
-        return Outcome(DONE, superseded, release)
+        self._add_member(thread_id, task_id, sched, maxr, retry_delay_ms, envelope,
+                         seq=place[0] if place is not None else None)
+        self.threads[thread_id].members[task_id].coalescable = True
+        return Outcome(DONE, superseded, self._release_head(thread_id))
 
     def _duplicate(self, thread_id: str, task_id: str, superseded: str) -> Outcome:
         thread = self.threads.get(thread_id)
@@ -517,7 +512,7 @@ class Model:
             if token != "":
                 return Outcome(NOOP, WAITING)
             state = WAITING
-            del thread.members[task_id]
+            self._left_waiting(thread_id, thread.members.pop(task_id))
             del self.tasks[task_id]
             self._mark_ended(task_id)
         return Outcome(DONE, state, self._release_head(thread_id))
@@ -632,13 +627,12 @@ class Model:
         waiting = thread.waiting()
         dropped = [m.task_id for m in reversed(waiting[-limit:])] if limit > 0 else []
         for task_id in dropped:
-            del thread.members[task_id]
+            self._left_waiting(thread_id, thread.members.pop(task_id))
             del self.tasks[task_id]
             self._mark_ended(task_id)
         left = len(waiting) - len(dropped)
         if not thread.members:
             del self.threads[thread_id]
-            self._policy_linger(thread_id)
         return dropped, left
 
     def trim_dead(self, keep: Optional[int], limit: int) -> tuple[int, bool]:

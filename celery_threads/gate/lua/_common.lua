@@ -18,9 +18,9 @@
 --   KEYS[11] stats   HASH    the shard's counters, kept by the transitions (metrics)
 --   KEYS[12] policy  HASH    this thread's policy state (rate, coalesce, debounce): for
 --                            coalesce/debounce 'c:<task name>' -> the task's latest call
---                            (enqueue.lua) and 'w:<task id>' of a call not run yet
---                            (not_coalescable); no expiry while the thread has members,
---                            ENDED_WINDOW after its last one (policy_linger)
+--                            (enqueue.lua), 'w:<task id>' of a call not released yet and
+--                            'n' their count; expires ENDED_WINDOW after the last such call
+--                            left the queue (left_waiting)
 -- ARGV (common head):
 --   ARGV[1] now      "" to use the Redis server's TIME, else milliseconds (tests only)
 --   ARGV[2] thread   thread id
@@ -99,22 +99,23 @@ end
 -- A member's record, the value of its field in the shard's tasks hash (one hash entry per member
 -- holds both the task id -> thread index and the stored message):
 --   ["\2" .. the last two bytes of a UUID keyed by its first 14 (_member.lua)]
---   .. "seq|retries|max_retries|delay_ms|<length of thread id>\n" .. thread id .. envelope
+--   .. "seq|retries|max_retries|delay_ms|<length of thread id>[|c]\n" .. thread id .. envelope
+-- '|c': a call made with coalesce or debounce that has not been released yet (left_waiting).
 -- `tail` is nil for a record without those bytes.
 local function parse_record(rec)
   local from, tail = 1, nil
   if string.byte(rec, 1) == 2 then from, tail = 4, string.sub(rec, 2, 3) end
   local nl = string.find(rec, '\n', from, true)
   local seq, retries, maxr, delay, tlen = string.match(string.sub(rec, from, nl - 1),
-    '^(%d+)|(%d+)|(-?%d+)|(%d+)|(%d+)$')
+    '^(%d+)|(%d+)|(-?%d+)|(%d+)|(%d+)|?c?$')
   local body_at = nl + 1 + tonumber(tlen)
   return { seq = seq, retries = tonumber(retries), maxr = tonumber(maxr), delay = tonumber(delay),
            thread = string.sub(rec, nl + 1, body_at - 1), body_at = body_at, tail = tail }
 end
 
-local function make_record(seq, retries, maxr, delay, envelope, tail)
+local function make_record(seq, retries, maxr, delay, envelope, tail, coalescable)
   return (tail and '\2' .. tail or '') .. seq .. '|' .. retries .. '|' .. maxr .. '|' .. delay ..
-    '|' .. #TID .. '\n' .. TID .. envelope
+    '|' .. #TID .. (coalescable and '|c' or '') .. '\n' .. TID .. envelope
 end
 
 -- Whether an operator paused the thread (pause.lua): then nothing of it is released.
@@ -122,20 +123,25 @@ local function thread_paused()
   return redis.call('HEXISTS', K_PAUSED, TID) == 1
 end
 
--- The thread's policy hash (K_POLICY) while the thread has members has no expiry; once its last
--- member has left, it is kept ENDED_WINDOW for calls replayed after a lost reply (an enqueue
--- that superseded members learns which, see enqueue.lua), then vanishes.  A no-op (one command)
--- for a thread that never had policy state.
-local function policy_linger()
-  redis.call('PEXPIRE', K_POLICY, ENDED_WINDOW)
+-- A call made with coalesce or debounce (enqueue.lua) waits under a record marked '|c' (see
+-- make_record) and a 'w:<task id>' field in the thread's policy hash (K_POLICY), where 'n'
+-- counts such calls; a later call of its task may supersede it.  It stops being one when it
+-- leaves the queue otherwise: released (activate), purged or deleted.  Once none is left the
+-- hash expires ENDED_WINDOW later (a replayed call is still told what it superseded); a new
+-- such call keeps it again.  A member released once is never superseded: the mark is not
+-- written again (a retry's record, requeue_active, and a restart's or redrive's are unmarked),
+-- so a member without the mark costs these paths one look at its record's header.
+local function is_coalescable(rec)
+  local nl = string.find(rec, '\n', string.byte(rec, 1) == 2 and 4 or 1, true)
+  return string.byte(rec, nl - 1) == 99    -- 'c': the header's last field (parse_record)
 end
 
--- A member that has been released once (it waits again after an attempt: a retry, a lost
--- attempt, Reject(requeue=True), its replacement; or a restart or redrive of a dead one) is never
--- superseded by coalesce or debounce: its 'w:<task id>' field (enqueue.lua), which marks a
--- coalescable call that has not run yet, goes.  A no-op for a task without those policies.
-local function not_coalescable(task)
+local function left_waiting(task, rec)
+  if not is_coalescable(rec) then return end
   redis.call('HDEL', K_POLICY, 'w:' .. task)
+  if redis.call('HINCRBY', K_POLICY, 'n', -1) <= 0 then
+    redis.call('PEXPIRE', K_POLICY, ENDED_WINDOW)
+  end
 end
 
 -- Index a thread that has no active member: in due at its head's scheduled_at, or, when it has
@@ -147,9 +153,6 @@ local function index_idle(detached, head, paused)
   redis.call('ZREM', K_LEASES, TID)
   if head[1] == nil or paused then
     if not detached then redis.call('ZREM', K_DUE, TID) end
-    -- The thread's last member has left: its policy state lingers only for replayed calls
-    -- (policy_linger).
-    if head[1] == nil then policy_linger() end
     return
   end
   redis.call('ZADD', K_DUE, head[2], TID)
@@ -164,6 +167,7 @@ end
 -- member's record, `field` its field.  Returns {task, token, record}.
 -- With CLAIM set, the member is RUNNING at once, claimed for CLAIM's worker (as claim.lua does).
 local function activate(task, field, sched, in_due, rec)
+  left_waiting(task, rec)
   -- %d, not tostring: Lua prints a number of 15 digits or more as '1e+14', and tokens would
   -- repeat once the shard counter passes 10^14.
   local token = string.format('%d', next_seq())
@@ -452,7 +456,6 @@ local function requeue_active(task, sched, retries, envelope, field, rec)
   if not rec then field, rec = find_member(K_TASKS, task) end
   local p = parse_record(rec)
   if envelope == '' then envelope = string.sub(rec, p.body_at) end
-  not_coalescable(task)
   redis.call('HSET', K_TASKS, field, make_record(p.seq, retries, p.maxr, p.delay, envelope, p.tail))
   redis.call('ZADD', K_Q, sched, queue_member(p.seq, field))
   redis.call('DEL', K_A)
@@ -487,7 +490,7 @@ end
 -- only leaves a gap) or, unless `again` (a restart), ended in the last ENDED_WINDOW; else the
 -- release ({task, token, record}) or nil.  `seq`: the arrival number it keeps (a redrive puts a
 -- dead letter back at its place); it is then only queued, and the caller releases the head.
-local function add_member(task, sched, retries, maxr, delay, envelope, again, seq)
+local function add_member(task, sched, retries, maxr, delay, envelope, again, seq, coalescable)
   local field, tail = task_field(task)
   if not again then
     -- One read refuses both an id that ended in the window and a UUID that is a member keyed by
@@ -502,18 +505,17 @@ local function add_member(task, sched, retries, maxr, delay, envelope, again, se
   end
   local queued = seq ~= nil
   seq = seq or string.format('%d', next_seq())
-  local rec = make_record(seq, retries, maxr, delay, envelope, tail)
+  local rec = make_record(seq, retries, maxr, delay, envelope, tail, coalescable)
   if redis.call('HSETNX', K_TASKS, field, rec) == 0 then
     if not tail or string.sub(redis.call('HGET', K_TASKS, field), 2, 3) == tail then
       return false
     end
     -- Another UUID with the same first 14 bytes holds the field: this one takes its long form.
-    field, rec = '\1' .. task, make_record(seq, retries, maxr, delay, envelope)
+    field, rec = '\1' .. task, make_record(seq, retries, maxr, delay, envelope, nil, coalescable)
     redis.call('HSET', K_TASKS, field, rec)
     redis.call('ZADD', K_ENDED, '+inf', task)     -- until it ends (mark_ended)
     redis.call('PERSIST', K_ENDED)
   end
-  if again or queued then not_coalescable(task) end
   if queued or redis.call('EXISTS', K_A) == 1 then
     redis.call('ZADD', K_Q, sched, queue_member(seq, field))
     return nil

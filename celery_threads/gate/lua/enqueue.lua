@@ -8,8 +8,8 @@
 --            so a replayed call is still refused.  A member is never admitted twice at once.
 --   ARGV[13] (optional) coalesce="latest" or debounce: "" (neither), else
 --            "<debounce ms>|<debounce_max ms>|<task name>" (0: none).  The call supersedes the
---            task's call in this thread that waits and has not run yet (its 'w:' field, see
---            not_coalescable), if any, and takes its place: that call's arrival number and
+--            task's call in this thread that waits and has not been released yet (its 'w:'
+--            field, see left_waiting), if any, and takes its place: that call's arrival number and
 --            scheduled_at, or its own scheduled_at when that is later and in the future (a
 --            countdown, an eta, a debounce).  The superseded member leaves the gate as a purged
 --            one does.  debounce: scheduled no earlier than now + debounce (the server's
@@ -73,34 +73,36 @@ start = tonumber(start)
 if is_known(task) then return duplicate(task, prev == task and told or '') end
 local place, superseded = nil, ''
 if prev and redis.call('HDEL', K_POLICY, 'w:' .. prev) == 1 then
+  -- Its 'w:' field says it waits and was never released: it leaves, and this call takes its
+  -- place (the count of such calls stays).
   local field, rec = find_member(K_TASKS, prev)
-  local member = rec and queue_member(parse_record(rec).seq, field)
-  local at = member and redis.call('ZSCORE', K_Q, member)
-  if at then
-    -- Waiting and never released: it leaves, and this call takes its place.
-    redis.call('ZREM', K_Q, member)
-    redis.call('HDEL', K_TASKS, field)
-    mark_ended(prev)
-    place = { parse_record(rec).seq, tonumber(at) }
-    superseded = prev .. (told ~= '' and '\n' .. string.match(told, '^[^\n]*') or '')
-  end
+  local p = parse_record(rec)
+  local member = queue_member(p.seq, field)
+  place = { p.seq, tonumber(redis.call('ZSCORE', K_Q, member)) }
+  redis.call('ZREM', K_Q, member)
+  redis.call('HDEL', K_TASKS, field)
+  mark_ended(prev)
+  superseded = prev .. (told ~= '' and '\n' .. string.match(told, '^[^\n]*') or '')
+else
+  start = NOW
+  redis.call('HINCRBY', K_POLICY, 'n', 1)
 end
-if not place then start = NOW end
+redis.call('HSET', K_POLICY, latest, task .. '\n' .. string.format('%d', start) .. '\n' ..
+  superseded, 'w:' .. task, '1')
+redis.call('PERSIST', K_POLICY)
 if debounce > 0 then
   local due = NOW + debounce
   if most > 0 then due = math.min(due, math.max(NOW, start + most)) end
   sched = math.max(sched, due)
 end
+-- Its record is marked (make_record): its release, purge or delete ends its 'w:' field.
 local released
 if place then
   -- Its own time counts only when it is later than now (a countdown, an eta, a debounce).
   if sched <= NOW then sched = place[2] else sched = math.max(sched, place[2]) end
-  add_member(task, sched, 0, ARGV[9], ARGV[10], ARGV[11], false, place[1])
+  add_member(task, sched, 0, ARGV[9], ARGV[10], ARGV[11], false, place[1], true)
   released = release_head(false)
 else
-  released = add_member(task, sched, 0, ARGV[9], ARGV[10], ARGV[11], false)
+  released = add_member(task, sched, 0, ARGV[9], ARGV[10], ARGV[11], false, nil, true)
 end
-redis.call('HSET', K_POLICY, latest, task .. '\n' .. string.format('%d', start) .. '\n' ..
-  superseded, 'w:' .. task, '1')
-redis.call('PERSIST', K_POLICY)
 return reply(1, superseded, released, released ~= nil and released[1] == task)
