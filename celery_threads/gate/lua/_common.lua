@@ -528,6 +528,26 @@ local function add_member(task, sched, retries, maxr, delay, envelope, again, se
   return release_idle(false, { field, rec })
 end
 
+-- The reply to an enqueue of a task id that is a member, or ended lately (`superseded`: what the
+-- call superseded, for a replay of it; enqueue.lua).  Defined here, not in enqueue.lua, so that
+-- the function library defines them once.
+local function duplicate_enqueue(task, superseded)
+  local a = redis.call('HMGET', K_A, 'task', 'token', 'state')
+  if a[1] == task and a[3] == 'RELEASED' then
+    local _, rec = find_member(K_TASKS, task)
+    return reply(0, superseded, { task, a[2], rec })
+  end
+  return reply(0, superseded)
+end
+
+-- Whether the task id is a member, or ended within ENDED_WINDOW (add_member refuses both).
+local function is_known(task)
+  local _, rec = find_member(K_TASKS, task)
+  if rec then return true end
+  local at = redis.call('ZSCORE', K_ENDED, task)
+  return at ~= false and (at == 'inf' or tonumber(at) >= NOW - ENDED_WINDOW)
+end
+
 local function schedule(mode, value)
   if mode == 'at' then return tonumber(value) end
   return NOW + tonumber(value)

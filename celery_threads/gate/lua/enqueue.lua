@@ -26,26 +26,8 @@
 -- enqueue replayed after its reply was lost, which released it), {0, ''} plus its release with
 -- its stored record, for the caller to publish (a second copy loses the claim).  superseded: ''
 -- or the task ids the call superseded as above (a replayed call's, while it is its task's latest
--- call in the thread, the window after the thread's end included).
+-- call in the thread, the 30 s after the last such call left the queue included).
 local task = ARGV[6]
-
--- The reply to a duplicate (`superseded`: what the call superseded, when it is a replay).
-local function duplicate(task, superseded)
-  local a = redis.call('HMGET', K_A, 'task', 'token', 'state')
-  if a[1] == task and a[3] == 'RELEASED' then
-    local _, rec = find_member(K_TASKS, task)
-    return reply(0, superseded, { task, a[2], rec })
-  end
-  return reply(0, superseded)
-end
-
--- Whether the task id is a member, or ended within ENDED_WINDOW (add_member refuses both).
-local function is_known(task)
-  local _, rec = find_member(K_TASKS, task)
-  if rec then return true end
-  local at = redis.call('ZSCORE', K_ENDED, task)
-  return at ~= false and (at == 'inf' or tonumber(at) >= NOW - ENDED_WINDOW)
-end
 local admission = nil
 if ARGV[12] and ARGV[12] ~= '' then
   admission = '\0replaced:' .. ARGV[12] .. ':' .. task
@@ -56,7 +38,7 @@ local policy = admission == nil and ARGV[13] and ARGV[13] ~= '' and ARGV[13] or 
 local sched = schedule(ARGV[7], ARGV[8])
 if not policy then
   local released = add_member(task, sched, 0, ARGV[9], ARGV[10], ARGV[11], admission ~= nil)
-  if released == false then return duplicate(task, '') end
+  if released == false then return duplicate_enqueue(task, '') end
   if admission then redis.call('ZADD', K_ENDED, NOW, admission) end
   return reply(1, '', released, released ~= nil and released[1] == task)
 end
@@ -70,7 +52,7 @@ if last then prev, start, told = string.match(last, '^([^\n]*)\n(%d+)\n(.*)$') e
 start = tonumber(start)
 -- A duplicate (a replay: told what its first send superseded, while it is the task's latest
 -- call here) supersedes nothing: the duplicate check comes first.
-if is_known(task) then return duplicate(task, prev == task and told or '') end
+if is_known(task) then return duplicate_enqueue(task, prev == task and told or '') end
 local place, superseded = nil, ''
 if prev and redis.call('HDEL', K_POLICY, 'w:' .. prev) == 1 then
   -- Its 'w:' field says it waits and was never released: it leaves, and this call takes its
