@@ -15,6 +15,7 @@ one onto the gate's tokens instead of assuming how the gate makes them.  Every m
 from __future__ import annotations
 
 import itertools
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -24,6 +25,9 @@ REPUBLISH, RETRIED, DIED, DELETED_LAPSE = 2, 3, 4, 5
 RELEASED, RUNNING, WAITING = "RELEASED", "RUNNING", "WAITING"
 STOPPING, DELETED = "STOPPING", "DELETED"   # delete's info when it marks; an ending's of a marked one
 ENDED_WINDOW_MS = 30_000   # ENDED_WINDOW in lua/_common.lua
+#: How often calls with coalesce or debounce left the queue otherwise than superseded, by how
+#: (what the model-based test exercised).
+LEFT_WAITING: Counter[str] = Counter()
 
 
 @dataclass
@@ -164,7 +168,7 @@ class Model:
         head = waiting[0]
         if head.sched > self.now or thread_id in self.paused:
             return None
-        self._left_waiting(thread_id, head)
+        self._left_waiting(thread_id, head, "released")
         thread.active = Active(head.task_id, f"m{next(self._tokens)}", RELEASED,
                                self.now + self.release_timeout_ms)
         if self._detached is not None:
@@ -216,11 +220,13 @@ class Model:
         self.tasks[task_id] = thread_id
         return True
 
-    def _left_waiting(self, thread_id: str, m: Member) -> None:
-        """A call with coalesce or debounce left the queue (released, purged, deleted): no later
-        call supersedes it; the policy hash expires once no such call is left."""
+    def _left_waiting(self, thread_id: str, m: Member, why: str) -> None:
+        """A call with coalesce or debounce left the queue (``why``: released, purged,
+        deleted): no later call supersedes it; the policy hash expires once no such call is
+        left."""
         if not m.coalescable:
             return
+        LEFT_WAITING[why] += 1
         fields = self.policy.setdefault(thread_id, {})
         fields.pop(f"w:{m.task_id}", None)
         fields["n"] = str(int(fields.get("n", "0")) - 1)
@@ -512,7 +518,7 @@ class Model:
             if token != "":
                 return Outcome(NOOP, WAITING)
             state = WAITING
-            self._left_waiting(thread_id, thread.members.pop(task_id))
+            self._left_waiting(thread_id, thread.members.pop(task_id), "deleted")
             del self.tasks[task_id]
             self._mark_ended(task_id)
         return Outcome(DONE, state, self._release_head(thread_id))
@@ -627,7 +633,7 @@ class Model:
         waiting = thread.waiting()
         dropped = [m.task_id for m in reversed(waiting[-limit:])] if limit > 0 else []
         for task_id in dropped:
-            self._left_waiting(thread_id, thread.members.pop(task_id))
+            self._left_waiting(thread_id, thread.members.pop(task_id), "purged")
             del self.tasks[task_id]
             self._mark_ended(task_id)
         left = len(waiting) - len(dropped)

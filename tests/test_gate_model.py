@@ -919,6 +919,7 @@ def test_gate_matches_model(gate_url: str, how: str) -> None:
     GateMachine.client.config_resetstat()
     STATS.clear()
     OUTCOMES.clear()
+    M.LEFT_WAITING.clear()
     try:
         run_state_machine_as_test(GateMachine, settings=settings(
             max_examples=EXAMPLES, stateful_step_count=STEPS, deadline=None,
@@ -933,8 +934,11 @@ def test_gate_matches_model(gate_url: str, how: str) -> None:
     print(f"\ngate model: {STATS['examples']} examples, {steps} steps, "
           f"{STATS['calls']} gate calls compared; "
           + ", ".join(f"{what}: {STATS[what]}" for what in EXERCISED))
+    print(f"coalescing calls that left the queue: {dict(M.LEFT_WAITING)}")
     for what, failure in EXERCISED.items():
         assert STATS[what] > 0, failure
+    for way_out in ("released", "purged", "deleted"):
+        assert M.LEFT_WAITING[way_out] > 0, f"no coalescing call was {way_out} while it waited"
     calls = {k: v["calls"] for k, v in redis.Redis.from_url(gate_url).info("commandstats").items()}
     if how == "fcall":
         assert calls.get("cmdstat_fcall", 0) > 1000, calls
