@@ -19,6 +19,7 @@ from celery_threads import Threads
 from celery_threads.errors import ConfigurationError
 from celery_threads.gate import Gate, make_client
 from celery_threads.keys import Keys
+from celery_threads.runtime import get_runtime
 from tests.helpers import assert_serial, events, now_us, started_at, starts, tid, wait_for
 from tests.test_handoff import collect_events
 
@@ -184,10 +185,17 @@ def test_concurrent_producers_leave_one_call(proj, make_deployment, r):
 def test_a_replayed_call_supersedes_nothing_more(proj, make_deployment, r):
     """The same task id sent again (a producer whose reply was lost): the newer call is not
     superseded by the replay of an older one, nor twice by its own replay, and a superseded id
-    never comes back."""
+    never comes back.  The replay is told what the first send superseded: a call whose reply
+    was lost (here: whose producer never marked what it superseded) still leaves it REVOKED."""
     thread, go = busy_thread(proj, make_deployment, r, "replay")
     a = proj.record.apply_async((thread, "a"), coalesce="latest")
-    b = proj.record.apply_async((thread, "b"), coalesce="latest")
+    runtime = get_runtime(proj.app)
+    runtime.revoke_superseded = lambda *args: None      # the first send's reply is lost
+    try:
+        b = proj.record.apply_async((thread, "b"), coalesce="latest")
+    finally:
+        del runtime.revoke_superseded
+    assert state(proj, a) == "PENDING"
     for again in (b, a, b):
         proj.record.apply_async((thread, "again"), coalesce="latest", task_id=again.id)
         info = Threads(proj.app).get(thread)
