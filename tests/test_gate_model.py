@@ -338,11 +338,12 @@ class GateMachine(RuleBasedStateMachine):
             STATS["superseding enqueues" if expected.status else "replays told what they superseded"] += 1
 
     @rule(thread_id=st.sampled_from(THREAD_IDS), calls=st.integers(2, 4), delay=st.integers(0, 50),
-          policy=POLICIES.filter(lambda p: p[0] is not None))
+          policy=POLICIES.filter(lambda p: p[0] is not None), replay=st.booleans())
     def coalescing_burst(self, thread_id: str, calls: int, delay: int,
-                         policy: tuple[Optional[str], int, int]) -> None:
+                         policy: tuple[Optional[str], int, int], replay: bool) -> None:
         """New calls of one task in a row, a few ms apart: each supersedes the one before
-        while it waits (and takes its place), or finds it released."""
+        while it waits (and takes its place), or finds it released; ``replay``: the last one
+        is sent again (its reply lost)."""
         for _ in range(calls):
             task_id = self.next_task_id()
             kw: dict[str, Any] = dict(delay_ms=delay, coalesce=policy[0], debounce_ms=policy[1],
@@ -350,6 +351,8 @@ class GateMachine(RuleBasedStateMachine):
             self._enqueue(thread_id, task_id, self.envelope(task_id), kw)
             self.coalescing.append((thread_id, task_id, self.envelope(task_id), kw))
             self.model.now += 7
+        if replay:
+            self._enqueue(*self.coalescing[-1])
 
     @precondition(lambda self: bool(self.coalescing))
     @rule(back=st.integers(0, 3))
