@@ -8,110 +8,92 @@ between repeats: Redis's time per call, the inner commands included (``INFO comm
 (``time.process_time`` around the calls, through ``Gate`` as workers make them).  For reference,
 a trivial script's round trip (``return 1``): the client's CPU and wall time per call.
 
-``--against REV``: the cost of a change instead.  The same lives through this checkout's gate and
-through the gate of commit ``REV`` (checked out into a temporary worktree), each in a process of
-its own importing its own tree, the two alternating between repeats on one private redis-server
-(their function libraries coexist: each is named by a digest of its source).  FCALL only, the way
-workers call on Redis 7.
+Policies: the same lives with ``coalesce="latest"`` (the enqueue writes the thread's policy
+hash; the finish that ends the thread gives it its expiry) and an enqueue that supersedes a
+waiting call.  ``--against REV`` measures the Lua of git revision REV beside this tree's, in the
+same run on the same server, alternating: what a change costs the calls that do not use it.
 """
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import subprocess
-import sys
-import tempfile
 import time
 import uuid
-from pathlib import Path
-from typing import Any
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any, Callable, Optional
 
 from bench import harness as h
+from celery_threads.gate import library
 
 ENVELOPE = b'{"headers":{"task":"bench.noop"}}\n' + b"x" * 900
 STEPS = ("enqueue", "claim", "finish")
 
 
-def _one_way(gate: Any, client: Any, calls: int, tag: str) -> dict[str, tuple[float, float]]:
-    """``{step: (Redis µs per call, client CPU µs per call)}`` for ``calls`` idle-thread lives."""
+def _one_way(gate: Any, client: Any, calls: int, tag: str,
+             coalesce: Optional[str] = None) -> dict[str, tuple[float, float]]:
+    """``{step: (Redis µs per call, client CPU µs per call)}`` for ``calls`` idle-thread lives
+    (``coalesce``: the enqueues as calls of that task with ``coalesce="latest"``)."""
     lives = [(f"{tag}-{i}", str(uuid.uuid4())) for i in range(calls)]
     tokens: dict[str, str] = {}
     out = {}
+    options = {"coalesce": coalesce} if coalesce else {}
     for step in STEPS:
-        client.config_resetstat()
-        t0 = time.process_time()
-        for thread, task in lives:
+        def call(thread: str, task: str, step: str = step) -> None:
             if step == "enqueue":
-                tokens[task] = gate.enqueue(thread, task, ENVELOPE).release.token
+                tokens[task] = gate.enqueue(thread, task, ENVELOPE, **options).release.token
             elif step == "claim":
                 gate.claim(thread, task, tokens[task], 30_000, "callcost")
             else:
                 gate.finish(thread, task, tokens[task])
-        cpu = (time.process_time() - t0) / calls * 1e6
-        stats = client.info("commandstats")
-        top = stats.get("cmdstat_fcall") or stats["cmdstat_evalsha"]
-        out[step] = (top["usec"] / top["calls"], cpu)
+        out[step] = _measured(client, lives, call)
     return out
 
 
-def _probe(url: str, calls: int, tag: str) -> int:
-    """One side of ``--against``: the gate of the tree on ``PYTHONPATH`` (FCALL), ``calls`` lives,
-    as JSON.  This file runs as a script there, so that an older tree needs no probe of its own."""
-    import redis
-
-    from celery_threads.gate import Gate, make_client
-    from celery_threads.keys import Keys
-    client = redis.Redis.from_url(url)
-    gate = Gate(make_client(url), Keys(f"cc-{tag}"), release_timeout_ms=60_000, functions=True)
-    _one_way(gate, client, 200, f"warm-{tag}")
-    print(json.dumps(_one_way(gate, client, calls, tag)))
-    return 0
+def _superseding(gate: Any, client: Any, calls: int, tag: str) -> dict[str, tuple[float, float]]:
+    """The enqueue that supersedes a waiting call (``coalesce="latest"``), in ``calls`` threads
+    each holding an active member and one waiting call of the task."""
+    threads = [f"{tag}-{i}" for i in range(calls)]
+    for thread in threads:
+        gate.enqueue(thread, str(uuid.uuid4()), ENVELOPE)
+        gate.enqueue(thread, str(uuid.uuid4()), ENVELOPE, coalesce="bench.noop")
+    lives = [(thread, str(uuid.uuid4())) for thread in threads]
+    return {"superseding enqueue": _measured(client, lives, lambda thread, task: gate.enqueue(
+        thread, task, ENVELOPE, coalesce="bench.noop"))}
 
 
-def _against(rev: str, calls: int, repeats: int) -> int:
-    """This checkout against commit ``rev``, alternating, on one redis-server."""
-    here = h.ROOT
-    with tempfile.TemporaryDirectory(prefix="callcost-") as tmp, h.Stack("callcost") as stack:
-        tree = Path(tmp) / "before"
-        subprocess.run(["git", "-C", str(here), "worktree", "add", "-q", "--detach", str(tree), rev],
-                       check=True)
-        try:
-            server = stack.redis()
-            where = h.machine(server)
-            sides = {"before": tree, "after": here}
-            results: dict[tuple[str, str], list[tuple[float, float]]] = {}
-            for rep in range(repeats):
-                order = list(sides) if rep % 2 == 0 else list(reversed(sides))
-                for side in order:
-                    h.progress(f"repeat {rep + 1}/{repeats}: {side}")
-                    out = subprocess.run(
-                        [sys.executable, __file__, "--probe", server.url(),
-                         "--calls", str(calls), "--tag", f"{side}-{rep}"],
-                        cwd=sides[side], env={**os.environ, "PYTHONPATH": str(sides[side])},
-                        check=True, capture_output=True, text=True).stdout
-                    for step, value in json.loads(out.strip().splitlines()[-1]).items():
-                        results.setdefault((side, step), []).append(tuple(value))
-        finally:
-            subprocess.run(["git", "-C", str(here), "worktree", "remove", "--force", str(tree)],
-                           check=False)
-    head = subprocess.run(["git", "-C", str(here), "rev-parse", "--short", "HEAD"],
-                          capture_output=True, text=True).stdout.strip()
-    rows = []
-    for step in STEPS:
-        for i, what in ((0, "Redis time per call, inner commands included (µs)"),
-                        (1, "client CPU per call (µs)")):
-            b, a = (h.median([v[i] for v in results[(side, step)]]) for side in ("before", "after"))
-            rows.append([f"{step}: {what}", b, a, h.ratio(a, b)])
-    print(h.table("callcost: a change's cost per gate call (FCALL)", [
-        f"command: `python -m bench.callcost --against {rev} --calls {calls} --repeats {repeats}`",
-        f"machine: {where}",
-        f"before: {rev}; after: this checkout ({head}, with its uncommitted changes)",
-        f"load: {calls:,} idle-thread lives (enqueue, claim, finish) per side and repeat; "
-        f"{repeats} repeat(s), the sides alternating"],
-        ["measure", "before", "after", "ratio"], rows,
-        [f"medians over {repeats} repeat(s); ratio = after / before."]))
-    return 0
+def _measured(client: Any, lives: list[tuple[str, str]],
+              call: Callable[[str, str], Any]) -> tuple[float, float]:
+    """(Redis µs, client CPU µs) per ``call(thread, task)`` over ``lives``."""
+    client.config_resetstat()
+    t0 = time.process_time()
+    for thread, task in lives:
+        call(thread, task)
+    cpu = (time.process_time() - t0) / len(lives) * 1e6
+    stats = client.info("commandstats")
+    top = stats.get("cmdstat_fcall") or stats["cmdstat_evalsha"]
+    return top["usec"] / top["calls"], cpu
+
+
+@contextmanager
+def _lua_of(rev: Optional[str]) -> Iterator[None]:
+    """Gates made inside load the Lua of git revision ``rev`` (None: this tree's)."""
+    if rev is None:
+        yield
+        return
+    original = library._load_lua
+
+    def load(name: str) -> str:
+        return subprocess.run(["git", "show", f"{rev}:celery_threads/gate/lua/{name}"],
+                              check=True, capture_output=True, text=True).stdout
+
+    library._load_lua = load
+    library.function_library.cache_clear()
+    try:
+        yield
+    finally:
+        library._load_lua = original
+        library.function_library.cache_clear()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -119,34 +101,45 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--calls", type=int, default=5000, help="lives per way and repeat (5,000)")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--against", metavar="REV",
-                   help="compare this checkout with commit REV (FCALL) instead of the two ways")
-    p.add_argument("--probe", help=argparse.SUPPRESS)
-    p.add_argument("--tag", default="probe", help=argparse.SUPPRESS)
+    p.add_argument("--against", metavar="REV", default=None,
+                   help="also measure the Lua of git revision REV (the 'before' of a change), "
+                        "alternating with this tree's in the same run")
     args = p.parse_args(argv)
-    if args.probe:
-        return _probe(args.probe, args.calls, args.tag)
-    if args.against:
-        return _against(args.against, args.calls, args.repeats)
     from celery_threads.gate import Gate, make_client
     from celery_threads.keys import Keys
 
+    versions = [None, args.against] if args.against else [None]
     with h.Stack("callcost") as stack:
         server = stack.redis()
         client = server.client()
         where = h.machine(server)
-        gates = {way: Gate(make_client(server.url()), Keys(f"cc-{way}"), release_timeout_ms=60_000,
-                           functions=way == "fcall") for way in ("evalsha", "fcall")}
-        for way, gate in gates.items():      # warm up: lines open, scripts and library loaded
-            _one_way(gate, client, 200, f"warm-{way}")
-        results: dict[tuple[str, str], list[tuple[float, float]]] = {}
+        gates, policy_gates = {}, {}
+        for rev in versions:
+            with _lua_of(rev):
+                for way in ("evalsha", "fcall"):
+                    gates[(way, rev)] = Gate(make_client(server.url()), Keys(f"cc-{way}-{rev}"),
+                                             release_timeout_ms=60_000, functions=way == "fcall")
+        # The policies' lives in keys of their own: the superseding ones leave members behind,
+        # which must not make the plain lives' hashes and indexes bigger for one version.
+        for way in ("evalsha", "fcall"):
+            policy_gates[way] = Gate(make_client(server.url()), Keys(f"cc-{way}-policies"),
+                                     release_timeout_ms=60_000, functions=way == "fcall")
+        for (way, rev), gate in gates.items():      # warm up: lines open, scripts and library loaded
+            _one_way(gate, client, 200, f"warm-{way}-{rev}")
+        results: dict[tuple[str, Optional[str], str], list[tuple[float, float]]] = {}
         for rep in range(args.repeats):
-            ways = list(gates) if rep % 2 == 0 else list(reversed(gates))
-            for way in ways:
-                h.progress(f"repeat {rep + 1}/{args.repeats}: {way}")
-                for step, value in _one_way(gates[way], client, args.calls,
-                                            f"{way}-{rep}").items():
-                    results.setdefault((way, step), []).append(value)
+            order = list(gates) if rep % 2 == 0 else list(reversed(gates))
+            for way, rev in order:
+                h.progress(f"repeat {rep + 1}/{args.repeats}: {way} {rev or 'this tree'}")
+                measured = _one_way(gates[(way, rev)], client, args.calls, f"{way}-{rev}-{rep}")
+                if rev is None:     # the policies' costs, this tree only
+                    measured.update({f"{step} (coalesce)": v for step, v in _one_way(
+                        policy_gates[way], client, args.calls, f"{way}-c-{rep}",
+                        coalesce="bench.noop").items()})
+                    measured.update(_superseding(policy_gates[way], client, args.calls,
+                                                 f"{way}-s-{rep}"))
+                for step, value in measured.items():
+                    results.setdefault((way, rev, step), []).append(value)
         sha = client.script_load("return 1")
         trivial = []
         for _ in range(args.repeats):
@@ -156,22 +149,36 @@ def main(argv: list[str] | None = None) -> int:
             trivial.append(((time.process_time() - t0) / args.calls * 1e6,
                             (time.perf_counter() - w0) / args.calls * 1e6))
 
+    def median(way: str, rev: Optional[str], step: str, i: int) -> Any:
+        values = results.get((way, rev, step))
+        return h.median([v[i] for v in values]) if values else "-"
+
     rows = []
-    for step in STEPS:
+    steps = [*STEPS, *(f"{step} (coalesce)" for step in STEPS), "superseding enqueue"]
+    for step in steps:
         for i, what in ((0, "Redis time per call, inner commands included (µs)"),
                         (1, "client CPU per call (µs)")):
-            e, f = (h.median([v[i] for v in results[(way, step)]]) for way in ("evalsha", "fcall"))
-            rows.append([f"{step}: {what}", e, f, h.ratio(f, e)])
+            e, f = median("evalsha", None, step, i), median("fcall", None, step, i)
+            before = ([median("evalsha", args.against, step, i),
+                       median("fcall", args.against, step, i)] if args.against else [])
+            rows.append([f"{step}: {what}", *before, e, f,
+                         h.ratio(f, e) if "-" not in (e, f) else "-"])
     rows.append(["trivial script round trip (redis-py client): client CPU / wall (µs)",
+                 *(["-", "-"] if args.against else []),
                  f"{h.median([t[0] for t in trivial]):.1f} / {h.median([t[1] for t in trivial]):.1f}",
                  "-", "-"])
+    against = f" --against {args.against}" if args.against else ""
+    before_columns = ([f"EVALSHA ({args.against})", f"FCALL ({args.against})"]
+                      if args.against else [])
     print(h.table("callcost (gate only)", [
-        f"command: `python -m bench.callcost --calls {args.calls} --repeats {args.repeats}`",
+        f"command: `python -m bench.callcost --calls {args.calls} --repeats {args.repeats}"
+        f"{against}`",
         f"machine: {where}",
-        f"load: {args.calls:,} idle-thread lives (enqueue, claim, finish) per way and repeat; "
-        f"{args.repeats} repeat(s), the two ways alternating"],
-        ["measure", "EVALSHA (scripts)", "FCALL (functions)", "ratio"], rows,
-        [f"medians over {args.repeats} repeat(s); ratio = FCALL / EVALSHA."]))
+        f"load: {args.calls:,} idle-thread lives (enqueue, claim, finish) per way, version and "
+        f"repeat, the same with coalesce='latest' and {args.calls:,} superseding enqueues (this "
+        f"tree); {args.repeats} repeat(s), the ways and versions alternating"],
+        ["measure", *before_columns, "EVALSHA (scripts)", "FCALL (functions)", "ratio"], rows,
+        [f"medians over {args.repeats} repeat(s); ratio = FCALL / EVALSHA of this tree."]))
     return 0
 
 

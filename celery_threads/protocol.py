@@ -112,3 +112,45 @@ def eta_ms(eta: Any) -> int:
     if eta.tzinfo is None:
         eta = eta.replace(tzinfo=timezone.utc)
     return int(eta.timestamp() * 1000)
+
+
+#: The supersede policies' option names (task options and ``apply_async`` options alike).
+#: ``debounce_max`` is this package's addition to the contract's ``coalesce`` and ``debounce``.
+SUPERSEDE_OPTIONS = ("coalesce", "debounce", "debounce_max")
+
+
+def supersede_policy(name: str, coalesce: Any, debounce: Any,
+                     debounce_max: Any) -> Optional[tuple[int, int]]:
+    """``(debounce ms, debounce_max ms)`` (0: none) when a call of task ``name`` supersedes its
+    task's waiting call in its thread (``coalesce="latest"`` or a ``debounce``), else ``None``;
+    :class:`ConfigurationError` naming the option for a value the gate cannot take."""
+    if coalesce is not None and coalesce != "latest":
+        raise ConfigurationError(
+            f"task {name}: coalesce={coalesce!r}; the one policy is coalesce='latest' (or None). "
+            "Nothing was stored or sent")
+    debounce_ms = _seconds_ms(name, "debounce", debounce)
+    most_ms = _seconds_ms(name, "debounce_max", debounce_max)
+    if most_ms and not debounce_ms:
+        raise ConfigurationError(
+            f"task {name}: debounce_max={debounce_max!r} without a debounce: it bounds how long "
+            "a debounce may put a burst off. Give debounce=<seconds> too. Nothing was stored or "
+            "sent")
+    if most_ms and most_ms < debounce_ms:
+        raise ConfigurationError(
+            f"task {name}: debounce_max={debounce_max!r} is shorter than debounce={debounce!r}; "
+            "it must be at least as long. Nothing was stored or sent")
+    if coalesce is None and not debounce_ms:
+        return None
+    return debounce_ms, most_ms
+
+
+def _seconds_ms(name: str, option: str, value: Any) -> int:
+    """A policy's duration in seconds (``None``: none) as whole milliseconds."""
+    if value is None:
+        return 0
+    if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+            or value <= 0 or value > 365 * 86400):
+        raise ConfigurationError(
+            f"task {name}: {option}={value!r}; give a number of seconds above 0 (at most a "
+            "year), or None. Nothing was stored or sent")
+    return max(1, int(round(float(value) * 1000)))

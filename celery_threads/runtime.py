@@ -181,16 +181,32 @@ class Runtime:
         outcome = self.apply(self.gate.delete(task_id, stop=True, thread_id=thread_id))
         if not outcome.done:
             return None
-        # ENDED: the call was replayed after its reply was lost, and the member may have been
-        # running: revoke with terminate (a no-op where it does not run).
-        running = outcome.info in ("RUNNING", STOPPING, ENDED)
-        if outcome.info not in ("RUNNING", STOPPING):
-            self.gate.note_deleted(thread_id, task_id)
-            self.mark_revoked(task_id)
-        self.app.control.revoke(task_id, terminate=running)
+        if outcome.info in ("RUNNING", STOPPING):
+            self.app.control.revoke(task_id, terminate=True)
+        else:
+            # ENDED: the call was replayed after its reply was lost, and the member may have
+            # been running: revoke with terminate (a no-op where it does not run).
+            self.revoke_unstarted(thread_id, task_id, terminate=outcome.info == ENDED)
         if outcome.info == STOPPING:
             self._wait_stopped(thread_id, task_id, wait)
         return outcome.info
+
+    def revoke_unstarted(self, thread_id: str, task_id: str,
+                         reason: str = "deleted from its thread", terminate: bool = False) -> None:
+        """A member that left its thread before it ran: ``REVOKED`` in the result backend, and
+        one worker (elected by a note in the gate) sends the ``task-revoked`` event, so Flower
+        shows it without a phantom worker."""
+        self.gate.note_deleted(thread_id, task_id)
+        self.mark_revoked(task_id, reason)
+        self.app.control.revoke(task_id, terminate=terminate)
+
+    def revoke_superseded(self, thread_id: str, task_ids: list[str]) -> None:
+        """An enqueue superseded ``task_ids[0]`` (``coalesce``, ``debounce``): revoked as a
+        deleted waiting member is.  Any other is one that member had superseded, told again in
+        case that call's reply was lost: marked ``REVOKED`` again (the same state)."""
+        self.revoke_unstarted(thread_id, task_ids[0], "superseded")
+        for task_id in task_ids[1:]:
+            self.mark_revoked(task_id, "superseded")
 
     def _wait_stopped(self, thread_id: str, task_id: str, wait: float) -> None:
         """Wait, at most ``wait`` seconds, until a member marked deleted has left its thread."""

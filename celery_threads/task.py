@@ -18,7 +18,16 @@ from .config import ThreadsConfig, read_config
 from .errors import ConfigurationError, GateUnavailable, InvalidThreadId, NotReplicated
 from .gate import DELETED, Claim, Gate, Outcome, deadline
 from .install import install
-from .protocol import OUR_HEADERS, THREAD_HEADER, TOKEN_HEADER, eta_ms, normalize_thread_id, retry_settings
+from .protocol import (
+    OUR_HEADERS,
+    SUPERSEDE_OPTIONS,
+    THREAD_HEADER,
+    TOKEN_HEADER,
+    eta_ms,
+    normalize_thread_id,
+    retry_settings,
+    supersede_policy,
+)
 from .publish import CapturingProducer
 from .runtime import Runtime, get_runtime
 from .worker import handoff
@@ -36,10 +45,20 @@ class ThreadedTask(Task):
     Give the thread with ``apply_async(..., thread_id=...)`` or declare ``thread_key`` (an argument
     name or a callable ``(args, kwargs) -> id``).  ``dead_letter = False`` drops members that die
     instead of keeping them in the dead-letter store.
+
+    Supersede policies (docs/policies-supersede.md), each also an ``apply_async`` option of the
+    same name for one call: ``coalesce = "latest"``: a call supersedes its task's call in its
+    thread that waits and has not run yet (it ends ``REVOKED``) and takes its place;
+    ``debounce = S``: as ``coalesce``, and the call runs no earlier than S seconds after it
+    reached the gate, so a burst runs once, S after its last call; ``debounce_max = M``: a burst
+    that goes on runs no later than M seconds after its first call.
     """
 
     thread_key: ThreadKey = None
     dead_letter: bool = True
+    coalesce: Optional[str] = None
+    debounce: Optional[float] = None
+    debounce_max: Optional[float] = None
 
     Strategy = "celery_threads.worker.step:threaded_strategy"
     Request = "celery_threads.worker.step:ThreadedRequest"
@@ -51,6 +70,7 @@ class ThreadedTask(Task):
     @classmethod
     def on_bound(cls, app: Any) -> None:
         _check_thread_key(cls)
+        supersede_policy(cls.name, cls.coalesce, cls.debounce, cls.debounce_max)
         install(app)
 
     # -- publishing ---------------------------------------------------------------------------
@@ -93,6 +113,9 @@ class ThreadedTask(Task):
         for a task without a ``thread_key``.
         """
         explicit = options.pop("thread_id", None)
+        # Never seen by Celery (in eager mode too): the gate applies them.
+        coalesce, debounce, debounce_max = (
+            options.pop(option, getattr(self, option)) for option in SUPERSEDE_OPTIONS)
         app = self._get_app()
         if app.conf.task_always_eager:
             return super().apply_async(args, kwargs, task_id=task_id, producer=producer,
@@ -121,6 +144,9 @@ class ThreadedTask(Task):
         replaced = (_running.get(current) if token is None and nesting and current is not None
                     and current[0] == task_id else None)
         max_retries, retry_delay_ms = retry_settings(self) if token is None else (None, 0)
+        # A retry or a replacement is not a new call: it supersedes nothing.
+        policy = (supersede_policy(self.name, coalesce, debounce, debounce_max)
+                  if token is None and replaced is None else None)
         if options.get("kwargsrepr") is None:
             # Flower shows kwargsrepr: the thread id is visible on every member there.
             options["kwargsrepr"] = f"{saferepr(kwargs or {}, 1024)} thread={thread_id!r}"
@@ -146,6 +172,7 @@ class ThreadedTask(Task):
             delay_ms = int(float(countdown or 0) * 1000)
             release = None
             added = False
+            superseded: list[str] = []
             if replaced is not None:
                 # Applied once the member's body has unwound (as a retry's re-entry), so that the
                 # task id is never a member twice and at most one member of a thread runs.
@@ -169,7 +196,11 @@ class ThreadedTask(Task):
             else:
                 outcome = runtime.gate.enqueue(
                     thread_id, task_id, capture.envelope, delay_ms=delay_ms, at_ms=at_ms,
-                    max_retries=max_retries, retry_delay_ms=retry_delay_ms, replaced=nesting)
+                    max_retries=max_retries, retry_delay_ms=retry_delay_ms, replaced=nesting,
+                    coalesce=self.name if policy is not None else None,
+                    debounce_ms=policy[0] if policy else 0,
+                    debounce_max_ms=policy[1] if policy else 0)
+                superseded = outcome.superseded
                 if not outcome.done:
                     logger.info("celery-threads: %s[%s] is already a member of thread %s, or "
                                 "ended less than 30 s ago; not enqueued twice", self.name,
@@ -182,6 +213,8 @@ class ThreadedTask(Task):
             # its reply was lost) publishes the message stored then, not this call's.
             own = release is not None and release.task_id == task_id and added
             runtime.publish(release, producer, parts=capture.parts if own else None)
+            if superseded:
+                runtime.revoke_superseded(thread_id, superseded)
         return result
 
     def _reenter(self, runtime: Runtime, thread_id: str, task_id: str, token: str,

@@ -10,7 +10,9 @@ the history (same host, so the same clock for both) and, in database 2, Celery's
 (``--no-results``: none); ``--workers`` prefork ``celery worker``
 processes and ``celery beat`` of :mod:`tests.chaos_tasks`; a producer enqueuing members into
 ``--threads`` threads (a few hot ones) with random countdowns, sleeps, retries with random
-countdowns, deaths and a few members longer than the keepalive; a deleter deleting random
+countdowns, deaths and a few members longer than the keepalive, one call in 8 with
+``coalesce="latest"`` and one in 16 debounced (a call the gate superseded is recorded when its
+producer learns it; a failed such call is sent again under its task id); a deleter deleting random
 waiting or active members.  Faults: a worker SIGKILLed (whole process group) and replaced every
 ``--kill-every`` seconds, a pool child SIGKILLed in the middle of a task every
 ``--child-kill-every`` seconds, broker redeliveries (``acks_late`` with a short visibility timeout
@@ -385,10 +387,16 @@ class Cluster:
                                           int(r.meta.get("retries", -1)))
                     for r in gate.dead_records()}
             thread_keys: dict[str, list[str]] = {}
+            lingering: dict[str, int] = {}
             head = f"{shard.tag}:t:"
+            indexed = set(due) | set(leases)
             for raw in client.scan_iter(match=f"{head}*", count=1000):
                 key = raw.decode()
-                thread_keys.setdefault(key[len(head):-2], []).append(key)
+                thread = key[len(head):-2]
+                if key.endswith(":p") and thread not in indexed:
+                    lingering[thread] = int(client.pttl(raw))   # the policy hash of an ended one
+                else:
+                    thread_keys.setdefault(thread, []).append(key)
             active = {t: {k.decode(): v.decode()
                           for k, v in client.hgetall(keys.thread(t).active).items()}
                       for t in set(due) | set(leases)}
@@ -402,7 +410,7 @@ class Cluster:
                 match=f"{keys.prefix}:*", count=1000))
                      if k not in known and not k.startswith((head, note_head))]
             return GateState(
-                due, leases, members, dead, thread_keys, active,
+                due, leases, members, dead, thread_keys, active, lingering,
                 dead_index=[k.decode() for k in client.zrange(shard.dead, 0, -1)],
                 dead_records=[k.decode() for k in client.hkeys(shard.dead_records)],
                 ended={k.decode(): v for k, v in client.zrange(shard.ended, 0, -1,
@@ -548,6 +556,7 @@ class Workload:
 
         rng = random.Random(self.opts.seed)
         period = 1.0 / self.opts.rate
+        _record_superseded()
         n = 0
         while not self.stop.is_set() and time.time() < until:
             thread = rng.choices(self.threads, self.weights)[0]
@@ -560,8 +569,19 @@ class Workload:
                 n += 1
                 countdown_ms = 0 if rng.random() < 0.6 else rng.randint(100, 3000)
                 self._enqueue(thread, f"m{n}", self._kwargs(rng, long_until),
-                              countdown_ms=countdown_ms)
+                              countdown_ms=countdown_ms, policy=self._policy(rng))
             self.stop.wait(period * rng.uniform(0.5, 1.5))
+
+    @staticmethod
+    def _policy(rng: random.Random) -> dict[str, Any]:
+        """One call in 8 supersedes its task's waiting call in its thread (coalesce), one in 16
+        is debounced (0.3 s, at most 1 s after its burst's first call); the others neither."""
+        roll = rng.random()
+        if roll < 1 / 8:
+            return {"coalesce": "latest"}
+        if roll < 3 / 16:
+            return {"debounce": 0.3, "debounce_max": 1.0}
+        return {}
 
     def _kwargs(self, rng: random.Random, long_until: float) -> dict[str, Any]:
         roll = rng.random()
@@ -574,29 +594,37 @@ class Workload:
         return {"sleep": sleep, "fails": fails, "die": die, "retry_ms": rng.randint(0, 1000)}
 
     def _enqueue(self, thread: str, label: str, kwargs: dict[str, Any], countdown_ms: int = 0,
-                 eta_ms: Optional[int] = None) -> None:
+                 eta_ms: Optional[int] = None, policy: Optional[dict[str, Any]] = None) -> None:
+        """``policy``: coalesce or debounce options.  Such a call that fails (the gate away) is
+        sent again under its task id, as a producer should: it may have superseded a call
+        before its reply was lost, and only its replay is told which."""
         from datetime import datetime, timezone
+
+        from celery.utils import uuid
 
         from tests.chaos_tasks import now_us, record, work
 
         lo = now_us()
-        try:
-            if eta_ms is not None:
-                result = work.apply_async(
-                    (thread, label), kwargs,
-                    eta=datetime.fromtimestamp(eta_ms / 1000, timezone.utc))
+        options: dict[str, Any] = {"task_id": uuid(), **(policy or {})}
+        for _ in range(1 + 5 * bool(policy)):
+            try:
+                if eta_ms is not None:
+                    result = work.apply_async(
+                        (thread, label), kwargs,
+                        eta=datetime.fromtimestamp(eta_ms / 1000, timezone.utc), **options)
+                else:
+                    result = work.apply_async(
+                        (thread, label), kwargs,
+                        countdown=countdown_ms / 1000.0 if countdown_ms else None, **options)
+            except Exception as exc:
+                self.failed_enqueues.append(f"{type(exc).__name__}: {exc}")
+                record("enq_failed", thread=thread, error=repr(exc)[:300], lo=lo)
             else:
-                result = work.apply_async(
-                    (thread, label), kwargs,
-                    countdown=countdown_ms / 1000.0 if countdown_ms else None)
-        except Exception as exc:
-            self.failed_enqueues.append(f"{type(exc).__name__}: {exc}")
-            record("enq_failed", thread=thread, error=repr(exc)[:300], lo=lo)
-        else:
-            exact = {} if eta_ms is None else {"at": eta_ms * 1000}
-            record("enq", task=result.id, thread=thread, n=0, cd=countdown_ms * 1000, lo=lo,
-                   **exact)
-            self.enqueued += 1
+                exact = {} if eta_ms is None else {"at": eta_ms * 1000}
+                record("enq", task=result.id, thread=thread, n=0, cd=countdown_ms * 1000,
+                       lo=lo, **exact, **({"co": 1} if policy else {}))
+                self.enqueued += 1
+                return
 
     def deleter(self, until: float) -> None:
         from celery_threads import Threads
@@ -622,6 +650,24 @@ class Workload:
                     self.deleted += 1
             except Exception as exc:
                 self.errors.append(f"delete: {type(exc).__name__}: {exc}")
+
+
+def _record_superseded() -> None:
+    """Each call's superseded members go to the history (``sup``) as the producer learns them,
+    before it revokes them as usual: the checker's record of what coalesce and debounce
+    ended."""
+    from celery_threads.runtime import get_runtime
+    from tests.chaos_tasks import app, record
+
+    runtime = get_runtime(app)
+    revoke = runtime.revoke_superseded
+
+    def recorded(thread_id: str, task_ids: list[str]) -> None:
+        for task_id in task_ids:
+            record("sup", task=task_id, thread=thread_id)
+        revoke(thread_id, task_ids)
+
+    runtime.revoke_superseded = recorded     # type: ignore[method-assign]
 
 
 # -- the run ----------------------------------------------------------------------------------
@@ -655,11 +701,14 @@ def parse_history(rows: list[dict[str, Any]]) -> tuple[list[Event], list[Enqueue
                                 what=row["what"]))
         elif k == "enq":
             enqueues.append(Enqueue(row["task"], row["thread"], int(row["n"]), int(row["lo"]),
-                                    row["t"], int(row["cd"]), exact=row.get("at")))
+                                    row["t"], int(row["cd"]), exact=row.get("at"),
+                                    coalesced=bool(row.get("co"))))
         elif k == "landed":
             landed[(row["task"], int(row["n"]))] = row["t"]
         elif k == "del":
             deletions.append(Deletion(row["task"], int(row["lo"]), row["t"]))
+        elif k == "sup":
+            deletions.append(Deletion(row["task"], row["t"], row["t"], superseded=True))
         elif k in ("redis_down", "redis_up"):
             events.append(Event(k, row["t"]))
         elif k == "healthy":

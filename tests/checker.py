@@ -141,6 +141,10 @@ class Enqueue:
     # The exact scheduled_at (µs) when the producer gave an ``eta`` the gate takes as it is (a
     # multiple of 250 ms, exact in binary), else None: the schedule is known only within bounds.
     exact: Optional[int] = None
+    # A call with coalesce or debounce: when it superseded a waiting call it took that call's
+    # place (an earlier scheduled_at than its own), and a debounce puts it later: its schedule
+    # is not known from the call's times, so it is neither checked nor a witness.
+    coalesced: bool = False
 
     @property
     def landed(self) -> bool:
@@ -168,6 +172,9 @@ class Deletion:
     task: str
     lo: int
     hi: int
+    # Superseded by a later call of its task (coalesce="latest", debounce) while it waited:
+    # never released, so it never starts.
+    superseded: bool = False
 
 
 @dataclass(frozen=True)
@@ -185,6 +192,8 @@ class GateState:
     members: dict[str, str] = field(default_factory=dict)      # the tasks hash: task -> thread
     dead: dict[str, DeadLetter] = field(default_factory=dict)  # the dead-letter store
     thread_keys: dict[str, list[str]] = field(default_factory=dict)  # thread -> its key names
+    # Policy hashes of threads that ended (not in thread_keys): thread -> ms to live (-1: none).
+    lingering: dict[str, int] = field(default_factory=dict)
     active: dict[str, dict[str, str]] = field(default_factory=dict)  # thread -> its active hash
     # The shard's other keys, as read (None: not read, not checked).
     dead_index: Optional[list[str]] = None       # the dead zset's members
@@ -263,6 +272,8 @@ class Report:
     overlaps: list[str] = field(default_factory=list)
     bad_endings: list[str] = field(default_factory=list)
     order_violations: list[str] = field(default_factory=list)
+    superseded_started: list[str] = field(default_factory=list)
+    superseded: int = 0
     early_starts: list[str] = field(default_factory=list)
     releases_checked: int = 0
     waiting_compared: int = 0
@@ -282,12 +293,13 @@ class Report:
     @property
     def ok(self) -> bool:
         return not (self.overlaps or self.bad_endings or self.order_violations
-                    or self.early_starts or self.stuck or self.orphans
-                    or self.result_mismatches)
+                    or self.superseded_started or self.early_starts or self.stuck
+                    or self.orphans or self.result_mismatches)
 
     def counts(self) -> dict[str, int]:
         return {"overlaps": len(self.overlaps), "bad_endings": len(self.bad_endings),
                 "order_violations": len(self.order_violations),
+                "superseded_started": len(self.superseded_started),
                 "early_starts": len(self.early_starts), "stuck": len(self.stuck),
                 "orphans": len(self.orphans), "result_mismatches": len(self.result_mismatches)}
 
@@ -310,6 +322,9 @@ class Report:
             f"siblings certainly waiting at the time, {self.ties_compared} of them tied on "
             "scheduled_at)",
             *_first(self.order_violations, limit),
+            f"superseded members that were received or started: "
+            f"{len(self.superseded_started)} ({self.superseded} superseded)",
+            *_first(self.superseded_started, limit),
             f"attempts received or started before their scheduled_at: {len(self.early_starts)} "
             f"({self.schedules_checked} checked)",
             *_first(self.early_starts, limit),
@@ -415,8 +430,9 @@ def check(history: Sequence[Event], gate: GateState, deleted: Sequence[Deletion]
     report = Report(keepalive=limits.keepalive, dispatch_interval=limits.dispatch_interval)
     attempts, kills = build_attempts(history)
     deletions = {d.task: d for d in deleted}
-    known = {(e.task, e.attempt): e for e in enqueues if e.landed}
-    unlanded = {(e.task, e.attempt): e for e in enqueues if not e.landed}
+    known = {(e.task, e.attempt): e for e in enqueues if e.landed and not e.coalesced}
+    unlanded = {(e.task, e.attempt): e for e in enqueues
+                if not e.landed and not e.coalesced}
 
     thread_of: dict[str, str] = {}
     for e in enqueues:
@@ -443,6 +459,7 @@ def check(history: Sequence[Event], gate: GateState, deleted: Sequence[Deletion]
                            + "; ".join(a.describe() for a in unended[:5]))
     first = {e.task: e for e in enqueues if e.attempt == 0}
     _check_overlaps(attempts, report)
+    _check_superseded(attempts, deletions, report)
     _check_endings(thread_of, attempts, kills, gate, deletions, limits, report)
     _check_order(attempts, known, unlanded, first, limits, report)
     _check_schedules(attempts, known, report)
@@ -473,6 +490,18 @@ def _check_overlaps(attempts: list[Attempt], report: Report) -> None:
                 report.overlaps.append(f"thread {thread}: {a.describe()} overlaps "
                                        f"{b.describe()}" + (" before its delete" if a.cut or b.cut
                                                            else ""))
+
+
+def _check_superseded(attempts: list[Attempt], deletions: dict[str, Deletion],
+                      report: Report) -> None:
+    """A superseded member was never released: no worker received or started it."""
+    report.superseded = sum(1 for d in deletions.values() if d.superseded)
+    for a in attempts:
+        d = deletions.get(a.task)
+        if d is not None and d.superseded:
+            report.superseded_started.append(
+                f"thread {a.thread}: {a.describe()} ran, but a later call of its task "
+                f"superseded it at {_s(d.lo)}")
 
 
 def _dead_letter_unexplained(dead: DeadLetter, rows: list[Attempt],
@@ -722,6 +751,11 @@ def _check_gate(gate: GateState, thread_of: dict[str, str], deletions: dict[str,
     for thread, keys in sorted(gate.thread_keys.items()):
         if thread not in indexed:
             report.orphans.append(f"thread {thread} has keys {sorted(keys)} but is in no index")
+    # A thread's policy hash outlives its last member by the ended window, no more.
+    for thread, ttl in sorted(gate.lingering.items()):
+        if not 0 < ttl <= ENDED_WINDOW_MS:
+            report.orphans.append(f"policy hash of ended thread {thread} with {ttl} ms to live "
+                                  f"(not within the {ENDED_WINDOW_MS} ms window)")
     for task, thread in sorted(gate.members.items()):
         if thread not in indexed:
             report.orphans.append(f"tasks entry {task} -> {thread}, a thread in no index")

@@ -15,6 +15,7 @@ one onto the gate's tokens instead of assuming how the gate makes them.  Every m
 from __future__ import annotations
 
 import itertools
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -26,6 +27,9 @@ REPUBLISH, RETRIED, DIED, DELETED_LAPSE = 2, 3, 4, 5
 RELEASED, RUNNING, WAITING = "RELEASED", "RUNNING", "WAITING"
 STOPPING, DELETED = "STOPPING", "DELETED"   # delete's info when it marks; an ending's of a marked one
 ENDED_WINDOW_MS = 30_000   # ENDED_WINDOW in lua/_common.lua
+#: How often calls with coalesce or debounce left the queue otherwise than superseded, by how
+#: (what the model-based test exercised).
+LEFT_WAITING: Counter[str] = Counter()
 
 
 @dataclass
@@ -37,6 +41,9 @@ class Member:
     max_retries: int        # -1: unlimited
     retry_delay_ms: int
     envelope: bytes
+    # A call with coalesce or debounce, its record marked (lua/_common.lua left_waiting); a
+    # retry's record is not.
+    coalescable: bool = False
 
 
 @dataclass
@@ -128,6 +135,12 @@ class Model:
         self.dead_dropped = 0                    # dead letters dropped by retention
         # The shard's stats hash (lua/_common.lua count): every field a transition touched.
         self.stats: dict[str, int] = {}
+        # Each thread's policy hash (K_POLICY) as coalesce and debounce keep it (lua/enqueue.lua):
+        # 'c:<task name>' -> "<task id>\n<burst start>\n<superseded>", 'w:<task id>' -> "1"
+        # while that call waits unreleased, 'n' their count; and the threads whose hash has an
+        # expiry (no such call is left, lua/_common.lua left_waiting).
+        self.policy: dict[str, dict[str, str]] = {}
+        self.policy_lingers: set[str] = set()
 
     # -- helpers ---------------------------------------------------------------------------
     def _count(self, name: str, n: int = 1) -> None:
@@ -184,6 +197,7 @@ class Model:
         head = waiting[0]
         if head.sched > self.now or thread_id in self.paused:
             return None
+        self._left_waiting(thread_id, head, "released")
         thread.active = Active(head.task_id, f"m{next(self._tokens)}", RELEASED,
                                self.now + self.release_timeout_ms)
         if self._detached is not None:
@@ -235,6 +249,19 @@ class Model:
         self.tasks[task_id] = thread_id
         return True
 
+    def _left_waiting(self, thread_id: str, m: Member, why: str) -> None:
+        """A call with coalesce or debounce left the queue (``why``: released, purged,
+        deleted): no later call supersedes it; the policy hash expires once no such call is
+        left."""
+        if not m.coalescable:
+            return
+        LEFT_WAITING[why] += 1
+        fields = self.policy.setdefault(thread_id, {})
+        fields.pop(f"w:{m.task_id}", None)
+        fields["n"] = str(int(fields.get("n", "0")) - 1)
+        if int(fields["n"]) <= 0:
+            self.policy_lingers.add(thread_id)
+
     def _drop_active(self, thread: Thread) -> str:
         assert thread.active is not None
         task_id = thread.active.task_id
@@ -252,6 +279,7 @@ class Model:
         assert thread.active is not None
         m = thread.members[thread.active.task_id]
         m.sched, m.retries = sched, retries
+        m.coalescable = False              # its new record is unmarked
         if envelope:
             m.envelope = envelope
         self._leave_active(thread)
@@ -301,17 +329,63 @@ class Model:
     # -- transitions (mirroring Gate) --------------------------------------------------------
     def enqueue(self, thread_id: str, task_id: str, envelope: bytes, *, delay_ms: int = 0,
                 at_ms: Optional[int] = None, max_retries: Optional[int] = None,
-                retry_delay_ms: int = 0) -> Outcome:
+                retry_delay_ms: int = 0, coalesce: Optional[str] = None, debounce_ms: int = 0,
+                debounce_max_ms: int = 0) -> Outcome:
         maxr = -1 if max_retries is None else int(max_retries)
-        if not self._add_member(thread_id, task_id, self._schedule(delay_ms, at_ms), maxr,
-                                retry_delay_ms, envelope):
-            thread = self.threads.get(thread_id)
-            active = thread.active if thread is not None else None
-            if thread is not None and active is not None and active.task_id == task_id \
-                    and active.state == RELEASED:
-                return Outcome(NOOP, "", self._release_of(thread))   # a replay: publish again
-            return Outcome(NOOP, "")
-        return Outcome(DONE, "", self._release_head(thread_id))
+        sched = self._schedule(delay_ms, at_ms)
+        if coalesce is None:
+            if not self._add_member(thread_id, task_id, sched, maxr, retry_delay_ms, envelope):
+                return self._duplicate(thread_id, task_id, "")
+            return Outcome(DONE, "", self._release_head(thread_id))
+        # coalesce / debounce: supersede the task's latest call when it waits and never ran,
+        # and take its place (arrival number and scheduled_at; its own scheduled_at when that
+        # is later and in the future).
+        fields = dict(self.policy.get(thread_id, {}))
+        latest = f"c:{coalesce}"
+        prev: Optional[str] = None
+        start, told = self.now, ""
+        if latest in fields:
+            prev, begun, told = fields[latest].split("\n", 2)
+            start = int(begun)
+        if task_id in self.tasks or self._ended_lately(task_id):     # a replay: told again
+            return self._duplicate(thread_id, task_id, told if prev == task_id else "")
+        place: Optional[tuple[int, int]] = None
+        superseded = ""
+        if prev is not None and fields.pop(f"w:{prev}", None) is not None:
+            # It waits, never released: it leaves and this call takes its place.
+            thread = self.threads[thread_id]
+            m = thread.members.pop(prev)
+            del self.tasks[prev]
+            self._mark_ended(prev)
+            self._count_ending("deleted")          # superseded
+            place = (m.seq, m.sched)
+            superseded = prev + ("\n" + told.split("\n")[0] if told else "")
+        else:
+            start = self.now
+            fields["n"] = str(int(fields.get("n", "0")) + 1)
+        fields[latest] = f"{task_id}\n{start}\n{superseded}"
+        fields[f"w:{task_id}"] = "1"
+        self.policy[thread_id] = fields
+        self.policy_lingers.discard(thread_id)
+        if debounce_ms > 0:
+            due = self.now + debounce_ms
+            if debounce_max_ms > 0:
+                due = min(due, max(self.now, start + debounce_max_ms))
+            sched = max(sched, due)
+        if place is not None:
+            sched = place[1] if sched <= self.now else max(sched, place[1])
+        self._add_member(thread_id, task_id, sched, maxr, retry_delay_ms, envelope,
+                         seq=place[0] if place is not None else None)
+        self.threads[thread_id].members[task_id].coalescable = True
+        return Outcome(DONE, superseded, self._release_head(thread_id))
+
+    def _duplicate(self, thread_id: str, task_id: str, superseded: str) -> Outcome:
+        thread = self.threads.get(thread_id)
+        active = thread.active if thread is not None else None
+        if thread is not None and active is not None and active.task_id == task_id \
+                and active.state == RELEASED:
+            return Outcome(NOOP, superseded, self._release_of(thread))   # a replay: publish again
+        return Outcome(NOOP, superseded)
 
     def release(self, thread_id: str) -> Outcome:
         return Outcome(DONE, "", self._release_head(thread_id))
@@ -507,7 +581,7 @@ class Model:
             if token != "":
                 return Outcome(NOOP, WAITING)
             state = WAITING
-            del thread.members[task_id]
+            self._left_waiting(thread_id, thread.members.pop(task_id), "deleted")
             del self.tasks[task_id]
             self._mark_ended(task_id)
             self._count_ending("deleted")
@@ -627,7 +701,7 @@ class Model:
         waiting = thread.waiting()
         dropped = [m.task_id for m in reversed(waiting[-limit:])] if limit > 0 else []
         for task_id in dropped:
-            del thread.members[task_id]
+            self._left_waiting(thread_id, thread.members.pop(task_id), "purged")
             del self.tasks[task_id]
             self._mark_ended(task_id)
         if dropped:

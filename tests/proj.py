@@ -143,6 +143,14 @@ def record(self, thread, label, sleep=0.0, fail_times=0, countdown=0.2, bare=Fal
     return label
 
 
+@app.task(base=ThreadedTask, bind=True, thread_key="thread", debounce=1.0, debounce_max=30)
+def debounced(self, thread, label):
+    """Declared with debounce (and debounce_max): a burst of calls in a thread runs once."""
+    with _Span(self, thread, label):
+        pass
+    return label
+
+
 @app.task(base=ThreadedTask, bind=True, thread_key="thread", max_retries=3)
 def retry_then_linger(self, thread, label, linger=0.3, until=None):
     """First attempt: waits until the key `until` exists (when given; at most 30 s), calls

@@ -133,11 +133,17 @@ def test_callcost_runs_and_prints_its_table() -> None:
         _missing("redis-server")
     out = _run(["bench.callcost", "--calls", "100", "--repeats", "1"], timeout=100)
     assert out.startswith("### callcost (gate only)"), out
-    for step in ("enqueue", "claim", "finish"):
+    for step in ("enqueue", "claim", "finish", "enqueue (coalesce)", "superseding enqueue"):
         row = next(line for line in out.splitlines()
                    if line.startswith(f"| {step}: Redis time per call"))
         cells = [c.strip() for c in row.strip("|").split("|")]
         assert float(cells[1]) > 0 and float(cells[2]) > 0, row
+    # --against: a revision's Lua beside this tree's (here the checkout's own HEAD).
+    out = _run(["bench.callcost", "--calls", "100", "--repeats", "1", "--against", "HEAD"],
+               timeout=100)
+    row = next(line for line in out.splitlines() if line.startswith("| finish: Redis time"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert all(float(c) > 0 for c in cells[1:5]), row
 
 
 @pytest.mark.timeout(120)

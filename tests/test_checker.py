@@ -1,6 +1,7 @@
 """The chaos checker catches each kind of violation in synthetic histories, and passes a clean one."""
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import pytest
@@ -640,3 +641,33 @@ def test_stored_results_that_disagree_with_the_endings_are_caught() -> None:
                for x in report.result_mismatches)
     assert "stored results that disagree with how their member ended: 5" in report.format()
     assert h.check().results_checked == 0          # a run that kept no results: not checked
+
+
+def test_superseded_members_never_start_and_coalesced_calls_keep_no_known_schedule() -> None:
+    """coalesce/debounce: a superseded member ends as a deletion, and a start of it is a
+    violation; the call that superseded it took its place (an earlier scheduled_at than its own
+    enqueue says), which is no order violation; an ended thread's policy hash may linger within
+    the ended window, not longer."""
+    h = History()
+    h.enqueue("busy", "t", 0)
+    h.enqueue("old", "t", 5)
+    h.enqueue("between", "t", 6)
+    h.enqueues.append(Enqueue("new", "t", 0, 50 * MS, 51 * MS, coalesced=True))
+    h.deletions.append(Deletion("old", 51 * MS, 51 * MS, superseded=True))
+    h.attempt("busy", "t", 10, 100, recv=9)
+    h.attempt("new", "t", 110, 200, recv=105)          # in old's place, before between
+    h.attempt("between", "t", 210, 300, recv=205)
+    report = h.check(GateState(lingering={"t": 29_000}))
+    assert report.ok, report.format()
+    assert report.superseded == 1 and report.deleted == 1
+    # The same call taken for a plain one: it went before a sibling certainly scheduled earlier.
+    coalesced = h.enqueues
+    h.enqueues = [dataclasses.replace(e, coalesced=False) for e in coalesced]
+    assert h.check().order_violations
+    h.enqueues = coalesced
+
+    h.attempt("old", "t", 310, 400, recv=305)
+    report = h.check(GateState(lingering={"t": -1}))
+    assert any("old" in x and "superseded" in x for x in report.superseded_started)
+    assert any("policy hash" in x for x in report.orphans)
+    assert not report.ok

@@ -92,6 +92,26 @@ MAX_COUNTER = 3 * 2 ** 48
 COUNTER_STARTS = st.builds(byte_boundary, st.sampled_from([0, *BOUNDARY_BITS]),
                            st.sampled_from([1, 2, 3]), st.integers(1, 8))
 
+# An enqueue's coalesce/debounce (lua/enqueue.lua ARGV[13]): none, or (task name, debounce ms,
+# debounce_max ms) of one of two task names, so that calls of one supersede each other and not
+# the other's.  Half of the enqueues have one.
+POLICIES = st.one_of(
+    st.just((None, 0, 0)),
+    st.tuples(st.sampled_from(["sync", "other"]),
+              st.sampled_from([0, 0, 50, 3 * RELEASE_TIMEOUT]),
+              st.sampled_from([0, 0, 2 * RELEASE_TIMEOUT])))
+
+# What every run must have exercised (a count in STATS), and what it means when it did not.
+EXERCISED = {
+    "long UUID fields": "no state had two members sharing a UUID's first bytes",
+    "ties across a length": "no queue held tied members of seqs of two lengths",
+    "ties across a byte": "no queue held tied members across a byte boundary",
+    "coalescing enqueues": "no enqueue with coalesce or debounce",
+    "superseding enqueues": "no enqueue superseded a waiting call",
+    "replays told what they superseded": "no replay of a superseding enqueue",
+    "lingering policy hashes": "no thread ended with policy state",
+}
+
 # What a run exercised: printed with -s; the outcome breakdown with CT_MODEL_VERBOSE=1.
 STATS: Counter[str] = Counter()
 # The stats hash's fields every run must move (lua/_common.lua count).
@@ -144,6 +164,8 @@ class GateMachine(RuleBasedStateMachine):
         self.last_token: dict[str, int] = {}     # thread id -> its latest release's gate token
         self.issued: list[Target] = []           # every release so far
         self.task_ids: list[str] = []            # every task id used so far
+        # Coalescing enqueues so far (thread id, task id, body, arguments), to replay them.
+        self.coalescing: list[tuple[str, str, bytes, dict[str, Any]]] = []
         self.caller: Optional[str] = None        # the current ending's own id (None: a fresh one)
         self.last_ending: Optional[tuple[str, Any, Any]] = None
         self.serial = 0
@@ -290,9 +312,11 @@ class GateMachine(RuleBasedStateMachine):
           at=st.booleans(), delay=st.one_of(st.just(0), st.integers(0, 3 * RELEASE_TIMEOUT)),
           offset=st.integers(-3 * RELEASE_TIMEOUT, 3 * RELEASE_TIMEOUT),
           max_retries=st.sampled_from([None, 0, 1, 2]),
-          retry_delay=st.sampled_from([0, 10, RELEASE_TIMEOUT, 5 * RELEASE_TIMEOUT]))
+          retry_delay=st.sampled_from([0, 10, RELEASE_TIMEOUT, 5 * RELEASE_TIMEOUT]),
+          policy=POLICIES)
     def enqueue(self, thread_id: str, dup: int, pick: int, at: bool, delay: int, offset: int,
-                max_retries: Optional[int], retry_delay: int) -> None:
+                max_retries: Optional[int], retry_delay: int,
+                policy: tuple[Optional[str], int, int] = (None, 0, 0)) -> None:
         dead = sorted(self.model.dead)
         if dup == 0 and self.task_ids:
             task_id = self.task_ids[pick % len(self.task_ids)]   # likely a duplicate
@@ -303,8 +327,42 @@ class GateMachine(RuleBasedStateMachine):
         body = self.envelope(task_id)
         kw: dict[str, Any] = dict(delay_ms=delay, at_ms=self.model.now + offset if at else None,
                                   max_retries=max_retries, retry_delay_ms=retry_delay)
-        self.same_outcome(self.gate.enqueue(thread_id, task_id, body, **kw),
-                          self.model.enqueue(thread_id, task_id, body, **kw), "enqueue")
+        if policy[0] is not None:
+            kw.update(coalesce=policy[0], debounce_ms=policy[1], debounce_max_ms=policy[2])
+            STATS["coalescing enqueues"] += 1
+        self._enqueue(thread_id, task_id, body, kw)
+        if policy[0] is not None:
+            self.coalescing.append((thread_id, task_id, body, kw))
+
+    def _enqueue(self, thread_id: str, task_id: str, body: bytes, kw: dict[str, Any]) -> None:
+        expected = self.model.enqueue(thread_id, task_id, body, **kw)
+        self.same_outcome(self.gate.enqueue(thread_id, task_id, body, **kw), expected, "enqueue")
+        if expected.info:
+            STATS["superseding enqueues" if expected.status else "replays told what they superseded"] += 1
+
+    @rule(thread_id=st.sampled_from(THREAD_IDS), calls=st.integers(2, 4), delay=st.integers(0, 50),
+          policy=POLICIES.filter(lambda p: p[0] is not None), replay=st.booleans())
+    def coalescing_burst(self, thread_id: str, calls: int, delay: int,
+                         policy: tuple[Optional[str], int, int], replay: bool) -> None:
+        """New calls of one task in a row, a few ms apart: each supersedes the one before
+        while it waits (and takes its place), or finds it released; ``replay``: the last one
+        is sent again (its reply lost)."""
+        for _ in range(calls):
+            task_id = self.next_task_id()
+            kw: dict[str, Any] = dict(delay_ms=delay, coalesce=policy[0], debounce_ms=policy[1],
+                                      debounce_max_ms=policy[2])
+            self._enqueue(thread_id, task_id, self.envelope(task_id), kw)
+            self.coalescing.append((thread_id, task_id, self.envelope(task_id), kw))
+            self.model.now += 7
+        if replay:
+            self._enqueue(*self.coalescing[-1])
+
+    @precondition(lambda self: bool(self.coalescing))
+    @rule(back=st.integers(0, 3))
+    def replay_coalescing_enqueue(self, back: int) -> None:
+        """A coalescing enqueue sent again (its reply lost): it supersedes nothing more, and is
+        told what it superseded while it is its task's latest call in the thread."""
+        self._enqueue(*self.coalescing[-1 - back % len(self.coalescing)])
 
     # -- the dispatcher -----------------------------------------------------------------------
     @rule(limit=st.sampled_from([1, 2, 500]))
@@ -667,6 +725,9 @@ class GateMachine(RuleBasedStateMachine):
             k = s.thread(thread_id)
             pipe.hgetall(k.active)
             pipe.zrange(k.queue, 0, -1, withscores=True)
+        for thread_id in threads:
+            pipe.hgetall(s.thread(thread_id).policy)
+            pipe.pttl(s.thread(thread_id).policy)
         (due, leases, tasks, dead, dead_records, keys, ended, paused, stats,
          *per_thread) = pipe.execute()
         # The metrics' counters (lua/_common.lua count): each ending, retry, lapse and wait
@@ -679,6 +740,17 @@ class GateMachine(RuleBasedStateMachine):
         for name, n in stats.items():
             if n:
                 STATS[f"counted {name}"] += 1
+        policies = per_thread[2 * len(threads):]
+        for i, thread_id in enumerate(threads):
+            fields, ttl = policies[2 * i: 2 * i + 2]
+            fields = {k.decode(): v.decode() for k, v in fields.items()}
+            assert fields == model.policy.get(thread_id, {}), (
+                f"policy hash of {thread_id}: {fields} vs model {model.policy.get(thread_id)}")
+            # No expiry while the thread may hold a call to supersede; ENDED_WINDOW once it ended.
+            lingers = thread_id in model.policy_lingers
+            assert (ttl > 0) == lingers and (ttl == -1) == (bool(fields) and not lingers), (
+                f"policy hash of {thread_id}: pttl {ttl}, model lingers {lingers}")
+            STATS["lingering policy hashes"] += lingers
         paused = {k.decode(): v.decode() for k, v in paused.items()}
         assert paused == model.paused, f"paused {paused} vs model {model.paused}"
         # +inf: a UUID member keyed by its long form (its short field was taken when it came):
@@ -789,6 +861,8 @@ class GateMachine(RuleBasedStateMachine):
                              (s.dead_dropped, model.dead_dropped), (s.stats, model.stats)):
             if present:
                 expected.add(key)
+        for thread_id in model.policy:
+            expected.add(s.thread(thread_id).policy)
         for thread in model.threads.values():
             k = s.thread(thread.thread_id)
             if thread.waiting():
@@ -878,6 +952,7 @@ def test_gate_matches_model(gate_url: str, how: str) -> None:
     GateMachine.client.config_resetstat()
     STATS.clear()
     OUTCOMES.clear()
+    M.LEFT_WAITING.clear()
     try:
         run_state_machine_as_test(GateMachine, settings=settings(
             max_examples=EXAMPLES, stateful_step_count=STEPS, deadline=None,
@@ -890,15 +965,15 @@ def test_gate_matches_model(gate_url: str, how: str) -> None:
         GateMachine.client.close()
     steps = STATS["checks"] - STATS["examples"]     # the invariant also runs once at the start
     print(f"\ngate model: {STATS['examples']} examples, {steps} steps, "
-          f"{STATS['calls']} gate calls compared, {STATS['long UUID fields']} states with a UUID "
-          f"keyed by its long form; tied neighbours whose arrival numbers differ in length: "
-          f"{STATS['ties across a length']}, above their last byte: {STATS['ties across a byte']}")
+          f"{STATS['calls']} gate calls compared; "
+          + ", ".join(f"{what}: {STATS[what]}" for what in EXERCISED))
+    print(f"coalescing calls that left the queue: {dict(M.LEFT_WAITING)}")
+    for what, failure in EXERCISED.items():
+        assert STATS[what] > 0, failure
+    assert M.LEFT_WAITING["released"] > 0, "no coalescing call was released"
     counted = {name: STATS[f"counted {name}"] for name in COUNTERS}
     print(f"states with a counter: {counted}")
     assert all(counted.values()), f"a counter the run never moved: {counted}"
-    assert STATS["long UUID fields"] > 0, "no state had two members sharing a UUID's first bytes"
-    assert STATS["ties across a length"] > 0, "no queue held tied members of seqs of two lengths"
-    assert STATS["ties across a byte"] > 0, "no queue held tied members across a byte boundary"
     calls = {k: v["calls"] for k, v in redis.Redis.from_url(gate_url).info("commandstats").items()}
     if how == "fcall":
         assert calls.get("cmdstat_fcall", 0) > 1000, calls
@@ -1087,3 +1162,46 @@ def test_a_stale_finish_of_a_restarted_members_old_run(gate_url: str) -> None:
         state.teardown()
     finally:
         GateMachine.client.close()
+
+
+def test_coalescing_calls_leave_the_queue_every_way(gate_url: str) -> None:
+    """A waiting call with coalesce is released, deleted, purged or superseded: each way drops it
+    from the thread's policy hash as the model says, and the hash, kept while such a call
+    waits, expires once none does."""
+    client = redis.Redis.from_url(gate_url)
+    client.flushdb()
+    model = M.Model(release_timeout_ms=RELEASE_TIMEOUT, now=START)
+    gate = Gate(client, Keys(PREFIX), release_timeout_ms=RELEASE_TIMEOUT,
+                clock=lambda: model.now)
+    policy = Keys(PREFIX).thread("a").policy
+
+    def both(call: str, *args: Any, model_args: Any = None, **kw: Any) -> Any:
+        real = getattr(gate, call)(*args, **kw)
+        expected = getattr(model, call)(*(model_args or args), **kw)
+        fields = {k.decode(): v.decode() for k, v in client.hgetall(policy).items()}
+        assert fields == model.policy.get("a", {}), (call, args, fields, model.policy)
+        assert (client.pttl(policy) > 0) == ("a" in model.policy_lingers), (call, args)
+        return real, expected
+
+    try:
+        busy, modelled = both("enqueue", "a", "busy", b"busy")
+        assert busy.release is not None and modelled.release is not None
+        for way in ("delete", "purge", "supersede", "release"):
+            both("enqueue", "a", f"{way}-1", b"call", coalesce="sync")
+            assert client.pttl(policy) == -1                        # kept while it waits
+            if way == "delete":
+                both("delete", "delete-1")
+            elif way == "purge":
+                both("purge", "a")
+            elif way == "supersede":
+                real, _ = both("enqueue", "a", "supersede-2", b"call", coalesce="sync")
+                assert real.superseded == ["supersede-1"] and client.pttl(policy) == -1
+                both("purge", "a")
+            else:
+                real, _ = both("finish", "a", "busy", busy.release.token,
+                               model_args=("a", "busy", modelled.release.token))
+                assert real.release is not None and real.release.task_id == "release-1"
+            assert client.pttl(policy) > 0, way                    # none waits: it expires
+        assert M.LEFT_WAITING["deleted"] and M.LEFT_WAITING["purged"]
+    finally:
+        client.close()

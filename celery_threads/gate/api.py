@@ -200,12 +200,18 @@ class Gate:
     # -- transitions --------------------------------------------------------------------------
     def enqueue(self, thread_id: str, task_id: str, envelope: bytes, *, delay_ms: int = 0,
                 at_ms: Optional[int] = None, max_retries: Optional[int] = None,
-                retry_delay_ms: int = 0, replaced: int = 0) -> Outcome:
+                retry_delay_ms: int = 0, replaced: int = 0, coalesce: Optional[str] = None,
+                debounce_ms: int = 0, debounce_max_ms: int = 0) -> Outcome:
         """A new member.  ``replaced``: the ``replaced_task_nesting`` of a replacement
         (``Task.replace``), admitted once although its task id (the replaced task's) ended in the
-        last 30 s (lua/enqueue.lua)."""
+        last 30 s (lua/enqueue.lua).  ``coalesce``: the task's name, when the call supersedes the
+        waiting call of that task in its thread that has not run yet (``coalesce="latest"``,
+        ``debounce``); ``debounce_ms``, ``debounce_max_ms``: its debounce (0: none).  The
+        outcome's info names what it superseded (:func:`superseded_ids`)."""
         mode, value = ("at", at_ms) if at_ms is not None else ("in", max(0, delay_ms))
-        extra = (replaced,) if replaced else ()
+        extra: tuple[Any, ...] = (replaced,) if replaced else ()
+        if coalesce is not None:
+            extra = (replaced or "", f"{int(debounce_ms)}|{int(debounce_max_ms)}|{coalesce}")
         return self._outcome("enqueue", thread_id, self._replicated(lambda fence: self._run(
             "enqueue", thread_id, task_id, mode, value, _max_retries(max_retries), retry_delay_ms,
             envelope, *extra, fence=fence)), own=envelope)

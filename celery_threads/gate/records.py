@@ -64,12 +64,13 @@ class Record(NamedTuple):
 
 
 def parse_record(record: bytes) -> Record:
-    """``[\\2 <two bytes>]seq|retries|max_retries|retry_delay_ms|<length of thread id>\\n<thread id>
-    <envelope>`` (the two bytes: the end of a UUID keyed by its first 14, see ``task_field``)."""
+    """``[\\2 <two bytes>]seq|retries|max_retries|retry_delay_ms|<length of thread id>[|c]\\n
+    <thread id><envelope>`` (the two bytes: the end of a UUID keyed by its first 14, see
+    ``task_field``; ``|c``: a call with coalesce or debounce not released yet)."""
     if record[:1] == b"\x02":
         record = record[3:]
     header, _, rest = record.partition(b"\n")
-    seq, retries, max_retries, delay, tlen = (int(x) for x in header.split(b"|"))
+    seq, retries, max_retries, delay, tlen = (int(x) for x in header.split(b"|")[:5])
     return Record(seq, retries, max_retries, delay, rest[:tlen].decode(), rest[tlen:])
 
 

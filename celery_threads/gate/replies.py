@@ -111,6 +111,12 @@ class Outcome:
     def done(self) -> bool:
         return self.status == DONE
 
+    @property
+    def superseded(self) -> list[str]:
+        """An enqueue's: the task ids it superseded (``coalesce``, ``debounce``), the first its
+        own and any other its predecessor's (lua/enqueue.lua), for the caller to mark revoked."""
+        return [task_id for task_id in self.info.split("\n") if task_id]
+
 
 @dataclass(frozen=True)
 class Scan:

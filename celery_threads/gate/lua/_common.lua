@@ -16,7 +16,11 @@
 --   KEYS[10] paused  HASH    thread id -> reason, of each paused thread (pause.lua): nothing of
 --                            it is released until resume.lua; while idle it is in no index
 --   KEYS[11] stats   HASH    the shard's counters, kept by the transitions (metrics)
---   KEYS[12] policy  HASH    this thread's policy state (rate, coalesce, debounce)
+--   KEYS[12] policy  HASH    this thread's policy state (rate, coalesce, debounce): for
+--                            coalesce/debounce 'c:<task name>' -> the task's latest call
+--                            (enqueue.lua), 'w:<task id>' of a call not released yet and
+--                            'n' their count; expires ENDED_WINDOW after the last such call
+--                            left the queue (left_waiting)
 -- ARGV (common head):
 --   ARGV[1] now      "" to use the Redis server's TIME, else milliseconds (tests only)
 --   ARGV[2] thread   thread id
@@ -136,27 +140,49 @@ end
 -- A member's record, the value of its field in the shard's tasks hash (one hash entry per member
 -- holds both the task id -> thread index and the stored message):
 --   ["\2" .. the last two bytes of a UUID keyed by its first 14 (_member.lua)]
---   .. "seq|retries|max_retries|delay_ms|<length of thread id>\n" .. thread id .. envelope
+--   .. "seq|retries|max_retries|delay_ms|<length of thread id>[|c]\n" .. thread id .. envelope
+-- '|c': a call made with coalesce or debounce that has not been released yet (left_waiting).
 -- `tail` is nil for a record without those bytes.
 local function parse_record(rec)
   local from, tail = 1, nil
   if string.byte(rec, 1) == 2 then from, tail = 4, string.sub(rec, 2, 3) end
   local nl = string.find(rec, '\n', from, true)
   local seq, retries, maxr, delay, tlen = string.match(string.sub(rec, from, nl - 1),
-    '^(%d+)|(%d+)|(-?%d+)|(%d+)|(%d+)$')
+    '^(%d+)|(%d+)|(-?%d+)|(%d+)|(%d+)|?c?$')
   local body_at = nl + 1 + tonumber(tlen)
   return { seq = seq, retries = tonumber(retries), maxr = tonumber(maxr), delay = tonumber(delay),
            thread = string.sub(rec, nl + 1, body_at - 1), body_at = body_at, tail = tail }
 end
 
-local function make_record(seq, retries, maxr, delay, envelope, tail)
+local function make_record(seq, retries, maxr, delay, envelope, tail, coalescable)
   return (tail and '\2' .. tail or '') .. seq .. '|' .. retries .. '|' .. maxr .. '|' .. delay ..
-    '|' .. #TID .. '\n' .. TID .. envelope
+    '|' .. #TID .. (coalescable and '|c' or '') .. '\n' .. TID .. envelope
 end
 
 -- Whether an operator paused the thread (pause.lua): then nothing of it is released.
 local function thread_paused()
   return redis.call('HEXISTS', K_PAUSED, TID) == 1
+end
+
+-- A call made with coalesce or debounce (enqueue.lua) waits under a record marked '|c' (see
+-- make_record) and a 'w:<task id>' field in the thread's policy hash (K_POLICY), where 'n'
+-- counts such calls; a later call of its task may supersede it.  It stops being one when it
+-- leaves the queue otherwise: released (activate), purged or deleted.  Once none is left the
+-- hash expires ENDED_WINDOW later (a replayed call is still told what it superseded); a new
+-- such call keeps it again.  A member released once is never superseded: the mark is not
+-- written again (a retry's record, requeue_active, and a restart's or redrive's are unmarked),
+-- so a member without the mark costs these paths one look at its record's header.
+local function is_coalescable(rec)
+  local nl = string.find(rec, '\n', string.byte(rec, 1) == 2 and 4 or 1, true)
+  return string.byte(rec, nl - 1) == 99    -- 'c': the header's last field (parse_record)
+end
+
+local function left_waiting(task, rec)
+  if not is_coalescable(rec) then return end
+  redis.call('HDEL', K_POLICY, 'w:' .. task)
+  if redis.call('HINCRBY', K_POLICY, 'n', -1) <= 0 then
+    redis.call('PEXPIRE', K_POLICY, ENDED_WINDOW)
+  end
 end
 
 -- Index a thread that has no active member: in due at its head's scheduled_at, or, when it has
@@ -182,6 +208,7 @@ end
 -- member's record, `field` its field.  Returns {task, token, record}.
 -- With CLAIM set, the member is RUNNING at once, claimed for CLAIM's worker (as claim.lua does).
 local function activate(task, field, sched, in_due, rec)
+  left_waiting(task, rec)
   -- %d, not tostring: Lua prints a number of 15 digits or more as '1e+14', and tokens would
   -- repeat once the shard counter passes 10^14.
   local token = string.format('%d', next_seq())
@@ -516,7 +543,7 @@ end
 -- only leaves a gap) or, unless `again` (a restart), ended in the last ENDED_WINDOW; else the
 -- release ({task, token, record}) or nil.  `seq`: the arrival number it keeps (a redrive puts a
 -- dead letter back at its place); it is then only queued, and the caller releases the head.
-local function add_member(task, sched, retries, maxr, delay, envelope, again, seq)
+local function add_member(task, sched, retries, maxr, delay, envelope, again, seq, coalescable)
   local field, tail = task_field(task)
   if not again then
     -- One read refuses both an id that ended in the window and a UUID that is a member keyed by
@@ -531,13 +558,13 @@ local function add_member(task, sched, retries, maxr, delay, envelope, again, se
   end
   local queued = seq ~= nil
   seq = seq or string.format('%d', next_seq())
-  local rec = make_record(seq, retries, maxr, delay, envelope, tail)
+  local rec = make_record(seq, retries, maxr, delay, envelope, tail, coalescable)
   if redis.call('HSETNX', K_TASKS, field, rec) == 0 then
     if not tail or string.sub(redis.call('HGET', K_TASKS, field), 2, 3) == tail then
       return false
     end
     -- Another UUID with the same first 14 bytes holds the field: this one takes its long form.
-    field, rec = '\1' .. task, make_record(seq, retries, maxr, delay, envelope)
+    field, rec = '\1' .. task, make_record(seq, retries, maxr, delay, envelope, nil, coalescable)
     redis.call('HSET', K_TASKS, field, rec)
     redis.call('ZADD', K_ENDED, '+inf', task)     -- until it ends (mark_ended)
     redis.call('PERSIST', K_ENDED)
@@ -552,6 +579,26 @@ local function add_member(task, sched, retries, maxr, delay, envelope, again, se
   end
   redis.call('ZADD', K_Q, sched, queue_member(seq, field))
   return release_idle(false, { field, rec })
+end
+
+-- The reply to an enqueue of a task id that is a member, or ended lately (`superseded`: what the
+-- call superseded, for a replay of it; enqueue.lua).  Defined here, not in enqueue.lua, so that
+-- the function library defines them once.
+local function duplicate_enqueue(task, superseded)
+  local a = redis.call('HMGET', K_A, 'task', 'token', 'state')
+  if a[1] == task and a[3] == 'RELEASED' then
+    local _, rec = find_member(K_TASKS, task)
+    return reply(0, superseded, { task, a[2], rec })
+  end
+  return reply(0, superseded)
+end
+
+-- Whether the task id is a member, or ended within ENDED_WINDOW (add_member refuses both).
+local function is_known(task)
+  local _, rec = find_member(K_TASKS, task)
+  if rec then return true end
+  local at = redis.call('ZSCORE', K_ENDED, task)
+  return at ~= false and (at == 'inf' or tonumber(at) >= NOW - ENDED_WINDOW)
 end
 
 local function schedule(mode, value)

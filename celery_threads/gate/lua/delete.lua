@@ -50,6 +50,7 @@ if state then
 else
   if token ~= '' then return reply(0, 'WAITING') end
   state = 'WAITING'
+  left_waiting(task, rec)
   redis.call('ZREM', K_Q, queue_member(p.seq, field))
   redis.call('HDEL', K_TASKS, field)
   mark_ended(task)

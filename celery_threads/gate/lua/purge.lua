@@ -13,6 +13,7 @@ for i = #tail, 1, -1 do
   local rec = redis.call('HGET', K_TASKS, field)
   if rec then
     local task = field_task(field, rec)
+    left_waiting(task, rec)
     redis.call('HDEL', K_TASKS, field)
     mark_ended(task)
     dropped[#dropped + 1] = task
