@@ -1202,3 +1202,104 @@ def test_a_stale_finish_of_a_restarted_members_old_run(gate_url: str) -> None:
         state.teardown()
     finally:
         disconnect()
+
+
+def _machine(gate_url: str) -> GateMachine:
+    connect(gate_url)
+    GateMachine.FUNCTIONS = False
+    return GateMachine()
+
+
+@pytest.mark.parametrize("how", ["kill", "requeue", "finish"])
+def test_an_ending_after_a_lost_claim(gate_url: str, how: str) -> None:
+    """claim(task, claimant=c1), then the ending of a caller that is not c1 (the first worker,
+    after the gate lost its claim and another delivery claimed the member again): refused, the
+    member goes on RUNNING for c1 and nothing is released beside it (issue 32's first two blind
+    spots, as a fixed example besides the state machine's lost_claim_ending)."""
+    try:
+        state = _machine(gate_url)
+        state.seed(members=[("a", 0, None), ("a", 0, None)], counter=0)
+        state.lost_claim_ending(pick=0, how=how, flag=True)
+        state.gate_agrees_with_model()
+        active = state.model.threads["a"].active
+        assert active is not None and (active.state, active.by) == (M.RUNNING, "c1")
+        assert not state.model.dead and len(state.issued) == 1
+        state.teardown()
+    finally:
+        disconnect()
+
+
+def test_the_ended_index_never_expires_under_a_live_long_form_uuid(gate_url: str) -> None:
+    """u2 shares u1's first 14 bytes, so it is keyed by its long form and sits in the ended index
+    at +inf while it lives: an ending elsewhere must not give the index a TTL (after 30 s of real
+    time the index would vanish, and a replayed enqueue of u2 be admitted a second time).  The
+    model runs on a fake clock: the per-step invariant reads the index's PTTL."""
+    prefix = "0b6f3c1e-9a2d-4c57-8e1f-2a3b4c5d"
+    u1, u2 = prefix + "6e7f", prefix + "0000"
+    try:
+        state = _machine(gate_url)
+        for thread_id, task_id in (("a", u1), ("b", u2), ("c:q", "t3")):
+            body = state.envelope(task_id)
+            state.task_ids.append(task_id)
+            state.same_outcome(state.gate.enqueue(thread_id, task_id, body),
+                               state.model.enqueue(thread_id, task_id, body), "enqueue")
+        state.gate_agrees_with_model()
+        state.end_attempt(pick=2, how="finish", retries=0, at=False, delay=0, offset=0,
+                          flag=False, other=1, holder=None)               # t3 ends
+        assert state.r.pttl(state.shard.ended) == -1
+        state.gate_agrees_with_model()
+        state.end_attempt(pick=0, how="finish", retries=0, at=False, delay=0, offset=0,
+                          flag=False, other=1, holder=None)               # u1 ends
+        state.gate_agrees_with_model()
+        assert state.gate.enqueue("d", u2, b"again").status == 0          # still refused
+        state.end_attempt(pick=0, how="finish", retries=0, at=False, delay=0, offset=0,
+                          flag=False, other=1, holder=None)               # u2 ends
+        assert 0 < state.r.pttl(state.shard.ended) <= M.ENDED_WINDOW_MS
+        state.gate_agrees_with_model()
+        state.teardown()
+    finally:
+        disconnect()
+
+
+def test_a_replacement_is_admitted_once_per_nesting(gate_url: str) -> None:
+    """Task.replace's enqueue (``replaced=``) admits the replaced task's id although it ended
+    lately, once per nesting level: the same call replayed after the replacement ended is
+    refused, another nesting is admitted; the model agrees at every step."""
+    try:
+        state = _machine(gate_url)
+        state.seed(members=[("a", 0, None)], counter=0)
+        task_id = state.task_ids[0]
+        state.end_attempt(pick=0, how="finish", retries=0, at=False, delay=0, offset=0,
+                          flag=False, other=1, holder=None)
+        outcomes = []
+        for nesting, replay in ((1, 1), (1, 0), (2, 1)):
+            state.enqueue_replacement(thread_id="b", pick=1, nesting=nesting, replay=replay)
+            state.gate_agrees_with_model()
+            outcomes.append(state.model.thread_of(task_id))
+            if state.model.threads.get("b") is not None:
+                state.end_attempt(pick=0, how="finish", retries=0, at=False, delay=0, offset=0,
+                                  flag=False, other=1, holder=None)
+                state.gate_agrees_with_model()
+        assert outcomes == ["b", None, "b"], outcomes
+        state.teardown()
+    finally:
+        disconnect()
+
+
+def test_releases_the_gate_publishes_itself(gate_url: str) -> None:
+    """With ``direct``, a release of a message the publisher marked is pushed onto the broker's
+    queue by the script (publish_direct): the model says which releases are, and the message is
+    checked against the model's member (its retries after a requeue included)."""
+    try:
+        state = _machine(gate_url)
+        before = STATS["published by the gate"]
+        state.seed(members=[("a", 0, None), ("b", 0, None), ("c:q", 0, None)], counter=0)
+        assert STATS["published by the gate"] == before + 1   # the third: a marked message
+        state.claim(pick=2, keepalive=1000, worker="w1", claimant="")
+        state.end_attempt(pick=2, how="requeue", retries=1, at=False, delay=0, offset=0,
+                          flag=False, other=1, holder=None)   # released again, retries 1
+        assert STATS["published by the gate"] == before + 2
+        state.gate_agrees_with_model()
+        state.teardown()
+    finally:
+        disconnect()
