@@ -111,6 +111,7 @@ What is checked, and the approximations it rests on:
 """
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -486,14 +487,39 @@ def check(history: Sequence[Event], gate: GateState, deleted: Sequence[Deletion]
     first = {e.task: e for e in enqueues if e.attempt == 0}
     _check_overlaps(attempts, report)
     _check_endings(thread_of, attempts, kills, gate, deletions, limits, report)
-    _check_order(attempts, known, unlanded, first, limits, report)
-    _check_schedules(attempts, known, report)
+    if ops.redrives:
+        # A redriven member lives again from attempt 0: its attempts and retries after a redrive
+        # are another life's, which order and schedules tell apart by name.
+        life = _lives(ops)
+        lived = [dataclasses.replace(a, task=life(a.task, a.lo)) for a in attempts]
+        again = [dataclasses.replace(e, task=life(e.task, e.at_lo)) for e in enqueues]
+        _check_order(lived, {(e.task, e.attempt): e for e in again if e.landed},
+                     {(e.task, e.attempt): e for e in again if not e.landed},
+                     {e.task: e for e in again if e.attempt == 0}, limits, report)
+        _check_schedules(lived, {(e.task, e.attempt): e for e in again if e.landed}, report)
+    else:
+        _check_order(attempts, known, unlanded, first, limits, report)
+        _check_schedules(attempts, known, report)
     if results is not None:
         _check_results(thread_of, attempts, kills, gate, deletions, results, report)
     _check_gate(gate, thread_of, deletions, report)
     _check_operations(attempts, ops, gate, thread_of, report)
     _measure_recovery(history, attempts, kills, gate, deletions, known, limits, report)
     return report
+
+
+def _lives(ops: Operations) -> Any:
+    """``life(task, t)``: the name of ``task``'s life at ``t`` µs: the task id itself before its
+    first redrive, ``<task id>~<n>`` after its n-th."""
+    redriven: dict[str, list[int]] = defaultdict(list)
+    for r in ops.redrives:
+        for task in r.tasks:
+            redriven[task].append(r.lo)
+
+    def life(task: str, t: int) -> str:
+        n = sum(1 for lo in redriven.get(task, ()) if lo < t)
+        return f"{task}~{n}" if n else task
+    return life
 
 
 def _by_thread(attempts: Iterable[Attempt]) -> dict[str, list[Attempt]]:
@@ -787,7 +813,10 @@ def _check_shard_keys(gate: GateState, thread_of: dict[str, str],
     if gate.ended is not None:
         finite = [at for at in gate.ended.values() if at != INF]
         newest = max(finite, default=0.0)
-        for task, at in sorted(gate.ended.items()):
+        for entry, at in sorted(gate.ended.items()):
+            # A redrive's or a replacement's admission is remembered there for the window too,
+            # as "\0redriven:<call>:<task id>" or "\0replaced:<nesting>:<task id>".
+            task = entry.rsplit(":", 1)[-1] if entry.startswith("\0") else entry
             if at == INF:
                 report.orphans.append(f"ended index entry {task} at +inf (a long-form member "
                                       "that never ended)")

@@ -657,11 +657,11 @@ def test_stored_results_that_disagree_with_the_endings_are_caught() -> None:
 # -- operator actions (pause, purge, redrive) ---------------------------------------------------
 
 def _released_at(h: History, task: str, thread: str, at: int, end: int,
-                 attempt: int = 0) -> None:
+                 attempt: int = 0, outcome: str = "success") -> None:
     """An attempt released at ``at`` ms: its token is the gate's clock then, in µs (a token is
     a value of the shard counter, which follows the clock in µs)."""
     h.token = at * MS - 1
-    h.attempt(task, thread, at + 2, end, attempt=attempt, recv=at + 1)
+    h.attempt(task, thread, at + 2, end, outcome, attempt=attempt, recv=at + 1)
 
 
 def _check_ops(h: History, ops: Operations, gate: Optional[GateState] = None) -> Report:
@@ -728,3 +728,23 @@ def test_a_paused_thread_with_no_member_exists() -> None:
     report = _check_ops(h, Operations(pauses=pauses),
                         GateState(paused={"e": "x", "g": "x"}, listed=["g"]))
     assert len(report.operator_violations) == 1 and len(report.orphans) == 1, report.format()
+
+
+def test_a_redriven_member_lives_again_from_attempt_zero() -> None:
+    """A member that died at its retry is redriven: its next attempts (0, then a retry 1) are
+    another life's, not to be matched with the first life's schedules; its ended-index mark
+    ("\\0redriven:<call>:<task id>") is no orphan."""
+    h = History()
+    h.enqueue("v-a", "v", 0)
+    _released_at(h, "v-a", "v", 10, 20, outcome="retry")
+    h.enqueue("v-a", "v", 20, countdown=100, attempt=1, landed=21)
+    _released_at(h, "v-a", "v", 130, 140, attempt=1, outcome="die")
+    h.enqueue("v-b", "v", 150, countdown=5_000)
+    _released_at(h, "v-a", "v", 210, 220, outcome="retry")               # redriven at 200
+    h.enqueue("v-a", "v", 220, countdown=20_000, attempt=1, landed=221)   # its second life
+    _released_at(h, "v-b", "v", 5_200, 5_210)
+    _released_at(h, "v-a", "v", 20_300, 20_310, attempt=1)
+    gate = GateState(ended={"\0redriven:c1:v-a": 200.0, "v-a": 20_310.0, "v-b": 5_210.0})
+    report = _check_ops(h, Operations(redrives=[Redrive("v", 200 * MS, ("v-a",))]), gate)
+    assert report.ok, report.format()
+    assert report.schedules_checked >= 3 and report.redriven_checked == 1
