@@ -849,7 +849,7 @@ def run(opts: Options) -> Report:
                                                                  t0 + 0.6 * load), daemon=True),
                 threading.Thread(target=workload.deleter, args=(t0 + 0.9 * load,), daemon=True)]
         if opts.operate_every > 0:
-            pool.append(threading.Thread(target=workload.operator, args=(t0 + 0.8 * load,),
+            pool.append(threading.Thread(target=workload.operator, args=(t0 + 0.7 * load,),
                                          daemon=True))
         for th in pool:
             th.start()
