@@ -55,19 +55,8 @@ from typing import Any, Optional
 
 import redis
 
-from tests.checker import (
-    INF,
-    DeadLetter,
-    Deletion,
-    Enqueue,
-    Event,
-    GateState,
-    Limits,
-    Operations,
-    Redrive,
-    Report,
-    check,
-)
+from tests import checker
+from tests.checker import DeadLetter, Deletion, Enqueue, Event, GateState, Limits, Report, check
 from tests.conftest import CeleryProcess, RedisServer
 from tests.netfault import Relay
 
@@ -661,7 +650,7 @@ class Workload:
                 purged.append(task_id)
             mark(task_id, reason)
 
-        threads.runtime.mark_revoked = marked    # type: ignore[method-assign]
+        setattr(threads.runtime, "mark_revoked", marked)
         try:
             while not self.stop.wait(self.opts.operate_every * rng.uniform(0.5, 1.5)):
                 if time.time() >= until:
@@ -678,7 +667,7 @@ class Workload:
         finally:
             for thread in sorted(self.paused):
                 self._until_done("resume", thread, threads.resume)
-            threads.runtime.mark_revoked = mark  # type: ignore[method-assign]
+            setattr(threads.runtime, "mark_revoked", mark)
 
     def _until_done(self, what: str, thread: str, call: Any, *args: Any,
                     timeout: float = 60.0) -> None:
@@ -778,12 +767,12 @@ def _await_quiet(client: redis.Redis, key: str, quiet: float = 1.0, timeout: flo
 
 
 def parse_history(rows: list[dict[str, Any]]) -> tuple[list[Event], list[Enqueue],
-                                                        list[Deletion], Operations]:
+                                                        list[Deletion], checker.Operations]:
     events: list[Event] = []
     enqueues: list[Enqueue] = []
     deletions: list[Deletion] = []
     landed: dict[tuple[str, int], int] = {}
-    ops = Operations()
+    ops = checker.Operations()
     paused: dict[str, int] = {}          # thread -> when its pause call returned
     for row in rows:
         k = row["k"]
@@ -794,7 +783,7 @@ def parse_history(rows: list[dict[str, Any]]) -> tuple[list[Event], list[Enqueue
         elif k == "purge":
             ops.purged += [Deletion(task, int(row["lo"]), row["t"]) for task in row["tasks"]]
         elif k == "redrive":
-            ops.redrives.append(Redrive(row["thread"], int(row["lo"]), tuple(row["tasks"])))
+            ops.redrives.append(checker.Redrive(row["thread"], int(row["lo"]), tuple(row["tasks"])))
         if k in ("recv", "start", "end", "fin"):
             events.append(Event(k, row["t"], row["task"], row["thread"], int(row["n"]),
                                 str(row["tok"]), int(row["pid"]), row.get("outcome", "")))
@@ -815,7 +804,7 @@ def parse_history(rows: list[dict[str, Any]]) -> tuple[list[Event], list[Enqueue
     # A retry's re-entry (attempt >= 1) counts as in the gate only once the task saw it land.
     enqueues = [dataclasses.replace(e, in_gate_by=landed.get((e.task, e.attempt)))
                 for e in enqueues]
-    ops.pauses += [(thread, at, INF) for thread, at in paused.items()]
+    ops.pauses += [(thread, at, checker.INF) for thread, at in paused.items()]
     return events, enqueues, deletions, ops
 
 
