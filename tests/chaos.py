@@ -619,6 +619,8 @@ class Workload:
                 if info is None:
                     continue
                 pool = ([info.active] if info.active else []) + list(info.waiting)
+                if not pool:        # a paused thread with no member left
+                    continue
                 if info.active and rng.random() < 0.5:
                     victim = info.active
                 else:
