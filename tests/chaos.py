@@ -7,23 +7,24 @@
 What runs: a redis-server with append-only persistence holding the gate (and, with the Redis broker,
 the broker in database 1), restarted during the run; a second redis-server, never restarted, holding
 the history (same host, so the same clock for both) and, in database 2, Celery's results
-(``--no-results``: none); ``--workers`` prefork ``celery worker``
-processes and ``celery beat`` of :mod:`tests.chaos_tasks`; a producer enqueuing members into
-``--threads`` threads (a few hot ones) with random countdowns, sleeps, retries with random
-countdowns, deaths and a few members longer than the keepalive, one call in 8 with
-``coalesce="latest"`` and one in 16 debounced (a call the gate superseded is recorded when its
-producer learns it; a failed such call is sent again under its task id); a deleter deleting random
-waiting or active members.  Faults: a worker SIGKILLed (whole process group) and replaced every
-``--kill-every`` seconds, a pool child SIGKILLed in the middle of a task every
-``--child-kill-every`` seconds, broker redeliveries (``acks_late`` with a short visibility timeout
-on Redis; requeue of a dead consumer's messages on RabbitMQ), ``--redis-restarts`` restarts
-of the gate's Redis (SIGTERM, down for ``--outage`` seconds, started again on the same port
-with its append-only file; an outage longer than the gate client's retries, 15 s, with a
-keepalive longer than the outage, is the long outage), and ``--partitions`` silent partitions
-between one worker and the gate (each worker reaches the gate through a relay of its own,
-tests/netfault.py, that drops everything for ``--partition`` seconds; the broker stays
-reachable).  The pool processes a worker kills when a lease ends unconfirmed ("killed pool
-process" in its log) count as kills of their own kind.
+(``--no-results``: none); ``--workers`` prefork ``celery worker`` processes and ``celery beat`` of
+:mod:`tests.chaos_tasks`; a producer enqueuing members into ``--threads`` threads (a few hot ones)
+with random countdowns, sleeps, retries with random countdowns, deaths and a few members longer than
+the keepalive, one call in 8 with ``coalesce="latest"`` and one in 16 debounced (a call the gate
+superseded is recorded when its producer learns it; a failed such call is sent again under its task
+id); a deleter deleting random waiting or active members; an operator pausing and resuming
+threads (``--operate-every`` seconds), purging some while they are paused (so that members wait to
+be dropped), redriving dead letters, and at the end pausing a thread left with no member (it must
+still exist).  Faults: a worker SIGKILLed (whole process group) and replaced every ``--kill-every``
+seconds, a pool child SIGKILLed in the middle of a task every ``--child-kill-every`` seconds, broker
+redeliveries (``acks_late`` with a short visibility timeout on Redis; requeue of a dead consumer's
+messages on RabbitMQ), ``--redis-restarts`` restarts of the gate's Redis (SIGTERM, down for
+``--outage`` seconds, started again on the same port with its append-only file; an outage longer
+than the gate client's retries, 15 s, with a keepalive longer than the outage, is the long outage),
+and ``--partitions`` silent partitions between one worker and the gate (each worker reaches the gate
+through a relay of its own, tests/netfault.py, that drops everything for ``--partition`` seconds;
+the broker stays reachable).  The pool processes a worker kills when a lease ends unconfirmed
+("killed pool process" in its log) count as kills of their own kind.
 
 The run is also the deployment's supervisor: a worker that exits, or whose consumer crashes (kombu's
 Redis transport does so when the broker restarts), is replaced at once, and how many healthy
@@ -56,6 +57,7 @@ from typing import Any, Optional
 
 import redis
 
+from tests import checker
 from tests.checker import DeadLetter, Deletion, Enqueue, Event, GateState, Limits, Report, check
 from tests.conftest import CeleryProcess, RedisServer
 from tests.netfault import Relay
@@ -81,6 +83,7 @@ class Options:
     kill_every: float = 8.0
     child_kill_every: float = 5.0
     delete_every: float = 2.5
+    operate_every: float = 2.0        # 0: no operator (pause, resume, purge, redrive)
     redis_restarts: int = 2
     outage: float = 1.5
     partitions: int = 0
@@ -405,7 +408,7 @@ class Cluster:
             for raw in client.scan_iter(match=f"{note_head}*", count=1000):
                 notes[raw.decode()[len(note_head):]] = int(client.ttl(raw))
             known = {shard.seq, shard.due, shard.leases, shard.tasks, shard.dead,
-                     shard.dead_records, shard.ended, keys.meta}
+                     shard.dead_records, shard.ended, shard.paused, keys.meta}
             other = [k for k in (raw.decode() for raw in client.scan_iter(
                 match=f"{keys.prefix}:*", count=1000))
                      if k not in known and not k.startswith((head, note_head))]
@@ -415,7 +418,8 @@ class Cluster:
                 dead_records=[k.decode() for k in client.hkeys(shard.dead_records)],
                 ended={k.decode(): v for k, v in client.zrange(shard.ended, 0, -1,
                                                                withscores=True)},
-                notes=notes, other_keys=other)
+                notes=notes, other_keys=other,
+                paused=gate.paused(shard), listed=list(gate.thread_ids()))
         finally:
             client.close()
 
@@ -547,6 +551,9 @@ class Workload:
         self.deleted = 0
         self.errors: list[str] = []
         self.long_until = 0.0
+        self.quiet_around: list[float] = []      # when the gate's Redis restarts (time.time())
+        self.ops = {"pauses": 0, "purges": 0, "purged": 0, "redrives": 0, "redriven": 0}
+        self.paused: set[str] = set()
 
     def producer(self, until: float, long_until: float) -> None:
         """Members at ``--rate``; one time in 16, a burst of three into one thread with the same
@@ -640,6 +647,8 @@ class Workload:
                 if info is None:
                     continue
                 pool = ([info.active] if info.active else []) + list(info.waiting)
+                if not pool:        # a paused thread with no member left
+                    continue
                 if info.active and rng.random() < 0.5:
                     victim = info.active
                 else:
@@ -650,6 +659,126 @@ class Workload:
                     self.deleted += 1
             except Exception as exc:
                 self.errors.append(f"delete: {type(exc).__name__}: {exc}")
+
+
+    def operator(self, until: float) -> None:
+        """Every ``--operate-every`` seconds or so: pause a thread (mostly a hot one), let it
+        fill for a while, purge it half of the time, resume it; and, half of the time, redrive
+        the dead letters of a thread that has some.  A purge is kept away from the gate's
+        restarts: the members a purge dropped are known from its replies (Threads.purge marks
+        each REVOKED), and a reply lost to a restart would hide some."""
+        from celery_threads import Threads
+        from tests.chaos_tasks import app
+
+        rng = random.Random(self.opts.seed + 3)
+        threads = Threads(app)
+        purged: list[str] = []
+        mark = threads.runtime.mark_revoked
+
+        def marked(task_id: str, reason: str = "deleted from its thread") -> None:
+            if reason.startswith("purged"):      # this thread is the only one that purges
+                purged.append(task_id)
+            mark(task_id, reason)
+
+        setattr(threads.runtime, "mark_revoked", marked)
+        try:
+            while not self.stop.wait(self.opts.operate_every * rng.uniform(0.5, 1.5)):
+                if time.time() >= until:
+                    return
+                thread = rng.choices(self.threads, self.weights)[0]
+                self._until_done("pause", thread, threads.pause, "chaos")
+                self.stop.wait(rng.uniform(1.0, 3.0))
+                near = any(abs(time.time() - t) < 4.0 for t in self.quiet_around)
+                if rng.random() < 0.5 and not near:
+                    self._purge(threads, thread, purged)
+                self._until_done("resume", thread, threads.resume)
+                if rng.random() < 0.5:
+                    self._redrive(threads, rng)
+        finally:
+            for thread in sorted(self.paused):
+                self._until_done("resume", thread, threads.resume)
+            setattr(threads.runtime, "mark_revoked", mark)
+
+    def _until_done(self, what: str, thread: str, call: Any, *args: Any,
+                    timeout: float = 60.0) -> None:
+        """A pause or a resume (each idempotent), sent until it went through: a thread left
+        paused would keep its members for good.  Recorded with the time read before the first
+        try (``lo``) and the stamp after the last (``t``)."""
+        from tests.chaos_tasks import now_us, record
+
+        lo, end = now_us(), time.monotonic() + timeout
+        while True:
+            try:
+                call(thread, *args)
+                break
+            except Exception as exc:
+                if time.monotonic() > end:
+                    self.errors.append(f"{what}: {type(exc).__name__}: {exc}")
+                    return
+                time.sleep(0.5)
+        record(what, thread=thread, lo=lo)
+        if what == "pause":
+            self.ops["pauses"] += 1
+            self.paused.add(thread)
+        else:
+            self.paused.discard(thread)
+
+    def pause_an_empty_thread(self) -> None:
+        """After the run: pause a thread with no member left, which exists for its pause alone
+        (the checker finds it listed and in the paused hash)."""
+        from celery_threads import Threads
+        from tests.chaos_tasks import app
+
+        threads = Threads(app)
+        for thread in self.threads:
+            if threads.get(thread) is None:
+                self._until_done("pause", thread, threads.pause, "chaos: empty")
+                info = threads.get(thread)
+                if info is None or info.paused is None or info.active or info.waiting:
+                    self.errors.append(f"paused empty thread {thread} reads {info}")
+                return
+
+    def _purge(self, threads: Any, thread: str, purged: list[str]) -> None:
+        from tests.chaos_tasks import now_us, record
+
+        lo = now_us()
+        try:
+            threads.purge(thread)
+        except Exception as exc:
+            self.errors.append(f"purge: {type(exc).__name__}: {exc}")
+        if purged:
+            record("purge", thread=thread, tasks=list(purged), lo=lo)
+            self.ops["purges"] += 1
+            self.ops["purged"] += len(purged)
+            purged.clear()
+
+    def _redrive(self, threads: Any, rng: random.Random) -> None:
+        """The dead letters of one thread back at their places: which went back is read from
+        the dead store before and after (a letter leaves it only so here), their places from
+        their records."""
+        from tests.chaos_tasks import now_us, record
+
+        try:
+            letters = threads.gate.dead_records()
+            by_thread: dict[str, list[Any]] = {}
+            for r in letters:
+                by_thread.setdefault(str(r.meta.get("thread_id")), []).append(r)
+            if not by_thread:
+                return
+            # Mostly a thread with several, whose order the redrive must keep.
+            thread = max(by_thread, key=lambda t: (len(by_thread[t]) + rng.random() * 2, t))
+            lo = now_us()
+            threads.redrive(thread)
+            left = {r.task_id for r in threads.gate.dead_records()}
+        except Exception as exc:
+            self.errors.append(f"redrive: {type(exc).__name__}: {exc}")
+            return
+        back = sorted((r for r in by_thread[thread] if r.task_id not in left),
+                      key=lambda r: (r.meta.get("sched", 0), r.meta.get("seq", 0)))
+        if back:
+            record("redrive", thread=thread, tasks=[r.task_id for r in back], lo=lo)
+            self.ops["redrives"] += 1
+            self.ops["redriven"] += len(back)
 
 
 def _record_superseded() -> None:
@@ -686,13 +815,23 @@ def _await_quiet(client: redis.Redis, key: str, quiet: float = 1.0, timeout: flo
 
 
 def parse_history(rows: list[dict[str, Any]]) -> tuple[list[Event], list[Enqueue],
-                                                        list[Deletion]]:
+                                                        list[Deletion], checker.Operations]:
     events: list[Event] = []
     enqueues: list[Enqueue] = []
     deletions: list[Deletion] = []
     landed: dict[tuple[str, int], int] = {}
+    ops = checker.Operations()
+    paused: dict[str, int] = {}          # thread -> when its pause call returned
     for row in rows:
         k = row["k"]
+        if k == "pause":
+            paused.setdefault(row["thread"], row["t"])
+        elif k == "resume" and row["thread"] in paused:
+            ops.pauses.append((row["thread"], paused.pop(row["thread"]), int(row["lo"])))
+        elif k == "purge":
+            ops.purged += [Deletion(task, int(row["lo"]), row["t"]) for task in row["tasks"]]
+        elif k == "redrive":
+            ops.redrives.append(checker.Redrive(row["thread"], int(row["lo"]), tuple(row["tasks"])))
         if k in ("recv", "start", "end", "fin"):
             events.append(Event(k, row["t"], row["task"], row["thread"], int(row["n"]),
                                 str(row["tok"]), int(row["pid"]), row.get("outcome", "")))
@@ -716,7 +855,8 @@ def parse_history(rows: list[dict[str, Any]]) -> tuple[list[Event], list[Enqueue
     # A retry's re-entry (attempt >= 1) counts as in the gate only once the task saw it land.
     enqueues = [dataclasses.replace(e, in_gate_by=landed.get((e.task, e.attempt)))
                 for e in enqueues]
-    return events, enqueues, deletions
+    ops.pauses += [(thread, at, checker.INF) for thread, at in paused.items()]
+    return events, enqueues, deletions, ops
 
 
 def run(opts: Options) -> Report:
@@ -742,9 +882,15 @@ def run(opts: Options) -> Report:
         load = opts.minutes * 60.0
         t0 = time.time()
         workload = Workload(opts, cluster)
+        restarts = [t0 + load * (i + 1) / (opts.redis_restarts + 1.5)
+                    for i in range(opts.redis_restarts)]
+        workload.quiet_around = list(restarts)
         pool = [threading.Thread(target=workload.producer, args=(t0 + 0.85 * load,
                                                                  t0 + 0.6 * load), daemon=True),
                 threading.Thread(target=workload.deleter, args=(t0 + 0.9 * load,), daemon=True)]
+        if opts.operate_every > 0:
+            pool.append(threading.Thread(target=workload.operator, args=(t0 + 0.7 * load,),
+                                         daemon=True))
         for th in pool:
             th.start()
 
@@ -756,8 +902,6 @@ def run(opts: Options) -> Report:
         exits: list[str] = []
         next_kill = t0 + min(6.0, opts.kill_every)
         next_child = t0 + min(3.0, opts.child_kill_every)
-        restarts = [t0 + load * (i + 1) / (opts.redis_restarts + 1.5)
-                    for i in range(opts.redis_restarts)]
         next_report = t0 + 10
         while time.time() < t0 + load:
             now = time.time()
@@ -820,17 +964,20 @@ def run(opts: Options) -> Report:
         busy = cluster.gate_busy()
         say(f"  quiesced in {time.time() - t_quiet:.1f}s ({busy} threads left in the gate)")
         _await_quiet(history, HISTORY_KEY)   # the last fin rows follow the last finishes
+        if opts.operate_every > 0:
+            workload.pause_an_empty_thread()
         gate = cluster.gate_state()
         logs = cluster.logs_summary()
         rows = read_history(history, HISTORY_KEY)
         (workdir / "history.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
         (workdir / "gate.json").write_text(json.dumps(asdict(gate), indent=1))
-        events, enqueues, deletions = parse_history(rows)
+        events, enqueues, deletions, operations = parse_history(rows)
         events += cluster.lease_kills()
         results = cluster.results([e.task for e in enqueues] + [d.task for d in deletions]
                                   + list(gate.dead))
         report = check(events, gate, deletions, enqueues,
-                       Limits(opts.keepalive, opts.dispatch_interval, opts.retry_delay), results)
+                       Limits(opts.keepalive, opts.dispatch_interval, opts.retry_delay), results,
+                       operations)
         report.info.append(f"faults: {faults['worker']} worker SIGKILLs, {faults['child']} "
                            f"pool-child SIGKILLs, {faults['redis']} gate Redis restarts "
                            f"({opts.outage:g}s each), acks_late"
@@ -845,6 +992,8 @@ def run(opts: Options) -> Report:
                    f"({len(moved)} threads)" if moved else "no thread was running there"))
             report.info.append(f"pool processes killed at a lease's end: "
                                f"{sum(1 for e in events if e.what == 'lease')}")
+        if opts.operate_every > 0:
+            report.info.append(f"operator: {workload.ops}")
         report.info.append(f"worker and beat logs: {logs or 'no errors'}")
         if exits:
             report.info.append(f"{len(exits)} worker(s) crashed or exited on their own and were "
@@ -853,12 +1002,13 @@ def run(opts: Options) -> Report:
             report.info.append(f"{len(workload.failed_enqueues)} apply_async call(s) raised: "
                                f"{workload.failed_enqueues[:3]}")
         if workload.errors:
-            report.info.append(f"deleter errors: {workload.errors[:3]}")
+            report.info.append(f"deleter and operator errors: {workload.errors[:3]}")
         say(report.format())
         if opts.json_path:
             data = report.as_dict()
             data.update({"faults": faults, "logs": logs, "exits": exits, "options": vars(opts),
-                         "run_id": cluster.run_id, "enqueued": workload.enqueued})
+                         "run_id": cluster.run_id, "enqueued": workload.enqueued,
+                         "operator": workload.ops})
             Path(opts.json_path).write_text(json.dumps(data, indent=2))
         ok = report.ok
         return report
@@ -887,7 +1037,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         parser.add_argument("--" + name.replace("_", "-"), type=int,
                             default=getattr(defaults, name))
     for name in ("rate", "keepalive", "dispatch_interval", "release_timeout", "visibility",
-                 "retry_delay", "kill_every", "child_kill_every", "delete_every", "outage",
+                 "retry_delay", "kill_every", "child_kill_every", "delete_every",
+                 "operate_every", "outage",
                  "partition", "quiesce_timeout"):
         parser.add_argument("--" + name.replace("_", "-"), type=float,
                             default=getattr(defaults, name))

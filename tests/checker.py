@@ -82,6 +82,19 @@ What is checked, and the approximations it rests on:
   without a TTL or of a member that was not deleted, and any key under the prefix of no known
   shape.  Deleted notes of deleted members (no worker announced them yet) are reported as
   information: they expire.
+* **Operator actions.**  An operator pauses and resumes threads, purges paused ones and redrives
+  dead letters while the faults happen (:class:`Operations`).  A release token is a value of the
+  shard counter, which never falls below the gate's clock in microseconds and stays within a few
+  units of it (lua/_common.lua next_seq): a token is the time of its release, to ``SLACK_US``.
+  So an attempt whose token lies certainly after a pause's call returned and before its resume's
+  began was released while its thread was paused: a violation (a pause stops releases; the
+  member released or running at the pause goes on, and so do its republications, which keep
+  its token).  A purged member (its waiting entry dropped; Celery stores it ``REVOKED``) counts
+  as deleted by the purge for its ending and its stored result, and an attempt of it that starts
+  after the purge returned is a violation.  Dead letters redriven by one call go back at their
+  places: their first attempts after it (retries reset: attempt 0, token after the call began)
+  must be released in that order.  A thread paused at the end, with no member left, still
+  exists: listed, and in the shard's paused hash (``GateState.paused``), which is no orphan.
 * **Recovery.**  For each SIGKILL, each attempt its processes held (started and not ended, or
   received by that worker's main process and not started, with no later release of the thread
   before the kill): the time from the kill to the thread's next activity seen by a worker (a
@@ -98,6 +111,7 @@ What is checked, and the approximations it rests on:
 """
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -178,6 +192,23 @@ class Deletion:
 
 
 @dataclass(frozen=True)
+class Redrive:
+    thread: str
+    lo: int                         # µs, read before the call
+    tasks: tuple[str, ...]          # the letters it put back, in their places' order
+
+
+@dataclass
+class Operations:
+    """What the operator did: pauses (thread, when the pause call returned, when its resume's
+    call began: INF while still paused), purged members (each with the purge call's times), and
+    redrives."""
+    pauses: list[tuple[str, int, float]] = field(default_factory=list)
+    purged: list[Deletion] = field(default_factory=list)
+    redrives: list[Redrive] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
 class DeadLetter:
     thread: str
     reason: str
@@ -201,6 +232,8 @@ class GateState:
     ended: Optional[dict[str, float]] = None     # the ended index: task -> ended_at (ms)
     notes: Optional[dict[str, int]] = None       # deleted notes: task -> seconds to live (-1: none)
     other_keys: Optional[list[str]] = None       # keys under the prefix of no known shape
+    paused: Optional[dict[str, str]] = None      # the shard's paused hash: thread -> reason
+    listed: Optional[list[str]] = None           # Threads.ids() after the run
 
 
 @dataclass(frozen=True)
@@ -286,6 +319,9 @@ class Report:
     confounded: dict[str, list[float]] = field(default_factory=dict)   # kind -> seconds
     result_mismatches: list[str] = field(default_factory=list)
     results_checked: int = 0
+    operator_violations: list[str] = field(default_factory=list)
+    paused_checked: int = 0         # attempts compared with a pause of their thread
+    redriven_checked: int = 0       # redriven letters whose order was checked
     keepalive: float = 0.0
     dispatch_interval: float = 0.0
     info: list[str] = field(default_factory=list)
@@ -294,14 +330,15 @@ class Report:
     def ok(self) -> bool:
         return not (self.overlaps or self.bad_endings or self.order_violations
                     or self.superseded_started or self.early_starts or self.stuck
-                    or self.orphans or self.result_mismatches)
+                    or self.orphans or self.result_mismatches or self.operator_violations)
 
     def counts(self) -> dict[str, int]:
         return {"overlaps": len(self.overlaps), "bad_endings": len(self.bad_endings),
                 "order_violations": len(self.order_violations),
                 "superseded_started": len(self.superseded_started),
                 "early_starts": len(self.early_starts), "stuck": len(self.stuck),
-                "orphans": len(self.orphans), "result_mismatches": len(self.result_mismatches)}
+                "orphans": len(self.orphans), "result_mismatches": len(self.result_mismatches),
+                "operator_violations": len(self.operator_violations)}
 
     def as_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -335,6 +372,9 @@ class Report:
             *_first(self.stuck, limit),
             f"gate keys left over: {len(self.orphans)}",
             *_first(self.orphans, limit),
+            f"operator violations: {len(self.operator_violations)} ({self.paused_checked} "
+            f"attempts compared with a pause, {self.redriven_checked} redriven letters' order)",
+            *_first(self.operator_violations, limit),
         ]
         bound = self.keepalive + self.dispatch_interval
         for kind in ("worker", "child"):
@@ -426,10 +466,13 @@ def build_attempts(history: Sequence[Event]) -> tuple[list[Attempt], list[Event]
 
 def check(history: Sequence[Event], gate: GateState, deleted: Sequence[Deletion],
           enqueues: Sequence[Enqueue], limits: Limits,
-          results: Optional[dict[str, str]] = None) -> Report:
+          results: Optional[dict[str, str]] = None,
+          operations: Optional[Operations] = None) -> Report:
     report = Report(keepalive=limits.keepalive, dispatch_interval=limits.dispatch_interval)
     attempts, kills = build_attempts(history)
-    deletions = {d.task: d for d in deleted}
+    ops = operations or Operations()
+    # A purged member ends as a deleted one does (REVOKED), by the purge.
+    deletions = {d.task: d for d in (*deleted, *ops.purged)}
     known = {(e.task, e.attempt): e for e in enqueues if e.landed and not e.coalesced}
     unlanded = {(e.task, e.attempt): e for e in enqueues
                 if not e.landed and not e.coalesced}
@@ -461,13 +504,39 @@ def check(history: Sequence[Event], gate: GateState, deleted: Sequence[Deletion]
     _check_overlaps(attempts, report)
     _check_superseded(attempts, deletions, report)
     _check_endings(thread_of, attempts, kills, gate, deletions, limits, report)
-    _check_order(attempts, known, unlanded, first, limits, report)
-    _check_schedules(attempts, known, report)
+    if ops.redrives:
+        # A redriven member lives again from attempt 0: its attempts and retries after a redrive
+        # are another life's, which order and schedules tell apart by name.
+        life = _lives(ops)
+        lived = [dataclasses.replace(a, task=life(a.task, a.lo)) for a in attempts]
+        again = [dataclasses.replace(e, task=life(e.task, e.at_lo)) for e in enqueues]
+        _check_order(lived, {(e.task, e.attempt): e for e in again if e.landed},
+                     {(e.task, e.attempt): e for e in again if not e.landed},
+                     {e.task: e for e in again if e.attempt == 0}, limits, report)
+        _check_schedules(lived, {(e.task, e.attempt): e for e in again if e.landed}, report)
+    else:
+        _check_order(attempts, known, unlanded, first, limits, report)
+        _check_schedules(attempts, known, report)
     if results is not None:
         _check_results(thread_of, attempts, kills, gate, deletions, results, report)
     _check_gate(gate, thread_of, deletions, report)
+    _check_operations(attempts, ops, gate, thread_of, report)
     _measure_recovery(history, attempts, kills, gate, deletions, known, limits, report)
     return report
+
+
+def _lives(ops: Operations) -> Any:
+    """``life(task, t)``: the name of ``task``'s life at ``t`` µs: the task id itself before its
+    first redrive, ``<task id>~<n>`` after its n-th."""
+    redriven: dict[str, list[int]] = defaultdict(list)
+    for r in ops.redrives:
+        for task in r.tasks:
+            redriven[task].append(r.lo)
+
+    def life(task: str, t: int) -> str:
+        n = sum(1 for lo in redriven.get(task, ()) if lo < t)
+        return f"{task}~{n}" if n else task
+    return life
 
 
 def _by_thread(attempts: Iterable[Attempt]) -> dict[str, list[Attempt]]:
@@ -778,7 +847,10 @@ def _check_shard_keys(gate: GateState, thread_of: dict[str, str],
     if gate.ended is not None:
         finite = [at for at in gate.ended.values() if at != INF]
         newest = max(finite, default=0.0)
-        for task, at in sorted(gate.ended.items()):
+        for entry, at in sorted(gate.ended.items()):
+            # A redrive's or a replacement's admission is remembered there for the window too,
+            # as "\0redriven:<call>:<task id>" or "\0replaced:<nesting>:<task id>".
+            task = entry.rsplit(":", 1)[-1] if entry.startswith("\0") else entry
             if at == INF:
                 report.orphans.append(f"ended index entry {task} at +inf (a long-form member "
                                       "that never ended)")
@@ -824,6 +896,52 @@ def _impaired(history: Sequence[Event]) -> list[tuple[float, float]]:
                 idle = None
     spans += [(t, INF) for t in (down, idle) if t is not None]
     return spans
+
+
+def _check_operations(attempts: list[Attempt], ops: Operations, gate: GateState,
+                      thread_of: dict[str, str], report: Report) -> None:
+    """What each operator action allows (see the module's notes)."""
+    pauses: dict[str, list[tuple[int, float]]] = defaultdict(list)
+    for thread, paused, resumed in ops.pauses:
+        pauses[thread].append((paused, resumed))
+    for a in attempts:
+        if a.start is None or a.tok < 0:
+            continue
+        for paused, resumed in pauses.get(a.thread, ()):
+            report.paused_checked += 1
+            if paused + SLACK_US < a.tok < resumed - SLACK_US:
+                report.operator_violations.append(
+                    f"thread {a.thread}: {a.describe()} was released while the thread was "
+                    f"paused ({_s(paused)} .. {_s(resumed) if resumed != INF else 'the end'})")
+    started: dict[str, list[Attempt]] = defaultdict(list)
+    for a in attempts:
+        if a.start is not None:
+            started[a.task].append(a)
+    for d in ops.purged:
+        for a in started.get(d.task, ()):
+            if a.start is not None and a.start > d.hi:
+                report.operator_violations.append(
+                    f"purged member {d.task}: {a.describe()} started after its purge "
+                    f"(by {_s(d.hi)})")
+    for r in ops.redrives:
+        first: dict[str, int] = {}
+        for a in attempts:
+            if a.task in r.tasks and a.attempt == 0 and a.tok > r.lo:
+                first[a.task] = min(first.get(a.task, a.tok), a.tok)
+        ordered = [t for t in r.tasks if t in first]
+        report.redriven_checked += len(ordered)
+        for before, after in zip(ordered, ordered[1:]):
+            if first[before] > first[after]:
+                report.operator_violations.append(
+                    f"thread {r.thread}: redriven {after} (token {first[after]}) was released "
+                    f"before {before} (token {first[before]}), which died before it in place "
+                    "order")
+    known = set(thread_of.values()) | {t for t, _, _ in ops.pauses}
+    for thread in sorted(gate.paused or {}):
+        if thread not in known:
+            report.orphans.append(f"paused entry of {thread}, not a thread of this run")
+        elif gate.listed is not None and thread not in gate.listed:
+            report.operator_violations.append(f"paused thread {thread} is not listed")
 
 
 def _measure_recovery(history: Sequence[Event], attempts: list[Attempt], kills: list[Event],

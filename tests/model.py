@@ -14,9 +14,12 @@ one onto the gate's tokens instead of assuming how the gate makes them.  Every m
 """
 from __future__ import annotations
 
+import functools
 import itertools
+import json
+import re
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
 from celery_threads.metrics import WAIT_BUCKETS_MS
@@ -89,6 +92,9 @@ class Release:
     token: str
     retries: int
     envelope: bytes
+    # The gate pushed its message onto the broker's queue itself (a Gate with ``direct``, and an
+    # envelope that allows it): lua/_common.lua publish_direct.
+    published: bool = False
 
 
 @dataclass(frozen=True)
@@ -113,9 +119,50 @@ class Scan:
     next_ms: Optional[int]
 
 
+_DIRECT_LEAD = re.compile(rb'^\{"d":[12],"hl":\d+,"headers":')
+
+
+def publishable(envelope: bytes) -> bool:
+    """Whether lua/_common.lua publish_direct pushes a release of this stored message itself:
+    the publisher marked it (publish.encode_envelope) and its header names a routing key."""
+    header, nl, _ = envelope.partition(b"\n")
+    if not nl or not _DIRECT_LEAD.match(header):
+        return False
+    try:
+        rest = json.loads(header)
+    except ValueError:
+        return False
+    return isinstance(rest.get("routing_key"), str) and isinstance(rest.get("properties"), dict)
+
+
+def _publishes(method: Any) -> Any:
+    """A transition whose replies go through lua/_common.lua ``reply``: with ``direct``, the
+    release of a publishable message is published by the script (``published``).  A republish
+    (expire or hand-back of a RELEASED member: republish_active) never is, nor a release that
+    ``finish(keep_release=True)`` keeps for its caller (``_direct_off``)."""
+    @functools.wraps(method)
+    def call(self: Model, *args: Any, **kwargs: Any) -> Any:
+        self._direct_off = False
+        try:
+            result = method(self, *args, **kwargs)
+        finally:
+            direct, self._direct_off = self.direct and not self._direct_off, False
+        if isinstance(result, tuple):        # redrive: (codes, release)
+            codes, release = result
+            republish = False
+        else:
+            release = result.release
+            republish = (result.status, result.info) == (REPUBLISH, "republish")
+        if not direct or release is None or republish or not publishable(release.envelope):
+            return result
+        release = replace(release, published=True)
+        return (codes, release) if isinstance(result, tuple) else replace(result, release=release)
+    return call
+
+
 class Model:
     def __init__(self, *, release_timeout_ms: int, keepalive_ms: int = 30_000,
-                 max_republish_backoff: int = 6, now: int = 0) -> None:
+                 max_republish_backoff: int = 6, now: int = 0, direct: bool = False) -> None:
         self.release_timeout_ms = release_timeout_ms
         self.keepalive_text = f"{keepalive_ms / 1000:g}s"
         self.max_republish_backoff = max_republish_backoff
@@ -133,6 +180,8 @@ class Model:
         self.paused: dict[str, str] = {}         # thread id -> the pause's reason
         self.dead_places: dict[str, tuple[int, int]] = {}  # task id -> its (sched, seq) at death
         self.dead_dropped = 0                    # dead letters dropped by retention
+        self.direct = direct                     # Gate(direct=...): see _publishes
+        self._direct_off = False
         # The shard's stats hash (lua/_common.lua count): every field a transition touched.
         self.stats: dict[str, int] = {}
         # Each thread's policy hash (K_POLICY) as coalesce and debounce keep it (lua/enqueue.lua):
@@ -237,7 +286,12 @@ class Model:
     def _add_member(self, thread_id: str, task_id: str, sched: int, max_retries: int,
                     retry_delay_ms: int, envelope: bytes, again: bool = False,
                     seq: Optional[int] = None) -> bool:
-        """``seq``: the arrival number it keeps (a redrive), else a new one."""
+        """``seq``: the arrival number it keeps (a redrive), else a new one.  ``again`` (a
+        restart, a redrive, a replacement's admission): admitted although it ended lately, and no
+        longer counted as ended, even when it is refused as a member already (lua/_common.lua
+        add_member drops its ended entry first; a member's is one older than the window)."""
+        if again:
+            self.ended.pop(task_id, None)
         if task_id in self.tasks:
             return False
         if not again and self.ended.get(task_id, -ENDED_WINDOW_MS - 1) >= self.now - ENDED_WINDOW_MS:
@@ -327,15 +381,25 @@ class Model:
         return DIED
 
     # -- transitions (mirroring Gate) --------------------------------------------------------
+    @_publishes
     def enqueue(self, thread_id: str, task_id: str, envelope: bytes, *, delay_ms: int = 0,
                 at_ms: Optional[int] = None, max_retries: Optional[int] = None,
-                retry_delay_ms: int = 0, coalesce: Optional[str] = None, debounce_ms: int = 0,
-                debounce_max_ms: int = 0) -> Outcome:
+                retry_delay_ms: int = 0, replaced: int = 0, coalesce: Optional[str] = None,
+                debounce_ms: int = 0, debounce_max_ms: int = 0) -> Outcome:
+        """``replaced``: a replacement's nesting (lua/enqueue.lua ARGV[12]): its task id (the
+        replaced task's) is admitted although it ended lately, once per nesting: the admission
+        is remembered in the ended index, so that the same call replayed is refused."""
         maxr = -1 if max_retries is None else int(max_retries)
+        admission = f"\0replaced:{replaced}:{task_id}" if replaced else None
+        if admission is not None and self._ended_lately(admission):
+            return Outcome(NOOP, "")
         sched = self._schedule(delay_ms, at_ms)
-        if coalesce is None:
-            if not self._add_member(thread_id, task_id, sched, maxr, retry_delay_ms, envelope):
+        if coalesce is None or admission is not None:
+            if not self._add_member(thread_id, task_id, sched, maxr, retry_delay_ms, envelope,
+                                    again=admission is not None):
                 return self._duplicate(thread_id, task_id, "")
+            if admission is not None:
+                self.ended[admission] = self.now
             return Outcome(DONE, "", self._release_head(thread_id))
         # coalesce / debounce: supersede the task's latest call when it waits and never ran,
         # and take its place (arrival number and scheduled_at; its own scheduled_at when that
@@ -387,6 +451,7 @@ class Model:
             return Outcome(NOOP, superseded, self._release_of(thread))   # a replay: publish again
         return Outcome(NOOP, superseded)
 
+    @_publishes
     def release(self, thread_id: str) -> Outcome:
         return Outcome(DONE, "", self._release_head(thread_id))
 
@@ -416,6 +481,7 @@ class Model:
         active.deadline = self.now + keepalive_ms
         return 1
 
+    @_publishes
     def hand_back(self, thread_id: str, task_id: str, token: str) -> Outcome:
         """A worker shutting down returns a release it holds unstarted: it stays RELEASED under
         the same token, its release deadline restarts, and it is published again."""
@@ -451,11 +517,13 @@ class Model:
         return (active.state == RUNNING and bool(holder) and bool(active.by)
                 and not active.by.startswith(holder or ""))
 
+    @_publishes
     def finish(self, thread_id: str, task_id: str, token: str, *, keep_release: bool = False,
                claim: Optional[tuple[Any, ...]] = None, caller: Optional[str] = None) -> Outcome:
         """``claim``: ``(keepalive_ms, worker[, claimant])``; the member released is claimed for
         that worker at once (the in-process handoff's one round trip), and ``info`` is the time."""
         claimant = str(claim[2]) if claim is not None and len(claim) > 2 else ""
+        self._direct_off = keep_release      # the caller runs the release itself
         if self._active(thread_id, task_id, token) is None:
             again = self._replayed(thread_id, "f", task_id, token, caller, claimant)
             if again is not None:
@@ -464,6 +532,7 @@ class Model:
         if self._not_the_claimants(thread_id, caller):
             return Outcome(NOOP, "")
         if self._ends_deleted(thread_id):    # nothing claimed for the caller
+            self._direct_off = False         # published as any release (lua/finish.lua)
             return Outcome(DONE, DELETED, self._release_after(thread_id, "f", task_id, token,
                                                               DONE, DELETED, caller))
         self._count_ending("succeeded")
@@ -478,6 +547,7 @@ class Model:
         active.by, active.claimed, active.stop = claimant, self.now, True
         return Outcome(DONE, str(self.now), release)
 
+    @_publishes
     def unclaim(self, thread_id: str, task_id: str, token: str) -> Outcome:
         """A member ``finish(claim=...)`` claimed for a worker that cannot run it: RELEASED again
         under the same token, its release deadline restarting, and published again."""
@@ -494,6 +564,7 @@ class Model:
         active.stop = False
         return self.hand_back(thread_id, task_id, token)
 
+    @_publishes
     def requeue(self, thread_id: str, task_id: str, token: str, *, retries: int,
                 delay_ms: int = 0, at_ms: Optional[int] = None,
                 envelope: bytes = b"", caller: Optional[str] = None) -> Outcome:
@@ -533,6 +604,7 @@ class Model:
         return Outcome(DONE, "", self._release_after(thread_id, "r", task_id, token, DONE, "",
                                                      caller))
 
+    @_publishes
     def kill(self, thread_id: str, task_id: str, token: str, meta: dict[str, Any], *,
              keep: bool = True, caller: Optional[str] = None, fenced: bool = False,
              holder: Optional[str] = None) -> Outcome:
@@ -553,6 +625,7 @@ class Model:
         return Outcome(DONE, "", self._release_after(thread_id, "k", task_id, token, DONE, "",
                                                      caller))
 
+    @_publishes
     def delete(self, task_id: str, *, token: str = "", only_waiting: bool = False,
                only_released: bool = False, stop: bool = False,
                holder: Optional[str] = None) -> Outcome:
@@ -587,6 +660,7 @@ class Model:
             self._count_ending("deleted")
         return Outcome(DONE, state, self._release_head(thread_id))
 
+    @_publishes
     def expire(self, thread_id: str) -> Outcome:
         thread = self.threads.get(thread_id)
         if thread is None or thread.active is None:
@@ -611,6 +685,7 @@ class Model:
         status = self._fail_active(thread, reason)
         return Outcome(status, task_id, self._release_head(thread_id))
 
+    @_publishes
     def fail(self, thread_id: str, task_id: str, token: str, reason: str, *,
              caller: Optional[str] = None, holder: Optional[str] = None) -> Outcome:
         active = self._active(thread_id, task_id, token)
@@ -631,6 +706,7 @@ class Model:
         return Outcome(status, task_id, self._release_after(thread_id, "x", task_id, token,
                                                             status, task_id, caller))
 
+    @_publishes
     def restart(self, task_id: str, *, max_retries: Optional[int] = None,
                 retry_delay_ms: int = 0) -> Outcome:
         record = self.dead.get(task_id)
@@ -642,7 +718,6 @@ class Model:
                                 record.envelope, again=True):
             return Outcome(2, "")
         del self.dead[task_id]
-        self.ended.pop(task_id, None)        # live again: its old run no longer counts as ended
         return Outcome(DONE, "", self._release_head(thread_id))
 
     def forget(self, task_id: str) -> bool:
@@ -654,11 +729,13 @@ class Model:
         self.paused[thread_id] = reason
         return Outcome(DONE if new else NOOP, "")
 
+    @_publishes
     def resume(self, thread_id: str) -> Outcome:
         """1 and the due head's release, if any, when the thread was paused; else 0."""
         if self.paused.pop(thread_id, None) is None:
             return Outcome(NOOP, "")
         return Outcome(DONE, "", self._release_head(thread_id))
+    @_publishes
     def redrive(self, thread_id: str, letters: list[tuple[str, Optional[int], int]], *,
                 caller: Optional[str] = None) -> tuple[list[str], Optional[Release]]:
         """lua/redrive.lua: each dead letter of the thread back at its place (scheduled_at and
@@ -676,7 +753,6 @@ class Model:
                     codes.append("a")
                     continue
                 del self.dead[task_id]
-                self.ended.pop(task_id, None)   # live again: its old run no longer ended
                 if caller:
                     self.ended[mark] = self.now
                 codes.append("r")

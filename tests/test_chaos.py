@@ -82,7 +82,8 @@ def _assert_clean(data: dict[str, Any], min_members: int) -> None:
     output = data["output"][-6000:]
     assert data["counts"] == {"overlaps": 0, "bad_endings": 0, "order_violations": 0,
                               "superseded_started": 0, "early_starts": 0, "stuck": 0,
-                              "orphans": 0, "result_mismatches": 0}, output
+                              "orphans": 0, "result_mismatches": 0,
+                              "operator_violations": 0}, output
     assert data["ok"], output
     assert data["enqueued"] >= min_members, output
     assert data["faults"]["worker"] >= 2 and data["faults"]["child"] >= 2, output
@@ -92,6 +93,9 @@ def _assert_clean(data: dict[str, Any], min_members: int) -> None:
     assert data["results_checked"] >= min_members, output   # every member's stored result read
     assert data["succeeded"] > 0 and data["dead_lettered"] > 0 and data["deleted"] > 0, output
     assert data["superseded"] > 0, output       # coalesce and debounce calls superseded some
+    # The operator paused threads (each resumed, but the empty one paused at the end) while the
+    # faults happened, and the checker held the attempts against those pauses.
+    assert data["operator"]["pauses"] >= 2 and data["paused_checked"] > 0, output
     assert data["recoveries"], f"no recovery was measured:\n{output}"
     worst = max(max(v) for v in data["recoveries"].values())
     assert worst <= RECOVERY_BOUND, f"a thread took {worst}s to move on:\n{output}"

@@ -6,7 +6,19 @@ from typing import Optional
 
 import pytest
 
-from tests.checker import INF, DeadLetter, Deletion, Enqueue, Event, GateState, Limits, Report, check
+from tests.checker import (
+    INF,
+    DeadLetter,
+    Deletion,
+    Enqueue,
+    Event,
+    GateState,
+    Limits,
+    Operations,
+    Redrive,
+    Report,
+    check,
+)
 
 LIMITS = Limits(keepalive=8.0, dispatch_interval=0.5, retry_delay=0.3)
 MS = 1000      # the checker works in µs; the histories below are written in ms
@@ -671,3 +683,99 @@ def test_superseded_members_never_start_and_coalesced_calls_keep_no_known_schedu
     assert any("old" in x and "superseded" in x for x in report.superseded_started)
     assert any("policy hash" in x for x in report.orphans)
     assert not report.ok
+
+
+# -- operator actions (pause, purge, redrive) ---------------------------------------------------
+
+def _released_at(h: History, task: str, thread: str, at: int, end: int,
+                 attempt: int = 0, outcome: str = "success") -> None:
+    """An attempt released at ``at`` ms: its token is the gate's clock then, in µs (a token is
+    a value of the shard counter, which follows the clock in µs)."""
+    h.token = at * MS - 1
+    h.attempt(task, thread, at + 2, end, outcome, attempt=attempt, recv=at + 1)
+
+
+def _check_ops(h: History, ops: Operations, gate: Optional[GateState] = None) -> Report:
+    return check(h.events, gate or GateState(dead=h.dead), h.deletions, h.enqueues, LIMITS,
+                 None, ops)
+
+
+@pytest.mark.parametrize("released, bad", [(100, True), (39, False), (203, False)])
+def test_a_release_while_its_thread_was_paused(released: int, bad: bool) -> None:
+    """Paused from 40 ms (the call returned) to 200 ms (the resume began): a member released in
+    between broke the pause; one released before it (in flight) or by the resume did not."""
+    h = History()
+    h.enqueue("p-a", "p", 0)
+    h.enqueue("p-b", "p", 1)
+    _released_at(h, "p-a", "p", 10, 30)
+    _released_at(h, "p-b", "p", released, released + 20)
+    report = _check_ops(h, Operations(pauses=[("p", 40 * MS, 200 * MS)]))
+    assert len(report.operator_violations) == bad, report.operator_violations
+    assert report.paused_checked == 2
+
+
+@pytest.mark.parametrize("start, bad", [(None, False), (30, True)])
+def test_a_purged_member_never_starts_after_its_purge(start: Optional[int], bad: bool) -> None:
+    """A purged member ends as deleted (REVOKED); an attempt of it after the purge is a
+    violation."""
+    h = History()
+    h.enqueue("q-a", "q", 0, countdown=5)
+    if start is not None:
+        _released_at(h, "q-a", "q", start, start + 10)
+    ops = Operations(purged=[Deletion("q-a", 20 * MS, 21 * MS)])
+    report = check(h.events, GateState(), h.deletions, h.enqueues, LIMITS,
+                   {"q-a": "REVOKED"}, ops)
+    assert len(report.operator_violations) == bad, report.operator_violations
+    assert report.deleted == 1 and not report.bad_endings and not report.result_mismatches
+
+
+@pytest.mark.parametrize("first, bad", [("r-a", False), ("r-b", True)])
+def test_redriven_letters_run_again_in_their_places_order(first: str, bad: bool) -> None:
+    """r-a died before r-b in place order; redriven together, r-a's next attempt 0 must be
+    released first."""
+    h = History()
+    for task, at in (("r-a", 0), ("r-b", 1)):
+        h.enqueue(task, "r", at)
+    _released_at(h, "r-a", "r", 10, 20)
+    _released_at(h, "r-b", "r", 30, 40)
+    second = "r-b" if first == "r-a" else "r-a"
+    _released_at(h, first, "r", 110, 120)
+    _released_at(h, second, "r", 130, 140)
+    report = _check_ops(h, Operations(redrives=[Redrive("r", 100 * MS, ("r-a", "r-b"))]))
+    assert len(report.operator_violations) == bad, report.operator_violations
+    assert report.redriven_checked == 2
+
+
+def test_a_paused_thread_with_no_member_exists() -> None:
+    """Paused at the end with no member: listed, and its paused entry is no orphan; a paused
+    entry of a thread the run never had is one, and a paused thread not listed a violation."""
+    h = History()
+    h.enqueue("e-a", "e", 0)
+    _released_at(h, "e-a", "e", 10, 20)
+    pauses = [("e", 30 * MS, INF), ("f", 30 * MS, INF)]
+    report = _check_ops(h, Operations(pauses=pauses),
+                        GateState(paused={"e": "x", "f": "x"}, listed=["e", "f"]))
+    assert report.ok, report.format()
+    report = _check_ops(h, Operations(pauses=pauses),
+                        GateState(paused={"e": "x", "g": "x"}, listed=["g"]))
+    assert len(report.operator_violations) == 1 and len(report.orphans) == 1, report.format()
+
+
+def test_a_redriven_member_lives_again_from_attempt_zero() -> None:
+    """A member that died at its retry is redriven: its next attempts (0, then a retry 1) are
+    another life's, not to be matched with the first life's schedules; its ended-index mark
+    ("\\0redriven:<call>:<task id>") is no orphan."""
+    h = History()
+    h.enqueue("v-a", "v", 0)
+    _released_at(h, "v-a", "v", 10, 20, outcome="retry")
+    h.enqueue("v-a", "v", 20, countdown=100, attempt=1, landed=21)
+    _released_at(h, "v-a", "v", 130, 140, attempt=1, outcome="die")
+    h.enqueue("v-b", "v", 150, countdown=5_000)
+    _released_at(h, "v-a", "v", 210, 220, outcome="retry")               # redriven at 200
+    h.enqueue("v-a", "v", 220, countdown=20_000, attempt=1, landed=221)   # its second life
+    _released_at(h, "v-b", "v", 5_200, 5_210)
+    _released_at(h, "v-a", "v", 20_300, 20_310, attempt=1)
+    gate = GateState(ended={"\0redriven:c1:v-a": 200.0, "v-a": 20_310.0, "v-b": 5_210.0})
+    report = _check_ops(h, Operations(redrives=[Redrive("v", 200 * MS, ("v-a",))]), gate)
+    assert report.ok, report.format()
+    assert report.schedules_checked >= 3 and report.redriven_checked == 1
