@@ -93,7 +93,7 @@ class Gate:
         }
         self.library = function_library()
         # On a cluster, a line to each master, picked by the call's shard (cluster.py).
-        self._direct = (cluster.ClusterLine(client, self.library if functions else None,
+        self._direct = (cluster.ClusterLine(cast(Any, client), self.library if functions else None,
                                             keys.all_shards())
                         if cluster.is_cluster(client)
                         else DirectLine(client, self.library if functions else None,

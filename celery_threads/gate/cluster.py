@@ -112,7 +112,7 @@ class ClusterLine:
 
     def _line(self, shard: int) -> Optional[DirectLine]:
         try:
-            node = self.client.get_node_from_key(self._slot_keys[shard])
+            node = self.client.get_node_from_key(self._slot_keys[shard])  # type: ignore[no-untyped-call]
             connection = node and self.client.get_redis_connection(node)
         except (redis.RedisError, KeyError, IndexError):     # no map yet, or the slot uncovered
             return None
