@@ -115,3 +115,23 @@ def test_the_quick_start_runs_as_written(shop) -> None:
                 proc.wait(20)
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_the_policy_snippet_declares_and_supersedes_as_written(shop) -> None:
+    """The Policies block, next to shop.py: its tasks declare as written, and a burst of
+    ``sync_crm`` calls leaves one waiting member, the others superseded (REVOKED)."""
+    cwd, env, _ = shop
+    block = blocks("python")[3]
+    assert "debounce=" in block and "on_death=" in block
+    (cwd / "policies.py").write_text("from shop import ThreadedTask, app\n\n" + block)
+    out = _run_python(
+        "from celery_threads import Threads\n"
+        "from policies import app, post_entry, sync_crm\n"
+        "calls = [sync_crm.delay('cust-42') for _ in range(3)]\n"
+        "post_entry.delay('acct-9', {'amount': 1})\n"
+        "info = Threads(app).get('cust-42')\n"
+        "members = ([info.active] if info.active else []) + list(info.waiting)\n"
+        "print([m.task_id for m in members] == [calls[-1].id],\n"
+        "      [c.state for c in calls[:-1]], Threads(app).get('acct-9') is not None)\n",
+        cwd, env)
+    assert out.split() == ["True", "['REVOKED',", "'REVOKED']", "True"], out
