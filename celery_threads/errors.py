@@ -47,5 +47,15 @@ class NotReplicated(ThreadsError, redis.TimeoutError):
         self.reply = reply
 
 
+class ThreadFull(ThreadsError):
+    """The call's thread already holds ``max_waiting`` waiting members (the task option or the
+    ``apply_async`` option): the call was refused, and nothing was stored in the gate or sent to
+    the broker.  Call again later, or raise ``max_waiting``.  ``thread_id`` names the thread."""
+
+    def __init__(self, message: str, thread_id: str = "") -> None:
+        super().__init__(message)
+        self.thread_id = thread_id
+
+
 class UnknownTask(ThreadsError, KeyError):
     """No thread member (or dead task) has this task id."""

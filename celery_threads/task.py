@@ -14,9 +14,10 @@ from celery.exceptions import Ignore, Reject, Retry
 from celery.utils import uuid
 from celery.utils.saferepr import saferepr
 
+from . import policies
 from .config import ThreadsConfig, read_config
-from .errors import ConfigurationError, GateUnavailable, InvalidThreadId, NotReplicated
-from .gate import DELETED, Claim, Gate, Outcome, deadline
+from .errors import ConfigurationError, GateUnavailable, InvalidThreadId, NotReplicated, ThreadFull
+from .gate import DELETED, Claim, Enqueue, Gate, Outcome, deadline
 from .install import install
 from .protocol import OUR_HEADERS, THREAD_HEADER, TOKEN_HEADER, eta_ms, normalize_thread_id, retry_settings
 from .publish import CapturingProducer
@@ -36,10 +37,18 @@ class ThreadedTask(Task):
     Give the thread with ``apply_async(..., thread_id=...)`` or declare ``thread_key`` (an argument
     name or a callable ``(args, kwargs) -> id``).  ``dead_letter = False`` drops members that die
     instead of keeping them in the dead-letter store.
+
+    Policies (docs/policies.md), each also an ``apply_async`` option of the same name for one
+    call: ``on_death = "hold"`` pauses the thread when a member dies; ``max_waiting = N`` refuses
+    a call (:class:`~celery_threads.ThreadFull`) that finds N members waiting in its thread;
+    ``thread_rate_limit = "10/s"`` spaces the releases of the thread's members.
     """
 
     thread_key: ThreadKey = None
     dead_letter: bool = True
+    on_death: Optional[str] = None          # None: "advance"
+    max_waiting: Optional[int] = None
+    thread_rate_limit: Optional[Union[str, int, float]] = None
 
     Strategy = "celery_threads.worker.step:threaded_strategy"
     Request = "celery_threads.worker.step:ThreadedRequest"
@@ -51,6 +60,7 @@ class ThreadedTask(Task):
     @classmethod
     def on_bound(cls, app: Any) -> None:
         _check_thread_key(cls)
+        policies.check_task(cls)
         install(app)
 
     # -- publishing ---------------------------------------------------------------------------
@@ -93,6 +103,7 @@ class ThreadedTask(Task):
         for a task without a ``thread_key``.
         """
         explicit = options.pop("thread_id", None)
+        policy = policies.resolve(self, options)
         app = self._get_app()
         if app.conf.task_always_eager:
             return super().apply_async(args, kwargs, task_id=task_id, producer=producer,
@@ -169,7 +180,14 @@ class ThreadedTask(Task):
             else:
                 outcome = runtime.gate.enqueue(
                     thread_id, task_id, capture.envelope, delay_ms=delay_ms, at_ms=at_ms,
-                    max_retries=max_retries, retry_delay_ms=retry_delay_ms, replaced=nesting)
+                    max_retries=max_retries, retry_delay_ms=retry_delay_ms, replaced=nesting,
+                    policy=policy.text, max_waiting=policy.max_waiting)
+                if outcome.status == Enqueue.FULL:
+                    # Nothing stored; leaving here also drops the held task-sent event.
+                    raise ThreadFull(
+                        f"thread {thread_id!r} already has {policy.max_waiting} waiting members "
+                        f"(max_waiting of {self.name}): {task_id} was not stored nor sent; call "
+                        "again later", thread_id)
                 if not outcome.done:
                     logger.info("celery-threads: %s[%s] is already a member of thread %s, or "
                                 "ended less than 30 s ago; not enqueued twice", self.name,

@@ -35,6 +35,11 @@ class Member:
     max_retries: int        # -1: unlimited
     retry_delay_ms: int
     envelope: bytes
+    policy: str = ""        # "h" on_death="hold", "r<ms>" thread_rate_limit (policies.policy_text)
+
+    def rate_ms(self) -> Optional[int]:
+        at = self.policy.find("r")
+        return int(self.policy[at + 1:]) if at >= 0 else None
 
 
 @dataclass
@@ -64,6 +69,9 @@ class Thread:
     thread_id: str
     members: dict[str, Member] = field(default_factory=dict)   # waiting and active alike
     active: Optional[Active] = None
+    # When its head waits for thread_rate_limit: the time it may be released, the thread's score
+    # in the due index (set when a release finds the head due but early).
+    rate_due: Optional[int] = None
 
     def waiting(self) -> list[Member]:
         """Waiting members in release order: earliest scheduled_at, then arrival."""
@@ -123,6 +131,10 @@ class Model:
         self.paused: dict[str, str] = {}         # thread id -> the pause's reason
         self.dead_places: dict[str, tuple[int, int]] = {}  # task id -> its (sched, seq) at death
         self.dead_dropped = 0                    # dead letters dropped by retention
+        # thread id -> (last release of a member with a rate, until when it counts): the
+        # policy hash's 'rl' and 're' (lua/_common.lua rate_stamp); kept as the gate keeps the
+        # key under the test's clock (an hour of Redis's time).
+        self.rate_stamps: dict[str, tuple[int, int]] = {}
 
     # -- helpers ---------------------------------------------------------------------------
     def _schedule(self, delay_ms: int, at_ms: Optional[int]) -> int:
@@ -153,8 +165,16 @@ class Model:
             del self.threads[thread_id]             # the last member left: the thread is gone
             return None
         head = waiting[0]
+        thread.rate_due = None
         if head.sched > self.now or thread_id in self.paused:
             return None
+        every = head.rate_ms()
+        if every is not None:
+            last, until = self.rate_stamps.get(thread_id, (0, 0))
+            if until > self.now and last + every > self.now:
+                thread.rate_due = last + every      # it waits at its place
+                return None
+            self.rate_stamps[thread_id] = (self.now, self.now + every)
         thread.active = Active(head.task_id, f"m{next(self._tokens)}", RELEASED,
                                self.now + self.release_timeout_ms)
         if self._detached is not None:
@@ -193,18 +213,39 @@ class Model:
 
     def _add_member(self, thread_id: str, task_id: str, sched: int, max_retries: int,
                     retry_delay_ms: int, envelope: bytes, again: bool = False,
-                    seq: Optional[int] = None) -> bool:
-        """``seq``: the arrival number it keeps (a redrive), else a new one."""
+                    seq: Optional[int] = None, policy: str = "",
+                    cap: Optional[int] = None) -> Any:
+        """``seq``: the arrival number it keeps (a redrive), else a new one.  ``cap``
+        (max_waiting): ``"full"`` when that many members wait, after the duplicate checks."""
         if task_id in self.tasks:
             return False
         if not again and self.ended.get(task_id, -ENDED_WINDOW_MS - 1) >= self.now - ENDED_WINDOW_MS:
             return False
+        thread = self.threads.get(thread_id)
+        if cap is not None and not again and thread is not None and len(thread.waiting()) >= cap:
+            return "full"
         thread = self.threads.setdefault(thread_id, Thread(thread_id))
         thread.members[task_id] = Member(task_id, sched,
                                          next(self._arrivals) if seq is None else seq, 0,
-                                         max_retries, retry_delay_ms, envelope)
+                                         max_retries, retry_delay_ms, envelope, policy)
         self.tasks[task_id] = thread_id
         return True
+
+    def _hold(self, thread_id: str, task_id: str, exception: Any) -> None:
+        """on_death="hold": the thread is paused by the death (lua/_common.lua hold_thread)."""
+        reason = f"on_death=hold: {task_id} died" + (
+            f": {exception}" if isinstance(exception, str) else "")
+        before = self.paused.get(thread_id)
+        if before is not None:
+            shown = before.split("\0", 2)[-1] if before.startswith("\0") else before
+            reason += f" (paused before: {shown})"
+        self.paused[thread_id] = f"\0{task_id}\0{reason}"
+
+    def _lift_hold(self, thread_id: str, task_id: str) -> bool:
+        if self.paused.get(thread_id, "").startswith(f"\0{task_id}\0"):
+            del self.paused[thread_id]
+            return True
+        return False
 
     def _drop_active(self, thread: Thread) -> str:
         assert thread.active is not None
@@ -231,12 +272,15 @@ class Model:
                      caller: Optional[str] = None) -> None:
         assert thread.active is not None
         m = thread.members[thread.active.task_id]
+        if "h" in m.policy:
+            self._hold(thread.thread_id, m.task_id, meta.get("exception"))
         if keep:   # a task id that died before goes to the end of the death order
             self.dead.pop(m.task_id, None)
             # Its place, for a redrive: the gate adds its seq and scheduled_at to the meta (the
-            # test compares the gate's seq by the order it gives, as for every seq).
-            self.dead[m.task_id] = Dead(m.task_id, {**meta, "sched": m.sched}, m.envelope,
-                                        self.now)
+            # test compares the gate's seq by the order it gives, as for every seq), and its
+            # policy.
+            kept = {"sched": m.sched, **({"policy": m.policy} if m.policy else {})}
+            self.dead[m.task_id] = Dead(m.task_id, {**meta, **kept}, m.envelope, self.now)
             self.dead_places[m.task_id] = (m.sched, m.seq)
             self.dead_callers[m.task_id] = caller
         self._drop_active(thread)
@@ -269,10 +313,14 @@ class Model:
     # -- transitions (mirroring Gate) --------------------------------------------------------
     def enqueue(self, thread_id: str, task_id: str, envelope: bytes, *, delay_ms: int = 0,
                 at_ms: Optional[int] = None, max_retries: Optional[int] = None,
-                retry_delay_ms: int = 0) -> Outcome:
+                retry_delay_ms: int = 0, policy: str = "",
+                max_waiting: Optional[int] = None) -> Outcome:
         maxr = -1 if max_retries is None else int(max_retries)
-        if not self._add_member(thread_id, task_id, self._schedule(delay_ms, at_ms), maxr,
-                                retry_delay_ms, envelope):
+        added = self._add_member(thread_id, task_id, self._schedule(delay_ms, at_ms), maxr,
+                                 retry_delay_ms, envelope, policy=policy, cap=max_waiting)
+        if added == "full":
+            return Outcome(2, "full")
+        if not added:
             thread = self.threads.get(thread_id)
             active = thread.active if thread is not None else None
             if thread is not None and active is not None and active.task_id == task_id \
@@ -498,14 +546,23 @@ class Model:
         thread_id = record.meta["thread_id"]
         maxr = -1 if max_retries is None else int(max_retries)
         if not self._add_member(thread_id, task_id, self.now, maxr, retry_delay_ms,
-                                record.envelope, again=True):
+                                record.envelope, again=True,
+                                policy=record.meta.get("policy", "")):
             return Outcome(2, "")
         del self.dead[task_id]
         self.ended.pop(task_id, None)        # live again: its old run no longer counts as ended
+        self._lift_hold(thread_id, task_id)
         return Outcome(DONE, "", self._release_head(thread_id))
 
-    def forget(self, task_id: str) -> bool:
-        return self.dead.pop(task_id, None) is not None
+    def forget(self, task_id: str) -> Outcome:
+        """lua/forget.lua: the dead letter goes; a hold its death made is lifted."""
+        record = self.dead.pop(task_id, None)
+        if record is None:
+            return Outcome(NOOP, "")
+        thread_id = record.meta["thread_id"]
+        if self._lift_hold(thread_id, task_id):
+            return Outcome(DONE, "", self._release_head(thread_id))
+        return Outcome(DONE, "")
 
     def pause(self, thread_id: str, reason: str) -> Outcome:
         """Nothing of the thread is released until :meth:`resume`; 1 when it was not paused."""
@@ -531,10 +588,12 @@ class Model:
                 sched, seq = self.dead_places[task_id]
                 maxr = -1 if max_retries is None else int(max_retries)
                 if not self._add_member(thread_id, task_id, sched, maxr, retry_delay_ms,
-                                        record.envelope, again=True, seq=seq):
+                                        record.envelope, again=True, seq=seq,
+                                        policy=record.meta.get("policy", "")):
                     codes.append("a")
                     continue
                 del self.dead[task_id]
+                self._lift_hold(thread_id, task_id)
                 self.ended.pop(task_id, None)   # live again: its old run no longer ended
                 if caller:
                     self.ended[mark] = self.now
@@ -581,7 +640,7 @@ class Model:
     def due_index(self) -> dict[str, int]:
         """thread id -> head's scheduled_at, for every existing thread with nothing active that
         is not paused."""
-        return {t.thread_id: t.waiting()[0].sched for t in self.threads.values()
+        return {t.thread_id: t.rate_due or t.waiting()[0].sched for t in self.threads.values()
                 if t.active is None and t.thread_id not in self.paused}
 
     def lease_index(self) -> dict[str, int]:

@@ -44,7 +44,14 @@ from hypothesis.stateful import (
 )
 
 from celery_threads import gate as gate_module
-from celery_threads.gate import Gate, member_field, parse_record, record_task, task_field
+from celery_threads.gate import (
+    Gate,
+    member_field,
+    parse_record,
+    pause_reason,
+    record_task,
+    task_field,
+)
 from celery_threads.keys import Keys
 from tests import model as M
 
@@ -58,6 +65,9 @@ KEEPALIVE = 1500               # ms; the gate's own keepalive only names itself 
 # the clock, as when a gate of an older version is upgraded) and others lie above it.
 START = 1_000_000_000
 THREAD_IDS = ["a", "b", "c:q", "é"]
+#: A member's policies (celery_threads.policies.policy_text): none (most), on_death="hold",
+#: thread_rate_limit (an interval in ms of the test's clock), or both.
+POLICIES = st.sampled_from(["", "", "", "h", f"r{10 * RELEASE_TIMEOUT}", f"hr{RELEASE_TIMEOUT + 50}"])
 UNKNOWN = "never-enqueued"
 #: A claim's claimant: none (an older worker's claim, or a holder of an unclaimed release) or one
 #: of two deliveries'.
@@ -281,15 +291,19 @@ class GateMachine(RuleBasedStateMachine):
             self.r.set(self.shard.seq, target)
         for _ in range(arrivals):
             self.enqueue(thread_id, dup=7, pick=0, at=False, delay=0, offset=0,
-                         max_retries=max_retries, retry_delay=RELEASE_TIMEOUT)
+                         max_retries=max_retries, retry_delay=RELEASE_TIMEOUT, policy="",
+                         cap=None)
 
     @rule(thread_id=st.sampled_from(THREAD_IDS), dup=st.integers(0, 7), pick=st.integers(0, 999),
           at=st.booleans(), delay=st.one_of(st.just(0), st.integers(0, 3 * RELEASE_TIMEOUT)),
           offset=st.integers(-3 * RELEASE_TIMEOUT, 3 * RELEASE_TIMEOUT),
           max_retries=st.sampled_from([None, 0, 1, 2]),
-          retry_delay=st.sampled_from([0, 10, RELEASE_TIMEOUT, 5 * RELEASE_TIMEOUT]))
+          retry_delay=st.sampled_from([0, 10, RELEASE_TIMEOUT, 5 * RELEASE_TIMEOUT]),
+          policy=POLICIES, cap=st.sampled_from([None, None, None, 1, 2]))
     def enqueue(self, thread_id: str, dup: int, pick: int, at: bool, delay: int, offset: int,
-                max_retries: Optional[int], retry_delay: int) -> None:
+                max_retries: Optional[int], retry_delay: int, policy: str = "",
+                cap: Optional[int] = None) -> None:
+        """``policy``: the member's (on_death="hold", thread_rate_limit), ``cap`` max_waiting."""
         dead = sorted(self.model.dead)
         if dup == 0 and self.task_ids:
             task_id = self.task_ids[pick % len(self.task_ids)]   # likely a duplicate
@@ -299,9 +313,30 @@ class GateMachine(RuleBasedStateMachine):
             task_id = self.next_task_id()
         body = self.envelope(task_id)
         kw: dict[str, Any] = dict(delay_ms=delay, at_ms=self.model.now + offset if at else None,
-                                  max_retries=max_retries, retry_delay_ms=retry_delay)
-        self.same_outcome(self.gate.enqueue(thread_id, task_id, body, **kw),
-                          self.model.enqueue(thread_id, task_id, body, **kw), "enqueue")
+                                  max_retries=max_retries, retry_delay_ms=retry_delay,
+                                  policy=policy, max_waiting=cap)
+        expected = self.model.enqueue(thread_id, task_id, body, **kw)
+        STATS["refused by max_waiting"] += expected.status == 2
+        self.same_outcome(self.gate.enqueue(thread_id, task_id, body, **kw), expected, "enqueue")
+
+    @rule(thread_id=st.sampled_from(THREAD_IDS),
+          every=st.sampled_from([10 * RELEASE_TIMEOUT, RELEASE_TIMEOUT + 50]),
+          hold=st.booleans())
+    def rate_limited_pair(self, thread_id: str, every: int, hold: bool) -> None:
+        """Two members of a rate-limited task arrive together, and the active member (the
+        first, when the thread was idle) ends at once: the next one's turn comes early, and it
+        waits at its place until the dispatcher releases it."""
+        for _ in range(2):
+            self.enqueue(thread_id, dup=7, pick=0, at=False, delay=0, offset=0, max_retries=0,
+                         retry_delay=0, policy=("h" if hold else "") + f"r{every}")
+        thread = self.model.threads.get(thread_id)
+        if thread is not None and thread.active is not None:
+            task_id, mtok = thread.active.task_id, thread.active.token
+            rtok = self.m2r[mtok]
+            self.caller = f"call-{len(self.task_ids)}-{STATS['calls']}"
+            self._ending("finish", lambda: self.gate.finish(thread_id, task_id, rtok,
+                                                            caller=self.caller),
+                         lambda: self.model.finish(thread_id, task_id, mtok, caller=self.caller))
 
     # -- the dispatcher -----------------------------------------------------------------------
     @rule(limit=st.sampled_from([1, 2, 500]))
@@ -574,7 +609,7 @@ class GateMachine(RuleBasedStateMachine):
     def forget(self, pick: int, from_dead: int) -> None:
         dead = sorted(self.model.dead)
         task_id = dead[pick % len(dead)] if from_dead else self.known_task(pick)
-        self.same(self.gate.forget(task_id), self.model.forget(task_id), "forget")
+        self.same_outcome(self.gate.forget(task_id), self.model.forget(task_id), "forget")
 
     # -- the operator ---------------------------------------------------------------------------
     @rule(thread_id=st.sampled_from(THREAD_IDS), reason=st.sampled_from(["", "fixing a bug"]))
@@ -648,7 +683,18 @@ class GateMachine(RuleBasedStateMachine):
             k = s.thread(thread_id)
             pipe.hgetall(k.active)
             pipe.zrange(k.queue, 0, -1, withscores=True)
-        due, leases, tasks, dead, dead_records, keys, ended, paused, *per_thread = pipe.execute()
+        for thread_id in sorted(model.rate_stamps):
+            pipe.hmget(s.thread(thread_id).policy, "rl", "re")
+        *head, = pipe.execute()
+        stamps = head[8 + 2 * len(threads):]
+        due, leases, tasks, dead, dead_records, keys, ended, paused, *per_thread = head[
+            :8 + 2 * len(threads)]
+        want = [(str(last), str(until)) for _, (last, until) in sorted(model.rate_stamps.items())]
+        got = [tuple(v.decode() for v in stamp) for stamp in stamps]
+        assert got == want, f"rate stamps {got} vs model {want}"
+        STATS["rate-limited releases held"] += sum(
+            1 for t in model.threads.values() if t.rate_due is not None)
+        STATS["held threads"] += sum(1 for v in model.paused.values() if v.startswith("\0"))
         paused = {k.decode(): v.decode() for k, v in paused.items()}
         assert paused == model.paused, f"paused {paused} vs model {model.paused}"
         # +inf: a UUID member keyed by its long form (its short field was taken when it came):
@@ -741,10 +787,10 @@ class GateMachine(RuleBasedStateMachine):
                 STATS["ties across a length"] += 1
             elif s1 == s2 and m1[1:m1[0]] != m2[1:m2[0]]:
                 STATS["ties across a byte"] += 1
-        records = {task_id: (r.retries, r.max_retries, r.retry_delay_ms, r.envelope)
+        records = {task_id: (r.retries, r.max_retries, r.retry_delay_ms, r.envelope, r.policy)
                    for task_id, r in members.items()}
-        expected_records = {m.task_id: (m.retries, m.max_retries, m.retry_delay_ms, m.envelope)
-                            for m in thread.members.values()}
+        expected_records = {m.task_id: (m.retries, m.max_retries, m.retry_delay_ms, m.envelope,
+                                        m.policy) for m in thread.members.values()}
         assert records == expected_records, f"{what}: records {records} vs {expected_records}"
 
     def check_keys(self, actual: set[str], long_uuids: set[str]) -> None:
@@ -759,6 +805,9 @@ class GateMachine(RuleBasedStateMachine):
                              (s.dead_dropped, model.dead_dropped)):
             if present:
                 expected.add(key)
+        # A thread's policy hash (thread_rate_limit's last release) outlives its members: under
+        # the test's clock for an hour of Redis's time (its value says when it counts as gone).
+        expected.update(s.thread(t).policy for t in model.rate_stamps)
         for thread in model.threads.values():
             k = s.thread(thread.thread_id)
             if thread.waiting():
@@ -781,14 +830,15 @@ class GateMachine(RuleBasedStateMachine):
             paused = model.paused.get(thread_id)
             assert (snap is None) == (thread is None and paused is None), (
                 f"snapshot of {thread_id}: {snap}")
-            if snap is not None:
-                assert snap.paused == paused, f"snapshot of {thread_id}: {snap}"
+            if snap is not None:   # a hold's reason shown without its mark
+                assert snap.paused == (paused and pause_reason(paused)), (
+                    f"snapshot of {thread_id}: {snap}")
             if snap is not None and thread is None:
                 assert (snap.active, snap.waiting) == ({}, []), f"snapshot of {thread_id}: {snap}"
             if snap is not None and thread is not None:
                 assert snap.waiting == [(m.task_id, m.sched) for m in thread.waiting()]
                 assert snap.due_at == (None if thread.active or paused is not None
-                                       else thread.waiting()[0].sched)
+                                       else thread.rate_due or thread.waiting()[0].sched)
                 active = thread.active.task_id if thread.active else None
                 assert snap.active.get("task") == active
         elif turn == 1:
@@ -866,6 +916,9 @@ def test_gate_matches_model(gate_url: str, how: str) -> None:
     assert STATS["long UUID fields"] > 0, "no state had two members sharing a UUID's first bytes"
     assert STATS["ties across a length"] > 0, "no queue held tied members of seqs of two lengths"
     assert STATS["ties across a byte"] > 0, "no queue held tied members across a byte boundary"
+    assert STATS["rate-limited releases held"] > 0, "no thread_rate_limit head ever waited"
+    assert STATS["held threads"] > 0, "no on_death='hold' death ever held its thread"
+    assert STATS["refused by max_waiting"] > 0, "no enqueue was refused by max_waiting"
     calls = {k: v["calls"] for k, v in redis.Redis.from_url(gate_url).info("commandstats").items()}
     if how == "fcall":
         assert calls.get("cmdstat_fcall", 0) > 1000, calls

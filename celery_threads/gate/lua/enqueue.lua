@@ -6,10 +6,15 @@
 --            replacement joining another thread).  Such an id is admitted once per nesting level:
 --            the admission is remembered in the ended index as "\0replaced:<nesting>:<task id>",
 --            so a replayed call is still refused.  A member is never admitted twice at once.
+--   ARGV[13] (optional) the member's policy, kept in its record (make_record): '' none, else
+--            'h' (on_death="hold") and/or 'r<ms>' (thread_rate_limit's interval)
+--   ARGV[14] (optional) max_waiting: refused when the thread already has this many waiting
+--            members (its active one not counted), after the duplicate checks; '' none
 -- Returns {1, ''} added (plus the release, if any: without the record when it is this member's),
 -- {0, ''} when the task id is already a member; when that member is RELEASED (an enqueue replayed
 -- after its reply was lost, which released it), {0, ''} plus its release with its stored record,
--- for the caller to publish (a second copy loses the claim).
+-- for the caller to publish (a second copy loses the claim); {2, 'full'} when max_waiting
+-- refused it (nothing stored).
 local task = ARGV[6]
 local admission = nil
 if ARGV[12] and ARGV[12] ~= '' then
@@ -17,8 +22,10 @@ if ARGV[12] and ARGV[12] ~= '' then
   local at = redis.call('ZSCORE', K_ENDED, admission)
   if at and tonumber(at) >= NOW - ENDED_WINDOW then return reply(0, '') end
 end
+local policy = ARGV[13] ~= '' and ARGV[13] or nil
 local released = add_member(task, schedule(ARGV[7], ARGV[8]), 0, ARGV[9], ARGV[10], ARGV[11],
-  admission ~= nil)
+  admission ~= nil, nil, policy, ARGV[14] and tonumber(ARGV[14]))
+if released == 'full' then return reply(2, 'full') end
 if released == false then
   local a = redis.call('HMGET', K_A, 'task', 'token', 'state')
   if a[1] == task and a[3] == 'RELEASED' then
