@@ -62,6 +62,7 @@ class Active:
     # it ends it as deleted (lua/_common.lua marked_deleted).
     stop: bool = False
     deleted: bool = False
+    rate: Optional[int] = None      # thread_rate_limit's interval: its claim stamps the thread
 
 
 @dataclass
@@ -176,7 +177,7 @@ class Model:
                 return None
             self.rate_stamps[thread_id] = (self.now, self.now + every)
         thread.active = Active(head.task_id, f"m{next(self._tokens)}", RELEASED,
-                               self.now + self.release_timeout_ms)
+                               self.now + self.release_timeout_ms, rate=every)
         if self._detached is not None:
             thread.active.prev, thread.active.pst = self._detached
         return self._release_of(thread)
@@ -342,6 +343,8 @@ class Model:
             return CLAIMED if claimant != "" and active.by == claimant else ALREADY_CLAIMED
         active.state, active.deadline, active.worker = RUNNING, self.now + keepalive_ms, worker
         active.by, active.claimed, active.stop = claimant, self.now, stoppable
+        if active.rate is not None:
+            self.rate_stamps[thread_id] = (self.now, self.now + active.rate)
         return CLAIMED
 
     def renew(self, thread_id: str, task_id: str, token: str, keepalive_ms: int,

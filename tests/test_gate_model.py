@@ -769,6 +769,8 @@ class GateMachine(RuleBasedStateMachine):
             field = next(f for f, t in named.items() if t == a.task_id)
             long = field[:1] == b"\x01" and len(field) == 37
             assert active.get("l") == ("1" if long else "0"), f"{what}: 'l' {active} vs {field!r}"
+            assert active.get("rl") == (None if a.rate is None else str(a.rate)), (
+                f"{what}: 'rl' {active} vs {a}")
         waiting = [(named.get(member_field(m)), int(score)) for m, score in queue]
         expected = [(m.task_id, m.sched) for m in thread.waiting()]
         assert waiting == expected, f"{what}: waiting {waiting} vs model {expected}"

@@ -267,7 +267,15 @@ local function release_idle(detached, known)
       index_idle(detached, { head[1], string.format('%d', wait) }, false)
       return nil
     end
-    if every then rate_stamp(every) end
+    if every then
+      rate_stamp(every)
+      redis.call('ZREM', K_Q, head[1])
+      local released = activate(field_task(field, rec), field, head[2], not detached, rec)
+      -- Its claim stamps the thread's last release again (claim.lua): the next member's turn
+      -- counts from when this one starts.
+      redis.call('HSET', K_A, 'rl', every)
+      return released
+    end
   end
   redis.call('ZREM', K_Q, head[1])
   return activate(field_task(field, rec), field, head[2], not detached, rec)
@@ -394,11 +402,11 @@ local function active_field(task, long)
 end
 
 -- The state of the active member when it is (task, token), else nil: the fencing check.  Also
--- returns its 'l' (for active_field).
+-- returns its 'l' (for active_field) and its 'rl' (thread_rate_limit's interval, for claim.lua).
 local function is_active(task, token)
-  local a = redis.call('HMGET', K_A, 'task', 'token', 'state', 'l')
+  local a = redis.call('HMGET', K_A, 'task', 'token', 'state', 'l', 'rl')
   if a[1] ~= task or a[2] ~= token then return nil end
-  return a[3], a[4]
+  return a[3], a[4], a[5]
 end
 
 -- Whether a finish or requeue of the active member, in `state`, comes from another delivery than
