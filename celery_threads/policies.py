@@ -52,11 +52,11 @@ def rate_interval_ms(value: Any, where: str) -> Optional[int]:
     if value is None:
         return None
     try:
-        per_second = rate(value)
+        per_second = float(rate(value))
     except (TypeError, ValueError, KeyError, AttributeError) as exc:
         raise ConfigurationError(f"{where}: thread_rate_limit must be Celery's rate form such as "
                                  f"'10/s', '30/m' or '100/h', not {value!r}") from exc
-    if not per_second or per_second <= 0:
+    if not per_second > 0:
         raise ConfigurationError(f"{where}: thread_rate_limit must allow more than 0 releases "
                                  f"(None for no limit), not {value!r}")
     return max(1, math.ceil(1000 / per_second))
