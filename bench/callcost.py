@@ -1,4 +1,5 @@
-"""``python -m bench.callcost [--calls N] [--repeats N]``: what one gate call costs, as scripts
+"""``python -m bench.callcost [--calls N] [--repeats N] [--policy P] [--max-waiting N]``: what one
+gate call costs, as scripts
 (``EVALSHA``) and as the library's functions (``FCALL``), in one run on a private redis-server.
 
 Not one of the five benchmarks: a profiling aid behind the Redis rows of ``throughput``.  For each
@@ -7,6 +8,9 @@ between repeats: Redis's time per call, the inner commands included (``INFO comm
 ``usec`` / ``calls`` of ``evalsha`` or ``fcall``), and the client's CPU per call
 (``time.process_time`` around the calls, through ``Gate`` as workers make them).  For reference,
 a trivial script's round trip (``return 1``): the client's CPU and wall time per call.
+``--policy`` (a member's policies as its record keeps them: ``h`` on_death="hold", ``r<ms>``
+thread_rate_limit's interval; see ``celery_threads.policies.policy_text``) and ``--max-waiting``
+give every enqueued member those policies, to measure what they cost.
 """
 from __future__ import annotations
 
@@ -21,8 +25,10 @@ ENVELOPE = b'{"headers":{"task":"bench.noop"}}\n' + b"x" * 900
 STEPS = ("enqueue", "claim", "finish")
 
 
-def _one_way(gate: Any, client: Any, calls: int, tag: str) -> dict[str, tuple[float, float]]:
-    """``{step: (Redis µs per call, client CPU µs per call)}`` for ``calls`` idle-thread lives."""
+def _one_way(gate: Any, client: Any, calls: int, tag: str,
+             **policy: Any) -> dict[str, tuple[float, float]]:
+    """``{step: (Redis µs per call, client CPU µs per call)}`` for ``calls`` idle-thread lives;
+    ``policy``: the enqueue's policy options."""
     lives = [(f"{tag}-{i}", str(uuid.uuid4())) for i in range(calls)]
     tokens: dict[str, str] = {}
     out = {}
@@ -31,7 +37,7 @@ def _one_way(gate: Any, client: Any, calls: int, tag: str) -> dict[str, tuple[fl
         t0 = time.process_time()
         for thread, task in lives:
             if step == "enqueue":
-                tokens[task] = gate.enqueue(thread, task, ENVELOPE).release.token
+                tokens[task] = gate.enqueue(thread, task, ENVELOPE, **policy).release.token
             elif step == "claim":
                 gate.claim(thread, task, tokens[task], 30_000, "callcost")
             else:
@@ -48,7 +54,14 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--calls", type=int, default=5000, help="lives per way and repeat (5,000)")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--policy", default="", help="each member's policies (e.g. h, r100, hr100)")
+    p.add_argument("--max-waiting", type=int, default=None, help="each enqueue's max_waiting")
     args = p.parse_args(argv)
+    policy: dict[str, Any] = {}
+    if args.policy:
+        policy["policy"] = args.policy
+    if args.max_waiting is not None:
+        policy["max_waiting"] = args.max_waiting
     from celery_threads.gate import Gate, make_client
     from celery_threads.keys import Keys
 
@@ -66,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
             for way in ways:
                 h.progress(f"repeat {rep + 1}/{args.repeats}: {way}")
                 for step, value in _one_way(gates[way], client, args.calls,
-                                            f"{way}-{rep}").items():
+                                            f"{way}-{rep}", **policy).items():
                     results.setdefault((way, step), []).append(value)
         sha = client.script_load("return 1")
         trivial = []
@@ -87,7 +100,9 @@ def main(argv: list[str] | None = None) -> int:
                  f"{h.median([t[0] for t in trivial]):.1f} / {h.median([t[1] for t in trivial]):.1f}",
                  "-", "-"])
     print(h.table("callcost (gate only)", [
-        f"command: `python -m bench.callcost --calls {args.calls} --repeats {args.repeats}`",
+        f"command: `python -m bench.callcost --calls {args.calls} --repeats {args.repeats}"
+        + (f" --policy {args.policy}" if args.policy else "")
+        + (f" --max-waiting {args.max_waiting}" if args.max_waiting is not None else "") + "`",
         f"machine: {where}",
         f"load: {args.calls:,} idle-thread lives (enqueue, claim, finish) per way and repeat; "
         f"{args.repeats} repeat(s), the two ways alternating"],
