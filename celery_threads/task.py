@@ -162,7 +162,7 @@ class ThreadedTask(Task):
                 # task id is never a member twice and at most one member of a thread runs.
                 replaced.reentry = Reentry(0, 0, at_ms if at_ms is not None else (
                     replaced.server_now_ms(runtime.gate) + delay_ms if delay_ms else None), capture.envelope,
-                    Replacement(thread_id, nesting, max_retries, retry_delay_ms))
+                    Replacement(thread_id, nesting, max_retries, retry_delay_ms, policy.text))
             elif token is not None:
                 reentry = Reentry(int(options.get("retries") or 0), delay_ms, at_ms,
                                   capture.envelope)
@@ -248,7 +248,7 @@ class ThreadedTask(Task):
         outcome: Outcome = runtime.gate.enqueue(
             replacement.thread_id, task_id, reentry.envelope or b"", at_ms=reentry.at_ms,
             max_retries=replacement.max_retries, retry_delay_ms=replacement.retry_delay_ms,
-            replaced=replacement.nesting)
+            replaced=replacement.nesting, policy=replacement.policy)
         if not outcome.done:
             logger.warning("celery-threads: replacement %s of %s could not join thread %s: that "
                            "task id is a member there already", task_id, self.name,
@@ -467,6 +467,7 @@ class Replacement(NamedTuple):
     nesting: int
     max_retries: Optional[int]
     retry_delay_ms: int
+    policy: str = ""        # its task's policies (policies.policy_text); never max_waiting
 
 
 class Reentry(NamedTuple):
