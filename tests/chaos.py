@@ -54,6 +54,7 @@ from typing import Any, Optional
 
 import redis
 
+from celery_threads.policies import rate_interval_ms
 from tests.checker import DeadLetter, Deletion, Enqueue, Event, GateState, Limits, Report, check
 from tests.conftest import CeleryProcess, RedisServer
 from tests.netfault import Relay
@@ -92,6 +93,8 @@ class Options:
     backend: bool = True              # a Redis result backend (on the history server), checked
     publish_timeout: Optional[float] = None   # threads_publish_timeout (None: its default)
     no_ack: bool = False              # the queue consumed without broker acknowledgements
+    rate_threads: int = 2             # threads (of the cold ones) whose calls set ...
+    thread_rate: str = "5/s"          # ... this thread_rate_limit
 
 
 class ChaosProcess(CeleryProcess):
@@ -534,6 +537,9 @@ class Workload:
         self.threads = [f"th{i:02d}-{cluster.run_id}" for i in range(opts.threads)]
         hot = max(1, opts.threads // 5)
         self.weights = [4.0 if i < hot else 1.0 for i in range(opts.threads)]
+        # The last threads (cold ones) are rate-limited: every call into them sets
+        # thread_rate_limit, and the checker holds their releases to its interval.
+        self.rated = set(self.threads[hot:][-opts.rate_threads:]) if opts.rate_threads else set()
         self.enqueued = 0
         self.failed_enqueues: list[str] = []
         self.deleted = 0
@@ -580,15 +586,16 @@ class Workload:
         from tests.chaos_tasks import now_us, record, work
 
         lo = now_us()
+        policy = {"thread_rate_limit": self.opts.thread_rate} if thread in self.rated else {}
         try:
             if eta_ms is not None:
                 result = work.apply_async(
                     (thread, label), kwargs,
-                    eta=datetime.fromtimestamp(eta_ms / 1000, timezone.utc))
+                    eta=datetime.fromtimestamp(eta_ms / 1000, timezone.utc), **policy)
             else:
                 result = work.apply_async(
                     (thread, label), kwargs,
-                    countdown=countdown_ms / 1000.0 if countdown_ms else None)
+                    countdown=countdown_ms / 1000.0 if countdown_ms else None, **policy)
         except Exception as exc:
             self.failed_enqueues.append(f"{type(exc).__name__}: {exc}")
             record("enq_failed", thread=thread, error=repr(exc)[:300], lo=lo)
@@ -780,8 +787,10 @@ def run(opts: Options) -> Report:
         events += cluster.lease_kills()
         results = cluster.results([e.task for e in enqueues] + [d.task for d in deletions]
                                   + list(gate.dead))
+        interval_us = 1000 * (rate_interval_ms(opts.thread_rate, "chaos") or 0)
         report = check(events, gate, deletions, enqueues,
-                       Limits(opts.keepalive, opts.dispatch_interval, opts.retry_delay), results)
+                       Limits(opts.keepalive, opts.dispatch_interval, opts.retry_delay,
+                              rates={t: interval_us for t in workload.rated}), results)
         report.info.append(f"faults: {faults['worker']} worker SIGKILLs, {faults['child']} "
                            f"pool-child SIGKILLs, {faults['redis']} gate Redis restarts "
                            f"({opts.outage:g}s each), acks_late"
@@ -834,7 +843,10 @@ def main(argv: Optional[list[str]] = None) -> int:
                         default=defaults.broker,
                         help="redis: the broker is database 1 of the gate's Redis, restarted with "
                              "it; redis-apart: on the history server, never restarted")
-    for name in ("workers", "concurrency", "threads", "seed", "redis_restarts", "partitions"):
+    parser.add_argument("--thread-rate", default=defaults.thread_rate,
+                        help="thread_rate_limit of the calls into the rate-limited threads")
+    for name in ("workers", "concurrency", "threads", "seed", "redis_restarts", "partitions",
+                 "rate_threads"):
         parser.add_argument("--" + name.replace("_", "-"), type=int,
                             default=getattr(defaults, name))
     for name in ("rate", "keepalive", "dispatch_interval", "release_timeout", "visibility",

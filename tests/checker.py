@@ -200,6 +200,9 @@ class Limits:
     dispatch_interval: float        # s
     retry_delay: float              # s: default_retry_delay, used by the gate's own re-entries
     max_retries: int = 3            # the task's max_retries: a failed attempt past it dies
+    # Threads whose members had a thread_rate_limit: thread -> the interval (µs) between two
+    # releases.
+    rates: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -264,6 +267,8 @@ class Report:
     bad_endings: list[str] = field(default_factory=list)
     order_violations: list[str] = field(default_factory=list)
     early_starts: list[str] = field(default_factory=list)
+    rate_violations: list[str] = field(default_factory=list)
+    rates_checked: int = 0
     releases_checked: int = 0
     waiting_compared: int = 0
     ties_compared: int = 0
@@ -282,13 +287,14 @@ class Report:
     @property
     def ok(self) -> bool:
         return not (self.overlaps or self.bad_endings or self.order_violations
-                    or self.early_starts or self.stuck or self.orphans
+                    or self.early_starts or self.rate_violations or self.stuck or self.orphans
                     or self.result_mismatches)
 
     def counts(self) -> dict[str, int]:
         return {"overlaps": len(self.overlaps), "bad_endings": len(self.bad_endings),
                 "order_violations": len(self.order_violations),
-                "early_starts": len(self.early_starts), "stuck": len(self.stuck),
+                "early_starts": len(self.early_starts),
+                "rate_violations": len(self.rate_violations), "stuck": len(self.stuck),
                 "orphans": len(self.orphans), "result_mismatches": len(self.result_mismatches)}
 
     def as_dict(self) -> dict[str, Any]:
@@ -313,6 +319,9 @@ class Report:
             f"attempts received or started before their scheduled_at: {len(self.early_starts)} "
             f"({self.schedules_checked} checked)",
             *_first(self.early_starts, limit),
+            f"releases of a rate-limited thread closer than its interval: "
+            f"{len(self.rate_violations)} ({self.rates_checked} checked)",
+            *_first(self.rate_violations, limit),
             f"stored results that disagree with how their member ended: "
             f"{len(self.result_mismatches)} ({self.results_checked} checked)",
             *_first(self.result_mismatches, limit),
@@ -446,6 +455,7 @@ def check(history: Sequence[Event], gate: GateState, deleted: Sequence[Deletion]
     _check_endings(thread_of, attempts, kills, gate, deletions, limits, report)
     _check_order(attempts, known, unlanded, first, limits, report)
     _check_schedules(attempts, known, report)
+    _check_rates(attempts, limits, report)
     if results is not None:
         _check_results(thread_of, attempts, kills, gate, deletions, results, report)
     _check_gate(gate, thread_of, deletions, report)
@@ -663,6 +673,22 @@ def _check_order(attempts: list[Attempt], known: dict[tuple[str, int], Enqueue],
                         f"{_s(sched_lo)}, although {y.task} arrived first (by "
                         f"{_s(first[y.task].at_hi)}, {x.task} after {_s(first[x.task].at_lo)})")
                     break
+
+
+def _check_rates(attempts: list[Attempt], limits: Limits, report: Report) -> None:
+    """thread_rate_limit: two releases of a rate-limited thread are at least its interval apart
+    on the gate's clock.  A release's token is the shard counter's value, which never falls
+    below the clock in microseconds and follows it within a few units (lua/_common.lua
+    next_seq): consecutive tokens a worker saw are the interval apart, less the gate clock's
+    millisecond resolution.  (A release no worker saw only widens the gap.)"""
+    for thread, interval in sorted(limits.rates.items()):
+        tokens = sorted({a.tok for a in attempts if a.thread == thread and a.tok >= 0})
+        for t1, t2 in zip(tokens, tokens[1:]):
+            report.rates_checked += 1
+            if t2 - t1 < interval - SLACK_US:
+                report.rate_violations.append(
+                    f"thread {thread}: releases {t1} and {t2} came {_s(t2 - t1)} apart, under "
+                    f"its thread_rate_limit's interval {_s(interval)}")
 
 
 def _tied_and_first(y: Enqueue, x: Optional[Enqueue], first: dict[str, Enqueue],

@@ -1,6 +1,7 @@
 """The chaos checker catches each kind of violation in synthetic histories, and passes a clean one."""
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import pytest
@@ -640,3 +641,23 @@ def test_stored_results_that_disagree_with_the_endings_are_caught() -> None:
                for x in report.result_mismatches)
     assert "stored results that disagree with how their member ended: 5" in report.format()
     assert h.check().results_checked == 0          # a run that kept no results: not checked
+
+
+def test_releases_of_a_rate_limited_thread_closer_than_its_interval_are_caught() -> None:
+    """thread_rate_limit: the release tokens (the shard counter, which follows the gate's clock
+    in µs) of a rate-limited thread are its interval apart, less the clock's resolution."""
+    def run(gap_ms: int) -> Report:
+        h = History()
+        for i, task in enumerate(("a", "b", "c")):
+            h.enqueue(task, "t", 0)
+            h.token = i * gap_ms * MS - 1          # the next release's token, in µs
+            h.attempt(task, "t", 10 + i * gap_ms, 20 + i * gap_ms, recv=5 + i * gap_ms)
+        limits = dataclasses.replace(LIMITS, rates={"t": 250 * MS})
+        return check(h.events, GateState(), h.deletions, h.enqueues, limits)
+
+    report = run(240)
+    assert len(report.rate_violations) == 2 and "thread t" in report.rate_violations[0], (
+        report.format())
+    assert not report.ok
+    report = run(249)                               # within the clock's resolution
+    assert report.ok and report.rates_checked == 2, report.format()
