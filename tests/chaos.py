@@ -95,6 +95,8 @@ class Options:
     no_ack: bool = False              # the queue consumed without broker acknowledgements
     rate_threads: int = 2             # threads (of the cold ones) whose calls set ...
     thread_rate: str = "5/s"          # ... this thread_rate_limit
+    hold_threads: int = 1             # threads (of the hot ones) whose calls set on_death="hold"
+    operator_every: float = 1.0       # seconds between the operator's looks at held threads
 
 
 class ChaosProcess(CeleryProcess):
@@ -365,7 +367,9 @@ class Cluster:
         shard = Keys(self.env["CHAOS_KEY_PREFIX"]).shard(0)
         client = self.gate_client()
         try:
-            return int(client.zcard(shard.due)) + int(client.zcard(shard.leases))
+            # A paused thread (held by a death: the operator resumes it) is in neither index.
+            return (int(client.zcard(shard.due)) + int(client.zcard(shard.leases))
+                    + int(client.hlen(shard.paused)))
         finally:
             client.close()
 
@@ -540,6 +544,9 @@ class Workload:
         # The last threads (cold ones) are rate-limited: every call into them sets
         # thread_rate_limit, and the checker holds their releases to its interval.
         self.rated = set(self.threads[hot:][-opts.rate_threads:]) if opts.rate_threads else set()
+        # The first threads (hot ones) hold on death: the operator resumes them (operator()).
+        self.holding = set(self.threads[:min(hot, opts.hold_threads)])
+        self.halt = threading.Event()     # the operator's own stop: after the gate has emptied
         self.enqueued = 0
         self.failed_enqueues: list[str] = []
         self.deleted = 0
@@ -586,7 +593,9 @@ class Workload:
         from tests.chaos_tasks import now_us, record, work
 
         lo = now_us()
-        policy = {"thread_rate_limit": self.opts.thread_rate} if thread in self.rated else {}
+        policy: dict[str, Any] = (
+            {"thread_rate_limit": self.opts.thread_rate} if thread in self.rated
+            else {"on_death": "hold"} if thread in self.holding else {})
         try:
             if eta_ms is not None:
                 result = work.apply_async(
@@ -604,6 +613,31 @@ class Workload:
             record("enq", task=result.id, thread=thread, n=0, cd=countdown_ms * 1000, lo=lo,
                    **exact)
             self.enqueued += 1
+
+    def operator(self) -> None:
+        """An operator who looks at the held threads every ``--operator-every`` seconds, and
+        resumes each that a death holds (``act``: the time read before the resume), until the
+        run has drained the gate; then once more."""
+        halted = False
+        while not halted:
+            halted = self.halt.wait(self.opts.operator_every)
+            self._resume_held()
+
+    def _resume_held(self) -> None:
+        from celery_threads import Threads
+        from tests.chaos_tasks import app, now_us, record
+
+        threads = Threads(app)
+        for thread in sorted(self.holding):
+            try:
+                info = threads.get(thread)
+                if info is None or not (info.paused or "").startswith("on_death=hold"):
+                    continue
+                lo = now_us()
+                if threads.resume(thread):
+                    record("act", thread=thread, lo=lo, what="resume")
+            except Exception as exc:
+                self.errors.append(f"operator: {type(exc).__name__}: {exc}")
 
     def deleter(self, until: float) -> None:
         from celery_threads import Threads
@@ -669,6 +703,8 @@ def parse_history(rows: list[dict[str, Any]]) -> tuple[list[Event], list[Enqueue
             deletions.append(Deletion(row["task"], int(row["lo"]), row["t"]))
         elif k in ("redis_down", "redis_up"):
             events.append(Event(k, row["t"]))
+        elif k == "act":
+            events.append(Event(k, int(row["lo"]), thread=row["thread"], what=row["what"]))
         elif k == "healthy":
             events.append(Event(k, row["t"], count=int(row["n"])))
     # A retry's re-entry (attempt >= 1) counts as in the gate only once the task saw it land.
@@ -703,6 +739,8 @@ def run(opts: Options) -> Report:
         pool = [threading.Thread(target=workload.producer, args=(t0 + 0.85 * load,
                                                                  t0 + 0.6 * load), daemon=True),
                 threading.Thread(target=workload.deleter, args=(t0 + 0.9 * load,), daemon=True)]
+        operator = threading.Thread(target=workload.operator, daemon=True)
+        operator.start()
         for th in pool:
             th.start()
 
@@ -775,6 +813,8 @@ def run(opts: Options) -> Report:
         while time.time() < t_quiet + opts.quiesce_timeout and cluster.gate_busy():
             exits += cluster.supervise()
             time.sleep(0.5)
+        workload.halt.set()
+        operator.join(30)
         busy = cluster.gate_busy()
         say(f"  quiesced in {time.time() - t_quiet:.1f}s ({busy} threads left in the gate)")
         _await_quiet(history, HISTORY_KEY)   # the last fin rows follow the last finishes
@@ -790,7 +830,8 @@ def run(opts: Options) -> Report:
         interval_us = 1000 * (rate_interval_ms(opts.thread_rate, "chaos") or 0)
         report = check(events, gate, deletions, enqueues,
                        Limits(opts.keepalive, opts.dispatch_interval, opts.retry_delay,
-                              rates={t: interval_us for t in workload.rated}), results)
+                              rates={t: interval_us for t in workload.rated},
+                              holding=frozenset(workload.holding)), results)
         report.info.append(f"faults: {faults['worker']} worker SIGKILLs, {faults['child']} "
                            f"pool-child SIGKILLs, {faults['redis']} gate Redis restarts "
                            f"({opts.outage:g}s each), acks_late"
@@ -825,6 +866,7 @@ def run(opts: Options) -> Report:
     finally:
         if workload is not None:
             workload.stop.set()
+            workload.halt.set()
         cluster.close()
         if own_workdir and ok and not opts.keep:
             shutil.rmtree(workdir, ignore_errors=True)
@@ -846,11 +888,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--thread-rate", default=defaults.thread_rate,
                         help="thread_rate_limit of the calls into the rate-limited threads")
     for name in ("workers", "concurrency", "threads", "seed", "redis_restarts", "partitions",
-                 "rate_threads"):
+                 "rate_threads", "hold_threads"):
         parser.add_argument("--" + name.replace("_", "-"), type=int,
                             default=getattr(defaults, name))
     for name in ("rate", "keepalive", "dispatch_interval", "release_timeout", "visibility",
                  "retry_delay", "kill_every", "child_kill_every", "delete_every", "outage",
+                 "operator_every",
                  "partition", "quiesce_timeout"):
         parser.add_argument("--" + name.replace("_", "-"), type=float,
                             default=getattr(defaults, name))

@@ -81,7 +81,8 @@ def _kill_leftovers(pid_file: Path) -> None:
 def _assert_clean(data: dict[str, Any], min_members: int) -> None:
     output = data["output"][-6000:]
     assert data["counts"] == {"overlaps": 0, "bad_endings": 0, "order_violations": 0,
-                              "early_starts": 0, "rate_violations": 0, "stuck": 0, "orphans": 0,
+                              "early_starts": 0, "rate_violations": 0, "hold_violations": 0,
+                              "stuck": 0, "orphans": 0,
                               "result_mismatches": 0}, output
     assert data["ok"], output
     assert data["enqueued"] >= min_members, output

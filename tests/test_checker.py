@@ -661,3 +661,24 @@ def test_releases_of_a_rate_limited_thread_closer_than_its_interval_are_caught()
     assert not report.ok
     report = run(249)                               # within the clock's resolution
     assert report.ok and report.rates_checked == 2, report.format()
+
+
+def test_a_start_in_a_held_thread_before_the_operator_acted_is_caught() -> None:
+    """on_death="hold": after a death nothing of the thread starts before the operator acts."""
+    def run(resumed_at: int) -> Report:
+        h = History()
+        h.enqueue("a", "t", 0)
+        h.enqueue("b", "t", 1)
+        h.attempt("a", "t", 10, 100, "die", recv=5)
+        h.die("a", "t", 101)
+        h.events.append(Event("act", resumed_at * MS, thread="t", what="resume"))
+        h.attempt("b", "t", 300, 400, recv=295)
+        limits = dataclasses.replace(LIMITS, holding=frozenset({"t"}))
+        return check(h.events, GateState(dead=h.dead), h.deletions, h.enqueues, limits)
+
+    report = run(350)
+    assert len(report.hold_violations) == 1 and "b#0" in report.hold_violations[0], (
+        report.format())
+    assert not report.ok
+    report = run(250)
+    assert report.ok and report.holds_checked == 1, report.format()
