@@ -90,7 +90,7 @@ def _assert_clean(data: dict[str, Any], min_members: int) -> None:
     assert data["faults"]["redis"] >= 1, output
     assert data["releases_checked"] > 0 and data["waiting_compared"] > 0, output
     assert data["ties_compared"] > 0 and data["schedules_checked"] > 0, output
-    assert data["rates_checked"] > 0, output
+    assert data["rates_checked"] > 0 and data["holds_checked"] > 0, output
     assert data["results_checked"] >= min_members, output   # every member's stored result read
     assert data["succeeded"] > 0 and data["dead_lettered"] > 0 and data["deleted"] > 0, output
     assert data["recoveries"], f"no recovery was measured:\n{output}"
