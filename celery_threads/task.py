@@ -187,7 +187,7 @@ class ThreadedTask(Task):
                     raise ThreadFull(
                         f"thread {thread_id!r} already has {policy.max_waiting} waiting members "
                         f"(max_waiting of {self.name}): {task_id} was not stored nor sent; call "
-                        "again later", thread_id)
+                        "again later", thread_id, task_id)
                 if not outcome.done:
                     logger.info("celery-threads: %s[%s] is already a member of thread %s, or "
                                 "ended less than 30 s ago; not enqueued twice", self.name,

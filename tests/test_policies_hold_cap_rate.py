@@ -8,6 +8,7 @@ import json
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import redis
 from celery.bin.celery import celery as celery_command
 from click.testing import CliRunner
 
@@ -165,6 +166,11 @@ def test_max_waiting_admits_exactly_n_of_concurrent_calls(proj, make_deployment,
     assert all(isinstance(e, ThreadsError) and e.thread_id == thread for e in refused)
     info = Threads(proj.app).get(thread)
     assert sorted(m.task_id for m in info.waiting) == sorted(a.id for a in admitted)
+    # Nothing of the refused calls reached the broker: its queue holds no message naming them.
+    broker = redis.Redis.from_url(proj.app.conf.broker_url)
+    queued = b"".join(broker.lrange(proj.app.conf.task_default_queue, 0, -1))
+    broker.close()
+    assert not [e.task_id for e in refused if e.task_id.encode() in queued]
     # A replay of an admitted call (its reply lost) is a duplicate, not refused.
     proj.record.apply_async((thread, "replay"), task_id=admitted[0].id, max_waiting=3)
     with pytest.raises(ThreadFull):
@@ -178,15 +184,9 @@ def test_max_waiting_admits_exactly_n_of_concurrent_calls(proj, make_deployment,
     assert starts(r, thread) == ["hold", *[labels[m.task_id] for m in info.waiting], "c-extra"]
     ran = {e.task_id for e in events(r, thread)}
     # Nothing stored or sent of the refused calls: no result, no start, no member.
-    refused_ids = [task_id for task_id in _refused_ids(outcomes)]
+    refused_ids = [e.task_id for e in refused]
     assert not any(stored(proj, t) for t in refused_ids) and not ran & set(refused_ids)
     wait_for(lambda: not gate_keys(r, thread), what="the thread's keys to vanish", timeout=60)
-
-
-def _refused_ids(outcomes) -> list[str]:
-    """The task ids of refused calls, as their messages say."""
-    return [str(e).split(": ", 1)[1].split(" ", 1)[0] for e in outcomes
-            if isinstance(e, ThreadFull)]
 
 
 def test_rate_limit_spaces_the_starts_of_a_thread_not_of_others(proj, make_deployment, r):
