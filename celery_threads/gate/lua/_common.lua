@@ -604,8 +604,10 @@ local function add_member(task, sched, retries, maxr, delay, envelope, again, se
     redis.call('ZADD', K_Q, sched, queue_member(seq, field))
     return nil
   end
-  if sched <= NOW and not policy and redis.call('EXISTS', K_Q) == 0 and not thread_paused() then
-    -- An empty thread (so in neither index): its only member is released without being queued.
+  if sched <= NOW and not (policy and string.find(policy, 'r', 1, true))
+      and redis.call('EXISTS', K_Q) == 0 and not thread_paused() then
+    -- An empty thread (so in neither index): its only member is released without being queued
+    -- (one with a thread_rate_limit goes the queue's way, where release_idle spaces it).
     return activate(task, field, sched, false, rec)
   end
   redis.call('ZADD', K_Q, sched, queue_member(seq, field))
