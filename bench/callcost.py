@@ -9,9 +9,10 @@ between repeats: Redis's time per call, the inner commands included (``INFO comm
 a trivial script's round trip (``return 1``): the client's CPU and wall time per call.
 
 Policies: the same lives with ``coalesce="latest"`` (the enqueue writes the thread's policy
-hash; the finish that ends the thread gives it its expiry) and an enqueue that supersedes a
-waiting call.  ``--against REV`` measures the Lua of git revision REV beside this tree's, in the
-same run on the same server, alternating: what a change costs the calls that do not use it.
+hash; the finish that ends the thread gives it its expiry), an enqueue that supersedes a
+waiting call, and lives with on_death="hold", a thread_rate_limit and max_waiting.
+``--against REV`` measures the Lua of git revision REV beside this tree's, in the same run on the
+same server, alternating: what a change costs the calls that do not use it.
 """
 from __future__ import annotations
 
@@ -28,16 +29,22 @@ from celery_threads.gate import library
 
 ENVELOPE = b'{"headers":{"task":"bench.noop"}}\n' + b"x" * 900
 STEPS = ("enqueue", "claim", "finish")
+# The other policies' rows (this tree): a member's record policy (h: on_death="hold", r<ms>:
+# thread_rate_limit's interval; celery_threads.policies.policy_text) and max_waiting.
+POLICIES: dict[str, dict[str, Any]] = {"on_death=hold": {"policy": "h"},
+                                       "thread_rate_limit": {"policy": "r100"},
+                                       "max_waiting": {"max_waiting": 5}}
 
 
 def _one_way(gate: Any, client: Any, calls: int, tag: str,
-             coalesce: Optional[str] = None) -> dict[str, tuple[float, float]]:
+             coalesce: Optional[str] = None, **policy: Any) -> dict[str, tuple[float, float]]:
     """``{step: (Redis µs per call, client CPU µs per call)}`` for ``calls`` idle-thread lives
-    (``coalesce``: the enqueues as calls of that task with ``coalesce="latest"``)."""
+    (``coalesce``: the enqueues as calls of that task with ``coalesce="latest"``; ``policy``:
+    the enqueue's other policy options, e.g. ``policy="h"``, ``max_waiting=5``)."""
     lives = [(f"{tag}-{i}", str(uuid.uuid4())) for i in range(calls)]
     tokens: dict[str, str] = {}
     out = {}
-    options = {"coalesce": coalesce} if coalesce else {}
+    options = {**policy, **({"coalesce": coalesce} if coalesce else {})}
     for step in STEPS:
         def call(thread: str, task: str, step: str = step) -> None:
             if step == "enqueue":
@@ -138,6 +145,10 @@ def main(argv: list[str] | None = None) -> int:
                         coalesce="bench.noop").items()})
                     measured.update(_superseding(policy_gates[way], client, args.calls,
                                                  f"{way}-s-{rep}"))
+                    for label, options in POLICIES.items():
+                        measured.update({f"{step} ({label})": v for step, v in _one_way(
+                            policy_gates[way], client, args.calls, f"{way}-{label}-{rep}",
+                            **options).items()})
                 for step, value in measured.items():
                     results.setdefault((way, rev, step), []).append(value)
         sha = client.script_load("return 1")
@@ -154,7 +165,8 @@ def main(argv: list[str] | None = None) -> int:
         return h.median([v[i] for v in values]) if values else "-"
 
     rows = []
-    steps = [*STEPS, *(f"{step} (coalesce)" for step in STEPS), "superseding enqueue"]
+    steps = [*STEPS, *(f"{step} (coalesce)" for step in STEPS), "superseding enqueue",
+             *(f"{step} ({label})" for label in POLICIES for step in STEPS)]
     for step in steps:
         for i, what in ((0, "Redis time per call, inner commands included (µs)"),
                         (1, "client CPU per call (µs)")):
@@ -175,8 +187,9 @@ def main(argv: list[str] | None = None) -> int:
         f"{against}`",
         f"machine: {where}",
         f"load: {args.calls:,} idle-thread lives (enqueue, claim, finish) per way, version and "
-        f"repeat, the same with coalesce='latest' and {args.calls:,} superseding enqueues (this "
-        f"tree); {args.repeats} repeat(s), the ways and versions alternating"],
+        f"repeat, the same with coalesce='latest', on_death='hold', a rate of 10/s and max_waiting "
+        f"5, and {args.calls:,} superseding enqueues (this tree); {args.repeats} repeat(s), the "
+        "ways and versions alternating"],
         ["measure", *before_columns, "EVALSHA (scripts)", "FCALL (functions)", "ratio"], rows,
         [f"medians over {args.repeats} repeat(s); ratio = FCALL / EVALSHA of this tree."]))
     return 0

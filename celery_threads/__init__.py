@@ -1,6 +1,6 @@
 """celery-threads: Celery tasks serialized per thread id, earliest scheduled first."""
 from . import install as _install  # noqa: F401  (connects the app-finalize and worker hooks)
-from .errors import InvalidThreadId, ThreadsError
+from .errors import InvalidThreadId, ThreadFull, ThreadsError
 from .task import ThreadedTask
 from .threads import (
                       ActiveStatus,
@@ -25,6 +25,7 @@ __all__ = [
     "ThreadInfo",
     "ThreadStatus",
     "ThreadSummary",
+    "ThreadFull",
     "ThreadedTask",
     "Threads",
     "ThreadsError",

@@ -47,5 +47,17 @@ class NotReplicated(ThreadsError, redis.TimeoutError):
         self.reply = reply
 
 
+class ThreadFull(ThreadsError):
+    """The call's thread already holds ``max_waiting`` waiting members (the task option or the
+    ``apply_async`` option): the call was refused, and nothing was stored in the gate or sent to
+    the broker.  Call again later, or raise ``max_waiting``.  ``thread_id`` names the thread,
+    ``task_id`` the call's task id."""
+
+    def __init__(self, message: str, thread_id: str = "", task_id: str = "") -> None:
+        super().__init__(message)
+        self.thread_id = thread_id
+        self.task_id = task_id
+
+
 class UnknownTask(ThreadsError, KeyError):
     """No thread member (or dead task) has this task id."""

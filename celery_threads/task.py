@@ -14,9 +14,10 @@ from celery.exceptions import Ignore, Reject, Retry
 from celery.utils import uuid
 from celery.utils.saferepr import saferepr
 
+from . import policies
 from .config import ThreadsConfig, read_config
-from .errors import ConfigurationError, GateUnavailable, InvalidThreadId, NotReplicated
-from .gate import DELETED, Claim, Gate, Outcome, deadline
+from .errors import ConfigurationError, GateUnavailable, InvalidThreadId, NotReplicated, ThreadFull
+from .gate import DELETED, Claim, Enqueue, Gate, Outcome, deadline
 from .install import install
 from .protocol import (
     OUR_HEADERS,
@@ -46,8 +47,11 @@ class ThreadedTask(Task):
     name or a callable ``(args, kwargs) -> id``).  ``dead_letter = False`` drops members that die
     instead of keeping them in the dead-letter store.
 
-    Supersede policies (docs/policies-supersede.md), each also an ``apply_async`` option of the
-    same name for one call: ``coalesce = "latest"``: a call supersedes its task's call in its
+    Policies (docs/policies.md), each also an ``apply_async`` option of the same name for one
+    call: ``on_death = "hold"`` pauses the thread when a member dies; ``max_waiting = N`` refuses
+    a call (:class:`~celery_threads.ThreadFull`) that finds N members waiting in its thread;
+    ``thread_rate_limit = "10/s"`` spaces the releases of the thread's members;
+    ``coalesce = "latest"``: a call supersedes its task's call in its
     thread that waits and has not run yet (it ends ``REVOKED``) and takes its place;
     ``debounce = S``: as ``coalesce``, and the call runs no earlier than S seconds after it
     reached the gate, so a burst runs once, S after its last call; ``debounce_max = M``: a burst
@@ -56,6 +60,9 @@ class ThreadedTask(Task):
 
     thread_key: ThreadKey = None
     dead_letter: bool = True
+    on_death: Optional[str] = None          # None: "advance"
+    max_waiting: Optional[int] = None
+    thread_rate_limit: Optional[Union[str, int, float]] = None
     coalesce: Optional[str] = None
     debounce: Optional[float] = None
     debounce_max: Optional[float] = None
@@ -70,6 +77,7 @@ class ThreadedTask(Task):
     @classmethod
     def on_bound(cls, app: Any) -> None:
         _check_thread_key(cls)
+        policies.check_task(cls)
         supersede_policy(cls.name, cls.coalesce, cls.debounce, cls.debounce_max)
         install(app)
 
@@ -116,6 +124,7 @@ class ThreadedTask(Task):
         # Never seen by Celery (in eager mode too): the gate applies them.
         coalesce, debounce, debounce_max = (
             options.pop(option, getattr(self, option)) for option in SUPERSEDE_OPTIONS)
+        policy = policies.resolve(self, options)
         app = self._get_app()
         if app.conf.task_always_eager:
             return super().apply_async(args, kwargs, task_id=task_id, producer=producer,
@@ -145,8 +154,8 @@ class ThreadedTask(Task):
                     and current[0] == task_id else None)
         max_retries, retry_delay_ms = retry_settings(self) if token is None else (None, 0)
         # A retry or a replacement is not a new call: it supersedes nothing.
-        policy = (supersede_policy(self.name, coalesce, debounce, debounce_max)
-                  if token is None and replaced is None else None)
+        supersede = (supersede_policy(self.name, coalesce, debounce, debounce_max)
+                     if token is None and replaced is None else None)
         if options.get("kwargsrepr") is None:
             # Flower shows kwargsrepr: the thread id is visible on every member there.
             options["kwargsrepr"] = f"{saferepr(kwargs or {}, 1024)} thread={thread_id!r}"
@@ -178,7 +187,7 @@ class ThreadedTask(Task):
                 # task id is never a member twice and at most one member of a thread runs.
                 replaced.reentry = Reentry(0, 0, at_ms if at_ms is not None else (
                     replaced.server_now_ms(runtime.gate) + delay_ms if delay_ms else None), capture.envelope,
-                    Replacement(thread_id, nesting, max_retries, retry_delay_ms))
+                    Replacement(thread_id, nesting, max_retries, retry_delay_ms, policy.text))
             elif token is not None:
                 reentry = Reentry(int(options.get("retries") or 0), delay_ms, at_ms,
                                   capture.envelope)
@@ -197,9 +206,16 @@ class ThreadedTask(Task):
                 outcome = runtime.gate.enqueue(
                     thread_id, task_id, capture.envelope, delay_ms=delay_ms, at_ms=at_ms,
                     max_retries=max_retries, retry_delay_ms=retry_delay_ms, replaced=nesting,
-                    coalesce=self.name if policy is not None else None,
-                    debounce_ms=policy[0] if policy else 0,
-                    debounce_max_ms=policy[1] if policy else 0)
+                    policy=policy.text, max_waiting=policy.max_waiting,
+                    coalesce=self.name if supersede is not None else None,
+                    debounce_ms=supersede[0] if supersede else 0,
+                    debounce_max_ms=supersede[1] if supersede else 0)
+                if outcome.status == Enqueue.FULL:
+                    # Nothing stored; leaving here also drops the held task-sent event.
+                    raise ThreadFull(
+                        f"thread {thread_id!r} already has {policy.max_waiting} waiting members "
+                        f"(max_waiting of {self.name}): {task_id} was not stored nor sent; call "
+                        "again later", thread_id, task_id)
                 superseded = outcome.superseded
                 if not outcome.done:
                     logger.info("celery-threads: %s[%s] is already a member of thread %s, or "
@@ -263,7 +279,7 @@ class ThreadedTask(Task):
         outcome: Outcome = runtime.gate.enqueue(
             replacement.thread_id, task_id, reentry.envelope or b"", at_ms=reentry.at_ms,
             max_retries=replacement.max_retries, retry_delay_ms=replacement.retry_delay_ms,
-            replaced=replacement.nesting)
+            replaced=replacement.nesting, policy=replacement.policy)
         if not outcome.done:
             logger.warning("celery-threads: replacement %s of %s could not join thread %s: that "
                            "task id is a member there already", task_id, self.name,
@@ -482,6 +498,7 @@ class Replacement(NamedTuple):
     nesting: int
     max_retries: Optional[int]
     retry_delay_ms: int
+    policy: str = ""        # its task's policies (policies.policy_text); never max_waiting
 
 
 class Reentry(NamedTuple):

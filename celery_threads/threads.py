@@ -176,7 +176,9 @@ class Threads:
     @_admin
     def resume(self, thread_id: Any) -> bool:
         """Release the thread's members again; its head, when due and nothing is active, is
-        released at once.  Returns ``True`` if the thread was paused."""
+        released at once.  Returns ``True`` if the thread was paused.  A thread held by a death
+        (``on_death="hold"``) goes on without the dead member (it stays in the dead-letter
+        store)."""
         outcome = self.runtime.apply(self.gate.resume(normalize_thread_id(thread_id)))
         return outcome.status == Resume.RESUMED
 
@@ -214,7 +216,9 @@ class Threads:
 
     @_admin
     def restart(self, task_id: str) -> Any:
-        """Re-enqueue a dead task as a brand-new arrival (same task id, retries reset).
+        """Re-enqueue a dead task as a brand-new arrival (same task id, retries reset, its
+        policies kept).  When its death holds its thread (``on_death="hold"``), the thread goes
+        on: behind the members waiting there, since it arrives anew.
 
         Returns its ``AsyncResult``.  Raises :class:`celery_threads.errors.UnknownTask` when it is
         not in the dead-letter store, :class:`celery_threads.errors.ConfigurationError` (and
@@ -234,8 +238,9 @@ class Threads:
 
     @_admin
     def forget(self, task_id: str) -> bool:
-        """Drop a dead task from the store; ``True`` if it was there."""
-        return self.gate.forget(task_id)
+        """Drop a dead task from the store; ``True`` if it was there.  When its death holds its
+        thread (``on_death="hold"``), the thread goes on without it."""
+        return self.runtime.apply(self.gate.forget(task_id)).done
 
     # -- redrive and purge ------------------------------------------------------------------
 
@@ -278,8 +283,10 @@ class Threads:
                 progress: Optional[Callable[[int], None]] = None) -> int:
         """Put dead letters (of ``thread_id``, or of every thread; oldest death first; at most
         ``limit``) back into their threads at their original place: the scheduled_at and
-        arrival number they had, same task id, retries reset.  A thread's redriven members run
-        in their original order and before members that arrived after them.  A letter that died
+        arrival number they had, same task id, retries reset, policies kept.  A thread's
+        redriven members run in their original order and before members that arrived after
+        them; a thread that a letter's death holds (``on_death="hold"``) goes on, that letter
+        first.  A letter that died
         before the store kept places re-enters as a new arrival (logged).
 
         The letters go back :data:`~celery_threads.gate.api.OPERATOR_BATCH` per script call, each

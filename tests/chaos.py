@@ -57,6 +57,7 @@ from typing import Any, Optional
 
 import redis
 
+from celery_threads.policies import rate_interval_ms
 from tests import checker
 from tests.checker import DeadLetter, Deletion, Enqueue, Event, GateState, Limits, Report, check
 from tests.conftest import CeleryProcess, RedisServer
@@ -97,6 +98,10 @@ class Options:
     backend: bool = True              # a Redis result backend (on the history server), checked
     publish_timeout: Optional[float] = None   # threads_publish_timeout (None: its default)
     no_ack: bool = False              # the queue consumed without broker acknowledgements
+    rate_threads: int = 2             # threads (of the cold ones) whose calls set ...
+    thread_rate: str = "5/s"          # ... this thread_rate_limit
+    hold_threads: int = 1             # threads (of the hot ones) whose calls set on_death="hold"
+    operator_every: float = 1.0       # seconds between the operator's looks at held threads
 
 
 class ChaosProcess(CeleryProcess):
@@ -367,7 +372,9 @@ class Cluster:
         shard = Keys(self.env["CHAOS_KEY_PREFIX"]).shard(0)
         client = self.gate_client()
         try:
-            return int(client.zcard(shard.due)) + int(client.zcard(shard.leases))
+            # A paused thread (held by a death: the operator resumes it) is in neither index.
+            return (int(client.zcard(shard.due)) + int(client.zcard(shard.leases))
+                    + int(client.hlen(shard.paused)))
         finally:
             client.close()
 
@@ -546,6 +553,12 @@ class Workload:
         self.threads = [f"th{i:02d}-{cluster.run_id}" for i in range(opts.threads)]
         hot = max(1, opts.threads // 5)
         self.weights = [4.0 if i < hot else 1.0 for i in range(opts.threads)]
+        # The last threads (cold ones) are rate-limited: every call into them sets
+        # thread_rate_limit, and the checker holds their releases to its interval.
+        self.rated = set(self.threads[hot:][-opts.rate_threads:]) if opts.rate_threads else set()
+        # The first threads (hot ones) hold on death: the operator resumes them (operator()).
+        self.holding = set(self.threads[:min(hot, opts.hold_threads)])
+        self.halt = threading.Event()     # the operator's own stop: after the gate has emptied
         self.enqueued = 0
         self.failed_enqueues: list[str] = []
         self.deleted = 0
@@ -612,7 +625,11 @@ class Workload:
         from tests.chaos_tasks import now_us, record, work
 
         lo = now_us()
-        options: dict[str, Any] = {"task_id": uuid(), **(policy or {})}
+        # Rate-limited and holding threads (each call there), besides coalesce or debounce.
+        own: dict[str, Any] = (
+            {"thread_rate_limit": self.opts.thread_rate} if thread in self.rated
+            else {"on_death": "hold"} if thread in self.holding else {})
+        options: dict[str, Any] = {"task_id": uuid(), **own, **(policy or {})}
         for _ in range(1 + 5 * bool(policy)):
             try:
                 if eta_ms is not None:
@@ -632,6 +649,31 @@ class Workload:
                        lo=lo, **exact, **({"co": 1} if policy else {}))
                 self.enqueued += 1
                 return
+
+    def hold_operator(self) -> None:
+        """An operator who looks at the held threads every ``--operator-every`` seconds, and
+        resumes each that a death holds (``act``: the time read before the resume), until the
+        run has drained the gate; then once more."""
+        halted = False
+        while not halted:
+            halted = self.halt.wait(self.opts.operator_every)
+            self._resume_held()
+
+    def _resume_held(self) -> None:
+        from celery_threads import Threads
+        from tests.chaos_tasks import app, now_us, record
+
+        threads = Threads(app)
+        for thread in sorted(self.holding):
+            try:
+                info = threads.get(thread)
+                if info is None or not (info.paused or "").startswith("on_death=hold"):
+                    continue
+                lo = now_us()
+                if threads.resume(thread):
+                    record("act", thread=thread, lo=lo, what="resume")
+            except Exception as exc:
+                self.errors.append(f"operator: {type(exc).__name__}: {exc}")
 
     def deleter(self, until: float) -> None:
         from celery_threads import Threads
@@ -685,7 +727,10 @@ class Workload:
             while not self.stop.wait(self.opts.operate_every * rng.uniform(0.5, 1.5)):
                 if time.time() >= until:
                     return
+                # Not a holding thread: there only the hold operator acts (a resume lifts a hold).
                 thread = rng.choices(self.threads, self.weights)[0]
+                if thread in self.holding:
+                    continue
                 self._until_done("pause", thread, threads.pause, "chaos")
                 self.stop.wait(rng.uniform(1.0, 3.0))
                 near = any(abs(time.time() - t) < 4.0 for t in self.quiet_around)
@@ -731,6 +776,8 @@ class Workload:
 
         threads = Threads(app)
         for thread in self.threads:
+            if thread in self.holding:
+                continue
             if threads.get(thread) is None:
                 self._until_done("pause", thread, threads.pause, "chaos: empty")
                 info = threads.get(thread)
@@ -762,7 +809,8 @@ class Workload:
             letters = threads.gate.dead_records()
             by_thread: dict[str, list[Any]] = {}
             for r in letters:
-                by_thread.setdefault(str(r.meta.get("thread_id")), []).append(r)
+                if str(r.meta.get("thread_id")) not in self.holding:   # a redrive lifts a hold
+                    by_thread.setdefault(str(r.meta.get("thread_id")), []).append(r)
             if not by_thread:
                 return
             # Mostly a thread with several, whose order the redrive must keep.
@@ -850,6 +898,8 @@ def parse_history(rows: list[dict[str, Any]]) -> tuple[list[Event], list[Enqueue
             deletions.append(Deletion(row["task"], row["t"], row["t"], superseded=True))
         elif k in ("redis_down", "redis_up"):
             events.append(Event(k, row["t"]))
+        elif k == "act":
+            events.append(Event(k, int(row["lo"]), thread=row["thread"], what=row["what"]))
         elif k == "healthy":
             events.append(Event(k, row["t"], count=int(row["n"])))
     # A retry's re-entry (attempt >= 1) counts as in the gate only once the task saw it land.
@@ -891,6 +941,8 @@ def run(opts: Options) -> Report:
         if opts.operate_every > 0:
             pool.append(threading.Thread(target=workload.operator, args=(t0 + 0.7 * load,),
                                          daemon=True))
+        holder = threading.Thread(target=workload.hold_operator, daemon=True)
+        holder.start()
         for th in pool:
             th.start()
 
@@ -961,6 +1013,8 @@ def run(opts: Options) -> Report:
         while time.time() < t_quiet + opts.quiesce_timeout and cluster.gate_busy():
             exits += cluster.supervise()
             time.sleep(0.5)
+        workload.halt.set()
+        holder.join(30)
         busy = cluster.gate_busy()
         say(f"  quiesced in {time.time() - t_quiet:.1f}s ({busy} threads left in the gate)")
         _await_quiet(history, HISTORY_KEY)   # the last fin rows follow the last finishes
@@ -975,8 +1029,11 @@ def run(opts: Options) -> Report:
         events += cluster.lease_kills()
         results = cluster.results([e.task for e in enqueues] + [d.task for d in deletions]
                                   + list(gate.dead))
+        interval_us = 1000 * (rate_interval_ms(opts.thread_rate, "chaos") or 0)
         report = check(events, gate, deletions, enqueues,
-                       Limits(opts.keepalive, opts.dispatch_interval, opts.retry_delay), results,
+                       Limits(opts.keepalive, opts.dispatch_interval, opts.retry_delay,
+                              rates={t: interval_us for t in workload.rated},
+                              holding=frozenset(workload.holding)), results,
                        operations)
         report.info.append(f"faults: {faults['worker']} worker SIGKILLs, {faults['child']} "
                            f"pool-child SIGKILLs, {faults['redis']} gate Redis restarts "
@@ -1015,6 +1072,7 @@ def run(opts: Options) -> Report:
     finally:
         if workload is not None:
             workload.stop.set()
+            workload.halt.set()
         cluster.close()
         if own_workdir and ok and not opts.keep:
             shutil.rmtree(workdir, ignore_errors=True)
@@ -1033,12 +1091,15 @@ def main(argv: Optional[list[str]] = None) -> int:
                         default=defaults.broker,
                         help="redis: the broker is database 1 of the gate's Redis, restarted with "
                              "it; redis-apart: on the history server, never restarted")
-    for name in ("workers", "concurrency", "threads", "seed", "redis_restarts", "partitions"):
+    parser.add_argument("--thread-rate", default=defaults.thread_rate,
+                        help="thread_rate_limit of the calls into the rate-limited threads")
+    for name in ("workers", "concurrency", "threads", "seed", "redis_restarts", "partitions",
+                 "rate_threads", "hold_threads"):
         parser.add_argument("--" + name.replace("_", "-"), type=int,
                             default=getattr(defaults, name))
     for name in ("rate", "keepalive", "dispatch_interval", "release_timeout", "visibility",
                  "retry_delay", "kill_every", "child_kill_every", "delete_every",
-                 "operate_every", "outage",
+                 "operate_every", "outage", "operator_every",
                  "partition", "quiesce_timeout"):
         parser.add_argument("--" + name.replace("_", "-"), type=float,
                             default=getattr(defaults, name))

@@ -242,6 +242,12 @@ class Limits:
     dispatch_interval: float        # s
     retry_delay: float              # s: default_retry_delay, used by the gate's own re-entries
     max_retries: int = 3            # the task's max_retries: a failed attempt past it dies
+    # Threads whose members had a thread_rate_limit: thread -> the interval (µs) between two
+    # releases.
+    rates: dict[str, int] = field(default_factory=dict)
+    # Threads whose members had on_death="hold": after a member's death, nothing of the thread
+    # starts before the operator's next act on it (an "act" event).
+    holding: frozenset[str] = frozenset()
 
 
 @dataclass
@@ -308,6 +314,10 @@ class Report:
     superseded_started: list[str] = field(default_factory=list)
     superseded: int = 0
     early_starts: list[str] = field(default_factory=list)
+    rate_violations: list[str] = field(default_factory=list)
+    rates_checked: int = 0
+    hold_violations: list[str] = field(default_factory=list)
+    holds_checked: int = 0
     releases_checked: int = 0
     waiting_compared: int = 0
     ties_compared: int = 0
@@ -329,14 +339,17 @@ class Report:
     @property
     def ok(self) -> bool:
         return not (self.overlaps or self.bad_endings or self.order_violations
-                    or self.superseded_started or self.early_starts or self.stuck
-                    or self.orphans or self.result_mismatches or self.operator_violations)
+                    or self.superseded_started or self.early_starts or self.rate_violations
+                    or self.hold_violations or self.stuck or self.orphans
+                    or self.result_mismatches or self.operator_violations)
 
     def counts(self) -> dict[str, int]:
         return {"overlaps": len(self.overlaps), "bad_endings": len(self.bad_endings),
                 "order_violations": len(self.order_violations),
                 "superseded_started": len(self.superseded_started),
-                "early_starts": len(self.early_starts), "stuck": len(self.stuck),
+                "early_starts": len(self.early_starts),
+                "rate_violations": len(self.rate_violations),
+                "hold_violations": len(self.hold_violations), "stuck": len(self.stuck),
                 "orphans": len(self.orphans), "result_mismatches": len(self.result_mismatches),
                 "operator_violations": len(self.operator_violations)}
 
@@ -365,6 +378,12 @@ class Report:
             f"attempts received or started before their scheduled_at: {len(self.early_starts)} "
             f"({self.schedules_checked} checked)",
             *_first(self.early_starts, limit),
+            f"releases of a rate-limited thread closer than its interval: "
+            f"{len(self.rate_violations)} ({self.rates_checked} checked)",
+            *_first(self.rate_violations, limit),
+            f"starts in a thread held by a death before the operator acted: "
+            f"{len(self.hold_violations)} ({self.holds_checked} deaths checked)",
+            *_first(self.hold_violations, limit),
             f"stored results that disagree with how their member ended: "
             f"{len(self.result_mismatches)} ({self.results_checked} checked)",
             *_first(self.result_mismatches, limit),
@@ -510,13 +529,17 @@ def check(history: Sequence[Event], gate: GateState, deleted: Sequence[Deletion]
         life = _lives(ops)
         lived = [dataclasses.replace(a, task=life(a.task, a.lo)) for a in attempts]
         again = [dataclasses.replace(e, task=life(e.task, e.at_lo)) for e in enqueues]
-        _check_order(lived, {(e.task, e.attempt): e for e in again if e.landed},
-                     {(e.task, e.attempt): e for e in again if not e.landed},
+        _check_order(lived, {(e.task, e.attempt): e for e in again
+                             if e.landed and not e.coalesced},
+                     {(e.task, e.attempt): e for e in again if not e.landed and not e.coalesced},
                      {e.task: e for e in again if e.attempt == 0}, limits, report)
-        _check_schedules(lived, {(e.task, e.attempt): e for e in again if e.landed}, report)
+        _check_schedules(lived, {(e.task, e.attempt): e for e in again
+                                 if e.landed and not e.coalesced}, report)
     else:
         _check_order(attempts, known, unlanded, first, limits, report)
         _check_schedules(attempts, known, report)
+    _check_rates(attempts, limits, report)
+    _check_holds(history, attempts, gate, limits, report)
     if results is not None:
         _check_results(thread_of, attempts, kills, gate, deletions, results, report)
     _check_gate(gate, thread_of, deletions, report)
@@ -761,6 +784,46 @@ def _check_order(attempts: list[Attempt], known: dict[tuple[str, int], Enqueue],
                         f"{_s(sched_lo)}, although {y.task} arrived first (by "
                         f"{_s(first[y.task].at_hi)}, {x.task} after {_s(first[x.task].at_lo)})")
                     break
+
+
+def _check_rates(attempts: list[Attempt], limits: Limits, report: Report) -> None:
+    """thread_rate_limit: two releases of a rate-limited thread are at least its interval apart
+    on the gate's clock.  A release's token is the shard counter's value, which never falls
+    below the clock in microseconds and follows it within a few units (lua/_common.lua
+    next_seq): consecutive tokens a worker saw are the interval apart, less the gate clock's
+    millisecond resolution.  (A release no worker saw only widens the gap.)"""
+    for thread, interval in sorted(limits.rates.items()):
+        tokens = sorted({a.tok for a in attempts if a.thread == thread and a.tok >= 0})
+        for t1, t2 in zip(tokens, tokens[1:]):
+            report.rates_checked += 1
+            if t2 - t1 < interval - SLACK_US:
+                report.rate_violations.append(
+                    f"thread {thread}: releases {t1} and {t2} came {_s(t2 - t1)} apart, under "
+                    f"its thread_rate_limit's interval {_s(interval)}")
+
+
+def _check_holds(history: Sequence[Event], attempts: list[Attempt], gate: GateState,
+                 limits: Limits, report: Report) -> None:
+    """on_death="hold": after a member of a holding thread died (its body recorded the death,
+    and it is in the dead-letter store), no attempt of the thread starts until the operator's
+    next act on it (the time read before its resume)."""
+    acts: dict[str, list[int]] = defaultdict(list)
+    for e in history:
+        if e.kind == "act":
+            acts[e.thread].append(e.t)
+    for thread, rows in sorted(_by_thread(attempts).items()):
+        if thread not in limits.holding:
+            continue
+        for a in rows:
+            if a.outcome != "die" or a.end is None or a.exempt or a.task not in gate.dead:
+                continue
+            report.holds_checked += 1
+            until = min((t for t in acts[thread] if t > a.end), default=INF)
+            early = [b for b in rows if b.start is not None and a.end < b.start < until]
+            if early:
+                report.hold_violations.append(
+                    f"thread {thread}: {early[0].describe()} started after {a.describe()} died "
+                    f"and before the operator acted ({'never' if until == INF else _s(until)})")
 
 
 def _tied_and_first(y: Enqueue, x: Optional[Enqueue], first: dict[str, Enqueue],

@@ -44,9 +44,14 @@ class Member:
     max_retries: int        # -1: unlimited
     retry_delay_ms: int
     envelope: bytes
+    policy: str = ""        # "h" on_death="hold", "r<ms>" thread_rate_limit (policies.policy_text)
     # A call with coalesce or debounce, its record marked (lua/_common.lua left_waiting); a
     # retry's record is not.
     coalescable: bool = False
+
+    def rate_ms(self) -> Optional[int]:
+        at = self.policy.find("r")
+        return int(self.policy[at + 1:]) if at >= 0 else None
 
 
 @dataclass
@@ -70,6 +75,7 @@ class Active:
     stop: bool = False
     deleted: bool = False
     waited: bool = False    # its wait (due -> claim) was counted (lua/claim.lua, 'w')
+    rate: Optional[int] = None      # thread_rate_limit's interval: its claim stamps the thread
 
 
 @dataclass
@@ -77,6 +83,9 @@ class Thread:
     thread_id: str
     members: dict[str, Member] = field(default_factory=dict)   # waiting and active alike
     active: Optional[Active] = None
+    # When its head waits for thread_rate_limit: the time it may be released, the thread's score
+    # in the due index (set when a release finds the head due but early).
+    rate_due: Optional[int] = None
 
     def waiting(self) -> list[Member]:
         """Waiting members in release order: earliest scheduled_at, then arrival."""
@@ -190,6 +199,10 @@ class Model:
         # expiry (no such call is left, lua/_common.lua left_waiting).
         self.policy: dict[str, dict[str, str]] = {}
         self.policy_lingers: set[str] = set()
+        # thread id -> (last release of a member with a rate, until when it counts): the
+        # policy hash's 'rl' and 're' (lua/_common.lua rate_stamp); kept as the gate keeps the
+        # key under the test's clock (an hour of Redis's time).
+        self.rate_stamps: dict[str, tuple[int, int]] = {}
 
     # -- helpers ---------------------------------------------------------------------------
     def _count(self, name: str, n: int = 1) -> None:
@@ -244,11 +257,19 @@ class Model:
             del self.threads[thread_id]             # the last member left: the thread is gone
             return None
         head = waiting[0]
+        thread.rate_due = None
         if head.sched > self.now or thread_id in self.paused:
             return None
+        every = head.rate_ms()
+        if every is not None:
+            last, until = self.rate_stamps.get(thread_id, (0, 0))
+            if until > self.now and last + every > self.now:
+                thread.rate_due = last + every      # it waits at its place
+                return None
+            self.rate_stamps[thread_id] = (self.now, self.now + every)
         self._left_waiting(thread_id, head, "released")
         thread.active = Active(head.task_id, f"m{next(self._tokens)}", RELEASED,
-                               self.now + self.release_timeout_ms)
+                               self.now + self.release_timeout_ms, rate=every)
         if self._detached is not None:
             thread.active.prev, thread.active.pst = self._detached
         return self._release_of(thread)
@@ -285,21 +306,27 @@ class Model:
 
     def _add_member(self, thread_id: str, task_id: str, sched: int, max_retries: int,
                     retry_delay_ms: int, envelope: bytes, again: bool = False,
-                    seq: Optional[int] = None) -> bool:
+                    seq: Optional[int] = None, policy: str = "",
+                    cap: Optional[int] = None) -> Any:
         """``seq``: the arrival number it keeps (a redrive), else a new one.  ``again`` (a
         restart, a redrive, a replacement's admission): admitted although it ended lately, and no
         longer counted as ended, even when it is refused as a member already (lua/_common.lua
-        add_member drops its ended entry first; a member's is one older than the window)."""
+        add_member drops its ended entry first; a member's is one older than the window).
+        ``cap`` (max_waiting): ``"full"`` when that many members wait, after the duplicate
+        checks."""
         if again:
             self.ended.pop(task_id, None)
         if task_id in self.tasks:
             return False
         if not again and self.ended.get(task_id, -ENDED_WINDOW_MS - 1) >= self.now - ENDED_WINDOW_MS:
             return False
+        thread = self.threads.get(thread_id)
+        if cap is not None and not again and thread is not None and len(thread.waiting()) >= cap:
+            return "full"
         thread = self.threads.setdefault(thread_id, Thread(thread_id))
         thread.members[task_id] = Member(task_id, sched,
                                          next(self._arrivals) if seq is None else seq, 0,
-                                         max_retries, retry_delay_ms, envelope)
+                                         max_retries, retry_delay_ms, envelope, policy)
         self.tasks[task_id] = thread_id
         return True
 
@@ -315,6 +342,22 @@ class Model:
         fields["n"] = str(int(fields.get("n", "0")) - 1)
         if int(fields["n"]) <= 0:
             self.policy_lingers.add(thread_id)
+
+    def _hold(self, thread_id: str, task_id: str, exception: Any) -> None:
+        """on_death="hold": the thread is paused by the death (lua/_common.lua hold_thread)."""
+        reason = f"on_death=hold: {task_id} died" + (
+            f": {exception}" if isinstance(exception, str) else "")
+        before = self.paused.get(thread_id)
+        if before is not None:
+            shown = before.split("\0", 2)[-1] if before.startswith("\0") else before
+            reason += f" (paused before: {shown})"
+        self.paused[thread_id] = f"\0{task_id}\0{reason}"
+
+    def _lift_hold(self, thread_id: str, task_id: str) -> bool:
+        if self.paused.get(thread_id, "").startswith(f"\0{task_id}\0"):
+            del self.paused[thread_id]
+            return True
+        return False
 
     def _drop_active(self, thread: Thread) -> str:
         assert thread.active is not None
@@ -342,12 +385,15 @@ class Model:
                      caller: Optional[str] = None) -> None:
         assert thread.active is not None
         m = thread.members[thread.active.task_id]
+        if "h" in m.policy:
+            self._hold(thread.thread_id, m.task_id, meta.get("exception"))
         if keep:   # a task id that died before goes to the end of the death order
             self.dead.pop(m.task_id, None)
             # Its place, for a redrive: the gate adds its seq and scheduled_at to the meta (the
-            # test compares the gate's seq by the order it gives, as for every seq).
-            self.dead[m.task_id] = Dead(m.task_id, {**meta, "sched": m.sched}, m.envelope,
-                                        self.now)
+            # test compares the gate's seq by the order it gives, as for every seq), and its
+            # policy.
+            kept = {"sched": m.sched, **({"policy": m.policy} if m.policy else {})}
+            self.dead[m.task_id] = Dead(m.task_id, {**meta, **kept}, m.envelope, self.now)
             self.dead_places[m.task_id] = (m.sched, m.seq)
             self.dead_callers[m.task_id] = caller
         self._count_ending("dead")
@@ -384,19 +430,26 @@ class Model:
     @_publishes
     def enqueue(self, thread_id: str, task_id: str, envelope: bytes, *, delay_ms: int = 0,
                 at_ms: Optional[int] = None, max_retries: Optional[int] = None,
-                retry_delay_ms: int = 0, replaced: int = 0, coalesce: Optional[str] = None,
+                retry_delay_ms: int = 0, replaced: int = 0, policy: str = "",
+                max_waiting: Optional[int] = None, coalesce: Optional[str] = None,
                 debounce_ms: int = 0, debounce_max_ms: int = 0) -> Outcome:
         """``replaced``: a replacement's nesting (lua/enqueue.lua ARGV[12]): its task id (the
         replaced task's) is admitted although it ended lately, once per nesting: the admission
-        is remembered in the ended index, so that the same call replayed is refused."""
+        is remembered in the ended index, so that the same call replayed is refused.
+        ``policy``: the member's (on_death="hold", thread_rate_limit); ``max_waiting``: refused
+        ("full") when that many members wait."""
         maxr = -1 if max_retries is None else int(max_retries)
         admission = f"\0replaced:{replaced}:{task_id}" if replaced else None
         if admission is not None and self._ended_lately(admission):
             return Outcome(NOOP, "")
         sched = self._schedule(delay_ms, at_ms)
         if coalesce is None or admission is not None:
-            if not self._add_member(thread_id, task_id, sched, maxr, retry_delay_ms, envelope,
-                                    again=admission is not None):
+            added = self._add_member(thread_id, task_id, sched, maxr, retry_delay_ms, envelope,
+                                     again=admission is not None, policy=policy,
+                                     cap=max_waiting)
+            if added == "full":
+                return Outcome(2, "full")
+            if not added:
                 return self._duplicate(thread_id, task_id, "")
             if admission is not None:
                 self.ended[admission] = self.now
@@ -415,7 +468,13 @@ class Model:
             return self._duplicate(thread_id, task_id, told if prev == task_id else "")
         place: Optional[tuple[int, int]] = None
         superseded = ""
-        if prev is not None and fields.pop(f"w:{prev}", None) is not None:
+        waits = prev is not None and f"w:{prev}" in fields
+        thread = self.threads.get(thread_id)
+        if not waits and max_waiting is not None and thread is not None \
+                and len(thread.waiting()) >= max_waiting:
+            return Outcome(2, "full")          # a call that supersedes a waiting one adds none
+        if waits:
+            fields.pop(f"w:{prev}")
             # It waits, never released: it leaves and this call takes its place.
             thread = self.threads[thread_id]
             m = thread.members.pop(prev)
@@ -439,7 +498,7 @@ class Model:
         if place is not None:
             sched = place[1] if sched <= self.now else max(sched, place[1])
         self._add_member(thread_id, task_id, sched, maxr, retry_delay_ms, envelope,
-                         seq=place[0] if place is not None else None)
+                         seq=place[0] if place is not None else None, policy=policy)
         self.threads[thread_id].members[task_id].coalescable = True
         return Outcome(DONE, superseded, self._release_head(thread_id))
 
@@ -466,6 +525,8 @@ class Model:
         self._claimed(self.threads[thread_id])
         active.state, active.deadline, active.worker = RUNNING, self.now + keepalive_ms, worker
         active.by, active.claimed, active.stop = claimant, self.now, stoppable
+        if active.rate is not None:
+            self.rate_stamps[thread_id] = (self.now, self.now + active.rate)
         return CLAIMED
 
     def renew(self, thread_id: str, task_id: str, token: str, keepalive_ms: int,
@@ -571,6 +632,7 @@ class Model:
         return self._reenter(thread_id, task_id, token, caller, self._schedule(delay_ms, at_ms),
                              retries, envelope, None)
 
+    @_publishes
     def replace(self, thread_id: str, task_id: str, token: str, envelope: bytes, *,
                 at_ms: Optional[int] = None, max_retries: Optional[int] = None,
                 retry_delay_ms: int = 0, caller: Optional[str] = None) -> Outcome:
@@ -715,13 +777,24 @@ class Model:
         thread_id = record.meta["thread_id"]
         maxr = -1 if max_retries is None else int(max_retries)
         if not self._add_member(thread_id, task_id, self.now, maxr, retry_delay_ms,
-                                record.envelope, again=True):
+                                record.envelope, again=True,
+                                policy=record.meta.get("policy", "")):
             return Outcome(2, "")
         del self.dead[task_id]
+        self.ended.pop(task_id, None)        # live again: its old run no longer counts as ended
+        self._lift_hold(thread_id, task_id)
         return Outcome(DONE, "", self._release_head(thread_id))
 
-    def forget(self, task_id: str) -> bool:
-        return self.dead.pop(task_id, None) is not None
+    @_publishes
+    def forget(self, task_id: str) -> Outcome:
+        """lua/forget.lua: the dead letter goes; a hold its death made is lifted."""
+        record = self.dead.pop(task_id, None)
+        if record is None:
+            return Outcome(NOOP, "")
+        thread_id = record.meta["thread_id"]
+        if self._lift_hold(thread_id, task_id):
+            return Outcome(DONE, "", self._release_head(thread_id))
+        return Outcome(DONE, "")
 
     def pause(self, thread_id: str, reason: str) -> Outcome:
         """Nothing of the thread is released until :meth:`resume`; 1 when it was not paused."""
@@ -735,6 +808,7 @@ class Model:
         if self.paused.pop(thread_id, None) is None:
             return Outcome(NOOP, "")
         return Outcome(DONE, "", self._release_head(thread_id))
+
     @_publishes
     def redrive(self, thread_id: str, letters: list[tuple[str, Optional[int], int]], *,
                 caller: Optional[str] = None) -> tuple[list[str], Optional[Release]]:
@@ -749,10 +823,13 @@ class Model:
                 sched, seq = self.dead_places[task_id]
                 maxr = -1 if max_retries is None else int(max_retries)
                 if not self._add_member(thread_id, task_id, sched, maxr, retry_delay_ms,
-                                        record.envelope, again=True, seq=seq):
+                                        record.envelope, again=True, seq=seq,
+                                        policy=record.meta.get("policy", "")):
                     codes.append("a")
                     continue
                 del self.dead[task_id]
+                self._lift_hold(thread_id, task_id)
+                self.ended.pop(task_id, None)   # live again: its old run no longer ended
                 if caller:
                     self.ended[mark] = self.now
                 codes.append("r")
@@ -800,7 +877,7 @@ class Model:
     def due_index(self) -> dict[str, int]:
         """thread id -> head's scheduled_at, for every existing thread with nothing active that
         is not paused."""
-        return {t.thread_id: t.waiting()[0].sched for t in self.threads.values()
+        return {t.thread_id: t.rate_due or t.waiting()[0].sched for t in self.threads.values()
                 if t.active is None and t.thread_id not in self.paused}
 
     def lease_index(self) -> dict[str, int]:

@@ -18,6 +18,7 @@ from celery import Celery
 from celery.exceptions import Ignore, Reject
 
 from celery_threads import ThreadedTask
+from celery_threads.keys import Keys
 
 # A failed test's deployment asks every process for its threads' stacks (tests/conftest.py
 # Deployment.dump_stacks): they go to the process's log.  Pool processes inherit the handler.
@@ -192,6 +193,29 @@ def flaky(self, thread, label):
     with _Span(self, thread, label):
         if history().exists(f"flaky:{thread}"):
             raise ValueError(f"{label} failed: flaky:{thread} is set")
+    return label
+
+
+@app.task(base=ThreadedTask, bind=True, thread_key="thread", max_retries=0, on_death="hold")
+def ledger(self, thread, label):
+    """on_death="hold": fails for good (holding its thread) while flaky:<thread> exists, else
+    succeeds."""
+    with _Span(self, thread, label):
+        if history().exists(f"flaky:{thread}"):
+            raise ValueError(f"{label} failed: flaky:{thread} is set")
+    return label
+
+
+@app.task(base=ThreadedTask, bind=True, thread_key="thread", thread_rate_limit="4/s")
+def rated(self, thread, label):
+    """thread_rate_limit="4/s": its thread's members are claimed at least 250 ms apart.  Keeps
+    its claim's time on the gate's clock (its thread's active hash) in claims:<thread>."""
+    with _Span(self, thread, label):
+        conf = self.app.conf
+        gate = redis.Redis.from_url(conf.threads_redis_url)
+        claimed = gate.hget(Keys(conf.threads_key_prefix).thread(thread).active, "claimed")
+        gate.close()
+        history().rpush(f"claims:{thread}", f"{label}|{int(claimed)}")
     return label
 
 

@@ -81,7 +81,8 @@ def _kill_leftovers(pid_file: Path) -> None:
 def _assert_clean(data: dict[str, Any], min_members: int) -> None:
     output = data["output"][-6000:]
     assert data["counts"] == {"overlaps": 0, "bad_endings": 0, "order_violations": 0,
-                              "superseded_started": 0, "early_starts": 0, "stuck": 0,
+                              "superseded_started": 0, "early_starts": 0,
+                              "rate_violations": 0, "hold_violations": 0, "stuck": 0,
                               "orphans": 0, "result_mismatches": 0,
                               "operator_violations": 0}, output
     assert data["ok"], output
@@ -90,6 +91,7 @@ def _assert_clean(data: dict[str, Any], min_members: int) -> None:
     assert data["faults"]["redis"] >= 1, output
     assert data["releases_checked"] > 0 and data["waiting_compared"] > 0, output
     assert data["ties_compared"] > 0 and data["schedules_checked"] > 0, output
+    assert data["rates_checked"] > 0 and data["holds_checked"] > 0, output
     assert data["results_checked"] >= min_members, output   # every member's stored result read
     assert data["succeeded"] > 0 and data["dead_lettered"] > 0 and data["deleted"] > 0, output
     assert data["superseded"] > 0, output       # coalesce and debounce calls superseded some

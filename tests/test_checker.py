@@ -779,3 +779,44 @@ def test_a_redriven_member_lives_again_from_attempt_zero() -> None:
     report = _check_ops(h, Operations(redrives=[Redrive("v", 200 * MS, ("v-a",))]), gate)
     assert report.ok, report.format()
     assert report.schedules_checked >= 3 and report.redriven_checked == 1
+
+
+def test_releases_of_a_rate_limited_thread_closer_than_its_interval_are_caught() -> None:
+    """thread_rate_limit: the release tokens (the shard counter, which follows the gate's clock
+    in µs) of a rate-limited thread are its interval apart, less the clock's resolution."""
+    def run(gap_ms: int) -> Report:
+        h = History()
+        for i, task in enumerate(("a", "b", "c")):
+            h.enqueue(task, "t", 0)
+            h.token = i * gap_ms * MS - 1          # the next release's token, in µs
+            h.attempt(task, "t", 10 + i * gap_ms, 20 + i * gap_ms, recv=5 + i * gap_ms)
+        limits = dataclasses.replace(LIMITS, rates={"t": 250 * MS})
+        return check(h.events, GateState(), h.deletions, h.enqueues, limits)
+
+    report = run(240)
+    assert len(report.rate_violations) == 2 and "thread t" in report.rate_violations[0], (
+        report.format())
+    assert not report.ok
+    report = run(249)                               # within the clock's resolution
+    assert report.ok and report.rates_checked == 2, report.format()
+
+
+def test_a_start_in_a_held_thread_before_the_operator_acted_is_caught() -> None:
+    """on_death="hold": after a death nothing of the thread starts before the operator acts."""
+    def run(resumed_at: int) -> Report:
+        h = History()
+        h.enqueue("a", "t", 0)
+        h.enqueue("b", "t", 1)
+        h.attempt("a", "t", 10, 100, "die", recv=5)
+        h.die("a", "t", 101)
+        h.events.append(Event("act", resumed_at * MS, thread="t", what="resume"))
+        h.attempt("b", "t", 300, 400, recv=295)
+        limits = dataclasses.replace(LIMITS, holding=frozenset({"t"}))
+        return check(h.events, GateState(dead=h.dead), h.deletions, h.enqueues, limits)
+
+    report = run(350)
+    assert len(report.hold_violations) == 1 and "b#0" in report.hold_violations[0], (
+        report.format())
+    assert not report.ok
+    report = run(250)
+    assert report.ok and report.holds_checked == 1, report.format()

@@ -50,6 +50,7 @@ from celery_threads.gate import (
     Gate,
     member_field,
     parse_record,
+    pause_reason,
     record_task,
     task_field,
 )
@@ -72,6 +73,11 @@ KEEPALIVE = 1500               # ms; the gate's own keepalive only names itself 
 # the clock, as when a gate of an older version is upgraded) and others lie above it.
 START = 1_000_000_000
 THREAD_IDS = ["a", "b", "c:q", "é"]
+#: A member's policies (celery_threads.policies.policy_text): none (most), on_death="hold",
+#: thread_rate_limit (an interval in ms of the test's clock), or both.
+#: A member's own policy (its record's: on_death="hold", thread_rate_limit's interval).
+OWN_POLICIES = st.sampled_from(["", "", "", "h", f"r{10 * RELEASE_TIMEOUT}",
+                                f"hr{RELEASE_TIMEOUT + 50}"])
 UNKNOWN = "never-enqueued"
 #: A claim's claimant: none (an older worker's claim, or a holder of an unclaimed release) or one
 #: of two deliveries'.
@@ -380,10 +386,13 @@ class GateMachine(RuleBasedStateMachine):
           offset=st.integers(-3 * RELEASE_TIMEOUT, 3 * RELEASE_TIMEOUT),
           max_retries=st.sampled_from([None, 0, 1, 2]),
           retry_delay=st.sampled_from([0, 10, RELEASE_TIMEOUT, 5 * RELEASE_TIMEOUT]),
-          policy=POLICIES)
+          policy=POLICIES, own=OWN_POLICIES, cap=st.sampled_from([None, None, None, 1, 2]))
     def enqueue(self, thread_id: str, dup: int, pick: int, at: bool, delay: int, offset: int,
                 max_retries: Optional[int], retry_delay: int,
-                policy: tuple[Optional[str], int, int] = (None, 0, 0)) -> None:
+                policy: tuple[Optional[str], int, int] = (None, 0, 0), own: str = "",
+                cap: Optional[int] = None) -> None:
+        """``policy``: coalesce or debounce; ``own``: the member's (on_death="hold",
+        thread_rate_limit); ``cap``: max_waiting."""
         dead = sorted(self.model.dead)
         if dup == 0 and self.task_ids:
             task_id = self.task_ids[pick % len(self.task_ids)]   # likely a duplicate
@@ -393,7 +402,8 @@ class GateMachine(RuleBasedStateMachine):
             task_id = self.next_task_id()
         body = self.envelope(task_id)
         kw: dict[str, Any] = dict(delay_ms=delay, at_ms=self.model.now + offset if at else None,
-                                  max_retries=max_retries, retry_delay_ms=retry_delay)
+                                  max_retries=max_retries, retry_delay_ms=retry_delay,
+                                  policy=own, max_waiting=cap)
         if policy[0] is not None:
             kw.update(coalesce=policy[0], debounce_ms=policy[1], debounce_max_ms=policy[2])
             STATS["coalescing enqueues"] += 1
@@ -404,7 +414,9 @@ class GateMachine(RuleBasedStateMachine):
     def _enqueue(self, thread_id: str, task_id: str, body: bytes, kw: dict[str, Any]) -> None:
         expected = self.model.enqueue(thread_id, task_id, body, **kw)
         self.same_outcome(self.gate.enqueue(thread_id, task_id, body, **kw), expected, "enqueue")
-        if expected.info:
+        if expected.status == 2:
+            STATS["refused by max_waiting"] += 1
+        elif expected.info:
             STATS["superseding enqueues" if expected.status else "replays told what they superseded"] += 1
 
     @rule(thread_id=st.sampled_from(THREAD_IDS), calls=st.integers(2, 4), delay=st.integers(0, 50),
@@ -430,6 +442,25 @@ class GateMachine(RuleBasedStateMachine):
         """A coalescing enqueue sent again (its reply lost): it supersedes nothing more, and is
         told what it superseded while it is its task's latest call in the thread."""
         self._enqueue(*self.coalescing[-1 - back % len(self.coalescing)])
+
+    @rule(thread_id=st.sampled_from(THREAD_IDS),
+          every=st.sampled_from([10 * RELEASE_TIMEOUT, RELEASE_TIMEOUT + 50]),
+          hold=st.booleans())
+    def rate_limited_pair(self, thread_id: str, every: int, hold: bool) -> None:
+        """Two members of a rate-limited task arrive together, and the active member (the
+        first, when the thread was idle) ends at once: the next one's turn comes early, and it
+        waits at its place until the dispatcher releases it."""
+        for _ in range(2):
+            self.enqueue(thread_id, dup=7, pick=0, at=False, delay=0, offset=0, max_retries=0,
+                         retry_delay=0, own=("h" if hold else "") + f"r{every}")
+        thread = self.model.threads.get(thread_id)
+        if thread is not None and thread.active is not None:
+            task_id, mtok = thread.active.task_id, thread.active.token
+            rtok = self.m2r[mtok]
+            self.caller = f"call-{len(self.task_ids)}-{STATS['calls']}"
+            self._ending("finish", lambda: self.gate.finish(thread_id, task_id, rtok,
+                                                            caller=self.caller),
+                         lambda: self.model.finish(thread_id, task_id, mtok, caller=self.caller))
 
     # -- the dispatcher -----------------------------------------------------------------------
     @rule(limit=st.sampled_from([1, 2, 500]))
@@ -743,7 +774,7 @@ class GateMachine(RuleBasedStateMachine):
     def forget(self, pick: int, from_dead: int) -> None:
         dead = sorted(self.model.dead)
         task_id = dead[pick % len(dead)] if from_dead else self.known_task(pick)
-        self.same(self.gate.forget(task_id), self.model.forget(task_id), "forget")
+        self.same_outcome(self.gate.forget(task_id), self.model.forget(task_id), "forget")
 
     @rule(thread_id=st.sampled_from(THREAD_IDS), pick=st.integers(0, 999),
           nesting=st.sampled_from([1, 2]), replay=st.integers(0, 2))
@@ -868,13 +899,20 @@ class GateMachine(RuleBasedStateMachine):
         for i, thread_id in enumerate(threads):
             fields, ttl = policies[2 * i: 2 * i + 2]
             fields = {k.decode(): v.decode() for k, v in fields.items()}
-            assert fields == model.policy.get(thread_id, {}), (
-                f"policy hash of {thread_id}: {fields} vs model {model.policy.get(thread_id)}")
-            # No expiry while the thread may hold a call to supersede; ENDED_WINDOW once it ended.
-            lingers = thread_id in model.policy_lingers
-            assert (ttl > 0) == lingers and (ttl == -1) == (bool(fields) and not lingers), (
-                f"policy hash of {thread_id}: pttl {ttl}, model lingers {lingers}")
-            STATS["lingering policy hashes"] += lingers
+            want = dict(model.policy.get(thread_id, {}))
+            if thread_id in model.rate_stamps:           # thread_rate_limit's last release
+                last, until = model.rate_stamps[thread_id]
+                want.update(rl=str(last), re=str(until))
+            assert fields == want, f"policy hash of {thread_id}: {fields} vs model {want}"
+            # No expiry while the thread holds a call to supersede (lua/_common.lua
+            # keep_policy); else an expiry: the replay window, a rate's interval.
+            waiting = int(want.get("n", "0")) > 0
+            assert (ttl == -1) == waiting and (ttl > 0) == (bool(want) and not waiting), (
+                f"policy hash of {thread_id}: pttl {ttl}, fields {want}")
+            STATS["lingering policy hashes"] += thread_id in model.policy_lingers
+        STATS["rate-limited releases held"] += sum(
+            1 for t in model.threads.values() if t.rate_due is not None)
+        STATS["held threads"] += sum(1 for v in model.paused.values() if v.startswith("\0"))
         paused = {k.decode(): v.decode() for k, v in paused.items()}
         assert paused == model.paused, f"paused {paused} vs model {model.paused}"
         # +inf: a UUID member keyed by its long form (its short field was taken when it came):
@@ -960,6 +998,8 @@ class GateMachine(RuleBasedStateMachine):
             field = next(f for f, t in named.items() if t == a.task_id)
             long = field[:1] == b"\x01" and len(field) == 37
             assert active.get("l") == ("1" if long else "0"), f"{what}: 'l' {active} vs {field!r}"
+            assert active.get("rl") == (None if a.rate is None else str(a.rate)), (
+                f"{what}: 'rl' {active} vs {a}")
         waiting = [(named.get(member_field(m)), int(score)) for m, score in queue]
         expected = [(m.task_id, m.sched) for m in thread.waiting()]
         assert waiting == expected, f"{what}: waiting {waiting} vs model {expected}"
@@ -978,9 +1018,11 @@ class GateMachine(RuleBasedStateMachine):
                 STATS["ties across a length"] += 1
             elif s1 == s2 and m1[1:m1[0]] != m2[1:m2[0]]:
                 STATS["ties across a byte"] += 1
-        records = {task_id: (r.retries, r.max_retries, r.retry_delay_ms, r.envelope)
+        records = {task_id: (r.retries, r.max_retries, r.retry_delay_ms, r.envelope, r.policy)
                    for task_id, r in members.items()}
-        expected_records = {m.task_id: (m.retries, m.max_retries, m.retry_delay_ms, m.envelope)
+        # 'c': a call with coalesce or debounce not released yet (lua/_common.lua make_record).
+        expected_records = {m.task_id: (m.retries, m.max_retries, m.retry_delay_ms, m.envelope,
+                                        m.policy + "c" * m.coalescable)
                             for m in thread.members.values()}
         assert records == expected_records, f"{what}: records {records} vs {expected_records}"
 
@@ -998,6 +1040,9 @@ class GateMachine(RuleBasedStateMachine):
                 expected.add(key)
         for thread_id in model.policy:
             expected.add(s.thread(thread_id).policy)
+        # A thread's policy hash (thread_rate_limit's last release) outlives its members: under
+        # the test's clock for an hour of Redis's time (its value says when it counts as gone).
+        expected.update(s.thread(t).policy for t in model.rate_stamps)
         for thread in model.threads.values():
             k = s.thread(thread.thread_id)
             if thread.waiting():
@@ -1020,14 +1065,15 @@ class GateMachine(RuleBasedStateMachine):
             paused = model.paused.get(thread_id)
             assert (snap is None) == (thread is None and paused is None), (
                 f"snapshot of {thread_id}: {snap}")
-            if snap is not None:
-                assert snap.paused == paused, f"snapshot of {thread_id}: {snap}"
+            if snap is not None:   # a hold's reason shown without its mark
+                assert snap.paused == (paused and pause_reason(paused)), (
+                    f"snapshot of {thread_id}: {snap}")
             if snap is not None and thread is None:
                 assert (snap.active, snap.waiting) == ({}, []), f"snapshot of {thread_id}: {snap}"
             if snap is not None and thread is not None:
                 assert snap.waiting == [(m.task_id, m.sched) for m in thread.waiting()]
                 assert snap.due_at == (None if thread.active or paused is not None
-                                       else thread.waiting()[0].sched)
+                                       else thread.rate_due or thread.waiting()[0].sched)
                 active = thread.active.task_id if thread.active else None
                 assert snap.active.get("task") == active
         elif turn == 1:
@@ -1121,6 +1167,9 @@ def test_gate_matches_model(gate_url: str, how: str) -> None:
     print(f"states with a counter: {counted}")
     assert all(counted.values()), f"a counter the run never moved: {counted}"
     assert STATS["published by the gate"] > 0, "the gate published no release itself"
+    assert STATS["rate-limited releases held"] > 0, "no thread_rate_limit head ever waited"
+    assert STATS["held threads"] > 0, "no on_death='hold' death ever held its thread"
+    assert STATS["refused by max_waiting"] > 0, "no enqueue was refused by max_waiting"
     calls = {k: v["calls"] for k, v in redis.Redis.from_url(gate_url).info("commandstats").items()}
     if how == "fcall":
         assert calls.get("cmdstat_fcall", 0) > 1000, calls

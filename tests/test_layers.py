@@ -12,7 +12,8 @@ PACKAGE = Path(__file__).resolve().parent.parent / "celery_threads"
 #: Bottom to top.  A module is named by its path under the package, without ``.py``.
 LAYERS: list[tuple[str, set[str]]] = [
     ("base: errors, signals, names, settings, adapters of other libraries",
-     {"errors", "signals", "keys", "protocol", "config", "redis_options", "seams", "metrics"}),
+     {"errors", "signals", "keys", "protocol", "config", "redis_options", "seams", "metrics",
+      "policies"}),
     ("the gate: its Lua, loader, records and client",
      {"gate", "gate.records", "gate.replies", "gate.library", "gate.client", "gate.wire",
       "gate.api", "gate.access", "gate.eviction", "gate.cluster", "gate.sentinel",

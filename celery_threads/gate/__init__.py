@@ -10,14 +10,17 @@ from .api import DEAD_CHUNK, ID_PAGE, MAX_REPUBLISH_BACKOFF, OPERATOR_BATCH, Gat
 from .client import RETRY_BUDGET, SOCKET_TIMEOUT, BoundedRetry, make_client, wait_timeout_ms  # noqa: F401
 from .library import SCRIPT_NAMES, Library, function_library, script_sources  # noqa: F401
 from .records import (  # noqa: F401
+    HOLD_MARK,
     NO_HOLDER,
     DirectRelease,
     Record,
     call_id,
     claimant_prefix,
     find_record,
+    held_by,
     member_field,
     parse_record,
+    pause_reason,
     record_task,
     task_field,
 )
@@ -39,6 +42,7 @@ from .replies import (  # noqa: F401
     Claim,
     DeadRecord,
     Done,
+    Enqueue,
     Lapse,
     Outcome,
     Pause,

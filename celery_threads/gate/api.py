@@ -21,12 +21,14 @@ from . import deadline as caller_deadline
 from .client import RETRY_BUDGET, wait_timeout_ms
 from .library import _load_lua, function_library, script_sources
 from .records import (
+    HOLD_MARK,
     DirectRelease,
     _max_retries,
     _text,
     call_id,
     find_record,
     parse_record,
+    pause_reason,
 )
 from .replies import (
     NOOP,
@@ -200,18 +202,24 @@ class Gate:
     # -- transitions --------------------------------------------------------------------------
     def enqueue(self, thread_id: str, task_id: str, envelope: bytes, *, delay_ms: int = 0,
                 at_ms: Optional[int] = None, max_retries: Optional[int] = None,
-                retry_delay_ms: int = 0, replaced: int = 0, coalesce: Optional[str] = None,
+                retry_delay_ms: int = 0, replaced: int = 0, policy: str = "",
+                max_waiting: Optional[int] = None, coalesce: Optional[str] = None,
                 debounce_ms: int = 0, debounce_max_ms: int = 0) -> Outcome:
         """A new member.  ``replaced``: the ``replaced_task_nesting`` of a replacement
         (``Task.replace``), admitted once although its task id (the replaced task's) ended in the
-        last 30 s (lua/enqueue.lua).  ``coalesce``: the task's name, when the call supersedes the
-        waiting call of that task in its thread that has not run yet (``coalesce="latest"``,
-        ``debounce``); ``debounce_ms``, ``debounce_max_ms``: its debounce (0: none).  The
-        outcome's info names what it superseded (:func:`superseded_ids`)."""
+        last 30 s (lua/enqueue.lua).  ``policy``: the member's, kept in its record
+        (:func:`celery_threads.policies.policy_text`); ``max_waiting``: status ``FULL`` (nothing
+        stored) when the thread already has that many waiting members.  ``coalesce``: the task's
+        name, when the call supersedes the waiting call of that task in its thread that has not
+        run yet (``coalesce="latest"``, ``debounce``); ``debounce_ms``, ``debounce_max_ms``: its
+        debounce (0: none).  The outcome's info names what it superseded
+        (:func:`superseded_ids`).  A call without policies sends the arguments it always did."""
         mode, value = ("at", at_ms) if at_ms is not None else ("in", max(0, delay_ms))
         extra: tuple[Any, ...] = (replaced,) if replaced else ()
-        if coalesce is not None:
-            extra = (replaced or "", f"{int(debounce_ms)}|{int(debounce_max_ms)}|{coalesce}")
+        if policy or max_waiting is not None or coalesce is not None:
+            extra = (replaced or "", policy, "" if max_waiting is None else int(max_waiting),
+                     "" if coalesce is None else
+                     f"{int(debounce_ms)}|{int(debounce_max_ms)}|{coalesce}")
         return self._outcome("enqueue", thread_id, self._replicated(lambda fence: self._run(
             "enqueue", thread_id, task_id, mode, value, _max_retries(max_retries), retry_delay_ms,
             envelope, *extra, fence=fence)), own=envelope)
@@ -396,6 +404,9 @@ class Gate:
     def pause(self, thread_id: str, reason: str) -> Outcome:
         """Stop releasing the thread's members until :meth:`resume` (lua/pause.lua): status
         ``PAUSED``, or ``ALREADY_PAUSED`` (the reason is replaced)."""
+        if reason.startswith(HOLD_MARK):
+            raise ValueError("a pause's reason cannot start with a NUL character (it marks the "
+                             "pauses that on_death='hold' makes)")
         return self._call("pause", thread_id, reason)
 
     def resume(self, thread_id: str) -> Outcome:
@@ -514,7 +525,7 @@ class Gate:
             waiting=[(_text(t), int(score)) for t, score in zip(queue[::2], queue[1::2])],
             records={_text(t): r for t, r in zip(records[::2], records[1::2])},
             due_at=None if due_at in (b"", "", None) else int(due_at),
-            paused=_text(paused[0]) if paused else None,
+            paused=pause_reason(_text(paused[0])) if paused else None,
         )
 
     def thread_ids(self, page: int = ID_PAGE) -> Iterator[str]:
@@ -593,7 +604,8 @@ class Gate:
     def paused(self, shard: ShardKeys) -> dict[str, str]:
         """The paused threads of ``shard`` and their reasons: O(paused threads), an operator's
         handful, never a scan of the threads."""
-        return {_text(k): _text(v) for k, v in self.client.hgetall(shard.paused).items()}
+        return {_text(k): pause_reason(_text(v))
+                for k, v in self.client.hgetall(shard.paused).items()}
 
     def paused_leases(self, shard: ShardKeys) -> dict[str, Optional[int]]:
         """The paused threads of ``shard``, each with its active member's deadline (ms), or
@@ -609,7 +621,8 @@ class Gate:
         pipe = self.client.pipeline(transaction=False)
         for thread_id in thread_ids:
             pipe.hget(self.keys.thread(thread_id).shard.paused, thread_id)
-        return [None if r is None else _text(r) for r in pipe.execute()] if thread_ids else []
+        return ([None if r is None else pause_reason(_text(r)) for r in pipe.execute()]
+                if thread_ids else [])
 
     def stats_counters(self, shard: ShardKeys) -> dict[Any, Any]:
         """``shard``'s stats hash, the counters the transitions keep (celery_threads.metrics)."""
@@ -633,14 +646,14 @@ class Gate:
         return any(self.client.getdel(shard.deleted_note(task_id)) is not None
                    for shard in self.keys.all_shards())
 
-    def forget(self, task_id: str) -> bool:
-        for shard in self.keys.all_shards():
-            pipe = self.client.pipeline(transaction=True)
-            pipe.zrem(shard.dead, task_id)
-            pipe.hdel(shard.dead_records, task_id)
-            if any(pipe.execute()):
-                return True
-        return False
+    def forget(self, task_id: str) -> Outcome:
+        """Drop a dead letter (lua/forget.lua): ``DONE`` if it was in the store, with the release
+        of its thread's head when its death held the thread (``on_death="hold"``), which goes on
+        without it."""
+        record = self.dead_record(task_id)
+        if record is None:
+            return Outcome(NOOP, "", None)
+        return self._call("forget", str(record.meta.get("thread_id", "")), task_id)
 
     def last_death(self, shard: ShardKeys) -> Optional[int]:
         """The score (its shard's sequence number) of ``shard``'s latest death, ``None`` when its

@@ -10,7 +10,7 @@ from typing import NamedTuple
 
 SCRIPT_NAMES = ("enqueue", "release", "claim", "renew", "finish", "requeue", "kill", "delete",
                 "expire", "fail", "restart", "handback", "pause", "resume", "redrive",
-                "purge")
+                "purge", "forget")
 
 
 def _load_lua(name: str) -> str:

@@ -61,17 +61,41 @@ class Record(NamedTuple):
     retry_delay_ms: int
     thread_id: str
     envelope: bytes
+    policy: str = ""        # the member's policies (policies.policy_text), "" for none
 
 
 def parse_record(record: bytes) -> Record:
-    """``[\\2 <two bytes>]seq|retries|max_retries|retry_delay_ms|<length of thread id>[|c]\\n
-    <thread id><envelope>`` (the two bytes: the end of a UUID keyed by its first 14, see
-    ``task_field``; ``|c``: a call with coalesce or debounce not released yet)."""
+    """``[\\2 <two bytes>]seq|retries|max_retries|retry_delay_ms|<length of thread id>[|<policy>|]
+    \\n<thread id><envelope>`` (the two bytes: the end of a UUID keyed by its first 14, see
+    ``task_field``; the policy: see :func:`celery_threads.policies.policy_text`, and 'c' for a
+    call with coalesce or debounce not released yet)."""
     if record[:1] == b"\x02":
         record = record[3:]
     header, _, rest = record.partition(b"\n")
-    seq, retries, max_retries, delay, tlen = (int(x) for x in header.split(b"|")[:5])
-    return Record(seq, retries, max_retries, delay, rest[:tlen].decode(), rest[tlen:])
+    parts = header.split(b"|")
+    seq, retries, max_retries, delay, tlen = (int(x) for x in parts[:5])
+    policy = parts[5].decode() if len(parts) > 5 else ""
+    return Record(seq, retries, max_retries, delay, rest[:tlen].decode(), rest[tlen:], policy)
+
+
+#: A pause that ``on_death="hold"`` made is stored as ``HOLD_MARK + <dead task id> + HOLD_MARK +
+#: <reason>`` (``hold_thread`` in lua/_common.lua); an operator's reason never starts with it.
+HOLD_MARK = "\0"
+
+
+def pause_reason(stored: str) -> str:
+    """The reason a paused-hash value shows: a hold's without its mark."""
+    if stored.startswith(HOLD_MARK):
+        return stored.split(HOLD_MARK, 2)[-1]
+    return stored
+
+
+def held_by(stored: Optional[str]) -> Optional[str]:
+    """The dead task id whose death holds the thread (``on_death="hold"``), or ``None`` for an
+    operator's pause (or none)."""
+    if stored is None or not stored.startswith(HOLD_MARK):
+        return None
+    return stored.split(HOLD_MARK, 2)[1]
 
 
 @dataclass(frozen=True)

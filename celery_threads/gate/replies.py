@@ -16,6 +16,14 @@ class Done(IntEnum):
     DONE = 1
 
 
+class Enqueue(IntEnum):
+    """enqueue: the task id is a member already (or ended lately), it was added, or
+    ``max_waiting`` refused it (nothing stored)."""
+    NOOP = 0
+    DONE = 1
+    FULL = 2
+
+
 class Claim(IntEnum):
     """claim: the release no longer holds its thread, or it is now the caller's, or another
     delivery's."""
@@ -70,7 +78,7 @@ class Redriven(str, Enum):
 
 
 #: The statuses each script replies with (``Done`` for the others).
-REPLIES: dict[str, type[IntEnum]] = {"claim": Claim, "renew": Renewal, "expire": Lapse,
+REPLIES: dict[str, type[IntEnum]] = {"enqueue": Enqueue, "claim": Claim, "renew": Renewal, "expire": Lapse,
                                      "fail": Lapse, "handback": Lapse, "restart": Restart,
                                      "pause": Pause, "resume": Resume}
 # The names callers use most.

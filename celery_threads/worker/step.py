@@ -41,10 +41,10 @@ from celery.worker import state as worker_state
 from celery.worker.request import Request
 from celery.worker.strategy import default as default_strategy
 
-from .. import seams
+from .. import policies, seams
 from ..config import read_config, sanitized_url
 from ..errors import ConfigurationError
-from ..gate import NO_HOLDER, STOPPING, Lapse, Outcome, Renewal, claimant_prefix
+from ..gate import NO_HOLDER, STOPPING, Enqueue, Lapse, Outcome, Renewal, claimant_prefix
 from ..protocol import REPUBLISHED_HEADER, THREAD_HEADER, TOKEN_HEADER, eta_ms, is_threaded, retry_settings
 from ..publish import encode_envelope, request_member
 from ..runtime import Runtime, get_runtime, unreachable
@@ -163,6 +163,7 @@ def _enter_gate_from_worker(task: Any, runtime: Runtime, message: Any, ack: Any,
     headers = dict(message.headers or {})
     try:
         max_retries, retry_delay_ms = retry_settings(task)
+        policy = policies.resolve(task, {})     # the task's own: a call's options are not known
     except ConfigurationError as exc:
         logger.error("celery-threads: rejected %s[%s]: %s", task.name, headers.get("id"), exc)
         reject()
@@ -189,7 +190,13 @@ def _enter_gate_from_worker(task: Any, runtime: Runtime, message: Any, ack: Any,
     eta = headers.get("eta")
     outcome = runtime.gate.enqueue(
         thread_id, headers["id"], envelope, at_ms=eta_ms(eta) if eta else None,
-        max_retries=max_retries, retry_delay_ms=retry_delay_ms)
+        max_retries=max_retries, retry_delay_ms=retry_delay_ms, policy=policy.text,
+        max_waiting=policy.max_waiting)
+    if outcome.status == Enqueue.FULL:
+        logger.error("celery-threads: rejected %s[%s]: thread %s already has %s waiting members "
+                     "(max_waiting)", task.name, headers["id"], thread_id, policy.max_waiting)
+        reject()
+        return
     runtime.publish(outcome.release)
     ack()
 

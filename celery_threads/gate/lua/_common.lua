@@ -16,11 +16,12 @@
 --   KEYS[10] paused  HASH    thread id -> reason, of each paused thread (pause.lua): nothing of
 --                            it is released until resume.lua; while idle it is in no index
 --   KEYS[11] stats   HASH    the shard's counters, kept by the transitions (metrics)
---   KEYS[12] policy  HASH    this thread's policy state (rate, coalesce, debounce): for
---                            coalesce/debounce 'c:<task name>' -> the task's latest call
---                            (enqueue.lua), 'w:<task id>' of a call not released yet and
---                            'n' their count; expires ENDED_WINDOW after the last such call
---                            left the queue (left_waiting)
+--   KEYS[12] policy  HASH    this thread's policy state: for coalesce/debounce 'c:<task name>'
+--                            -> the task's latest call (enqueue.lua), 'w:<task id>' of a call
+--                            not released yet and 'n' their count (expires ENDED_WINDOW after
+--                            the last such call left the queue: left_waiting); for
+--                            thread_rate_limit 'rl' the time of its last release of a member
+--                            with a rate, 're' until when it counts (rate_wait)
 -- ARGV (common head):
 --   ARGV[1] now      "" to use the Redis server's TIME, else milliseconds (tests only)
 --   ARGV[2] thread   thread id
@@ -45,6 +46,8 @@ if redis.replicate_commands then pcall(redis.replicate_commands) end  -- Redis 6
 local K_SEQ, K_DUE, K_LEASES, K_TASKS, K_DEAD, K_DEADREC, K_Q, K_A, K_ENDED, K_PAUSED
 local K_STATS, K_POLICY
 local NOW, NOW_US, TID, RELEASE_TIMEOUT, WAKE, DIRECT
+-- Whether NOW is the Redis server's clock (else a test's, which Redis's key expiry cannot follow).
+local SERVER_CLOCK
 -- {keepalive ms, worker, claimant, stop}: a script whose caller runs what it releases (finish
 -- with ARGV[9]) sets this, and the member it releases is claimed for that caller at once
 -- (activate); stop '1': the caller's process can be stopped from outside (claim.lua ARGV[11]).
@@ -64,6 +67,7 @@ local function begin(keys, argv)
   K_DEAD, K_DEADREC, K_Q, K_A, K_ENDED = keys[5], keys[6], keys[7], keys[8], keys[9]
   K_PAUSED, K_STATS, K_POLICY = keys[10], keys[11], keys[12]
   NOW, NOW_US = server_clock(argv[1])
+  SERVER_CLOCK = argv[1] == ''
   TID = argv[2]
   RELEASE_TIMEOUT = tonumber(argv[3])
   WAKE = argv[4]
@@ -140,23 +144,116 @@ end
 -- A member's record, the value of its field in the shard's tasks hash (one hash entry per member
 -- holds both the task id -> thread index and the stored message):
 --   ["\2" .. the last two bytes of a UUID keyed by its first 14 (_member.lua)]
---   .. "seq|retries|max_retries|delay_ms|<length of thread id>[|c]\n" .. thread id .. envelope
--- '|c': a call made with coalesce or debounce that has not been released yet (left_waiting).
--- `tail` is nil for a record without those bytes.
+--   .. "seq|retries|max_retries|delay_ms|<length of thread id>[|<policy>|]\n" .. thread id
+--   .. envelope
+-- `tail` is nil for a record without those bytes.  The policy, only in a member's record whose
+-- task or call sets one (a plain member's header is as before, so it pays nothing for them), is
+-- a string of items: 'h' (on_death="hold"), 'r<ms>' (thread_rate_limit: the interval between
+-- two releases), 'c' (a call made with coalesce or debounce that has not been released yet:
+-- left_waiting).
 local function parse_record(rec)
   local from, tail = 1, nil
   if string.byte(rec, 1) == 2 then from, tail = 4, string.sub(rec, 2, 3) end
   local nl = string.find(rec, '\n', from, true)
-  local seq, retries, maxr, delay, tlen = string.match(string.sub(rec, from, nl - 1),
-    '^(%d+)|(%d+)|(-?%d+)|(%d+)|(%d+)|?c?$')
+  local seq, retries, maxr, delay, tlen, policy = string.match(string.sub(rec, from, nl - 1),
+    '^(%d+)|(%d+)|(-?%d+)|(%d+)|(%d+)|?([^|]*)|?$')
   local body_at = nl + 1 + tonumber(tlen)
   return { seq = seq, retries = tonumber(retries), maxr = tonumber(maxr), delay = tonumber(delay),
-           thread = string.sub(rec, nl + 1, body_at - 1), body_at = body_at, tail = tail }
+           thread = string.sub(rec, nl + 1, body_at - 1), body_at = body_at, tail = tail,
+           policy = policy }
 end
 
-local function make_record(seq, retries, maxr, delay, envelope, tail, coalescable)
+local function make_record(seq, retries, maxr, delay, envelope, tail, policy)
   return (tail and '\2' .. tail or '') .. seq .. '|' .. retries .. '|' .. maxr .. '|' .. delay ..
-    '|' .. #TID .. (coalescable and '|c' or '') .. '\n' .. TID .. envelope
+    '|' .. #TID .. ((policy and policy ~= '') and '|' .. policy .. '|' or '') .. '\n' .. TID ..
+    envelope
+end
+
+-- The policy of a record ('' for none): a plain member's costs a find and a byte compare.
+local function record_policy(rec)
+  local nl = string.find(rec, '\n', string.byte(rec, 1) == 2 and 4 or 1, true)
+  if string.byte(rec, nl - 1) ~= 124 then return '' end      -- 124: '|'
+  return string.match(string.sub(rec, 1, nl - 1), '|([^|]*)|$')
+end
+
+-- The policy a member keeps once released: without 'c' (a call released once is never
+-- superseded: a retry's, a restart's or a redrive's record is not marked, see left_waiting).
+local function released_policy(policy)
+  if not policy or policy == '' then return '' end
+  return (string.gsub(policy, 'c', ''))
+end
+
+-- The thread's policy hash lives as long as its longest need: without an expiry while a call made
+-- with coalesce or debounce waits ('n' above 0: enqueue.lua, left_waiting), else until the
+-- later of its expiry and `ms` from now (a rate's interval, the replay window of coalescing
+-- calls), so that neither policy cuts the other's state short.
+local function keep_policy(ms)
+  if tonumber(redis.call('HGET', K_POLICY, 'n') or '0') > 0 then
+    redis.call('PERSIST', K_POLICY)
+    return
+  end
+  if redis.call('PTTL', K_POLICY) < ms then redis.call('PEXPIRE', K_POLICY, ms) end
+end
+
+-- thread_rate_limit: when the member of `policy` may be released, if it must wait (else nil),
+-- and its interval: its own interval after the thread's last release of a member with a rate,
+-- while the policy hash remembers that release ('rl'; 're': until when, that member's own
+-- interval after it: see rate_stamp).  So a thread whose tasks share a rate is spaced by it;
+-- with mixed rates the member released applies its own, from a release still remembered.
+local function rate_wait(policy)
+  local every = tonumber(string.match(policy, 'r(%d+)'))
+  if not every then return nil, nil end
+  local last = redis.call('HMGET', K_POLICY, 'rl', 're')
+  if last[1] and tonumber(last[2]) > NOW and tonumber(last[1]) + every > NOW then
+    return tonumber(last[1]) + every, every
+  end
+  return nil, every
+end
+
+-- Remember a release of a member whose interval is `every` ms, for that long: then the policy
+-- hash vanishes (no later release needs it).  With a test's clock the key lives an hour of
+-- Redis's own time (its expiry cannot follow that clock); 're' says when it counts as gone.
+local function rate_stamp(every)
+  redis.call('HSET', K_POLICY, 'rl', string.format('%d', NOW),
+    're', string.format('%d', NOW + every))
+  keep_policy(SERVER_CLOCK and every or 3600000)
+end
+
+-- A pause made by on_death="hold" (hold_thread) is marked in its paused-hash value:
+-- "\0<dead task id>\0<reason>".  An operator's reason cannot start with "\0" (Threads.pause
+-- refuses it), so an operator's pause is never taken for a hold, and a pause the operator
+-- made over a hold (its reason replaced) is the operator's.
+local HOLD_MARK = '^%z[^%z]*%z'
+
+-- on_death="hold": the dead member `task` pauses its thread (its death's reason shown as the
+-- pause's), instead of the thread moving on.  An operator's pause already there is kept in
+-- the reason's text; the thread is held (redrive, restart, forget of `task` or resume lift it).
+local function hold_thread(task, meta_json)
+  local ok, meta = pcall(cjson.decode, meta_json)
+  local exception = ok and type(meta) == 'table' and meta.exception or nil
+  local reason = 'on_death=hold: ' .. task .. ' died' ..
+    (type(exception) == 'string' and ': ' .. exception or '')
+  local before = redis.call('HGET', K_PAUSED, TID)
+  if before then reason = reason .. ' (paused before: ' .. string.gsub(before, HOLD_MARK, '') .. ')' end
+  redis.call('HSET', K_PAUSED, TID, '\0' .. task .. '\0' .. reason)
+end
+
+-- Lift the hold the death of `task` made, if the thread is paused by it (not by an operator,
+-- nor by another member's death).  Returns whether it was.
+local function lift_hold(task)
+  local v = redis.call('HGET', K_PAUSED, TID)
+  if not v or string.sub(v, 1, #task + 2) ~= '\0' .. task .. '\0' then return false end
+  redis.call('HDEL', K_PAUSED, TID)
+  return true
+end
+
+-- The policy a dead record's meta kept (kill_active), or nil.
+local function dead_policy(meta_json)
+  local ok, meta = pcall(cjson.decode, meta_json)
+  if ok and type(meta) == 'table' and type(meta.policy) == 'string' and meta.policy ~= '' then
+    return meta.policy
+  end
+  return nil
 end
 
 -- Whether an operator paused the thread (pause.lua): then nothing of it is released.
@@ -164,25 +261,18 @@ local function thread_paused()
   return redis.call('HEXISTS', K_PAUSED, TID) == 1
 end
 
--- A call made with coalesce or debounce (enqueue.lua) waits under a record marked '|c' (see
--- make_record) and a 'w:<task id>' field in the thread's policy hash (K_POLICY), where 'n'
+-- A call made with coalesce or debounce (enqueue.lua) waits under a record whose policy has 'c'
+-- (see make_record) and a 'w:<task id>' field in the thread's policy hash (K_POLICY), where 'n'
 -- counts such calls; a later call of its task may supersede it.  It stops being one when it
 -- leaves the queue otherwise: released (activate), purged or deleted.  Once none is left the
 -- hash expires ENDED_WINDOW later (a replayed call is still told what it superseded); a new
 -- such call keeps it again.  A member released once is never superseded: the mark is not
 -- written again (a retry's record, requeue_active, and a restart's or redrive's are unmarked),
 -- so a member without the mark costs these paths one look at its record's header.
-local function is_coalescable(rec)
-  local nl = string.find(rec, '\n', string.byte(rec, 1) == 2 and 4 or 1, true)
-  return string.byte(rec, nl - 1) == 99    -- 'c': the header's last field (parse_record)
-end
-
 local function left_waiting(task, rec)
-  if not is_coalescable(rec) then return end
+  if not string.find(record_policy(rec), 'c', 1, true) then return end
   redis.call('HDEL', K_POLICY, 'w:' .. task)
-  if redis.call('HINCRBY', K_POLICY, 'n', -1) <= 0 then
-    redis.call('PEXPIRE', K_POLICY, ENDED_WINDOW)
-  end
+  if redis.call('HINCRBY', K_POLICY, 'n', -1) <= 0 then keep_policy(ENDED_WINDOW) end
 end
 
 -- Index a thread that has no active member: in due at its head's scheduled_at, or, when it has
@@ -249,6 +339,25 @@ local function release_idle(detached, known)
   end
   local field = member_field(head[1])
   local rec = known and known[1] == field and known[2] or redis.call('HGET', K_TASKS, field)
+  local policy = record_policy(rec)
+  if policy ~= '' then
+    -- thread_rate_limit: a head whose turn comes early waits at its place; the thread sits in
+    -- the due index at the earliest time allowed, when the dispatcher releases it.
+    local wait, every = rate_wait(policy)
+    if wait then
+      index_idle(detached, { head[1], string.format('%d', wait) }, false)
+      return nil
+    end
+    if every then
+      rate_stamp(every)
+      redis.call('ZREM', K_Q, head[1])
+      local released = activate(field_task(field, rec), field, head[2], not detached, rec)
+      -- Its claim stamps the thread's last release again (claim.lua): the next member's turn
+      -- counts from when this one starts.
+      redis.call('HSET', K_A, 'rl', every)
+      return released
+    end
+  end
   redis.call('ZREM', K_Q, head[1])
   return activate(field_task(field, rec), field, head[2], not detached, rec)
 end
@@ -374,11 +483,11 @@ local function active_field(task, long)
 end
 
 -- The state of the active member when it is (task, token), else nil: the fencing check.  Also
--- returns its 'l' (for active_field).
+-- returns its 'l' (for active_field) and its 'rl' (thread_rate_limit's interval, for claim.lua).
 local function is_active(task, token)
-  local a = redis.call('HMGET', K_A, 'task', 'token', 'state', 'l')
+  local a = redis.call('HMGET', K_A, 'task', 'token', 'state', 'l', 'rl')
   if a[1] ~= task or a[2] ~= token then return nil end
-  return a[3], a[4]
+  return a[3], a[4], a[5]
 end
 
 -- Whether a finish or requeue of the active member, in `state`, comes from another delivery than
@@ -507,21 +616,26 @@ local function requeue_active(task, sched, retries, envelope, field, rec)
   if not rec then field, rec = find_member(K_TASKS, task) end
   local p = parse_record(rec)
   if envelope == '' then envelope = string.sub(rec, p.body_at) end
-  redis.call('HSET', K_TASKS, field, make_record(p.seq, retries, p.maxr, p.delay, envelope, p.tail))
+  redis.call('HSET', K_TASKS, field, make_record(p.seq, retries, p.maxr, p.delay, envelope, p.tail,
+    released_policy(p.policy)))
   redis.call('ZADD', K_Q, sched, queue_member(p.seq, field))
   leave_active()
 end
 
 -- The active member died: to the dead-letter store (when keep is true), detached, and counted
--- as a 'dead' ending either way.
+-- as a 'dead' ending either way.  A member with on_death="hold" holds its thread (hold_thread),
+-- kept in the store or not.
 local function kill_active(task, keep, meta_json, field, rec)
   if not rec then field, rec = find_member(K_TASKS, task) end
+  local policy = released_policy(record_policy(rec))
+  if policy ~= '' and string.find(policy, 'h', 1, true) then hold_thread(task, meta_json) end
   if keep then
     local p = parse_record(rec)
     -- Its place, for a redrive (redrive.lua): its arrival number and scheduled_at, added to the
-    -- caller's meta (a JSON object).
+    -- caller's meta (a JSON object); and its policy, which a redrive or restart keeps.
     local sched = redis.call('HGET', K_A, 'sched')
-    local place = '"seq":' .. p.seq .. (sched and ',"sched":' .. sched or '')
+    local place = '"seq":' .. p.seq .. (sched and ',"sched":' .. sched or '') ..
+      (policy ~= '' and ',"policy":' .. cjson.encode(policy) or '')
     if string.find(meta_json, '^{%s*}$') then
       meta_json = '{' .. place .. '}'
     elseif string.sub(meta_json, -1) == '}' then
@@ -543,7 +657,10 @@ end
 -- only leaves a gap) or, unless `again` (a restart), ended in the last ENDED_WINDOW; else the
 -- release ({task, token, record}) or nil.  `seq`: the arrival number it keeps (a redrive puts a
 -- dead letter back at its place); it is then only queued, and the caller releases the head.
-local function add_member(task, sched, retries, maxr, delay, envelope, again, seq, coalescable)
+-- `policy`: its record's (make_record; nil or '' for none).  `cap` (max_waiting): returns
+-- 'full' when the thread already has that many waiting members, after the checks above, so a
+-- replayed call is told it was done, never refused.
+local function add_member(task, sched, retries, maxr, delay, envelope, again, seq, policy, cap)
   local field, tail = task_field(task)
   if not again then
     -- One read refuses both an id that ended in the window and a UUID that is a member keyed by
@@ -551,6 +668,11 @@ local function add_member(task, sched, retries, maxr, delay, envelope, again, se
     -- until it ends (below), so an enqueue does not look for that form in the tasks hash.
     local ended = redis.call('ZSCORE', K_ENDED, task)
     if ended and (ended == 'inf' or tonumber(ended) >= NOW - ENDED_WINDOW) then return false end
+    if cap then
+      local _, rec = find_member(K_TASKS, task)
+      if rec then return false end
+      if redis.call('ZCARD', K_Q) >= cap then return 'full' end
+    end
   else
     if tail and redis.call('HEXISTS', K_TASKS, '\1' .. task) == 1 then return false end
     -- A restarted member is live again: a stale call of its ended run no longer finds it ended.
@@ -558,13 +680,13 @@ local function add_member(task, sched, retries, maxr, delay, envelope, again, se
   end
   local queued = seq ~= nil
   seq = seq or string.format('%d', next_seq())
-  local rec = make_record(seq, retries, maxr, delay, envelope, tail, coalescable)
+  local rec = make_record(seq, retries, maxr, delay, envelope, tail, policy)
   if redis.call('HSETNX', K_TASKS, field, rec) == 0 then
     if not tail or string.sub(redis.call('HGET', K_TASKS, field), 2, 3) == tail then
       return false
     end
     -- Another UUID with the same first 14 bytes holds the field: this one takes its long form.
-    field, rec = '\1' .. task, make_record(seq, retries, maxr, delay, envelope, nil, coalescable)
+    field, rec = '\1' .. task, make_record(seq, retries, maxr, delay, envelope, nil, policy)
     redis.call('HSET', K_TASKS, field, rec)
     redis.call('ZADD', K_ENDED, '+inf', task)     -- until it ends (mark_ended)
     redis.call('PERSIST', K_ENDED)
@@ -573,8 +695,10 @@ local function add_member(task, sched, retries, maxr, delay, envelope, again, se
     redis.call('ZADD', K_Q, sched, queue_member(seq, field))
     return nil
   end
-  if sched <= NOW and redis.call('EXISTS', K_Q) == 0 and not thread_paused() then
-    -- An empty thread (so in neither index): its only member is released without being queued.
+  if sched <= NOW and not (policy and string.find(policy, 'r', 1, true))
+      and redis.call('EXISTS', K_Q) == 0 and not thread_paused() then
+    -- An empty thread (so in neither index): its only member is released without being queued
+    -- (one with a thread_rate_limit goes the queue's way, where release_idle spaces it).
     return activate(task, field, sched, false, rec)
   end
   redis.call('ZADD', K_Q, sched, queue_member(seq, field))

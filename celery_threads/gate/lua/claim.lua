@@ -5,13 +5,17 @@
 --   ARGV[11] "1": the claiming process can be stopped from outside (a prefork pool process,
 --            whose worker's main process signals it and sees it exit), so a delete of the
 --            running member waits for it to stop (marked_deleted); else it is detached at once
+-- A member of a thread_rate_limit (its 'rl', release_idle) stamps the thread's last release
+-- with its claim's time: the next release waits for its interval after this start.
 -- Returns {1, claim time ms} claimed (also to the same claimant's replay of the claim, with the
 -- first claim's time), {2, ''} already claimed by another delivery, {0, ''} stale.
 local task, token, claimant = ARGV[6], ARGV[7], ARGV[10] or ''
--- is_active's fencing check, with what the wait histogram needs in the same read.
-local a = redis.call('HMGET', K_A, 'task', 'token', 'state', 'sched', 'w')
+-- is_active's fencing check, with what the wait histogram and the rate need in the same read.
+local a = redis.call('HMGET', K_A, 'task', 'token', 'state', 'sched', 'w', 'rl')
 local state = a[1] == task and a[2] == token and a[3] or nil
+local every = a[6]
 if state == 'RELEASED' then
+  if every then rate_stamp(tonumber(every)) end
   local deadline = NOW + tonumber(ARGV[8])
   -- Its body starts: its wait ends, unless a claim of this release (given back unstarted) counted it.
   if not a[5] then observe_wait(a[4]) end

@@ -6,7 +6,12 @@
 --            replacement joining another thread).  Such an id is admitted once per nesting level:
 --            the admission is remembered in the ended index as "\0replaced:<nesting>:<task id>",
 --            so a replayed call is still refused.  A member is never admitted twice at once.
---   ARGV[13] (optional) coalesce="latest" or debounce: "" (neither), else
+--   ARGV[13] (optional) the member's policy, kept in its record (make_record): '' none, else
+--            'h' (on_death="hold") and/or 'r<ms>' (thread_rate_limit's interval)
+--   ARGV[14] (optional) max_waiting: refused when the thread already has this many waiting
+--            members (its active one not counted), after the duplicate checks; '' none.  A call
+--            that supersedes a waiting one (ARGV[15]) leaves the count as it was: never refused
+--   ARGV[15] (optional) coalesce="latest" or debounce: "" (neither), else
 --            "<debounce ms>|<debounce_max ms>|<task name>" (0: none).  The call supersedes the
 --            task's call in this thread that waits and has not been released yet (its 'w:'
 --            field, see left_waiting), if any, and takes its place: that call's arrival number and
@@ -24,9 +29,10 @@
 -- Returns {1, superseded} added (plus the release, if any: without the record when it is this
 -- member's), {0, ''} when the task id is already a member; when that member is RELEASED (an
 -- enqueue replayed after its reply was lost, which released it), {0, ''} plus its release with
--- its stored record, for the caller to publish (a second copy loses the claim).  superseded: ''
--- or the task ids the call superseded as above (a replayed call's, while it is its task's latest
--- call in the thread, the 30 s after the last such call left the queue included).
+-- its stored record, for the caller to publish (a second copy loses the claim); {2, 'full'}
+-- when max_waiting refused it (nothing stored).  superseded: '' or the task ids the call
+-- superseded as above (a replayed call's, while it is its task's latest call in the thread, the
+-- 30 s after the last such call left the queue included).
 local task = ARGV[6]
 local admission = nil
 if ARGV[12] and ARGV[12] ~= '' then
@@ -34,10 +40,14 @@ if ARGV[12] and ARGV[12] ~= '' then
   local at = redis.call('ZSCORE', K_ENDED, admission)
   if at and tonumber(at) >= NOW - ENDED_WINDOW then return reply(0, '') end
 end
-local policy = admission == nil and ARGV[13] and ARGV[13] ~= '' and ARGV[13] or nil
+local own = ARGV[13] and ARGV[13] ~= '' and ARGV[13] or ''
+local cap = ARGV[14] and ARGV[14] ~= '' and tonumber(ARGV[14]) or nil
+local policy = admission == nil and ARGV[15] and ARGV[15] ~= '' and ARGV[15] or nil
 local sched = schedule(ARGV[7], ARGV[8])
 if not policy then
-  local released = add_member(task, sched, 0, ARGV[9], ARGV[10], ARGV[11], admission ~= nil)
+  local released = add_member(task, sched, 0, ARGV[9], ARGV[10], ARGV[11], admission ~= nil, nil,
+    own, cap)
+  if released == 'full' then return reply(2, 'full') end
   if released == false then return duplicate_enqueue(task, '') end
   if admission then redis.call('ZADD', K_ENDED, NOW, admission) end
   return reply(1, '', released, released ~= nil and released[1] == task)
@@ -54,7 +64,11 @@ start = tonumber(start)
 -- call here) supersedes nothing: the duplicate check comes first.
 if is_known(task) then return duplicate_enqueue(task, prev == task and told or '') end
 local place, superseded = nil, ''
-if prev and redis.call('HDEL', K_POLICY, 'w:' .. prev) == 1 then
+local waits = prev and redis.call('HEXISTS', K_POLICY, 'w:' .. prev) == 1
+-- max_waiting: a call that supersedes a waiting one adds none.
+if not waits and cap and redis.call('ZCARD', K_Q) >= cap then return reply(2, 'full') end
+if waits then
+  redis.call('HDEL', K_POLICY, 'w:' .. prev)
   -- Its 'w:' field says it waits and was never released: it leaves, and this call takes its
   -- place (the count of such calls stays).
   local field, rec = find_member(K_TASKS, prev)
@@ -78,14 +92,14 @@ if debounce > 0 then
   if most > 0 then due = math.min(due, math.max(NOW, start + most)) end
   sched = math.max(sched, due)
 end
--- Its record is marked (make_record): its release, purge or delete ends its 'w:' field.
+-- Its record's policy has 'c' (make_record): its release, purge or delete ends its 'w:' field.
 local released
 if place then
   -- Its own time counts only when it is later than now (a countdown, an eta, a debounce).
   if sched <= NOW then sched = place[2] else sched = math.max(sched, place[2]) end
-  add_member(task, sched, 0, ARGV[9], ARGV[10], ARGV[11], false, place[1], true)
+  add_member(task, sched, 0, ARGV[9], ARGV[10], ARGV[11], false, place[1], own .. 'c')
   released = release_head(false)
 else
-  released = add_member(task, sched, 0, ARGV[9], ARGV[10], ARGV[11], false, nil, true)
+  released = add_member(task, sched, 0, ARGV[9], ARGV[10], ARGV[11], false, nil, own .. 'c')
 end
 return reply(1, superseded, released, released ~= nil and released[1] == task)

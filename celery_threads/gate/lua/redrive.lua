@@ -2,7 +2,9 @@
 -- (seq) and scheduled_at they had when they died (kill_active keeps both in the dead record's
 -- meta), same task id, retries reset.  So they are released in their original order and before
 -- members that arrived after them.  A dead record written before records kept their place
--- re-enters as a new arrival (now, a new seq).  The head is released once all are back.
+-- re-enters as a new arrival (now, a new seq).  The head is released once all are back.  A
+-- letter keeps its policy (its meta's), and a hold its death made (on_death="hold") is lifted:
+-- it runs first, at its place.
 --   ARGV[6] caller: the call's own id, the same when it is sent again (CALLER in _common.lua)
 --   ARGV[7...] per dead letter: task id, max_retries (-1: unlimited), retry delay ms
 -- Returns {1, codes} plus the release, if any; codes holds one character per dead letter, in
@@ -29,12 +31,14 @@ for i = 7, #ARGV, 3 do
       if type(seq) ~= 'number' or type(sched) ~= 'number' then
         seq, sched, code = next_seq(), NOW, 'n'
       end
+      local policy = type(meta.policy) == 'string' and meta.policy ~= '' and meta.policy or nil
       if add_member(task, sched, 0, ARGV[i + 1], ARGV[i + 2], string.sub(rec, after_meta + 1),
-                    true, string.format('%d', seq)) == false then
+                    true, string.format('%d', seq), policy) == false then
         code = 'a'
       else
         redis.call('ZREM', K_DEAD, task)
         redis.call('HDEL', K_DEADREC, task)
+        lift_hold(task)
         if CALLER ~= '' then redis.call('ZADD', K_ENDED, NOW, mark) end
       end
     end

@@ -3,7 +3,8 @@
 --   "in": delay; "keep": unused, it keeps the scheduled_at it was released at)   ARGV[10] retries
 --   ARGV[11] new envelope, or "" to keep the stored one
 --   ARGV[12] max_retries (-1: unlimited), ARGV[13] retry delay ms (optional): a replacement's
---            (Task.replace), which takes the member's place with its own retry settings
+--            (Task.replace), which takes the member's place with its own retry settings (and
+--            the member's policies)
 --   ARGV[14] caller: the call's own id, the same when it is sent again (CALLER in _common.lua)
 -- Returns {1, ''} plus the release, or {0, ''} when (task, token) is not the active member (or
 -- is RUNNING for another claimant than the caller); {1, 'DELETED'} plus the release when the
@@ -36,7 +37,8 @@ local field, rec
 if ARGV[12] and ARGV[12] ~= '' then
   field, rec = find_member(K_TASKS, task)
   local p = parse_record(rec)
-  rec = make_record(p.seq, p.retries, ARGV[12], ARGV[13], string.sub(rec, p.body_at), p.tail)
+  rec = make_record(p.seq, p.retries, ARGV[12], ARGV[13], string.sub(rec, p.body_at), p.tail,
+    p.policy)
 end
 requeue_active(task, sched, ARGV[10], ARGV[11], field, rec)
 -- A replacement (ARGV[12]) is a new task in the member's place, not another attempt.
