@@ -415,7 +415,8 @@ class Cluster:
             for raw in client.scan_iter(match=f"{note_head}*", count=1000):
                 notes[raw.decode()[len(note_head):]] = int(client.ttl(raw))
             known = {shard.seq, shard.due, shard.leases, shard.tasks, shard.dead,
-                     shard.dead_records, shard.ended, shard.paused, keys.meta}
+                     shard.dead_records, shard.ended, shard.paused, shard.stats,
+                     shard.dead_dropped, keys.meta}
             other = [k for k in (raw.decode() for raw in client.scan_iter(
                 match=f"{keys.prefix}:*", count=1000))
                      if k not in known and not k.startswith((head, note_head))]
@@ -426,7 +427,8 @@ class Cluster:
                 ended={k.decode(): v for k, v in client.zrange(shard.ended, 0, -1,
                                                                withscores=True)},
                 notes=notes, other_keys=other,
-                paused=gate.paused(shard), listed=list(gate.thread_ids()))
+                paused=gate.paused(shard), listed=list(gate.thread_ids()),
+                stats={k.decode(): int(v) for k, v in client.hgetall(shard.stats).items()})
         finally:
             client.close()
 

@@ -234,6 +234,7 @@ class GateState:
     other_keys: Optional[list[str]] = None       # keys under the prefix of no known shape
     paused: Optional[dict[str, str]] = None      # the shard's paused hash: thread -> reason
     listed: Optional[list[str]] = None           # Threads.ids() after the run
+    stats: Optional[dict[str, int]] = None       # the shard's metrics counters (its stats hash)
 
 
 @dataclass(frozen=True)
@@ -544,6 +545,7 @@ def check(history: Sequence[Event], gate: GateState, deleted: Sequence[Deletion]
         _check_results(thread_of, attempts, kills, gate, deletions, results, report)
     _check_gate(gate, thread_of, deletions, report)
     _check_operations(attempts, ops, gate, thread_of, report)
+    _check_counters(gate, ops, report)
     _measure_recovery(history, attempts, kills, gate, deletions, known, limits, report)
     return report
 
@@ -1050,3 +1052,23 @@ def _measure_recovery(history: Sequence[Event], attempts: list[Attempt], kills: 
                 (report.confounded if apart else report.recoveries).setdefault(
                     kill.what, []).append(round(took / 1e6, 3))
     report.worst_recovery = {k: max(v) for k, v in report.recoveries.items() if v}
+
+
+def _check_counters(gate: GateState, ops: Operations, report: Report) -> None:
+    """The metrics' counters, kept by the transitions themselves: after the run nothing runs,
+    and every life of a member ended once, counted once: each member that ended, and each death
+    a redrive undid (the letter lived again)."""
+    if gate.stats is None:
+        return
+    ended = {k: v for k, v in gate.stats.items() if k.startswith("ended:")}
+    lives = (report.succeeded + report.dead_lettered + report.deleted
+             + sum(len(r.tasks) for r in ops.redrives))
+    report.info.append(f"metrics counters: {ended}, running {gate.stats.get('running', 0)}, "
+                       f"retries {gate.stats.get('retries', 0)}, lapses "
+                       f"{gate.stats.get('lapses', 0)}; {lives} lives ended")
+    if gate.stats.get("running", 0) != 0:
+        report.bad_endings.append(f"metrics: {gate.stats.get('running')} members counted as "
+                                  "running after the run quiesced")
+    if sum(ended.values()) != lives:
+        report.bad_endings.append(f"metrics: {sum(ended.values())} endings counted {ended}, but "
+                                  f"{lives} lives ended")

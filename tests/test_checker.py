@@ -820,3 +820,18 @@ def test_a_start_in_a_held_thread_before_the_operator_acted_is_caught() -> None:
     assert not report.ok
     report = run(250)
     assert report.ok and report.holds_checked == 1, report.format()
+
+
+def test_the_metrics_counters_agree_with_the_lives_that_ended() -> None:
+    """After the run nothing is counted as running, and the endings counted are the lives that
+    ended (a member that succeeded, one deleted)."""
+    h = History()
+    h.enqueue("a", "t", 0)
+    h.enqueue("b", "t", 1)
+    h.attempt("a", "t", 10, 20)
+    h.deletions.append(Deletion("b", 30 * MS, 31 * MS))
+    good = {"ended:succeeded": 1, "ended:deleted": 1, "running": 0}
+    assert h.check(GateState(stats=good)).ok
+    for bad in ({**good, "running": 1}, {**good, "ended:succeeded": 2}, {"ended:succeeded": 1}):
+        report = h.check(GateState(stats=bad))
+        assert any("metrics" in x for x in report.bad_endings), (bad, report.format())
