@@ -389,7 +389,7 @@ def test_gate_down_while_workers_finish_members_loses_nothing(outage_cluster: Cl
              timeout=60, what="every member to succeed")
     wait_for(lambda: cluster.gate_busy() == 0, timeout=30, what="the gate to empty")
     rows = history()
-    events, enqueues, deletions = parse_history(rows)
+    events, enqueues, deletions, _ = parse_history(rows)
     report = check(events, cluster.gate_state(), deletions, enqueues,
                    Limits(cluster.opts.keepalive, cluster.opts.dispatch_interval,
                           cluster.opts.retry_delay))
