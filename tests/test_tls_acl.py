@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -473,3 +474,14 @@ def test_a_cluster_gate_has_the_rights_of_its_user_checked_on_every_master(
             with pytest.raises(ConfigurationError, match=named):
                 check(port, remove)
     assert redis_cluster.keys_per_node(prefix) == {port: 0 for port in redis_cluster.ports}
+
+
+def test_every_command_the_scripts_call_is_a_documented_right() -> None:
+    """A command a script calls that the documented ACL rules lack fails only as such a user:
+    every ``redis.call``/``redis.pcall`` of the gate's Lua is among the required commands (the
+    broker's ``lpush`` of a direct release is the broker user's right, and refused quietly)."""
+    lua = ROOT / "celery_threads" / "gate" / "lua"
+    called = {m.lower() for path in lua.glob("*.lua")
+              for m in re.findall(r"redis\.p?call\('([A-Z]+)'", path.read_text())}
+    assert called - {"lpush"} <= set(access.REQUIRED_COMMANDS), (
+        called - {"lpush"} - set(access.REQUIRED_COMMANDS))

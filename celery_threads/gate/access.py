@@ -42,10 +42,10 @@ logger = logging.getLogger(__name__)
 #: Commands the gate needs, each on its own keys and channels (``<prefix>:*``).
 REQUIRED_COMMANDS = (
     "ping", "select", "time", "evalsha", "script|load", "script|exists", "subscribe",
-    "unsubscribe", "publish", "del", "exists", "get", "set", "getdel", "incr", "pexpire", "persist",
-    "hget", "hgetall", "hmget", "hset", "hsetnx", "hdel", "hexists", "hlen",
-    "zadd", "zcard", "zcount", "zrange", "zrangebyscore", "zrem", "zremrangebyscore", "zscore",
-    "zscan")
+    "unsubscribe", "publish", "del", "exists", "get", "set", "getdel", "incr", "incrby", "pexpire",
+    "persist", "pttl", "hget", "hgetall", "hmget", "hset", "hsetnx", "hincrby", "hdel", "hexists",
+    "hlen", "zadd", "zcard", "zcount", "zrange", "zrangebyscore", "zrem", "zremrangebyrank",
+    "zremrangebyscore", "zscore", "zscan")
 #: Commands of the checks each process runs before its first use of the gate: ``INFO`` reads the
 #: ``maxmemory-policy`` (:mod:`celery_threads.gate.eviction`); without it the check warns.
 CHECK_COMMANDS = ("info",)
