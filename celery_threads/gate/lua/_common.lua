@@ -483,11 +483,11 @@ local function active_field(task, long)
 end
 
 -- The state of the active member when it is (task, token), else nil: the fencing check.  Also
--- returns its 'l' (for active_field) and its 'rl' (thread_rate_limit's interval, for claim.lua).
+-- returns its 'l' (for active_field).  (claim.lua reads the same fields with its own.)
 local function is_active(task, token)
-  local a = redis.call('HMGET', K_A, 'task', 'token', 'state', 'l', 'rl')
+  local a = redis.call('HMGET', K_A, 'task', 'token', 'state', 'l')
   if a[1] ~= task or a[2] ~= token then return nil end
-  return a[3], a[4], a[5]
+  return a[3], a[4]
 end
 
 -- Whether a finish or requeue of the active member, in `state`, comes from another delivery than
