@@ -45,7 +45,7 @@ class BrokerContract:
             # m0's retry re-enters at now + 0.3 s, after its siblings' arrival times.
             assert starts(r, t) == ["m0", "m1", "m2", "m3", "m0"]
             assert_serial(r, t)
-            wait_for(lambda: Threads(proj.app).get(t) is None, what="thread to vanish")
+            wait_for(lambda t=t: Threads(proj.app).get(t) is None, what="thread to vanish")
 
     def test_sigkilled_worker_is_recovered(self, proj, deployment):
         r = proj.history()

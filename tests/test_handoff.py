@@ -140,7 +140,7 @@ def test_handed_off_members_send_task_events_when_the_worker_does(proj, make_dep
         thread = tid("ev")
         rest = handed_off_burst(proj, w, 3, thread)
         for x in rest:
-            wait_for(lambda: [e["type"] for e in got if e.get("uuid") == x.id
+            wait_for(lambda x=x: [e["type"] for e in got if e.get("uuid") == x.id
                               and e["type"] != "task-sent"]
                      == ["task-received", "task-started", "task-succeeded"],
                      what=f"the events of {x.id}")

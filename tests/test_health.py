@@ -136,7 +136,7 @@ def test_due_head_not_released_is_stuck(app, threads):
 
 
 def test_healthy_threads_are_not_stuck(proj, app, threads):
-    for i in range(3):
+    for _ in range(3):
         proj.record.delay(tid("hs-ok"), "now")
         proj.record.apply_async((tid("hs-ok"), "later"), countdown=30)
     # Due half a second ago: the dispatcher has a few ticks left to release it.
@@ -163,7 +163,7 @@ def test_stuck_lists_the_most_overdue_first(app, threads):
 
 
 def test_stuck_reads_the_indexes_by_score_never_every_thread(proj, app, threads, monkeypatch):
-    for i in range(60):
+    for _ in range(60):
         proj.record.delay(tid("hs-many"), "a")
         proj.record.apply_async((tid("hs-many"), "b"), countdown=60)
     thread = tid("hs-one")

@@ -100,7 +100,7 @@ def test_sigkilled_worker_holding_prefetched_members_loses_none(proj, make_deplo
         for i, e in enumerate(evs):     # then serial: starts and ends alternate
             assert e.kind == ("start" if i % 2 == 0 else "end"), f"overlap in {t}: {evs}"
             assert e.kind == "start" or e.label == evs[i - 1].label, f"overlap in {t}: {evs}"
-        wait_for(lambda: Threads(proj.app).get(t) is None, what="thread to vanish")
+        wait_for(lambda t=t: Threads(proj.app).get(t) is None, what="thread to vanish")
 
 
 @LAYOUTS
@@ -130,7 +130,8 @@ def test_warm_shutdown_hands_back_unstarted_members(proj, make_deployment, redis
     long_end = [e for e in events(r, slow) if e.kind == "end"]
     quick_starts = [e.at_us for t in quick for e in events(r, t) if e.kind == "start"]
     assert not long_end or max(quick_starts) < long_end[0].at_us, \
-        f"the handed-back members ran only after the leaving worker finished: {leaving.output()} {staying.output()}"
+        ("the handed-back members ran only after the leaving worker finished: "
+         f"{leaving.output()} {staying.output()}")
     assert long_one.get(timeout=20) == "long"
     leaving.proc.wait(30)
     assert "handed back 3 released member(s)" in leaving.output()

@@ -40,6 +40,6 @@ def test_threads_run_serially_in_order_with_retries_and_deaths(proj, make_deploy
         # m0's retry re-enters at now + 0.3 s, after its siblings' arrival times.
         assert starts(r, t) == ["m0", "m1", "x", "m2", "m0"]
         assert_serial(r, t)
-        wait_for(lambda: threads_api.get(t) is None, what="thread to vanish")
+        wait_for(lambda t=t: threads_api.get(t) is None, what="thread to vanish")
     for task_id in doomed:
         threads_api.forget(task_id)

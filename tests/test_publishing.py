@@ -45,6 +45,7 @@ def test_chain_steps_are_published_through_the_gate(proj, worker, r):
     assert res.get(timeout=30) == "c2"
     assert starts(r, thread) == ["blocker", "waiting", "c1", "c2"]
     assert_serial(r, thread)
+    assert waiting.get(timeout=10) == "waiting"
     blocker.get(timeout=10)
 
 
