@@ -270,7 +270,7 @@ def test_terminate_signals_a_handed_off_member_only_while_its_process_runs_it(pr
     from celery_threads.gate import Release
     from celery_threads.runtime import get_runtime
     from celery_threads.worker import handoff
-    from celery_threads.worker.step import _terminate_handed_off
+    from celery_threads.worker.revoke import _terminate_handed_off
     from tests.conftest import RedisServer
     from tests.isolated import envelope, pointed_at
 
