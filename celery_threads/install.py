@@ -108,11 +108,10 @@ def _on_beat_start(sender: Any = None, **kwargs: Any) -> None:
 
 @signals.worker_process_init.connect
 def _on_pool_process_start(**kwargs: Any) -> None:
-    from .worker import lease
-    from .worker.handoff import on_pool_process_start
+    from .worker import handoff, shared
 
-    lease.on_pool_process_start()
-    on_pool_process_start()
+    shared.on_pool_process_start()
+    handoff.on_pool_process_start()
 
 
 @signals.worker_shutting_down.connect

@@ -22,7 +22,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("the per-process runtime and the dispatcher", {"runtime", "dispatcher"}),
     ("the worker side", {"worker", "worker.bootstep", "worker.strategy", "worker.request",
                          "worker.revoke", "worker.processes", "worker.renewer", "worker.lease",
-                         "worker.native", "worker.handoff", "worker.slots", "worker.noack"}),
+                         "worker.shared", "worker.native", "worker.handoff", "worker.noack"}),
     ("the wiring", {"install"}),
     ("the task class", {"task"}),
     ("the admin API, the CLI, the exporter and the package's public names",

@@ -8,6 +8,7 @@
 * :mod:`.renewer`: release deadlines of the members a worker holds unstarted;
 * :mod:`.lease`: leases of running members, their renewal and the watchdog that stops a pool
   process before its member's lease ends;
+* :mod:`.shared`: the memory the worker's main process shares with its pool processes;
 * :mod:`.handoff`: a pool process running the next member its own ``finish`` released;
 * :mod:`.noack`: deliveries kept out of the broker's acknowledgement bookkeeping;
 * :mod:`.native`: OS threads for the lease keeper under gevent.

@@ -16,7 +16,7 @@ from celery import bootsteps
 from .. import seams
 from ..config import read_config, sanitized_url
 from ..runtime import get_runtime, unreachable
-from . import handoff, lease
+from . import handoff, lease, shared
 from .noack import hand_back_on_pool_close
 from .renewer import LeaseRenewer
 from .revoke import wrap_revoke_command
@@ -47,8 +47,8 @@ class ThreadsWorkerStep(bootsteps.StartStopStep):
         # Before the consumer fetches a release; raises when a seam that cannot fall back does
         # not hold (the worker does not start), else logs which seams are in use.
         self.fallen = seams.check_worker(worker.app, get_runtime(worker.app).client)
-        handoff.prepare(worker)   # before the pool forks
-        lease.prepare(handoff.pool_size(worker))
+        shared.prepare(shared.pool_size(worker))   # before the pool forks
+        handoff.prepare(worker)
 
     def start(self, worker: Any) -> None:
         from ..dispatcher import DispatchLoop
