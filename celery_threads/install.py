@@ -80,8 +80,8 @@ def _add_worker_step(sender: Any = None, **kwargs: Any) -> None:
 
 
 def _add_steps(app: Any) -> None:
+    from .worker.bootstep import ThreadsWorkerStep
     from .worker.noack import NoAckQueues
-    from .worker.step import ThreadsWorkerStep
 
     app.steps["worker"].add(ThreadsWorkerStep)
     app.steps["consumer"].add(NoAckQueues)
@@ -108,11 +108,10 @@ def _on_beat_start(sender: Any = None, **kwargs: Any) -> None:
 
 @signals.worker_process_init.connect
 def _on_pool_process_start(**kwargs: Any) -> None:
-    from .worker import lease
-    from .worker.handoff import on_pool_process_start
+    from .worker import handoff, shared
 
-    lease.on_pool_process_start()
-    on_pool_process_start()
+    shared.on_pool_process_start()
+    handoff.on_pool_process_start()
 
 
 @signals.worker_shutting_down.connect
@@ -124,20 +123,20 @@ def _on_worker_shutting_down(**kwargs: Any) -> None:
 
 @signals.task_revoked.connect
 def _on_task_revoked(sender: Any = None, **kwargs: Any) -> None:
-    from .worker.step import on_task_revoked
+    from .worker.revoke import on_task_revoked
 
     on_task_revoked(sender=sender, **kwargs)
 
 
 @signals.task_unknown.connect
 def _on_task_unknown(sender: Any = None, **kwargs: Any) -> None:
-    from .worker.step import on_unrunnable_message
+    from .worker.strategy import on_unrunnable_message
 
     on_unrunnable_message(sender=sender, **kwargs)
 
 
 @signals.task_rejected.connect
 def _on_task_rejected(sender: Any = None, **kwargs: Any) -> None:
-    from .worker.step import on_unrunnable_message
+    from .worker.strategy import on_unrunnable_message
 
     on_unrunnable_message(sender=sender, **kwargs)

@@ -67,8 +67,8 @@ class ThreadedTask(Task):
     debounce: Optional[float] = None
     debounce_max: Optional[float] = None
 
-    Strategy = "celery_threads.worker.step:threaded_strategy"
-    Request = "celery_threads.worker.step:ThreadedRequest"
+    Strategy = "celery_threads.worker.strategy:threaded_strategy"
+    Request = "celery_threads.worker.request:ThreadedRequest"
     __celery_threads__ = True   # protocol.is_threaded: how lower layers recognise it
 
     # Celery's own worker-lost retry would publish from the main process; the gate does it instead.

@@ -245,9 +245,9 @@ def test_terminating_a_handed_off_member(proj, make_deployment, r, how):
 def _stand_in_pool_process(conn) -> None:
     """A forked process that writes its handoff slot as a pool process does (handoff._note), for
     each release the test sends, and answers each message once done."""
-    from celery_threads.worker import handoff
+    from celery_threads.worker import handoff, shared
 
-    handoff._slot_index = 0
+    shared._index = 0
     while True:
         release = conn.recv()
         if release is not None:
@@ -269,18 +269,20 @@ def test_terminate_signals_a_handed_off_member_only_while_its_process_runs_it(pr
 
     from celery_threads.gate import Release
     from celery_threads.runtime import get_runtime
-    from celery_threads.worker import handoff
-    from celery_threads.worker.step import _terminate_handed_off
+    from celery_threads.worker import handoff, shared
+    from celery_threads.worker.revoke import _terminate_handed_off
     from tests.conftest import RedisServer
     from tests.isolated import envelope, pointed_at
 
     server = RedisServer()
     server.start()
-    saved = (handoff._app, handoff._allowed, handoff._stopping, handoff._slots)
+    saved = (handoff._app, handoff._allowed, handoff._stopping)
+    saved_shared = (shared._lease_ends, shared._slots, shared._flag, shared._index)
     fork = multiprocessing.get_context("fork")
     try:
         with pointed_at(proj.app, threads_redis_url=server.url(0), broker_url=server.url(1),
                         result_backend=server.url(2)):
+            shared.prepare(1)
             handoff.prepare(SimpleNamespace(app=proj.app, task_events=False, concurrency=1))
             runtime = get_runtime(proj.app)
             thread = tid("fence")
@@ -319,6 +321,7 @@ def test_terminate_signals_a_handed_off_member_only_while_its_process_runs_it(pr
             process.join(10)
             assert process.exitcode == -15
     finally:
-        handoff._app, handoff._allowed, handoff._stopping, handoff._slots = saved
+        handoff._app, handoff._allowed, handoff._stopping = saved
+        shared._lease_ends, shared._slots, shared._flag, shared._index = saved_shared
         server.stop()
         shutil.rmtree(server.dir, ignore_errors=True)

@@ -1,4 +1,4 @@
-"""The handoff's slots (celery_threads/worker/slots.py) hold every valid identity: a thread id of
+"""The handoff's slots (celery_threads/worker/shared.py) hold every valid identity: a thread id of
 any characters up to 1,024 bytes, a task id of any length.  Unit-level in the real shared memory
 (a forked writer, the reader in this process), then on real prefork workers: a handed-off member
 with an odd identity is stopped by Threads.delete and by revoke(terminate=True), and fails at once
@@ -15,7 +15,7 @@ import pytest
 
 from celery_threads.gate import Release
 from celery_threads.runtime import get_runtime
-from celery_threads.worker import handoff, slots
+from celery_threads.worker import handoff, shared
 from tests.helpers import events, starts, tid, wait_for
 from tests.test_handoff import assert_serial_but_for_the_killed, received
 
@@ -35,21 +35,22 @@ def sized(prefix: str, size: int) -> str:
 def shared_slots(proj):
     """The handoff's slots of a worker of 2 pool processes, made here as the worker's main
     process makes them (then the module as it was)."""
-    saved = (handoff._app, handoff._allowed, handoff._stopping, handoff._slots,
-             handoff._main_pid, handoff._slot_index)
+    saved = (handoff._app, handoff._allowed, handoff._stopping, handoff._main_pid,
+             shared._lease_ends, shared._slots, shared._flag, shared._index)
+    shared.prepare(2)
     handoff.prepare(SimpleNamespace(app=proj.app, task_events=False, concurrency=2))
     try:
-        yield handoff._slots
+        yield shared.handoff_slots()
     finally:
-        (handoff._app, handoff._allowed, handoff._stopping, handoff._slots, handoff._main_pid,
-         handoff._slot_index) = saved
+        (handoff._app, handoff._allowed, handoff._stopping, handoff._main_pid,
+         shared._lease_ends, shared._slots, shared._flag, shared._index) = saved
         handoff._reported.clear()
 
 
 def _writer(index: int, members, conn) -> None:
     """A forked pool process stand-in: names each member in its slot (as handoff._note does),
     answering once each is written; with ``members`` of two, alternates them ``conn`` times."""
-    handoff._slot_index = index
+    shared._index = index
     if isinstance(conn, int):
         for i in range(conn):
             handoff._note(members[i % 2])
@@ -71,8 +72,8 @@ def test_any_identity_round_trips_in_shared_memory(shared_slots):
     try:
         for release in members:
             pid = ours.recv()
-            fits = (len(slots.encode(release.thread_id)) + len(release.token)
-                    + len(slots.encode(release.task_id)) <= slots.ROOM)
+            fits = (len(shared.encode(release.thread_id)) + len(release.token)
+                    + len(shared.encode(release.task_id)) <= shared.ROOM)
             [(index, _, found, member)] = list(shared_slots.members(1.0))
             assert (index, found) == (1, pid)
             assert member.thread_id == release.thread_id and member.token == release.token
@@ -86,8 +87,8 @@ def test_any_identity_round_trips_in_shared_memory(shared_slots):
     finally:
         writer.join(10)
     # The longest thread id and token, with a task id of 3,000 bytes, fit whole.
-    whole = slots.Member(MAX, "k" * 3000, "9" * 20)
-    assert slots.unpack(slots.pack(1, whole)) == (1, whole)
+    whole = shared.Member(MAX, "k" * 3000, "9" * 20)
+    assert shared.unpack(shared.pack(1, whole)) == (1, whole)
 
 
 def test_a_slot_rewritten_while_it_is_read_is_never_read_torn(shared_slots):
@@ -114,11 +115,11 @@ def test_a_slot_left_in_mid_write_is_skipped_then_rewritten(shared_slots, caplog
     """A pool process killed in the middle of a write leaves its slot odd: a reader gives up on
     it within its patience (that member's lease lapses instead), and the process that takes the
     slot over writes it again."""
-    handoff._slot_index = 0
+    shared._index = 0
     handoff._note(Release("t", "x", "1", 0, b""))
     shared_slots.memory[0:8] = (int.from_bytes(shared_slots.memory[0:8], "little") + 1
                                 ).to_bytes(8, "little")          # odd: a write under way
-    with pytest.raises(slots.Unreadable):
+    with pytest.raises(shared.Unreadable):
         shared_slots.read(0, 0.05)
     assert handoff.running("x") is None
     assert "is being written" in caplog.text
@@ -147,7 +148,7 @@ def test_a_lost_member_too_long_for_its_slot_is_read_from_the_gate(shared_slots,
     writer.kill()
     writer.join(10)
     [(_, _, _, member)] = list(shared_slots.members(1.0))
-    assert member.task_id == "" and member.digest == slots.digest(task_id)
+    assert member.task_id == "" and member.digest == shared.digest(task_id)
     assert handoff.running(task_id) == (pid, (thread, task_id, released.token))
     assert handoff.lost_member(pid) == (thread, task_id, released.token)
     assert handoff.lost_member(pid) is None, "reported once"

@@ -12,7 +12,7 @@ The fencing is unchanged. The same ``finish`` releases the member under a new to
 claims it for this process (one round trip where a release and a claim took two), and its run
 starts under that token (``ThreadedTask.__call__`` takes the claim instead of making one). If
 the member cannot run here after all (the conditions below), it is given back, RELEASED under
-the same token, and published. From the claim on, this process's slot (:mod:`.slots`) names
+the same token, and published. From the claim on, this process's slot (:mod:`.shared`) names
 the member, whatever its thread id and task id, so that the worker's main process fails it at
 once if the process is lost (a failed attempt, as for any member whose process dies).  While it
 runs, this process holds its lease (:mod:`celery_threads.worker.lease`) from the moment of the
@@ -37,7 +37,6 @@ nothing more to it. Otherwise its release is published as before. The conditions
 from __future__ import annotations
 
 import logging
-import multiprocessing
 import os
 import time
 from collections.abc import Iterator
@@ -48,20 +47,18 @@ from ..gate import DELETED, Release
 from ..protocol import THREAD_HEADER, TOKEN_HEADER, is_threaded
 from ..publish import UndecodableEnvelope, decode_envelope
 from ..runtime import Runtime, get_runtime
+from . import shared
 from .lease import Lease, keeper
-from .slots import Member, Slots
+from .shared import Member
 
 logger = logging.getLogger(__name__)
 
 #: Set in the worker's main process before its pool forks; read by every pool process.
 _app: Any = None
-_allowed: Any = None          # multiprocessing.RawValue('b'): OFF, ON, or EVENTS
+_allowed: Any = None          # the shared flag (:func:`.shared.handoff_flag`): OFF, ON, EVENTS
 OFF, ON, EVENTS = 0, 1, 2      # EVENTS: on, and the pool process sends the task events
 _stopping = False
 _main_pid = 0                  # the worker's main process (prepare's)
-#: One slot per pool process (by its index): the member it runs by handoff (:mod:`.slots`).
-_slots: Optional[Slots] = None
-_slot_index: Optional[int] = None     # this pool process's slot
 #: In the main process: the slots (index -> sequence number) whose member it has failed as lost,
 #: so that a later read does not report that member again (a slot is written by its pool process
 #: only, so the main process does not clear it).
@@ -121,27 +118,22 @@ class Ending:
 
 # -- the worker's main process ----------------------------------------------------------------
 def prepare(worker: Any) -> None:
-    """Before the pool forks: the flag its processes read."""
-    global _app, _allowed, _stopping, _slots, _main_pid
+    """Before the pool forks, once the shared memory is made (:func:`.shared.prepare`): the
+    flag its processes read."""
+    global _app, _allowed, _stopping, _main_pid
     _app, _stopping, _main_pid = worker.app, False, os.getpid()
-    _allowed = multiprocessing.RawValue("b", EVENTS if getattr(worker, "task_events", False)
-                                        else ON)
-    _slots = Slots(pool_size(worker))
+    _allowed = shared.handoff_flag()
+    _allowed.value = EVENTS if getattr(worker, "task_events", False) else ON
     _reported.clear()
-
-
-def pool_size(worker: Any) -> int:
-    """How many pool processes the worker may run at once (autoscale included)."""
-    return max(int(getattr(worker, "concurrency", 0) or 0),
-               int(getattr(worker, "max_concurrency", 0) or 0), 1)
 
 
 def _slot_members(patience: float = _PATIENCE) -> Iterator[tuple[int, int, int, Member]]:
     """``(index, seq, pid, member)`` of each pool process running a member by handoff, but for
     members already failed as lost."""
-    if _slots is None:
+    slots = shared.handoff_slots()
+    if slots is None:
         return
-    for index, seq, pid, member in _slots.members(patience):
+    for index, seq, pid, member in slots.members(patience):
         if _reported.get(index) != seq:
             yield index, seq, pid, member
 
@@ -224,10 +216,6 @@ def on_pool_process_start() -> None:
         return
     if get_runtime(_app).config.local_handoff <= 0 or not seams.active("handoff"):
         return
-    global _slot_index
-    index = seams.pool_process_index()
-    if _slots is not None and index is not None and index < len(_slots):
-        _slot_index = index
     for name, original in seams.trace_functions():
         if not getattr(original, "_celery_threads", False):
             seams.wrap_trace_function(name, _wrap(original))
@@ -249,7 +237,7 @@ def _wrap(original: Callable[..., Any]) -> Callable[..., Any]:
             _job = None
             if job.pending is not None:   # the job ended abnormally: the member goes out
                 _give_back(job.pending.release, job.pending.lease)
-            if _slot_index is not None:
+            if shared.index() is not None:
                 _note(None)
             if _dispatchers:
                 _flush_events()
@@ -424,17 +412,18 @@ def _run(original: Callable[..., Any], taken: Taken) -> None:
 
 def _note(release: Optional[Release]) -> None:
     """Write (or clear) this process's slot: the member it runs by handoff."""
-    if _slot_index is None or _slots is None:
+    index, slots = shared.index(), shared.handoff_slots()
+    if index is None or slots is None:
         return
     member = (None if release is None
               else Member(release.thread_id, release.task_id, release.token))
     try:
-        _slots.write(_slot_index, os.getpid(), member)
+        slots.write(index, os.getpid(), member)
     except ValueError as exc:      # not a valid thread id: its lease lapse recovers it
         logger.warning("celery-threads: %s of thread %s is not named in this process's handoff "
                        "slot (%s); if the process is lost, it waits for its lease to lapse",
                        member and member.task_id, member and member.thread_id, exc)
-        _slots.write(_slot_index, os.getpid(), None)
+        slots.write(index, os.getpid(), None)
 
 
 class _Events:

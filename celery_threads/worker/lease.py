@@ -14,12 +14,13 @@ the hub does not hold up its renewals.
 Stopping a member whose lease is running out, or lost:
 
 * **prefork**: while a member's code runs, its pool process publishes the lease's ``expires`` in
-  a slot of shared memory (one per pool process, made before the pool forks).  The worker's main
-  process watches the slots (:class:`Watchdog`, every ``WATCH_INTERVAL``) and SIGKILLs a pool
-  process whose member's lease ends within ``margin()``: before the gate can count the lease as
-  lapsed, whatever the member's code is doing (a body holding the GIL in C code cannot stop a
-  thread of its own process, but is stopped from outside).  A lost lease kills the process at
-  once.  The worker then sees the pool process lost (``WorkerLostError``), as for any crash.
+  memory shared with the worker's main process (one entry per pool process, made before the pool
+  forks: :mod:`celery_threads.worker.shared`).  The main process watches those entries
+  (:class:`Watchdog`, every ``WATCH_INTERVAL``) and SIGKILLs a pool process whose member's lease
+  ends within ``margin()``: before the gate can count the lease as lapsed, whatever the member's
+  code is doing (a body holding the GIL in C code cannot stop a thread of its own process, but is
+  stopped from outside).  A lost lease kills the process at once.  The worker then sees the pool
+  process lost (``WorkerLostError``), as for any crash.
 * **threads, solo, gevent, eventlet**: the member's code runs in the worker's own process and
   cannot be stopped from outside it.  The keeper logs an error naming the member when its lease
   runs out or is lost while it runs; the next member may then run beside it.  Use prefork
@@ -28,24 +29,22 @@ Stopping a member whose lease is running out, or lost:
 from __future__ import annotations
 
 import logging
-import multiprocessing
 import os
 import signal
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Optional
+from typing import Optional
 
-from .. import seams
 from ..gate import Gate, Renewal, claimant_prefix
 from ..gate.records import unique_id
 from ..runtime import Runtime
-from . import native
+from . import native, shared
 
 logger = logging.getLogger(__name__)
 
-#: How often the main process's watchdog reads the slots (seconds).
+#: How often the main process's watchdog reads the lease ends (seconds).
 WATCH_INTERVAL = 0.05
 
 
@@ -85,37 +84,9 @@ class Lease:
         return self.expires - time.monotonic()
 
 
-# -- shared memory between the worker's main process and its pool processes --------------------
-_expiries: Any = None      # RawArray('d'): per pool process, the running lease's expires (0: none)
-_pids: Any = None          # RawArray('q'): per pool process, its pid while a lease is published
-_slot: Optional[int] = None   # this pool process's index into them
-
-
-def prepare(processes: int) -> None:
-    """In the worker's main process, before its pool forks."""
-    global _expiries, _pids
-    _expiries = multiprocessing.RawArray("d", max(processes, 1))
-    _pids = multiprocessing.RawArray("q", max(processes, 1))
-
-
-def on_pool_process_start() -> None:
-    """In a prefork pool process: find its slot (billiard numbers its pool processes)."""
-    global _slot
-    index = seams.pool_process_index()
-    if _expiries is not None and index is not None and 0 <= index < len(_expiries):
-        _slot = index
-
-
 def stoppable() -> bool:
     """Whether a member running in this process can be stopped (a prefork pool process)."""
-    return _slot is not None
-
-
-def _publish(expires: float) -> None:
-    if _slot is None:
-        return
-    _pids[_slot] = os.getpid()
-    _expiries[_slot] = expires
+    return shared.index() is not None
 
 
 class Keeper:
@@ -153,12 +124,12 @@ class Keeper:
             yield False
             return
         lease.running = True
-        _publish(lease.expires)
+        shared.publish_lease_end(lease.expires)
         try:
             yield True
         finally:
             lease.running = False
-            _publish(0.0)
+            shared.publish_lease_end(0.0)
 
     def renew(self, lease: Lease, gate: Optional[Gate] = None) -> None:
         """One renewal of ``lease`` (through ``gate``, by default the runtime's): on success its
@@ -177,7 +148,7 @@ class Keeper:
         if status == Renewal.RENEWED:
             lease.expires = max(lease.expires, sent + self.keepalive)
             if lease.running:
-                _publish(lease.expires)
+                shared.publish_lease_end(lease.expires)
             return
         lease.lost = True
         if lease.running:
@@ -188,7 +159,7 @@ class Keeper:
         if stoppable():
             logger.error("celery-threads: stopping %s of thread %s: %s; its pool process "
                          "is killed", lease.task_id, lease.thread_id, why)
-            _publish(0.0)
+            shared.publish_lease_end(0.0)
             os.kill(os.getpid(), signal.SIGKILL)
         logger.error("celery-threads: %s of thread %s keeps running although %s: this pool "
                      "cannot stop it, and the thread's next member may run beside it (use the "
@@ -245,7 +216,7 @@ class Watchdog:
         self._stop = threading.Event()
 
     def start(self) -> None:
-        if _expiries is None:
+        if shared.lease_ends() is None:
             return
         threading.Thread(target=self._loop, name="celery-threads-watchdog", daemon=True).start()
 
@@ -254,15 +225,18 @@ class Watchdog:
 
     def _loop(self) -> None:
         while not self._stop.wait(WATCH_INTERVAL):
+            ends = shared.lease_ends()
+            if ends is None:
+                continue
             now = time.monotonic()
-            for i in range(len(_expiries)):
-                expires = _expiries[i]
+            for i in range(len(ends)):
+                expires = ends.expiries[i]
                 if expires <= 0 or now < expires - self.margin:
                     continue
-                pid = _pids[i]
-                if _expiries[i] != expires or pid <= 0:
+                pid = ends.pids[i]
+                if ends.expiries[i] != expires or pid <= 0:
                     continue            # renewed, or ended, meanwhile
-                _expiries[i] = 0.0
+                ends.expiries[i] = 0.0
                 try:
                     os.kill(pid, signal.SIGKILL)
                 except OSError:

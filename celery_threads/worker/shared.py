@@ -1,13 +1,26 @@
-"""The handoff's slots: where each prefork pool process names, in shared memory, the member it runs
-by in-process handoff (:mod:`celery_threads.worker.handoff`), for the worker's main process to
-terminate it (``revoke(terminate=True)``, ``Threads.delete``) or to fail it at once when the process
-is lost.
+"""Memory shared between a prefork worker's main process and its pool processes.
 
-A slot must hold every valid identity: a thread id of any characters (``"\\x00"`` included) up to
-:data:`~celery_threads.protocol.MAX_THREAD_ID_BYTES`, a task id of any length, a token.  So its
-fields are length-prefixed, with no separators, and a task id longer than the room left is kept
-as its SHA-256 digest (:attr:`Member.digest`): the main process matches a task id it is asked
-about against it, and reads the id itself from the gate when it must fail the member
+All of it is made here, in the main process before its pool forks (:func:`prepare`), with one
+entry per pool process by the pool's process index, which a pool process finds here once, when
+it starts (:func:`on_pool_process_start`).  A process that is not a prefork pool process (the
+main process, a worker of the threads, solo or gevent pool) has no index, and writes nothing.
+
+* **Lease ends** (:class:`LeaseEnds`): while a member's code runs, its pool process publishes
+  the end of that member's lease (:func:`publish_lease_end`); the main process's watchdog
+  (:class:`celery_threads.worker.lease.Watchdog`) reads them and stops a process whose lease
+  ends within the margin.
+* **Handoff slots** (:class:`Slots`): each pool process names the member it runs by in-process
+  handoff (:mod:`celery_threads.worker.handoff`), for the main process to terminate it
+  (``revoke(terminate=True)``, ``Threads.delete``) or to fail it at once when the process is
+  lost.
+* **The handoff's flag** (:func:`handoff_flag`): one byte the main process sets and every pool
+  process reads (its values are the handoff's).
+
+A handoff slot must hold every valid identity: a thread id of any characters (``"\\x00"``
+included) up to :data:`~celery_threads.protocol.MAX_THREAD_ID_BYTES`, a task id of any length, a
+token.  So its fields are length-prefixed, with no separators, and a task id longer than the room
+left is kept as its SHA-256 digest (:attr:`Member.digest`): the main process matches a task id it
+is asked about against it, and reads the id itself from the gate when it must fail the member
 (``handoff.lost_member``).
 
 Only its pool process writes a slot; the main process reads it at any time, also while the pool
@@ -27,11 +40,14 @@ from __future__ import annotations
 import hashlib
 import logging
 import multiprocessing
+import os
 import struct
 import time
 import zlib
 from collections.abc import Iterator
 from typing import Any, NamedTuple, Optional
+
+from .. import seams
 
 #: Bytes per slot: a thread id of the maximum length, a token, and a task id of about 3,000
 #: bytes fit in full; a longer task id is kept as its digest.
@@ -123,8 +139,7 @@ def unpack(contents: bytes) -> Optional[tuple[int, Optional[Member]]]:
 
 
 class Slots:
-    """One slot per pool process (by its index) in memory shared with the worker's main
-    process; made before the pool forks."""
+    """The handoff's slots: one per pool process (by its index)."""
 
     def __init__(self, count: int) -> None:
         self.memory: Any = multiprocessing.RawArray("c", max(count, 1) * SIZE)
@@ -179,3 +194,74 @@ class Slots:
                 continue
             if pid and member is not None:
                 yield index, seq, pid, member
+
+
+class LeaseEnds:
+    """Per pool process (by its index): the end of the lease of the member its code runs, on the
+    monotonic clock (0: none), and the process's pid while one is published.  Written by the pool
+    process; read, and cleared once acted on, by the main process's watchdog."""
+
+    def __init__(self, count: int) -> None:
+        self.expiries: Any = multiprocessing.RawArray("d", max(count, 1))
+        self.pids: Any = multiprocessing.RawArray("q", max(count, 1))
+
+    def __len__(self) -> int:
+        return len(self.expiries)
+
+
+# -- made by the main process before the fork; inherited by every pool process -----------------
+_lease_ends: Optional[LeaseEnds] = None
+_slots: Optional[Slots] = None
+_flag: Any = None              # multiprocessing.RawValue('b'): the handoff's flag
+_index: Optional[int] = None   # this pool process's index into all of them
+
+
+def pool_size(worker: Any) -> int:
+    """How many pool processes the worker may run at once (autoscale included)."""
+    return max(int(getattr(worker, "concurrency", 0) or 0),
+               int(getattr(worker, "max_concurrency", 0) or 0), 1)
+
+
+def prepare(processes: int) -> None:
+    """In the worker's main process, before its pool forks: the entries of ``processes`` pool
+    processes, and the handoff's flag (0 until the handoff sets it)."""
+    global _lease_ends, _slots, _flag
+    _lease_ends = LeaseEnds(processes)
+    _slots = Slots(processes)
+    _flag = multiprocessing.RawValue("b", 0)
+
+
+def on_pool_process_start() -> None:
+    """In a prefork pool process: find its index (billiard numbers its pool processes)."""
+    global _index
+    index = seams.pool_process_index()
+    if _lease_ends is not None and index is not None and 0 <= index < len(_lease_ends):
+        _index = index
+
+
+def index() -> Optional[int]:
+    """This pool process's index, or ``None`` (not a prefork pool process, or no memory made)."""
+    return _index
+
+
+def lease_ends() -> Optional[LeaseEnds]:
+    """The lease ends, once made."""
+    return _lease_ends
+
+
+def publish_lease_end(expires: float) -> None:
+    """In a pool process: the end of the running member's lease (0.0: none runs)."""
+    if _index is None or _lease_ends is None:
+        return
+    _lease_ends.pids[_index] = os.getpid()
+    _lease_ends.expiries[_index] = expires
+
+
+def handoff_slots() -> Optional[Slots]:
+    """The handoff's slots, once made."""
+    return _slots
+
+
+def handoff_flag() -> Any:
+    """The handoff's flag (a ``RawValue`` with a ``value``), once made, else ``None``."""
+    return _flag

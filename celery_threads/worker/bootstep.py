@@ -1,0 +1,90 @@
+"""The worker's bootstep: what celery-threads starts and stops with every worker of an app with
+threaded tasks.
+
+:class:`ThreadsWorkerStep` makes the memory shared with the pool processes before the pool forks,
+wraps the revoke command, and runs the renewer of unstarted members' release deadlines (in a
+thread of the operating system, so it works under every pool, gevent's included), the lease
+watchdog and the worker's dispatch loop.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+from celery import bootsteps
+
+from .. import seams
+from ..config import read_config, sanitized_url
+from ..runtime import get_runtime, unreachable
+from . import handoff, lease, shared
+from .noack import hand_back_on_pool_close
+from .renewer import LeaseRenewer
+from .revoke import wrap_revoke_command
+
+logger = logging.getLogger(__name__)
+
+
+class ThreadsWorkerStep(bootsteps.StartStopStep):
+    """Installed in every worker of an app with threaded tasks: renewer, lease watchdog and
+    dispatch loop."""
+
+    label = "celery-threads"
+
+    def __init__(self, worker: Any, **kwargs: Any) -> None:
+        self.renewer: Optional[LeaseRenewer] = None
+        self.watchdog: Optional[lease.Watchdog] = None
+        self.loop: Any = None
+        config = read_config(worker.app)
+        problem = unreachable(config)
+        if problem is not None:
+            # As Celery's own "Cannot connect to ...": at once, then the dispatch loop goes on
+            # saying so while the gate does not answer.
+            logger.error("celery-threads: cannot reach the gate's Redis at %s (threads_redis_url): "
+                         "%s. Check that the server runs and accepts connections from here, and "
+                         "the URL's host, port, password and TLS options (threads_redis_options); "
+                         "the worker starts and keeps trying", sanitized_url(config.redis_url),
+                         f"{type(problem).__name__}: {problem}")
+        # Before the consumer fetches a release; raises when a seam that cannot fall back does
+        # not hold (the worker does not start), else logs which seams are in use.
+        self.fallen = seams.check_worker(worker.app, get_runtime(worker.app).client)
+        shared.prepare(shared.pool_size(worker))   # before the pool forks
+        handoff.prepare(worker)
+
+    def start(self, worker: Any) -> None:
+        from ..dispatcher import DispatchLoop
+
+        runtime = get_runtime(worker.app)
+        wrap_revoke_command()
+        hand_back_on_pool_close(worker)
+        self.renewer = LeaseRenewer(runtime, tick=lambda: handoff.sync(worker))
+        self.renewer.start()
+        self.watchdog = lease.Watchdog(runtime.config.keepalive)
+        self.watchdog.start()
+        if runtime.config.worker_dispatch:
+            self.loop = DispatchLoop(runtime)
+            self.loop.start()
+        pool = type(getattr(worker, "pool", None)).__module__
+        if "eventlet" in pool:
+            logger.warning("celery-threads: the eventlet pool is not covered: a member that holds "
+                           "its hub past threads_keepalive (%ss) loses its lease and may run beside "
+                           "the next one. Use prefork, threads, solo or gevent", runtime.config.keepalive)
+        logger.info("celery-threads: ready: gate %s, keepalive %ss, dispatch every %ss; %s",
+                    sanitized_url(runtime.config.redis_url), runtime.config.keepalive,
+                    runtime.config.dispatch_interval,
+                    "every fast path available" if not self.fallen else
+                    f"{self.fallen} fast path(s) fell back to Celery's public API (see the "
+                    "warning above)")
+
+    def stop(self, worker: Any) -> None:
+        handoff.sync(worker, stopping=True)
+        if self.renewer is not None:
+            self.renewer.tick = None
+        if self.loop is not None:
+            self.loop.stop()
+        if self.renewer is not None:
+            self.renewer.stop()   # keeps renewing what is still held, then ends
+        if self.watchdog is not None:
+            self.watchdog.stop()
+
+    def shutdown(self, worker: Any) -> None:
+        self.stop(worker)

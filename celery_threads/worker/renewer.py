@@ -1,0 +1,78 @@
+"""The release deadlines of the members a worker holds unstarted (prefetched, not yet claimed),
+renewed by the worker's main process; a claimed member's lease is its pool process's to renew
+(:mod:`celery_threads.worker.lease`).  The renewer's thread also runs the worker's tick every
+second: the bootstep's, which keeps the handoff's flag in step with the worker.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Optional
+
+from celery.worker import state as worker_state
+
+from ..gate import Renewal
+from ..publish import request_member
+from ..runtime import Runtime
+from . import native
+
+logger = logging.getLogger(__name__)
+
+
+class LeaseRenewer:
+    """Every keepalive/3, renews the release deadline of each threaded member this worker holds
+    unclaimed in its prefetch buffer.  A claimed member's lease is renewed by the process that
+    claimed it, with its claimant (:class:`celery_threads.worker.lease.Keeper`); the gate refuses this
+    renewal for it.  A native thread (:mod:`celery_threads.worker.native`): under gevent, a member's code
+    holding the hub does not hold up these renewals either."""
+
+    def __init__(self, runtime: Runtime, tick: Any = None) -> None:
+        self.runtime = runtime
+        self.tick = tick
+        self._stop = native.Flag()
+        self._thread: Optional[native.NativeThread] = None
+
+    def start(self) -> None:
+        self._thread = native.NativeThread(self._run, "celery-threads-renew")
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def held(self) -> list[tuple[str, str, str]]:
+        members = []
+        for request in list(worker_state.reserved_requests):
+            thread_id, token = request_member(request)
+            if token:
+                members.append((thread_id, request.id, token))
+        return members
+
+    def _run(self) -> None:
+        period = self.runtime.config.keepalive / 3.0
+        gate = self.runtime.own_gate() if native.green() else self.runtime.gate
+        while True:
+            members = self.held()
+            if self._stop.is_set() and not members:
+                return
+            if members:
+                try:
+                    renewed = gate.renew_many(members, self.runtime.config.keepalive_ms)
+                    for (thread_id, task_id, _), status in zip(members, renewed):
+                        if status == Renewal.STALE:
+                            logger.debug("celery-threads: %s no longer holds thread %s", task_id,
+                                         thread_id)
+                except Exception:
+                    logger.exception("celery-threads: could not renew leases; retrying")
+            if self._stop.is_set():
+                self._stop.wait(0.2)
+                continue
+            # The tick (the handoff's flag) runs every second; renewals every keepalive/3.
+            deadline = time.monotonic() + period
+            while not self._stop.is_set() and time.monotonic() < deadline:
+                tick = self.tick
+                if tick is not None:
+                    try:
+                        tick()
+                    except Exception:
+                        logger.exception("celery-threads: worker tick failed")
+                self._stop.wait(min(1.0, max(deadline - time.monotonic(), 0.0)))

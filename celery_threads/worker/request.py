@@ -1,0 +1,186 @@
+"""The main process's endings of what its pool processes ran: the request class of threaded
+tasks.
+
+:class:`ThreadedRequest` ends members whose pool process could not: a killed process
+(``WorkerLostError``), including the member it ran by in-process handoff, and a hard time limit.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any, Optional
+
+import redis
+from billiard.einfo import ExceptionWithTraceback
+from celery import states
+from celery.exceptions import (
+    Ignore,
+    Reject,
+    Retry,
+    Terminated,
+    TimeLimitExceeded,
+    WorkerLostError,
+)
+from celery.utils.serialization import get_pickled_exception
+from celery.worker import state as worker_state
+from celery.worker.request import Request
+
+from .. import seams
+from ..gate import Lapse, Outcome
+from ..publish import request_member
+from ..runtime import Runtime, get_runtime
+from . import handoff
+from .processes import pool_holder, when_gone
+from .strategy import kill_unrunnable
+
+logger = logging.getLogger(__name__)
+
+
+class ThreadedRequest(Request):
+    """Main-process endings of a threaded member that its pool child could not report, each
+    fenced by the token and by that pool process's claims (``pool_holder``): after lost gate
+    writes another worker may run the member under the same token."""
+
+    def on_timeout(self, soft: bool, timeout: float) -> None:
+        thread_id, token = request_member(self)
+        if not soft and token and not worker_state.should_terminate:
+            # billiard calls this before it signals the timed-out pool process (SIGTERM, then
+            # SIGKILL 0.1 s later): the member leaves its thread, and the next one is released,
+            # only once that process, still running the body, has exited.
+            runtime = get_runtime(self.task.app)
+            kill = functools.partial(
+                runtime.kill, thread_id, self.id, token, exc=TimeLimitExceeded(timeout),
+                retries=int(self.request_dict.get("retries") or 0), keep=self.task.dead_letter,
+                reason=f"TimeLimitExceeded: hard time limit ({timeout}s)", holder=pool_holder(self))
+            when_gone(self.worker_pid, kill, runtime.config.keepalive, what=self.id)
+        super().on_timeout(soft, timeout)
+
+    def on_failure(self, exc_info: Any, send_failed_event: bool = True,
+                   return_ok: bool = False) -> None:
+        thread_id, token = request_member(self)
+        exc = get_pickled_exception(exc_info.exception)
+        if isinstance(exc, ExceptionWithTraceback):   # as Celery unwraps it (not Retry.exc)
+            exc = exc.exc
+        lost = isinstance(exc, (WorkerLostError, SystemExit, KeyboardInterrupt))
+        if token and lost and not seams.request_revoked(self):
+            ended = self._end_lost_attempt(thread_id, token, exc, exc_info)
+            _fail_handed_off(self, exc)
+            if ended:
+                return
+        elif lost:
+            _fail_handed_off(self, exc)
+        elif token and not isinstance(exc, (Retry, Ignore, Reject, Terminated,
+                                            TimeLimitExceeded)):
+            # The pool child reports every failure of a task body it ran; one it never reported
+            # (the message could not be decoded, the task never started) would hold the thread.
+            # Fenced by the token: a no-op when the child did report it.  A hard time limit
+            # (billiard reports it here, then calls on_timeout) is on_timeout's to end.
+            kill_unrunnable(get_runtime(self.task.app), self.request_dict, exc,
+                            pool_holder(self))
+        super().on_failure(exc_info, send_failed_event=send_failed_event, return_ok=return_ok)
+
+    def _end_lost_attempt(self, thread_id: str, token: str, exc: BaseException,
+                          exc_info: Any) -> bool:
+        """The pool process running this member was lost: a failed attempt, which the gate turns
+        into a retry or a death.  Returns ``True`` when the attempt is ended here, ``False`` when
+        the member died by this report and Celery's own handling stores the failure.
+
+        Only a death may show ``FAILURE`` in the result backend.  Any other answer stores no
+        final state: ``RETRY`` when this report put the member back in its thread, nothing when
+        the gate had moved on before it arrived (the report came late, the gate having been
+        unreachable: the dispatcher retried the member, or killed it and stored ``LeaseExpired``,
+        when its lease lapsed; or the member was deleted, or its process reported its end
+        before it was lost).  Celery would store ``WorkerLostError`` there, over what the member's
+        next attempt, its death or its deletion stores, and a client that read it keeps it."""
+        runtime = get_runtime(self.task.app)
+        retries = int(self.request_dict.get("retries") or 0)
+        try:
+            outcome: Optional[Outcome] = runtime.apply(runtime.gate.fail(
+                thread_id, self.id, token, f"WorkerLostError: {exc}; no retries were left",
+                holder=pool_holder(self)))
+        except redis.RedisError as error:
+            logger.warning("celery-threads: could not report the lost attempt of %s[%s] of "
+                           "thread %s to the gate at %s (%s); the gate counts it when its "
+                           "lease lapses (it runs again while retries remain)", self.task.name,
+                           self.id, thread_id, runtime.config.redis_url, error)
+            outcome = None
+        if outcome is not None and outcome.status == Lapse.DIED:
+            runtime.announce_death(thread_id, self.id, f"WorkerLostError: {exc}", retries)
+            return False
+        worker_state.task_ready(self)
+        if outcome is not None and outcome.status == Lapse.RETRIED:
+            self._announce_lost_retry(exc, exc_info)
+            return True
+        if outcome is not None and outcome.status == Lapse.DELETED:
+            # Deleted while it ran (Threads.delete): it ends as REVOKED, whatever ended its process.
+            runtime.mark_revoked(self.id)
+            if self.task.acks_late:
+                self.acknowledge()
+            return True
+        if outcome is not None:
+            logger.info("celery-threads: the lost attempt of %s[%s] of thread %s was reported "
+                        "after the gate had moved on (its lease lapsed, or it ended)",
+                        self.task.name, self.id, thread_id)
+            self._store_death_left_unstored(runtime, exc)
+        if self.task.acks_late:
+            self.acknowledge()
+        return True
+
+    def _store_death_left_unstored(self, runtime: Runtime, exc: BaseException) -> None:
+        """The member is dead in the gate but its result holds no final state: the process was
+        lost between its body's death (recorded in the gate) and Celery's store of the failure.
+        FAILURE is stored with the recorded reason (the exception itself went with the process).
+        A dispatcher that killed it stored its own FAILURE (``LeaseExpired``): left as it is."""
+        if not self.store_errors:
+            return
+        try:
+            record = runtime.gate.dead_record(self.id)
+            if record is None:
+                return
+            backend = self.task.backend
+            if backend.get_task_meta(self.id, cache=False)["status"] in states.READY_STATES:
+                return
+            reason = record.meta.get("exception", "")
+            backend.mark_as_failure(self.id, WorkerLostError(f"{exc}, after it died: {reason}"),
+                                    request=seams.request_context(self))
+        except Exception:
+            logger.debug("celery-threads: could not store the death of %s", self.id,
+                         exc_info=True)
+
+    def _announce_lost_retry(self, exc: BaseException, exc_info: Any) -> None:
+        """What Celery does for a retried task: RETRY state, ``task-retried`` event, ack."""
+        from celery.utils.saferepr import saferepr
+
+        if self.store_errors:
+            self.task.backend.mark_as_retry(self.id, exc, exc_info.traceback,
+                                            request=seams.request_context(self))
+        if self.task.acks_late:
+            self.acknowledge()
+        self.send_event("task-retried", exception=saferepr(exc), traceback=exc_info.traceback)
+
+
+def _fail_handed_off(request: Any, exc: BaseException) -> None:
+    """The lost pool process was running a member by in-process handoff (handoff.py), unknown to
+    this process until now: a failed attempt of that member, at once rather than when its lease
+    lapses."""
+    member = handoff.lost_member(getattr(request, "worker_pid", None))
+    if member is None:
+        return
+    thread_id, task_id, token = member
+    runtime = get_runtime(request.task.app)
+    try:
+        outcome = runtime.apply(runtime.gate.fail(thread_id, task_id, token,
+                                                  f"WorkerLostError: {exc}; no retries were left",
+                                                  holder=pool_holder(request)))
+        logger.warning("celery-threads: the pool process running %s of thread %s by handoff was "
+                       "lost (%s)", task_id, thread_id, exc)
+        # No request of it reaches Celery's handling in this process: its state is stored here,
+        # final only when it died.
+        if outcome.status == Lapse.DIED:
+            runtime.announce_death(thread_id, task_id, f"WorkerLostError: {exc}", 0)
+            request.task.backend.mark_as_failure(task_id, exc)
+        elif outcome.status == Lapse.RETRIED:
+            request.task.backend.mark_as_retry(task_id, exc)
+    except Exception:
+        logger.exception("celery-threads: could not fail %s of thread %s; its lease will lapse",
+                         task_id, thread_id)

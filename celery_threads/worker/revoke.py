@@ -1,0 +1,194 @@
+"""Revoking threaded members: Celery's revoke command and its ``task_revoked`` signal.
+
+* A plain ``revoke`` of a member still waiting in the gate deletes it from its thread, and a
+  member ``Threads.delete`` deleted is announced (:func:`wrap_revoke_command`).
+* A revoked member leaves its thread (:func:`on_task_revoked`); one terminated in a pool process
+  leaves it only once that process has exited, so that nothing of its code runs beside the next
+  member.
+* ``revoke(terminate=True)`` also reaches a member a pool process runs by in-process handoff,
+  which Celery's own revoke does not know of.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal as _signal
+from typing import Any, Optional
+
+from celery.worker import state as worker_state
+
+from .. import seams
+from ..gate import STOPPING
+from ..protocol import THREAD_HEADER, TOKEN_HEADER, is_threaded
+from ..runtime import Runtime, get_runtime
+from . import handoff
+from .processes import open_pidfd, pool_holder, when_gone
+
+logger = logging.getLogger(__name__)
+
+
+def on_task_revoked(sender: Any = None, request: Any = None, terminated: bool = False,
+                    expired: bool = False, **kwargs: Any) -> None:
+    """A revoked member (revoke on receipt, terminate while running, expired) leaves its thread:
+    at once, or, terminated in a pool process (prefork), once that process has exited."""
+    if not is_threaded(sender) or request is None:
+        return
+    headers = request.headers or {}      # the request's context (Celery sends no Request)
+    token = headers.get(TOKEN_HEADER)
+    if not token:
+        return
+    runtime = get_runtime(sender.app)
+    running = _terminating.pop(request.id, None) if terminated else None
+    if running is not None:
+        pid, holder = running
+        _delete_once_stopped(runtime, str(headers.get(THREAD_HEADER) or ""), request.id,
+                             str(token), pid, holder)
+        return
+    runtime.apply(runtime.gate.delete(request.id, token=token))
+
+
+#: task id -> (pid, claimant prefix) of the pool process (prefork) running it, noted by the revoke
+#: command just before Celery's terminate signals that process; read by :func:`on_task_revoked`
+#: (Celery forgets the request, and its pool process, before it sends ``task_revoked``).
+_terminating: dict[str, tuple[int, Optional[str]]] = {}
+
+
+def _note_terminating(task_ids: Any) -> None:
+    """Before Celery's ``revoke(terminate=True)``: which pool process of this worker runs each of
+    ``task_ids``.  Not one that runs in the worker's own process (threads, solo, gevent pools),
+    which cannot be stopped."""
+    _terminating.clear()
+    for task_id in task_ids:
+        request = worker_state.requests.get(task_id)
+        pid = getattr(request, "worker_pid", None)
+        if request is not None and pid and pid != os.getpid():
+            _terminating[task_id] = (pid, pool_holder(request))
+
+
+def _mark_deleted(runtime: Runtime, thread_id: Optional[str], task_id: str, token: str,
+                  holder: Optional[str] = None) -> bool:
+    """Mark a member this worker is about to stop as deleted in the gate; whether it was marked
+    (``False``: it is gone, or was detached at once, since its claim did not say that its process
+    can be stopped).  From then on, however else it ends (its own finish, a kill or fail, a
+    retry, its lease's lapse), it ends as deleted, and its finish hands nothing to its process."""
+    outcome = runtime.apply(runtime.gate.delete(task_id, token=token, stop=True,
+                                                thread_id=thread_id or None, holder=holder))
+    return outcome.info == STOPPING
+
+
+def _delete_once_stopped(runtime: Runtime, thread_id: Optional[str], task_id: str, token: str,
+                         pid: int, holder: Optional[str] = None, marked: bool = False) -> None:
+    """A member terminated in pool process ``pid``: marked deleted at once (unless ``marked``
+    already), and ended, which releases the next member, once that process has exited (a pidfd
+    wait, as for the hard time limit): nothing of its code, ``finally`` blocks included, runs
+    beside the next member.  A process still running ``threads_keepalive`` seconds later (code
+    that ignores the signal) is left alone: its member leaves when its body returns (its finish
+    ends it as deleted) or its lease lapses."""
+    if not marked and not _mark_deleted(runtime, thread_id, task_id, token, holder):
+        return
+
+    def end() -> None:
+        runtime.apply(runtime.gate.delete(task_id, token=token, thread_id=thread_id or None,
+                                          holder=holder))
+
+    when_gone(pid, end, runtime.config.keepalive, what=task_id, anyway=False)
+
+
+def _end_revoked_member(runtime: Runtime, consumer: Any, task_id: str) -> None:
+    """A waiting member revoked by a plain ``revoke`` leaves its thread here; one deleted by
+    ``Threads.delete`` is announced here.  Either way this worker sends ``task-revoked``."""
+    deleted = runtime.apply(runtime.gate.delete(task_id, only_waiting=True)).done
+    if deleted:
+        runtime.mark_revoked(task_id)
+    if deleted or runtime.gate.take_deleted_note(task_id):
+        dispatcher = consumer.event_dispatcher
+        if dispatcher is not None and dispatcher.enabled:
+            dispatcher.send("task-revoked", uuid=task_id, terminated=False, signum=None,
+                            expired=False)
+
+
+def _terminate_handed_off(runtime: Runtime, task_id: str, signal: Any) -> None:
+    """``revoke(terminate=True)`` of a member a pool process runs by handoff (handoff.py), which
+    Celery's own revoke does not know of.  As for a terminated task: the member is marked deleted
+    (fenced by its token), its process gets the signal, the member leaves its thread once the
+    process has exited (the next is promoted then), and the result backend marks it REVOKED.
+
+    The signal is fenced too: it is sent only if, once the member is marked deleted in the gate,
+    the process's slot still names that member under that token.  Until then the process may
+    have finished it and be running a later member (its finish handed it one): that one is not
+    signalled.  From the gate's mark on, the member's own finish can no longer hand the process
+    a later member, so a slot that still names it after the mark means that the process is
+    still in that member's pool job.  What remains is the time between the slot's last read and
+    the signal: the process would have to end that job and start another one, which only this
+    process (the worker's main process) gives it, from this same thread, and with Celery's
+    default ``-O fair`` only to an idle process (``-O fast`` may have queued one in its pipe
+    already, a window of the few microseconds before the signal).  Where the system has
+    pidfds, the signal goes through one opened at the first read, so it never reaches another
+    process that has taken the pid since."""
+    from celery.platforms import signals as platform_signals
+    from celery.worker.control import TERM_SIGNAME
+
+    found = handoff.running(task_id)
+    if found is None:
+        return
+    pid, (thread_id, _, token) = found
+    pidfd = open_pidfd(pid)      # from here on, the signal reaches that process or none
+    try:
+        marked = _mark_deleted(runtime, thread_id, task_id, token)
+        if handoff.running(task_id) != found:
+            logger.info("celery-threads: not terminating %s: pool process %s no longer runs it "
+                        "by handoff (token %s)", task_id, pid, token)
+            return
+        signum = platform_signals.signum(signal or TERM_SIGNAME)
+        logger.info("celery-threads: terminating %s, run by handoff in pool process %s (%s)",
+                    task_id, pid, signal or TERM_SIGNAME)
+        try:
+            if pidfd is not None:
+                _signal.pidfd_send_signal(pidfd, signum)
+            else:
+                os.kill(pid, signum)
+        except ProcessLookupError:
+            pass    # it has just exited: the main process fails its member as lost
+        if marked:
+            _delete_once_stopped(runtime, thread_id, task_id, token, pid, marked=True)
+    finally:
+        if pidfd is not None:
+            os.close(pidfd)
+    runtime.mark_revoked(task_id)
+
+
+def wrap_revoke_command() -> None:
+    """``app.control.revoke(id)`` of a member still waiting in the gate deletes it (a worker is the
+    only place that sees a plain revoke).  A released or running member ends as usual when a
+    worker discards or terminates it."""
+    from celery.utils.functional import maybe_list
+
+    if not seams.active("revoke-command"):
+        return
+    original, install = seams.revoke_command()
+    if getattr(original, "_celery_threads", False):
+        return
+
+    def revoke(state: Any, task_id: Any, terminate: bool = False, signal: Any = None,
+               **kwargs: Any) -> Any:
+        if terminate:
+            _note_terminating(maybe_list(task_id) or [])
+        try:
+            reply = original(state, task_id, terminate=terminate, signal=signal, **kwargs)
+        finally:
+            _terminating.clear()
+        consumer = state.consumer
+        if getattr(consumer.app, "_celery_threads_installed", False):
+            runtime = get_runtime(consumer.app)
+            for one in maybe_list(task_id) or []:
+                try:
+                    _end_revoked_member(runtime, consumer, one)
+                    if terminate:
+                        _terminate_handed_off(runtime, one, signal)
+                except Exception:
+                    logger.exception("celery-threads: could not end revoked member %s", one)
+        return reply
+
+    revoke._celery_threads = True  # type: ignore[attr-defined]
+    revoke.__doc__ = original.__doc__
+    install(revoke)
