@@ -149,7 +149,7 @@ class Runtime:
         if ms >= self.config.release_timeout_ms:
             return
         try:
-            self.gate.renew(release.thread_id, release.task_id, release.token, ms)
+            self.gate.renew(release.thread_id, release.task_id, release.token, for_ms=ms)
         except Exception:
             logger.debug("celery-threads: could not bring the release deadline of %s forward",
                          release.task_id, exc_info=True)

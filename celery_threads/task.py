@@ -350,8 +350,7 @@ class ThreadedTask(Task):
         sent = time.monotonic()
         try:
             status, claimed_ms = runtime.gate.claim_at(
-                thread_id, task_id, token, runtime.config.keepalive_ms, hostname, claimant,
-                stoppable=stoppable())
+                thread_id, task_id, token, hostname, claimant, stoppable=stoppable())
         except redis.RedisError as exc:
             logger.warning("celery-threads: not running %s[%s] of thread %s: the gate at %s did "
                            "not answer its claim (%s); the gate hands it out again once its "

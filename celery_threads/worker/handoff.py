@@ -276,7 +276,7 @@ def finish(runtime: Runtime, task: Any, thread_id: str, task_id: str, token: str
     # One round trip: the next member is released and claimed for this process at once.
     outcome = runtime.gate.finish(
         thread_id, task_id, token, keep_release=True,
-        claim=(runtime.config.keepalive_ms, task.request.hostname or "", ending.claimant),
+        claim=(task.request.hostname or "", ending.claimant),
         caller=ending.caller)
     if outcome.info == DELETED:       # nothing was claimed for this process
         runtime.publish(outcome.release)
