@@ -381,11 +381,11 @@ class ThreadedTask(Task):
             return handoff.finish(runtime, self, thread_id, task_id, token, ending)
         elif isinstance(exc, Retry):
             # Retry raised by hand, without self.retry() publishing: re-enter now.
-            outcome = runtime.apply(gate.requeue(thread_id, task_id, token, retries=retries + 1,
-                                                 caller=ending.caller))
+            outcome = runtime.publish_outcome(gate.requeue(
+                thread_id, task_id, token, retries=retries + 1, caller=ending.caller))
         elif isinstance(exc, Reject) and exc.requeue:
-            outcome = runtime.apply(gate.requeue(thread_id, task_id, token, retries=retries,
-                                                 caller=ending.caller))
+            outcome = runtime.publish_outcome(gate.requeue(
+                thread_id, task_id, token, retries=retries, caller=ending.caller))
         elif isinstance(exc, Reject):
             outcome = runtime.kill(thread_id, task_id, token, exc=exc, retries=retries,
                                    keep=self.dead_letter, reason=f"Rejected: {exc.reason!r}",

@@ -268,7 +268,7 @@ class ThreadedRequest(Request):
         runtime = get_runtime(self.task.app)
         retries = int(self.request_dict.get("retries") or 0)
         try:
-            outcome: Optional[Outcome] = runtime.apply(runtime.gate.fail(
+            outcome: Optional[Outcome] = runtime.publish_outcome(runtime.gate.fail(
                 thread_id, self.id, token, f"WorkerLostError: {exc}; no retries were left",
                 holder=pool_holder(self)))
         except redis.RedisError as error:
@@ -404,9 +404,9 @@ def _fail_handed_off(request: Any, exc: BaseException) -> None:
     thread_id, task_id, token = member
     runtime = get_runtime(request.task.app)
     try:
-        outcome = runtime.apply(runtime.gate.fail(thread_id, task_id, token,
-                                                  f"WorkerLostError: {exc}; no retries were left",
-                                                  holder=pool_holder(request)))
+        outcome = runtime.publish_outcome(runtime.gate.fail(
+            thread_id, task_id, token, f"WorkerLostError: {exc}; no retries were left",
+            holder=pool_holder(request)))
         logger.warning("celery-threads: the pool process running %s of thread %s by handoff was "
                        "lost (%s)", task_id, thread_id, exc)
         # No request of it reaches Celery's handling in this process: its state is stored here,
@@ -438,7 +438,7 @@ def on_task_revoked(sender: Any = None, request: Any = None, terminated: bool = 
         _delete_once_stopped(runtime, str(headers.get(THREAD_HEADER) or ""), request.id,
                              str(token), pid, holder)
         return
-    runtime.apply(runtime.gate.delete(request.id, token=token))
+    runtime.publish_outcome(runtime.gate.delete(request.id, token=token))
 
 
 #: task id -> (pid, claimant prefix) of the pool process (prefork) running it, noted by the revoke
@@ -465,8 +465,9 @@ def _mark_deleted(runtime: Runtime, thread_id: Optional[str], task_id: str, toke
     (``False``: it is gone, or was detached at once, since its claim did not say that its process
     can be stopped).  From then on, however else it ends (its own finish, a kill or fail, a
     retry, its lease's lapse), it ends as deleted, and its finish hands nothing to its process."""
-    outcome = runtime.apply(runtime.gate.delete(task_id, token=token, stop=True,
-                                                thread_id=thread_id or None, holder=holder))
+    outcome = runtime.publish_outcome(runtime.gate.delete(task_id, token=token, stop=True,
+                                                          thread_id=thread_id or None,
+                                                          holder=holder))
     return outcome.info == STOPPING
 
 
@@ -482,8 +483,8 @@ def _delete_once_stopped(runtime: Runtime, thread_id: Optional[str], task_id: st
         return
 
     def end() -> None:
-        runtime.apply(runtime.gate.delete(task_id, token=token, thread_id=thread_id or None,
-                                          holder=holder))
+        runtime.publish_outcome(runtime.gate.delete(task_id, token=token,
+                                                    thread_id=thread_id or None, holder=holder))
 
     when_gone(pid, end, runtime.config.keepalive, what=task_id, anyway=False)
 
@@ -491,7 +492,7 @@ def _delete_once_stopped(runtime: Runtime, thread_id: Optional[str], task_id: st
 def _end_revoked_member(runtime: Runtime, consumer: Any, task_id: str) -> None:
     """A waiting member revoked by a plain ``revoke`` leaves its thread here; one deleted by
     ``Threads.delete`` is announced here.  Either way this worker sends ``task-revoked``."""
-    deleted = runtime.apply(runtime.gate.delete(task_id, only_waiting=True)).done
+    deleted = runtime.publish_outcome(runtime.gate.delete(task_id, only_waiting=True)).done
     if deleted:
         runtime.mark_revoked(task_id)
     if deleted or runtime.gate.take_deleted_note(task_id):
