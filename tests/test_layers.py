@@ -21,7 +21,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("publishing", {"publish"}),
     ("the per-process runtime and the dispatcher", {"runtime", "dispatcher"}),
     ("the worker side", {"worker", "worker.step", "worker.lease", "worker.native",
-                         "worker.handoff", "worker.slots", "worker.noack"}),
+                         "worker.handoff", "worker.slots", "worker.noack", "worker.member"}),
     ("the wiring", {"install"}),
     ("the task class", {"task"}),
     ("the admin API, the CLI, the exporter and the package's public names",
