@@ -6,7 +6,7 @@ import inspect
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, NamedTuple, Optional, Union
 
 import redis
 from celery import Task
@@ -16,7 +16,7 @@ from celery.utils.saferepr import saferepr
 from . import policies
 from .config import ThreadsConfig, read_config
 from .errors import ConfigurationError, GateUnavailable, InvalidThreadId, NotReplicated, ThreadFull
-from .gate import Enqueue, Outcome, deadline
+from .gate import Enqueue, Outcome, Release, deadline
 from .install import install
 from .protocol import (
     OUR_HEADERS,
@@ -119,14 +119,75 @@ class ThreadedTask(Task):
         """
         explicit = options.pop("thread_id", None)
         # Never seen by Celery (in eager mode too): the gate applies them.
-        coalesce, debounce, debounce_max = (
-            options.pop(option, getattr(self, option)) for option in SUPERSEDE_OPTIONS)
+        supersede_options = [options.pop(option, getattr(self, option))
+                             for option in SUPERSEDE_OPTIONS]
         policy = policies.resolve(self, options)
         app = self._get_app()
         if app.conf.task_always_eager:
-            return super().apply_async(args, kwargs, task_id=task_id, producer=producer,
-                                       link=link, link_error=link_error, shadow=shadow, **options)
+            return self._apply_eagerly(args, kwargs, task_id, producer, link, link_error, shadow,
+                                       options)
         headers = dict(options.pop("headers", None) or {})
+        call = self._place(app, args, kwargs, task_id, explicit, headers, options, policy,
+                           supersede_options)
+        if options.get("kwargsrepr") is None:
+            # Flower shows kwargsrepr: the thread id is visible on every member there.
+            options["kwargsrepr"] = f"{saferepr(kwargs or {}, 1024)} thread={call.thread_id!r}"
+        countdown = options.pop("countdown", None)
+        eta = options.pop("eta", None)
+        task_id = task_id or uuid()
+        config = read_config(app)
+        # A producer's call waits for the gate threads_publish_timeout in all; a member's calls
+        # ride out outages as the rest of its worker does (its lease covers the wait).
+        bound = (nullcontext(None) if call.from_member
+                 else deadline.within(config.publish_timeout))
+        with app.producer_or_acquire(producer) as real, bound as limit, \
+                gate_errors(config, task_id, limit):
+            runtime = get_runtime(app)
+            capture = CapturingProducer(real)
+            # countdown and eta reach Celery only for its task-sent event (Flower shows when the
+            # member is due); the stored message leaves them out, and the gate schedules it.
+            result = super().apply_async(args, kwargs, task_id=task_id, producer=capture,
+                                         link=link, link_error=link_error, shadow=shadow,
+                                         headers=headers, countdown=countdown, eta=eta, **options)
+            assert capture.envelope is not None, "Celery published no task message"
+            at_ms = eta_ms(eta) if eta is not None else None
+            delay_ms = int(float(countdown or 0) * 1000)
+            retries = int(options.get("retries") or 0) if call.token is not None else 0
+            message = _Message(capture.envelope, delay_ms, at_ms, retries)
+            retried = (member.running(task_id, call.token) if call.token is not None
+                       else None)
+            if call.replaced is not None:
+                stored = self._replace_once_unwound(runtime, call, call.replaced, message)
+            elif retried is not None:
+                stored = self._retry_once_unwound(runtime, retried, message)
+            elif call.token is not None:
+                stored = self._retry_now(runtime, call, call.token, task_id, message)
+            else:
+                stored = self._enqueue(runtime, call, task_id, message)
+            capture.flush()
+            # The caller's producer when given; else the runtime's kept one, which skips the
+            # declare and retry wrapping Celery's way repeats on every publish.
+            # Not when the member was there already: a release of it (an enqueue replayed after
+            # its reply was lost) publishes the message stored then, not this call's.
+            release = stored.release
+            own = release is not None and release.task_id == task_id and stored.added
+            runtime.publish(release, producer, parts=capture.parts if own else None)
+            if stored.superseded:
+                runtime.revoke_superseded(call.thread_id, stored.superseded)
+        return result
+
+    def _apply_eagerly(self, args: Any, kwargs: Any, task_id: Optional[str], producer: Any,
+                       link: Any, link_error: Any, shadow: Any, options: dict[str, Any]) -> Any:
+        """In eager mode (``task_always_eager``) a call runs inline as Celery runs any task's."""
+        return super().apply_async(args, kwargs, task_id=task_id, producer=producer, link=link,
+                                   link_error=link_error, shadow=shadow, **options)
+
+    def _place(self, app: Any, args: Any, kwargs: Any, task_id: Optional[str], explicit: Any,
+               headers: dict[str, Any], options: dict[str, Any], policy: policies.Policy,
+               supersede_options: list[Any]) -> _Call:
+        """Where a call goes and what it is: its thread, and whether it is a retry of a member
+        (it carries the member's token) or the replacement of the member running here.  Drops
+        the internal headers from ``headers``."""
         token = headers.get(TOKEN_HEADER) or None
         header_thread = headers.get(THREAD_HEADER)
         for key in OUR_HEADERS:
@@ -151,84 +212,66 @@ class ThreadedTask(Task):
                     and current[0] == task_id else None)
         max_retries, retry_delay_ms = retry_settings(self) if token is None else (None, 0)
         # A retry or a replacement is not a new call: it supersedes nothing.
-        supersede = (supersede_policy(self.name, coalesce, debounce, debounce_max)
+        supersede = (supersede_policy(self.name, *supersede_options)
                      if token is None and replaced is None else None)
-        if options.get("kwargsrepr") is None:
-            # Flower shows kwargsrepr: the thread id is visible on every member there.
-            options["kwargsrepr"] = f"{saferepr(kwargs or {}, 1024)} thread={thread_id!r}"
-        countdown = options.pop("countdown", None)
-        eta = options.pop("eta", None)
-        task_id = task_id or uuid()
-        config = read_config(app)
-        # A producer's call waits for the gate threads_publish_timeout in all; a member's calls
-        # ride out outages as the rest of its worker does (its lease covers the wait).
-        bound = (nullcontext(None) if inside is not None
-                 else deadline.within(config.publish_timeout))
-        with app.producer_or_acquire(producer) as real, bound as limit, \
-                gate_errors(config, task_id, limit):
-            runtime = get_runtime(app)
-            capture = CapturingProducer(real)
-            # countdown and eta reach Celery only for its task-sent event (Flower shows when the
-            # member is due); the stored message leaves them out, and the gate schedules it.
-            result = super().apply_async(args, kwargs, task_id=task_id, producer=capture,
-                                         link=link, link_error=link_error, shadow=shadow,
-                                         headers=headers, countdown=countdown, eta=eta, **options)
-            assert capture.envelope is not None, "Celery published no task message"
-            at_ms = eta_ms(eta) if eta is not None else None
-            delay_ms = int(float(countdown or 0) * 1000)
-            release = None
-            added = False
-            superseded: list[str] = []
-            if replaced is not None:
-                # Applied once the member's body has unwound (as a retry's re-entry), so that the
-                # task id is never a member twice and at most one member of a thread runs.
-                replaced.reentry = member.Reentry(0, 0, at_ms if at_ms is not None else (
-                    replaced.server_now_ms(runtime.gate) + delay_ms if delay_ms else None), capture.envelope,
-                    member.Replacement(thread_id, nesting, max_retries, retry_delay_ms, policy.text))
-            elif token is not None:
-                reentry = member.Reentry(int(options.get("retries") or 0), delay_ms, at_ms,
-                                  capture.envelope)
-                running = member.running(task_id, token)
-                if running is not None:
-                    # self.retry() inside the running member: it re-enters once its body has
-                    # unwound (ThreadedTask.__call__), so that nothing the body still runs on
-                    # the way out (finally blocks, context managers) overlaps the next member;
-                    # its schedule is fixed now, on the Redis server's clock.
-                    running.reentry = reentry._replace(delay_ms=0, at_ms=at_ms or (
-                        running.server_now_ms(runtime.gate) + delay_ms))
-                else:
-                    release = self._reenter(runtime, thread_id, task_id, token,
-                                            reentry).release
-            else:
-                outcome = runtime.gate.enqueue(
-                    thread_id, task_id, capture.envelope, delay_ms=delay_ms, at_ms=at_ms,
-                    max_retries=max_retries, retry_delay_ms=retry_delay_ms, replaced=nesting,
-                    policy=policy.text, max_waiting=policy.max_waiting,
-                    coalesce=self.name if supersede is not None else None,
-                    debounce_ms=supersede[0] if supersede else 0,
-                    debounce_max_ms=supersede[1] if supersede else 0)
-                if outcome.status == Enqueue.FULL:
-                    # Nothing stored; leaving here also drops the held task-sent event.
-                    raise ThreadFull(
-                        f"thread {thread_id!r} already has {policy.max_waiting} waiting members "
-                        f"(max_waiting of {self.name}): {task_id} was not stored nor sent; call "
-                        "again later", thread_id, task_id)
-                superseded = outcome.superseded
-                if not outcome.done:
-                    logger.info("celery-threads: %s[%s] is already a member of thread %s, or "
-                                "ended less than 30 s ago; not enqueued twice", self.name,
-                                task_id, thread_id)
-                release, added = outcome.release, outcome.done
-            capture.flush()
-            # The caller's producer when given; else the runtime's kept one, which skips the
-            # declare and retry wrapping Celery's way repeats on every publish.
-            # Not when the member was there already: a release of it (an enqueue replayed after
-            # its reply was lost) publishes the message stored then, not this call's.
-            own = release is not None and release.task_id == task_id and added
-            runtime.publish(release, producer, parts=capture.parts if own else None)
-            if superseded:
-                runtime.revoke_superseded(thread_id, superseded)
-        return result
+        return _Call(thread_id, token, nesting, replaced, inside is not None, policy,
+                     max_retries, retry_delay_ms, supersede)
+
+    def _replace_once_unwound(self, runtime: Runtime, call: _Call, replaced: member.Running,
+                              message: _Message) -> _Stored:
+        """``self.replace(sig)`` inside the member running here: held for the member's ending,
+        which applies it once the body has unwound (as a retry's re-entry), so that the task id
+        is never a member twice and at most one member of a thread runs."""
+        replaced.reentry = member.Reentry(
+            0, 0, message.at_ms if message.at_ms is not None else (
+                replaced.server_now_ms(runtime.gate) + message.delay_ms
+                if message.delay_ms else None), message.envelope,
+            member.Replacement(call.thread_id, call.nesting, call.max_retries,
+                               call.retry_delay_ms, call.policy.text))
+        return _NOTHING_STORED
+
+    def _retry_once_unwound(self, runtime: Runtime, retried: member.Running,
+                            message: _Message) -> _Stored:
+        """``self.retry()`` inside the member running here: it re-enters once its body has
+        unwound (the member's ending), so that nothing the body still runs on the way out
+        (finally blocks, context managers) overlaps the next member; its schedule is fixed now,
+        on the Redis server's clock."""
+        retried.reentry = member.Reentry(message.retries, 0, message.at_ms or (
+            retried.server_now_ms(runtime.gate) + message.delay_ms), message.envelope)
+        return _NOTHING_STORED
+
+    def _retry_now(self, runtime: Runtime, call: _Call, token: str, task_id: str,
+                   message: _Message) -> _Stored:
+        """A retry of Celery's current member whose body no longer runs here (it returned; a
+        handler such as ``on_failure`` retries it): it re-enters its thread at once."""
+        reentry = member.Reentry(message.retries, message.delay_ms, message.at_ms,
+                                 message.envelope)
+        outcome = self._reenter(runtime, call.thread_id, task_id, token, reentry)
+        return _Stored(outcome.release, False, [])
+
+    def _enqueue(self, runtime: Runtime, call: _Call, task_id: str,
+                 message: _Message) -> _Stored:
+        """A new call: the gate stores it as a member of its thread (and releases it when the
+        thread is free), or refuses it (:class:`ThreadFull`)."""
+        policy, supersede = call.policy, call.supersede
+        outcome = runtime.gate.enqueue(
+            call.thread_id, task_id, message.envelope, delay_ms=message.delay_ms,
+            at_ms=message.at_ms, max_retries=call.max_retries,
+            retry_delay_ms=call.retry_delay_ms, replaced=call.nesting, policy=policy.text,
+            max_waiting=policy.max_waiting, coalesce=self.name if supersede is not None else None,
+            debounce_ms=supersede[0] if supersede else 0,
+            debounce_max_ms=supersede[1] if supersede else 0)
+        if outcome.status == Enqueue.FULL:
+            # Nothing stored; leaving here also drops the held task-sent event.
+            raise ThreadFull(
+                f"thread {call.thread_id!r} already has {policy.max_waiting} waiting members "
+                f"(max_waiting of {self.name}): {task_id} was not stored nor sent; call "
+                "again later", call.thread_id, task_id)
+        if not outcome.done:
+            logger.info("celery-threads: %s[%s] is already a member of thread %s, or "
+                        "ended less than 30 s ago; not enqueued twice", self.name,
+                        task_id, call.thread_id)
+        return _Stored(outcome.release, outcome.done, outcome.superseded)
 
     def _reenter(self, runtime: Runtime, thread_id: str, task_id: str, token: str,
                  reentry: member.Reentry, caller: Optional[str] = None) -> Outcome:
@@ -241,6 +284,41 @@ class ThreadedTask(Task):
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         # A released member runs claimed, under its lease, and ends in the gate (worker.member).
         return member.run(self, functools.partial(super().__call__, *args, **kwargs))
+
+
+class _Call(NamedTuple):
+    """A call as the gate takes it (:meth:`ThreadedTask._place`)."""
+
+    thread_id: str
+    token: Optional[str]                    # a retry of the member holding it; else None
+    nesting: int                            # replaced_task_nesting
+    replaced: Optional[member.Running]      # self.replace(sig) in the member running here
+    from_member: bool                       # made inside a running member (a worker's call)
+    policy: policies.Policy
+    max_retries: Optional[int]
+    retry_delay_ms: int
+    supersede: Optional[tuple[int, int]]    # (debounce ms, debounce_max ms) when it supersedes
+
+
+class _Message(NamedTuple):
+    """The call's message as Celery built it, and its schedule, for the gate."""
+
+    envelope: bytes
+    delay_ms: int
+    at_ms: Optional[int]
+    retries: int            # a retry's (Celery's ``retries`` option); 0 for any other call
+
+
+class _Stored(NamedTuple):
+    """What a call left in the gate: a release to publish, whether the call added its member
+    (its own message is then the one released), and the members it superseded."""
+
+    release: Optional[Release]
+    added: bool
+    superseded: list[str]
+
+
+_NOTHING_STORED = _Stored(None, False, [])
 
 
 _signatures: dict[tuple[Any, bool], inspect.Signature] = {}
