@@ -149,11 +149,7 @@ class ThreadedTask(Task):
             result = super().apply_async(args, kwargs, task_id=task_id, producer=capture,
                                          link=link, link_error=link_error, shadow=shadow,
                                          headers=headers, countdown=countdown, eta=eta, **options)
-            assert capture.envelope is not None, "Celery published no task message"
-            at_ms = eta_ms(eta) if eta is not None else None
-            delay_ms = int(float(countdown or 0) * 1000)
-            retries = int(options.get("retries") or 0) if call.token is not None else 0
-            message = _Message(capture.envelope, delay_ms, at_ms, retries)
+            message = _message(capture, countdown, eta, call, options)
             retried = (member.running(task_id, call.token) if call.token is not None
                        else None)
             if call.replaced is not None:
@@ -165,15 +161,7 @@ class ThreadedTask(Task):
             else:
                 stored = self._enqueue(runtime, call, task_id, message)
             capture.flush()
-            # The caller's producer when given; else the runtime's kept one, which skips the
-            # declare and retry wrapping Celery's way repeats on every publish.
-            # Not when the member was there already: a release of it (an enqueue replayed after
-            # its reply was lost) publishes the message stored then, not this call's.
-            release = stored.release
-            own = release is not None and release.task_id == task_id and stored.added
-            runtime.publish(release, producer, parts=capture.parts if own else None)
-            if stored.superseded:
-                runtime.revoke_superseded(call.thread_id, stored.superseded)
+            _publish_stored(runtime, call, task_id, stored, producer, capture)
         return result
 
     def _apply_eagerly(self, args: Any, kwargs: Any, task_id: Optional[str], producer: Any,
@@ -319,6 +307,31 @@ class _Stored(NamedTuple):
 
 
 _NOTHING_STORED = _Stored(None, False, [])
+
+
+def _message(capture: CapturingProducer, countdown: Any, eta: Any, call: _Call,
+             options: dict[str, Any]) -> _Message:
+    """The message Celery published into ``capture``, with the call's schedule."""
+    assert capture.envelope is not None, "Celery published no task message"
+    at_ms = eta_ms(eta) if eta is not None else None
+    delay_ms = int(float(countdown or 0) * 1000)
+    retries = int(options.get("retries") or 0) if call.token is not None else 0
+    return _Message(capture.envelope, delay_ms, at_ms, retries)
+
+
+def _publish_stored(runtime: Runtime, call: _Call, task_id: str, stored: _Stored,
+                    producer: Any, capture: CapturingProducer) -> None:
+    """Publish the release the call's transition gave (through the caller's producer when
+    given; else the runtime's kept one, which skips the declare and retry wrapping Celery's way
+    repeats on every publish), and revoke the members it superseded."""
+    release = stored.release
+    # The captured message only when the release is of the member this call added: a release of
+    # a member that was there already (an enqueue replayed after its reply was lost) publishes
+    # the message stored then, not this call's.
+    own = release is not None and release.task_id == task_id and stored.added
+    runtime.publish(release, producer, parts=capture.parts if own else None)
+    if stored.superseded:
+        runtime.revoke_superseded(call.thread_id, stored.superseded)
 
 
 _signatures: dict[tuple[Any, bool], inspect.Signature] = {}
