@@ -50,7 +50,7 @@ def _one_way(gate: Any, client: Any, calls: int, tag: str,
             if step == "enqueue":
                 tokens[task] = gate.enqueue(thread, task, ENVELOPE, **options).release.token
             elif step == "claim":
-                gate.claim(thread, task, tokens[task], 30_000, "callcost")
+                gate.claim(thread, task, tokens[task], "callcost")
             else:
                 gate.finish(thread, task, tokens[task])
         out[step] = _measured(client, lives, call)

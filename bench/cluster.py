@@ -93,7 +93,7 @@ def _lives(url: str, options: dict[str, Any], shards: int, seconds: float, ready
         thread, task = f"{me}-{n}", str(uuid.uuid4())
         release = gate.enqueue(thread, task, ENVELOPE).release
         assert release is not None
-        gate.claim(thread, task, release.token, 30_000, "bench", "c")
+        gate.claim(thread, task, release.token, "bench", "c")
         gate.finish(thread, task, release.token)
         n += 1
     out.put((n, time.process_time() - cpu))

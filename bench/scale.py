@@ -137,7 +137,7 @@ def _idle_lives(gate: Any, n: int, tag: str) -> tuple[list[float], int]:
         thread, task = f"p-{tag}-{i}", str(uuid.uuid4())
         t0 = time.perf_counter()
         rel = gate.enqueue(thread, task, ENVELOPE[0]).release
-        assert gate.claim(thread, task, rel.token, 30_000, "bench@host") == 1
+        assert gate.claim(thread, task, rel.token, "bench@host") == 1
         assert gate.finish(thread, task, rel.token).done
         times.append((time.perf_counter() - t0) * 1e6)
     return times, n
@@ -147,7 +147,7 @@ def _busy_lives(gate: Any, n: int, tag: str) -> tuple[list[float], int]:
     thread = f"b-{tag}"
     first = str(uuid.uuid4())
     rel = gate.enqueue(thread, first, ENVELOPE[0]).release
-    assert gate.claim(thread, first, rel.token, 30_000, "bench@host") == 1
+    assert gate.claim(thread, first, rel.token, "bench@host") == 1
     current, token = first, rel.token
     times = []
     for _ in range(n):
@@ -156,7 +156,7 @@ def _busy_lives(gate: Any, n: int, tag: str) -> tuple[list[float], int]:
         assert gate.enqueue(thread, task, ENVELOPE[0]).release is None   # waits behind current
         nxt = gate.finish(thread, current, token).release                # releases it
         assert nxt is not None and nxt.task_id == task
-        assert gate.claim(thread, task, nxt.token, 30_000, "bench@host") == 1
+        assert gate.claim(thread, task, nxt.token, "bench@host") == 1
         times.append((time.perf_counter() - t0) * 1e6)
         current, token = task, nxt.token
     assert gate.finish(thread, current, token).done
@@ -183,7 +183,7 @@ def _dispatched_lives(gate: Any, n: int, tag: str, batch: int = 100
         outcomes = gate.release_many(scan.due)
         for thread, outcome in zip(scan.due, outcomes):
             rel = outcome.release
-            assert gate.claim(thread, rel.task_id, rel.token, 30_000, "bench@host") == 1
+            assert gate.claim(thread, rel.task_id, rel.token, "bench@host") == 1
             assert gate.finish(thread, rel.task_id, rel.token).done
         spent += time.perf_counter() - t0
         assert len(scan.due) == size, (len(scan.due), size)

@@ -149,12 +149,14 @@ class Runtime:
         if ms >= self.config.release_timeout_ms:
             return
         try:
-            self.gate.renew(release.thread_id, release.task_id, release.token, ms)
+            self.gate.renew(release.thread_id, release.task_id, release.token, for_ms=ms)
         except Exception:
             logger.debug("celery-threads: could not bring the release deadline of %s forward",
                          release.task_id, exc_info=True)
 
-    def apply(self, outcome: Outcome, producer: Any = None) -> Outcome:
+    def publish_outcome(self, outcome: Outcome, producer: Any = None) -> Outcome:
+        """Publish the release a gate transition's ``outcome`` carries (if any); returns the
+        outcome, so that a transition and its publish read as one call."""
         self.publish(outcome.release, producer)
         return outcome
 
@@ -178,7 +180,7 @@ class Runtime:
         thread_id = self.gate.thread_of(task_id)
         if thread_id is None:
             return None
-        outcome = self.apply(self.gate.delete(task_id, stop=True, thread_id=thread_id))
+        outcome = self.publish_outcome(self.gate.delete(task_id, stop=True, thread_id=thread_id))
         if not outcome.done:
             return None
         if outcome.info in ("RUNNING", STOPPING):
@@ -239,8 +241,9 @@ class Runtime:
         trace = (getattr(einfo, "traceback", None)
                  or "".join(tb.format_exception(type(exc), exc, exc.__traceback__)))
         meta = {"retries": retries, "exception": exception, "traceback": trace}
-        outcome = self.apply(self.gate.kill(thread_id, task_id, token, meta, keep=keep,
-                                            caller=caller, fenced=fenced, holder=holder))
+        outcome = self.publish_outcome(self.gate.kill(thread_id, task_id, token, meta, keep=keep,
+                                                      caller=caller, fenced=fenced,
+                                                      holder=holder))
         if outcome.done and outcome.info != DELETED:   # DELETED: deleted while it ran, not dead
             self.announce_death(thread_id, task_id, exception, retries)
         return outcome

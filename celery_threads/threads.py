@@ -179,7 +179,7 @@ class Threads:
         released at once.  Returns ``True`` if the thread was paused.  A thread held by a death
         (``on_death="hold"``) goes on without the dead member (it stays in the dead-letter
         store)."""
-        outcome = self.runtime.apply(self.gate.resume(normalize_thread_id(thread_id)))
+        outcome = self.runtime.publish_outcome(self.gate.resume(normalize_thread_id(thread_id)))
         return outcome.status == Resume.RESUMED
 
     @_admin
@@ -233,14 +233,14 @@ class Threads:
             thread_id=str(record.meta["thread_id"]))
         if outcome.status == Restart.ALREADY_MEMBER:
             raise UnknownTask(f"{task_id} is a live member again; it cannot be restarted twice")
-        self.runtime.apply(outcome)
+        self.runtime.publish_outcome(outcome)
         return self.app.AsyncResult(task_id)
 
     @_admin
     def forget(self, task_id: str) -> bool:
         """Drop a dead task from the store; ``True`` if it was there.  When its death holds its
         thread (``on_death="hold"``), the thread goes on without it."""
-        return self.runtime.apply(self.gate.forget(task_id)).done
+        return self.runtime.publish_outcome(self.gate.forget(task_id)).done
 
     # -- redrive and purge ------------------------------------------------------------------
 

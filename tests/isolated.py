@@ -84,7 +84,7 @@ def kill_member(gate: Gate, thread: str, task_id: str, exception: str = "ValueEr
     """Put ``task_id`` in the dead-letter store the way a worker would: enqueue, claim, kill."""
     outcome = gate.enqueue(thread, task_id, envelope(task_id, thread))
     assert outcome.release is not None, f"thread {thread} was not idle"
-    assert gate.claim(thread, task_id, outcome.release.token, 30_000, worker) == 1
+    assert gate.claim(thread, task_id, outcome.release.token, worker) == 1
     died = gate.kill(thread, task_id, outcome.release.token,
                      {"retries": retries, "exception": exception, "traceback": ""})
     assert died.done

@@ -83,7 +83,7 @@ def test_a_replacement_of_an_ended_id_is_admitted_once(proj, isolated_app):
 
     def run_to_end(thread_id: str) -> None:
         token = gate.snapshot(thread_id).active["token"]
-        assert gate.claim(thread_id, task_id, token, 30_000, "w") == CLAIMED
+        assert gate.claim(thread_id, task_id, token, "w") == CLAIMED
         assert gate.finish(thread_id, task_id, token).done
 
     assert gate.enqueue(thread, task_id, b"x").done

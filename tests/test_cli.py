@@ -70,7 +70,7 @@ def running(app, thread: str, worker: str = "w1@box") -> str:
     """Claim the thread's released member as a worker would; returns its task id."""
     gate = Threads(app).gate
     active = gate.snapshot(thread).active
-    assert gate.claim(thread, active["task"], active["token"], 30_000, worker) == 1
+    assert gate.claim(thread, active["task"], active["token"], worker) == 1
     return active["task"]
 
 
@@ -181,7 +181,7 @@ def test_show_a_lapsed_lease(app, cli):
     thread = tid("cli-lapsed")
     past = gate_in_the_past(app, HOUR)
     token = past.enqueue(thread, "lapsed", envelope("lapsed", thread)).release.token
-    past.claim(thread, "lapsed", token, 30_000, "gone@box")
+    past.claim(thread, "lapsed", token, "gone@box")
     assert "LAPSED" in ok(cli("show", thread))
 
 
@@ -310,7 +310,7 @@ def test_dead_never_decodes_a_content_type_the_app_does_not_accept(app, cli):
                                     "serializer": "pickle", "exchange": "",
                                     "routing_key": "celery"})
     released = gate.enqueue(thread, "pickled", stored).release
-    assert released is not None and gate.claim(thread, "pickled", released.token, 30_000, "w")
+    assert released is not None and gate.claim(thread, "pickled", released.token, "w")
     assert gate.kill(thread, "pickled", released.token, {"exception": "E: x"}).done
 
     [dead] = Threads(app).dead()
@@ -418,7 +418,7 @@ def test_stats_exits_3_and_lists_what_is_stuck(app, cli):
     lease, head = tid("cli-stuck"), tid("cli-stuck")
     past = gate_in_the_past(app, HOUR)
     token = past.enqueue(lease, "lost-lease", envelope("lost-lease", lease)).release.token
-    past.claim(lease, "lost-lease", token, 30_000, "gone@box")
+    past.claim(lease, "lost-lease", token, "gone@box")
     # 121 s: "due 2m.." even when the stats below read the server's millisecond clock within
     # the enqueue's millisecond (119.999 s would print 1m59s).
     gate_in_the_past(app, 121).enqueue(head, "late-head", envelope("late-head", head),
@@ -503,7 +503,7 @@ def test_a_paused_thread_is_never_stuck(app, cli):
     lease, head = tid("cli-stuck-paused"), tid("cli-stuck-paused")
     past = gate_in_the_past(app, HOUR)
     token = past.enqueue(lease, "lost-lease", envelope("lost-lease", lease)).release.token
-    past.claim(lease, "lost-lease", token, 30_000, "gone@box")
+    past.claim(lease, "lost-lease", token, "gone@box")
     gate_in_the_past(app, 121).enqueue(head, "late-head", envelope("late-head", head),
                                        delay_ms=1)
     assert cli("stats").exit_code == 3

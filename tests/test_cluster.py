@@ -138,7 +138,7 @@ def test_cluster_gate_reloads_what_a_master_lost(redis_cluster):
         outcome = gate.enqueue(thread, str(uuid.uuid4()), b"first")
         assert outcome.release is not None
         forget_everything()
-        assert gate.claim(thread, outcome.release.task_id, outcome.release.token, 30_000,
+        assert gate.claim(thread, outcome.release.task_id, outcome.release.token,
                           "w", "c") == 1
         gate.enqueue(thread, str(uuid.uuid4()), b"second")
         forget_everything()
@@ -146,7 +146,7 @@ def test_cluster_gate_reloads_what_a_master_lost(redis_cluster):
         assert ended.done and ended.release is not None
         released.append((thread, ended.release.task_id, ended.release.token))
     forget_everything()
-    assert gate.renew_many(released, 30_000) == [1] * len(released)    # pipelined: RENEWED
+    assert gate.renew_many(released) == [1] * len(released)    # pipelined: RENEWED
     assert all(gate.snapshot(t).active["state"] == "RELEASED" for t in threads)
 
 
@@ -156,7 +156,7 @@ def _lives(gate: Gate, threads: list[str]) -> None:
         task = str(uuid.uuid4())
         outcome = gate.enqueue(thread, task, b'{"headers":{}}\n{}')
         assert outcome.release is not None
-        assert gate.claim(thread, task, outcome.release.token, 30_000, "w", "c") == 1
+        assert gate.claim(thread, task, outcome.release.token, "w", "c") == 1
         assert gate.finish(thread, task, outcome.release.token, caller="c").done
 
 

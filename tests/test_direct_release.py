@@ -90,7 +90,7 @@ def test_a_release_published_by_the_gate_is_not_published_again(proj, isolated_a
     first = proj.record.apply_async((thread, "a"), thread_id=thread)
     proj.record.apply_async((thread, "b"), thread_id=thread)
     token = gate.snapshot(thread).active["token"]
-    assert gate.claim(thread, first.id, token, 30_000, "w") == 1
+    assert gate.claim(thread, first.id, token, "w") == 1
     outcome = gate.finish(thread, first.id, token)
     assert outcome.release is not None and outcome.release.published
     assert outcome.release.envelope == b""

@@ -113,7 +113,8 @@ def test_a_gate_sigkilled_under_load_restarts_from_its_append_only_file(proj, re
 def gate(redis_server) -> Iterator[Gate]:
     client = redis.Redis(port=redis_server.port, db=12)
     client.flushdb()
-    yield Gate(client, Keys(f"ctdur-{uuid.uuid4().hex[:6]}"), release_timeout_ms=5000)
+    yield Gate(client, Keys(f"ctdur-{uuid.uuid4().hex[:6]}"), release_timeout_ms=5000,
+               keepalive_ms=10_000)
     client.flushdb()
 
 
@@ -141,16 +142,16 @@ def test_tokens_never_repeat_across_lost_writes_and_the_first_holder_loses_its_m
     gate.enqueue("t", "b", b"B")
     assert a is not None and int(a.token) >= int(time.time() * 1_000_000) - 60_000_000
     before = snapshot(client)
-    assert gate.claim("t", "a", a.token, 10_000, "w1", "c1") == 1
+    assert gate.claim("t", "a", a.token, "w1", "c1") == 1
     lost = gate.finish("t", "a", a.token, caller="c1").release     # a worker's ending: its claim's
     assert lost is not None and lost.task_id == "b"
 
     lose_writes_since(client, before)
     active = gate.snapshot("t").active
     assert (active["task"], active["state"], active["token"]) == ("a", "RELEASED", a.token)
-    assert gate.claim("t", "a", a.token, 10_000, "w2", "c2") == 1
-    assert gate.renew("t", "a", a.token, 10_000, "c1") == NOT_YOURS
-    assert gate.renew("t", "a", a.token, 10_000, "c2") == RENEWED
+    assert gate.claim("t", "a", a.token, "w2", "c2") == 1
+    assert gate.renew("t", "a", a.token, "c1") == NOT_YOURS
+    assert gate.renew("t", "a", a.token, "c2") == RENEWED
     # The first worker's ending, sent again: refused, it would end the second worker's run.
     assert gate.finish("t", "a", a.token, caller="c1").status == NOOP
     assert gate.requeue("t", "a", a.token, retries=1, caller="c1").status == NOOP
@@ -171,9 +172,9 @@ def test_after_a_lost_claim_the_first_workers_main_process_ends_nothing_of_the_s
     gate.enqueue("t", "b", b"B")
     assert a is not None
     before = snapshot(gate.client)
-    assert gate.claim("t", "a", a.token, 10_000, "w1@h", first + "c0ffee") == 1
+    assert gate.claim("t", "a", a.token, "w1@h", first + "c0ffee") == 1
     lose_writes_since(gate.client, before)
-    assert gate.claim("t", "a", a.token, 10_000, "w2@h", second + "beef00") == 1
+    assert gate.claim("t", "a", a.token, "w2@h", second + "beef00") == 1
     lost = "WorkerLostError: gone; no retries were left"
     assert gate.fail("t", "a", a.token, lost, holder=first).status == NOOP
     assert gate.kill("t", "a", a.token, {"exception": "TimeLimitExceeded"},
@@ -194,7 +195,7 @@ def test_tokens_stay_increasing_when_the_counter_is_lost(gate):
         assert release is not None
         tokens.append(int(release.token))
         gate.client.delete(gate.keys.shard(0).seq)
-        assert gate.claim("t", f"m{i}", release.token, 10_000, "w", "c") == 1
+        assert gate.claim("t", f"m{i}", release.token, "w", "c") == 1
         assert gate.finish("t", f"m{i}", release.token, caller="c").done
     assert tokens == sorted(set(tokens)), tokens
 

@@ -180,10 +180,8 @@ class GateMachine(RuleBasedStateMachine):
         self.model = M.Model(release_timeout_ms=RELEASE_TIMEOUT, keepalive_ms=KEEPALIVE,
                              max_republish_backoff=gate_module.MAX_REPUBLISH_BACKOFF, now=START,
                              direct=True)
-        self.gate = Gate(self.r, self.keys, release_timeout_ms=RELEASE_TIMEOUT,
-                         keepalive_ms=KEEPALIVE, clock=lambda: self.model.now,
-                         functions=self.FUNCTIONS,
-                         direct=DirectRelease(DB, BROKER_DB, BROKER_PREFIX))
+        self.gates: dict[int, Gate] = {}
+        self.gate = self.leasing(KEEPALIVE)
         self.m2r: dict[str, str] = {}            # model token -> gate token
         self.r2m: dict[str, str] = {}
         self.last_token: dict[str, int] = {}     # thread id -> its latest release's gate token
@@ -202,6 +200,17 @@ class GateMachine(RuleBasedStateMachine):
         STATS["examples"] += 1
 
     # -- helpers ----------------------------------------------------------------------------
+    def leasing(self, keepalive: int) -> Gate:
+        """The gate as a worker with this keepalive drives it: a ``Gate`` holds one keepalive
+        (its claims and renewals give it), where the model takes it per call."""
+        gate = self.gates.get(keepalive)
+        if gate is None:
+            gate = self.gates[keepalive] = Gate(
+                self.r, self.keys, release_timeout_ms=RELEASE_TIMEOUT, keepalive_ms=keepalive,
+                clock=lambda: self.model.now, functions=self.FUNCTIONS,
+                direct=DirectRelease(DB, BROKER_DB, BROKER_PREFIX))
+        return gate
+
     def bind(self, thread_id: str, task_id: str, mtok: str, rtok: str) -> None:
         """The model's token ``mtok`` is the gate's ``rtok``, one to one and for good."""
         if mtok in self.m2r:
@@ -501,8 +510,8 @@ class GateMachine(RuleBasedStateMachine):
         thread_id, task_id, mtok, rtok = self.active_target(pick)
         self.same(self.gate.peek(thread_id, task_id, rtok),
                   self.model.peek(thread_id, task_id, mtok), "peek")
-        self.same(self.gate.claim(thread_id, task_id, rtok, keepalive, worker, claimant,
-                                  stoppable=stoppable),
+        self.same(self.leasing(keepalive).claim(thread_id, task_id, rtok, worker, claimant,
+                                                stoppable=stoppable),
                   self.model.claim(thread_id, task_id, mtok, keepalive, worker, claimant,
                                    stoppable=stoppable),
                   "claim")
@@ -513,7 +522,7 @@ class GateMachine(RuleBasedStateMachine):
     def renew(self, pick: int, keepalive: int, claimant: str) -> None:
         """The claimant renews its lease; no claimant: a worker holding the release unclaimed."""
         thread_id, task_id, mtok, rtok = self.active_target(pick)
-        self.same(self.gate.renew(thread_id, task_id, rtok, keepalive, claimant),
+        self.same(self.leasing(keepalive).renew(thread_id, task_id, rtok, claimant),
                   self.model.renew(thread_id, task_id, mtok, keepalive, claimant), "renew")
 
     @precondition(has_active)
@@ -532,7 +541,7 @@ class GateMachine(RuleBasedStateMachine):
         targets = [(t.thread_id, t.active.task_id, t.active.token, self.m2r[t.active.token])
                    for t in self.model.threads.values() if t.active is not None]
         targets.append(self.stale_target(pick, bogus))
-        self.same(self.gate.renew_many([(t, k, r) for t, k, _, r in targets], 1000),
+        self.same(self.leasing(1000).renew_many([(t, k, r) for t, k, _, r in targets]),
                   [self.model.renew(t, k, m, 1000) for t, k, m, _ in targets], "renew_many")
 
     @precondition(has_active)
@@ -578,14 +587,14 @@ class GateMachine(RuleBasedStateMachine):
         """The in-process handoff: finish claims the next member for this worker; ``choice`` 0:
         the pool process cannot run it after all and gives it back (unclaim), or its stale token
         is given back."""
-        claim = (1000, "w-handoff", "c-handoff")
+        claim = ("w-handoff", "c-handoff")
         caller = self.caller
         real = self._ending(
             "finish+claim",
-            lambda: self.gate.finish(thread_id, task_id, rtok, keep_release=True, claim=claim,
-                                     caller=caller),
-            lambda: self.model.finish(thread_id, task_id, mtok, keep_release=True, claim=claim,
-                                      caller=caller))
+            lambda: self.leasing(1000).finish(thread_id, task_id, rtok, keep_release=True,
+                                              claim=claim, caller=caller),
+            lambda: self.model.finish(thread_id, task_id, mtok, keep_release=True,
+                                      claim=(1000, *claim), caller=caller))
         if real.release is not None and choice == 0:
             rnext = real.release.token
             mnext = self.r2m[rnext]
@@ -667,7 +676,7 @@ class GateMachine(RuleBasedStateMachine):
         active = self.model.threads[thread_id].active
         assert active is not None
         if active.state == M.RELEASED:
-            self.same(self.gate.claim(thread_id, task_id, rtok, 1000, "w1", "c1"),
+            self.same(self.leasing(1000).claim(thread_id, task_id, rtok, "w1", "c1"),
                       self.model.claim(thread_id, task_id, mtok, 1000, "w1", "c1"), "claim")
         self.caller = "c2" if active.by != "c2" else "c1"
         if how == "kill":
@@ -692,10 +701,10 @@ class GateMachine(RuleBasedStateMachine):
             self.same(self.gate.peek(thread_id, task_id, rtok),
                       self.model.peek(thread_id, task_id, mtok), "peek")
         elif op == "claim":
-            self.same(self.gate.claim(thread_id, task_id, rtok, 1000, "w3"),
+            self.same(self.leasing(1000).claim(thread_id, task_id, rtok, "w3"),
                       self.model.claim(thread_id, task_id, mtok, 1000, "w3"), "claim")
         elif op == "renew":
-            self.same(self.gate.renew(thread_id, task_id, rtok, 1000),
+            self.same(self.leasing(1000).renew(thread_id, task_id, rtok),
                       self.model.renew(thread_id, task_id, mtok, 1000), "renew")
         elif op == "finish":
             self.same_outcome(self.gate.finish(thread_id, task_id, rtok),
@@ -1208,7 +1217,8 @@ def test_enqueue_paths_release_the_member_they_admit(gate_url: str) -> None:
     client = redis.Redis.from_url(gate_url)
     client.flushdb()
     now = [START]
-    gate = Gate(client, Keys(PREFIX), release_timeout_ms=RELEASE_TIMEOUT, clock=lambda: now[0])
+    gate = Gate(client, Keys(PREFIX), release_timeout_ms=RELEASE_TIMEOUT, keepalive_ms=1000,
+                clock=lambda: now[0])
     shard = gate.keys.shard(0)
 
     def calls() -> Counter[str]:     # commands run so far, those inside scripts included
@@ -1236,7 +1246,7 @@ def test_enqueue_paths_release_the_member_they_admit(gate_url: str) -> None:
         nxt = gate.finish("a", "t1", first.release.token).release
         assert nxt is not None and (nxt.task_id, nxt.envelope) == ("t2", b"second")
         assert nxt.token != first.release.token
-        assert gate.claim("a", "t2", nxt.token, 1000, "w") == 1
+        assert gate.claim("a", "t2", nxt.token, "w") == 1
         assert gate.finish("a", "t2", nxt.token).done
         assert gate.snapshot("a") is None and not client.exists(shard.tasks)
 
@@ -1259,7 +1269,8 @@ def test_uuid_prefix_collisions(gate_url: str) -> None:
     client = redis.Redis.from_url(gate_url)
     client.flushdb()
     now = [START]
-    gate = Gate(client, Keys(PREFIX), release_timeout_ms=RELEASE_TIMEOUT, clock=lambda: now[0])
+    gate = Gate(client, Keys(PREFIX), release_timeout_ms=RELEASE_TIMEOUT, keepalive_ms=1000,
+                clock=lambda: now[0])
     tasks = gate.keys.shard(0).tasks
     prefix = "0b6f3c1e-9a2d-4c57-8e1f-2a3b4c5d"
     u1, u2, u3, u4 = (prefix + tail for tail in ("6e7f", "0000", "ffff", "1234"))
@@ -1283,7 +1294,7 @@ def test_uuid_prefix_collisions(gate_url: str) -> None:
         assert snap.waiting == [(u3, START)] and set(snap.records) == {u1, u3}
         assert [row[2] for row in gate.thread_summaries(["a", "b"])] == [(u3, START), None]
 
-        assert gate.claim("a", u1, r1.token, 1000, "w") == 1
+        assert gate.claim("a", u1, r1.token, "w") == 1
         r3 = gate.finish("a", u1, r1.token).release                   # frees the short field
         assert r3 is not None and (r3.task_id, r3.envelope) == (u3, b"three")
         assert client.hget(tasks, short) is None
@@ -1294,12 +1305,12 @@ def test_uuid_prefix_collisions(gate_url: str) -> None:
         assert client.zscore(ended, u2) == now[0]                        # ended, not +inf
         assert gate.thread_of(u4) == "d" and gate.thread_of(u3) == "a"
 
-        assert gate.claim("a", u3, r3.token, 1000, "w") == 1
+        assert gate.claim("a", u3, r3.token, "w") == 1
         assert gate.requeue("a", u3, r3.token, retries=1).done          # a retry keeps its key
         r3 = gate.snapshot("a").active
         assert r3["task"] == u3 and gate.thread_of(u3) == "a"
         assert gate.kill("a", u3, r3["token"], keep=True, meta={"thread_id": "a"}).done
-        assert gate.claim("d", u4, r4.token, 1000, "w") == 1
+        assert gate.claim("d", u4, r4.token, "w") == 1
         assert gate.finish("d", u4, r4.token).done
         assert not client.exists(tasks) and gate.snapshot("a") is None
     finally:
@@ -1313,14 +1324,14 @@ def test_dead_records_latest_across_shards(gate_url: str) -> None:
     client.flushdb()
     now = [START]
     gate = Gate(client, Keys(PREFIX, shards=2), release_timeout_ms=RELEASE_TIMEOUT,
-                clock=lambda: now[0])
+                keepalive_ms=1000, clock=lambda: now[0])
     threads = [f"dead-{i}" for i in range(8)]
     assert len({gate.keys.shard_of(t) for t in threads}) == 2      # both shards hold deaths
     try:
         for i, thread in enumerate(threads):
             now[0] += 1
             rel = gate.enqueue(thread, f"d{i}", b"body").release
-            assert rel is not None and gate.claim(thread, f"d{i}", rel.token, 1000, "w") == 1
+            assert rel is not None and gate.claim(thread, f"d{i}", rel.token, "w") == 1
             assert gate.kill(thread, f"d{i}", rel.token, {"exception": "boom"}).done
         every = [f"d{i}" for i in range(8)]
         assert [r.task_id for r in gate.dead_records()] == every

@@ -288,7 +288,7 @@ def test_terminate_signals_a_handed_off_member_only_while_its_process_runs_it(pr
             thread = tid("fence")
             released = runtime.gate.enqueue(thread, "x", envelope("x", thread)).release
             assert released is not None
-            assert runtime.gate.claim(thread, "x", released.token, 30_000, "w") == 1
+            assert runtime.gate.claim(thread, "x", released.token, "w") == 1
             ours, theirs = fork.Pipe()
             process = fork.Process(target=_stand_in_pool_process, args=(theirs,), daemon=True)
             process.start()

@@ -139,7 +139,7 @@ def test_a_lost_member_too_long_for_its_slot_is_read_from_the_gate(shared_slots,
     thread, task_id = sized(tid("big"), 1024), "id-" + "\x01k" * 5000
     released = gate.enqueue(thread, task_id, envelope(task_id, thread)).release
     assert released is not None
-    assert gate.claim(thread, task_id, released.token, 30_000, "w") == 1
+    assert gate.claim(thread, task_id, released.token, "w") == 1
     fork = multiprocessing.get_context("fork")
     ours, theirs = fork.Pipe()
     writer = fork.Process(target=_writer, args=(1, [released], theirs), daemon=True)

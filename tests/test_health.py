@@ -56,7 +56,7 @@ def test_status_of_a_running_member_names_its_worker_and_lease(proj, app, thread
     thread = tid("hs")
     task = proj.record.delay(thread, "a").id
     token = threads.gate.snapshot(thread).active["token"]
-    assert threads.gate.claim(thread, task, token, 30_000, "w7@box") == 1
+    assert threads.gate.claim(thread, task, token, "w7@box") == 1
 
     a = threads.status(thread).active
     assert (a.state, a.worker) == ("RUNNING", "w7@box")
@@ -95,7 +95,7 @@ def test_lapsed_lease_of_a_running_member_is_stuck(app, threads):
     thread, task = tid("hs-lease"), "lease-task"
     past = gate_in_the_past(app, HOUR)
     token = past.enqueue(thread, task, envelope(task, thread)).release.token
-    assert past.claim(thread, task, token, 30_000, "lost@box") == 1
+    assert past.claim(thread, task, token, "lost@box") == 1
 
     [stuck] = threads.stuck()
     assert (stuck.thread_id, stuck.kind, stuck.task_id, stuck.state, stuck.worker) == (
@@ -197,7 +197,7 @@ def test_stats_count_threads_members_by_state_and_dead_letters(proj, app, thread
     proj.record.apply_async((c, "c0"), countdown=60)
     task_b = threads.get(b).active.task_id
     token = threads.gate.snapshot(b).active["token"]
-    threads.gate.claim(b, task_b, token, 30_000, "w@box")
+    threads.gate.claim(b, task_b, token, "w@box")
     kill_member(threads.gate, tid("hs-dead"), "dead-1")
 
     stats = threads.stats()
@@ -214,7 +214,7 @@ def test_stats_name_the_oldest_waiting_head_and_count_the_stuck(app, threads):
     lease = tid("hs-lease")
     past = gate_in_the_past(app, HOUR)
     token = past.enqueue(lease, "run", envelope("run", lease)).release.token
-    past.claim(lease, "run", token, 30_000, "gone@box")
+    past.claim(lease, "run", token, "gone@box")
 
     stats = threads.stats()
     head = stats.oldest_waiting_head

@@ -209,7 +209,7 @@ def test_every_value_is_summed_over_the_shards(proj, isolated_app):
                 if outcome.release is not None:
                     released[thread] = outcome.release
         for thread, release in released.items():
-            gate.claim(thread, release.task_id, release.token, 30_000, "w")
+            gate.claim(thread, release.task_id, release.token, "w")
             gate.finish(thread, release.task_id, release.token)
         m = Threads(isolated_app).metrics(top=2)
         assert m.threads == 6

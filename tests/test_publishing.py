@@ -255,7 +255,7 @@ def test_restart_of_a_task_with_invalid_retry_settings_keeps_it_dead(proj, isola
     outcome = gate.enqueue(thread, "bad-1", envelope("bad-1", thread,
                                                      name="tests.proj.negative_retry_delay"))
     assert outcome.release is not None
-    assert gate.claim(thread, "bad-1", outcome.release.token, 30_000, "w") == 1
+    assert gate.claim(thread, "bad-1", outcome.release.token, "w") == 1
     assert gate.kill(thread, "bad-1", outcome.release.token, {"exception": "E"}).done
     with pytest.raises(ConfigurationError, match="default_retry_delay"):
         Threads(isolated_app).restart("bad-1")

@@ -165,7 +165,7 @@ def test_the_gate_goes_through_the_client_when_the_direct_line_does_not_hold(pro
     thread, task = tid("line"), str(uuid.uuid4())
     outcome = gate.enqueue(thread, task, b'{"headers":{}}\n{}')
     assert outcome.release is not None
-    assert gate.claim(thread, task, outcome.release.token, 30_000, "w") == 1
+    assert gate.claim(thread, task, outcome.release.token, "w") == 1
     assert gate.finish(thread, task, outcome.release.token).done
     assert gate._direct._usable is False
     client.close()

@@ -255,10 +255,11 @@ def test_a_client_certificate_is_optional_where_the_server_does_not_ask_for_one(
         ca_only = {"ssl_cert_reqs": "required", "ssl_ca_certs": str(pki / "ca.pem")}
         for options in (ca_only, ssl_options(pki)):
             gate = Gate(make_client(tls_redis.tls_url(3), options),
-                        Keys(f"ct-tls-{uuid.uuid4().hex[:6]}"), release_timeout_ms=5000)
+                        Keys(f"ct-tls-{uuid.uuid4().hex[:6]}"), release_timeout_ms=5000,
+                        keepalive_ms=10_000)
             release = gate.enqueue("t", "a", b"A").release
             assert release is not None
-            assert gate.claim("t", "a", release.token, 10_000, "w", "c") == 1
+            assert gate.claim("t", "a", release.token, "w", "c") == 1
             assert gate.finish("t", "a", release.token, caller="c").done
             assert gate.snapshot("t") is None      # its keys vanish with its last member
     finally:

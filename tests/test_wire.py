@@ -89,7 +89,7 @@ def test_the_direct_line_reads_what_the_server_replies(redis_server):
     from celery_threads.gate.wire import _MISSED, _pack, _parse_reply
 
     client = make_client(redis_server.url())
-    gate = Gate(client, Keys("W"), release_timeout_ms=1000)
+    gate = Gate(client, Keys("W"), release_timeout_ms=1000, keepalive_ms=1000)
     line = gate._direct
     big = "x" * 200_000
     sha = client.script_load("return {1, '', ARGV[1], 7, {2, false}}")
@@ -114,7 +114,7 @@ def test_the_direct_line_reads_what_the_server_replies(redis_server):
     assert call("b") == [1, b"", b"b", 7, [2, None]]
     # the gate's own calls through the line, end to end
     released = gate.enqueue("t", "task-1", b"envelope").release
-    assert released is not None and gate.claim("t", "task-1", released.token, 1000, "w") == 1
+    assert released is not None and gate.claim("t", "task-1", released.token, "w") == 1
     assert gate.finish("t", "task-1", released.token).done
 
 
@@ -143,7 +143,7 @@ def test_the_hot_path_calls_the_library_and_recovers_it(own_redis):
     from celery_threads.gate import make_client
 
     client = make_client(own_redis.url())
-    gate = Gate(client, Keys("F"), release_timeout_ms=1000)
+    gate = Gate(client, Keys("F"), release_timeout_ms=1000, keepalive_ms=1000)
     conn = redis.Connection()
     keys, argv = gate._arguments("t", ("task", "7"))
     assert gate._command("finish", "t", ("task", "7"), functions=True) == b"".join(
@@ -151,7 +151,7 @@ def test_the_hot_path_calls_the_library_and_recovers_it(own_redis):
 
     def life(task: str) -> None:
         released = gate.enqueue("t", task, b"envelope").release
-        assert released is not None and gate.claim("t", task, released.token, 1000, "w") == 1
+        assert released is not None and gate.claim("t", task, released.token, "w") == 1
         assert gate.finish("t", task, released.token).done
 
     def calls() -> dict:
@@ -186,11 +186,11 @@ def test_a_library_of_our_name_with_other_code_is_not_called(own_redis, caplog):
         for name in library.functions.values()))
     caplog.set_level("WARNING", logger="celery_threads.gate")
     for n in range(2):          # two gates: two lines, each checks the library, one warning
-        gate = Gate(client, Keys("L"), release_timeout_ms=1000)
+        gate = Gate(client, Keys("L"), release_timeout_ms=1000, keepalive_ms=1000)
         for task in (f"a{n}", f"b{n}", f"c{n}"):
             released = gate.enqueue("t", task, b"envelope").release
             assert released is not None and released.task_id == task
-            assert gate.claim("t", task, released.token, 1000, "w") == 1
+            assert gate.claim("t", task, released.token, "w") == 1
             assert gate.finish("t", task, released.token).done
             assert gate.snapshot("t") is None
     assert client.info("commandstats").get("cmdstat_fcall", {}).get("calls", 0) == 0

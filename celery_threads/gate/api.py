@@ -86,6 +86,7 @@ class Gate:
         self.replicated_budget = RETRY_BUDGET
         self.direct = direct
         self._direct_arg = direct.argument() if direct is not None else ""
+        self.keepalive_ms = keepalive_ms    # the lease a claim or a renewal gives
         self._keepalive_text = f"{keepalive_ms / 1000:g}s"
         self.keys = keys
         self.release_timeout_ms = release_timeout_ms
@@ -255,12 +256,12 @@ class Gate:
     def release(self, thread_id: str) -> Outcome:
         return self._call("release", thread_id)
 
-    def claim(self, thread_id: str, task_id: str, token: str, keepalive_ms: int,
+    def claim(self, thread_id: str, task_id: str, token: str,
               worker: str, claimant: str = "", *, stoppable: bool = False) -> Claim:
-        return self.claim_at(thread_id, task_id, token, keepalive_ms, worker, claimant,
+        return self.claim_at(thread_id, task_id, token, worker, claimant,
                              stoppable=stoppable)[0]
 
-    def claim_at(self, thread_id: str, task_id: str, token: str, keepalive_ms: int,
+    def claim_at(self, thread_id: str, task_id: str, token: str,
                  worker: str, claimant: str = "", *,
                  stoppable: bool = False) -> tuple[Claim, int]:
         """``claim``'s status, and the Redis server's time of the claim (ms; 0 unless claimed).
@@ -270,7 +271,7 @@ class Gate:
         ``stoppable``: the claiming process can be stopped from outside (a prefork pool
         process), so that a delete of the running member waits until it has stopped
         (:meth:`delete` with ``stop``)."""
-        reply = self._run("claim", thread_id, task_id, token, keepalive_ms, worker, claimant,
+        reply = self._run("claim", thread_id, task_id, token, self.keepalive_ms, worker, claimant,
                           "1" if stoppable else "")
         status = Claim(int(reply[0]))
         return status, int(_text(reply[1])) if status == Claim.CLAIMED else 0
@@ -286,19 +287,21 @@ class Gate:
             return None
         return _text(state)
 
-    def renew(self, thread_id: str, task_id: str, token: str, keepalive_ms: int,
-              claimant: str = "") -> Renewal:
+    def renew(self, thread_id: str, task_id: str, token: str, claimant: str = "", *,
+              for_ms: Optional[int] = None) -> Renewal:
         """Renew the lease of a RUNNING member for its ``claimant``, or (no claimant) the release
         deadline of a RELEASED one: ``RENEWED``, ``STALE`` (the token no longer holds the
-        thread), or ``NOT_YOURS`` (claimed by another delivery, or the claim is gone)."""
-        return Renewal(int(self._run("renew", thread_id, task_id, token, keepalive_ms,
-                                     claimant)[0]))
+        thread), or ``NOT_YOURS`` (claimed by another delivery, or the claim is gone).  The
+        deadline becomes now plus the keepalive, or plus ``for_ms`` (a release deadline brought
+        to a message's TTL: ``Runtime._deadline_at_ttl``)."""
+        ms = self.keepalive_ms if for_ms is None else for_ms
+        return Renewal(int(self._run("renew", thread_id, task_id, token, ms, claimant)[0]))
 
-    def renew_many(self, members: Sequence[tuple[str, str, str]],
-                   keepalive_ms: int) -> list[Renewal]:
+    def renew_many(self, members: Sequence[tuple[str, str, str]]) -> list[Renewal]:
         """Renew the release deadlines of ``(thread_id, task_id, token)`` members a worker holds
         unclaimed, in one round trip; a status per member as :meth:`renew`'s."""
-        replies = self._pipeline("renew", [(t, (k, tok, keepalive_ms)) for t, k, tok in members])
+        replies = self._pipeline("renew", [(t, (k, tok, self.keepalive_ms))
+                                           for t, k, tok in members])
         return [Renewal(int(r[0])) for r in replies]
 
     def hand_back(self, members: Sequence[tuple[str, str, str]]) -> list[Outcome]:
@@ -320,20 +323,21 @@ class Gate:
     # again itself (a pool process keeping it through an outage) passes the same id each time.
     def finish(self, thread_id: str, task_id: str, token: str, *,
                keep_release: bool = False,
-               claim: Optional[tuple[int, str, str]] = None,
+               claim: Optional[tuple[str, str]] = None,
                caller: Optional[str] = None) -> Outcome:
         """The member ended; the next one is released.  ``keep_release``: the release comes back
         to the caller, who runs it (in-process handoff), even where the gate would publish it.
-        ``claim`` (with ``keep_release``): ``(keepalive_ms, worker, claimant)``, and the released
-        member is also claimed for the caller; the outcome's ``info`` is then the claim's time on
-        the Redis server's clock (ms), else empty.  Such a claim is stoppable (see
+        ``claim`` (with ``keep_release``): ``(worker, claimant)``, and the released member is
+        also claimed for the caller, for the keepalive; the outcome's ``info`` is then the
+        claim's time on the Redis server's clock (ms), else empty.  Such a claim is stoppable (see
         :meth:`claim_at`): only a prefork pool process runs members by handoff.  A member that
         was marked deleted while it ran ends as deleted: ``info`` is :data:`DELETED`, and the
         next member is released (not claimed) for the caller to publish, as without
         ``keep_release``."""
         if claim is not None and not keep_release:
             raise ValueError("finish(claim=...) needs keep_release=True")
-        handoff = ("1", *(claim or ("", "", ""))) if keep_release else ("", "", "", "")
+        handoff = (("1", *((self.keepalive_ms, *claim) if claim else ("", "", "")))
+                   if keep_release else ("", "", "", ""))
         return self._call("finish", thread_id, task_id, token, *handoff, call_id(caller),
                           "1" if claim is not None else "")
 

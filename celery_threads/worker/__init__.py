@@ -6,6 +6,7 @@
 * :mod:`.revoke`: Celery's revoke command and ``task_revoked`` for threaded members;
 * :mod:`.processes`: which pool process a request went to, and acting once one has exited;
 * :mod:`.renewer`: release deadlines of the members a worker holds unstarted;
+* :mod:`.member`: a member's run in a pool process: its claim, its body under the lease, its ending;
 * :mod:`.lease`: leases of running members, their renewal and the watchdog that stops a pool
   process before its member's lease ends;
 * :mod:`.shared`: the memory the worker's main process shares with its pool processes;

@@ -259,12 +259,12 @@ def finish(runtime: Runtime, task: Any, thread_id: str, task_id: str, token: str
     if ending.sent is None:
         ending.sent = time.monotonic()
     if not ending.handoff or job is None:
-        return runtime.apply(runtime.gate.finish(thread_id, task_id, token,
-                                                 caller=ending.caller)).info == DELETED
+        return runtime.publish_outcome(runtime.gate.finish(
+            thread_id, task_id, token, caller=ending.caller)).info == DELETED
     # One round trip: the next member is released and claimed for this process at once.
     outcome = runtime.gate.finish(
         thread_id, task_id, token, keep_release=True,
-        claim=(runtime.config.keepalive_ms, task.request.hostname or "", ending.claimant),
+        claim=(task.request.hostname or "", ending.claimant),
         caller=ending.caller)
     if outcome.info == DELETED:       # nothing was claimed for this process
         runtime.publish(outcome.release)
@@ -302,7 +302,8 @@ def _give_back(release: Release, lease: Optional[Lease]) -> None:
     if lease is not None:
         keeper(runtime).drop(lease)
     try:
-        runtime.apply(runtime.gate.unclaim(release.thread_id, release.task_id, release.token))
+        runtime.publish_outcome(runtime.gate.unclaim(release.thread_id, release.task_id,
+                                                     release.token))
     except Exception:
         logger.exception("celery-threads: could not give back %s of thread %s; its lease will "
                          "lapse and the attempt will count as failed", release.task_id,

@@ -138,8 +138,7 @@ class Keeper:
         sent = time.monotonic()
         try:
             status = (gate or self.runtime.gate).renew(
-                lease.thread_id, lease.task_id, lease.token, self.runtime.config.keepalive_ms,
-                lease.claimant)
+                lease.thread_id, lease.task_id, lease.token, lease.claimant)
         except Exception as exc:
             logger.warning("celery-threads: could not renew the lease of %s of thread %s (%s); "
                            "it ends in %.1fs unless a renewal gets through", lease.task_id,

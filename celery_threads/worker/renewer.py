@@ -56,7 +56,7 @@ class LeaseRenewer:
                 return
             if members:
                 try:
-                    renewed = gate.renew_many(members, self.runtime.config.keepalive_ms)
+                    renewed = gate.renew_many(members)
                     for (thread_id, task_id, _), status in zip(members, renewed):
                         if status == Renewal.STALE:
                             logger.debug("celery-threads: %s no longer holds thread %s", task_id,

@@ -95,7 +95,7 @@ class ThreadedRequest(Request):
         runtime = get_runtime(self.task.app)
         retries = int(self.request_dict.get("retries") or 0)
         try:
-            outcome: Optional[Outcome] = runtime.apply(runtime.gate.fail(
+            outcome: Optional[Outcome] = runtime.publish_outcome(runtime.gate.fail(
                 thread_id, self.id, token, f"WorkerLostError: {exc}; no retries were left",
                 holder=pool_holder(self)))
         except redis.RedisError as error:
@@ -169,7 +169,7 @@ def _fail_handed_off(request: Any, exc: BaseException) -> None:
     thread_id, task_id, token = member
     runtime = get_runtime(request.task.app)
     try:
-        outcome = runtime.apply(runtime.gate.fail(thread_id, task_id, token,
+        outcome = runtime.publish_outcome(runtime.gate.fail(thread_id, task_id, token,
                                                   f"WorkerLostError: {exc}; no retries were left",
                                                   holder=pool_holder(request)))
         logger.warning("celery-threads: the pool process running %s of thread %s by handoff was "

@@ -44,7 +44,7 @@ def on_task_revoked(sender: Any = None, request: Any = None, terminated: bool = 
         _delete_once_stopped(runtime, str(headers.get(THREAD_HEADER) or ""), request.id,
                              str(token), pid, holder)
         return
-    runtime.apply(runtime.gate.delete(request.id, token=token))
+    runtime.publish_outcome(runtime.gate.delete(request.id, token=token))
 
 
 #: task id -> (pid, claimant prefix) of the pool process (prefork) running it, noted by the revoke
@@ -71,7 +71,7 @@ def _mark_deleted(runtime: Runtime, thread_id: Optional[str], task_id: str, toke
     (``False``: it is gone, or was detached at once, since its claim did not say that its process
     can be stopped).  From then on, however else it ends (its own finish, a kill or fail, a
     retry, its lease's lapse), it ends as deleted, and its finish hands nothing to its process."""
-    outcome = runtime.apply(runtime.gate.delete(task_id, token=token, stop=True,
+    outcome = runtime.publish_outcome(runtime.gate.delete(task_id, token=token, stop=True,
                                                 thread_id=thread_id or None, holder=holder))
     return outcome.info == STOPPING
 
@@ -88,7 +88,7 @@ def _delete_once_stopped(runtime: Runtime, thread_id: Optional[str], task_id: st
         return
 
     def end() -> None:
-        runtime.apply(runtime.gate.delete(task_id, token=token, thread_id=thread_id or None,
+        runtime.publish_outcome(runtime.gate.delete(task_id, token=token, thread_id=thread_id or None,
                                           holder=holder))
 
     when_gone(pid, end, runtime.config.keepalive, what=task_id, anyway=False)
@@ -97,7 +97,7 @@ def _delete_once_stopped(runtime: Runtime, thread_id: Optional[str], task_id: st
 def _end_revoked_member(runtime: Runtime, consumer: Any, task_id: str) -> None:
     """A waiting member revoked by a plain ``revoke`` leaves its thread here; one deleted by
     ``Threads.delete`` is announced here.  Either way this worker sends ``task-revoked``."""
-    deleted = runtime.apply(runtime.gate.delete(task_id, only_waiting=True)).done
+    deleted = runtime.publish_outcome(runtime.gate.delete(task_id, only_waiting=True)).done
     if deleted:
         runtime.mark_revoked(task_id)
     if deleted or runtime.gate.take_deleted_note(task_id):

@@ -1,0 +1,304 @@
+"""A member's run in a worker process: the claim of its delivery, its body run under the lease,
+and its ending applied to the gate once the body has unwound.
+
+The process keeps the members running in it (:func:`running`), so that a call from inside a
+body finds its member: ``self.retry()`` and ``self.replace(sig)`` leave their re-entry here
+(:class:`Reentry`), and the ending applies it (:func:`reenter`).  ``ThreadedTask.__call__``
+hands each delivery to :func:`run`; ``ThreadedTask.apply_async`` asks :func:`current` and
+:func:`running` where a call comes from.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable, NamedTuple, Optional
+
+import redis
+from celery.exceptions import Ignore, Reject, Retry
+
+from ..gate import DELETED, Claim, Gate, Outcome, deadline
+from ..protocol import THREAD_HEADER, TOKEN_HEADER
+from ..runtime import Runtime, get_runtime
+from . import handoff
+from .lease import Keeper, Lease, new_claimant, stoppable
+from .lease import keeper as lease_keeper
+
+logger = logging.getLogger(__name__)
+
+
+class Replacement(NamedTuple):
+    """What a replacement (``self.replace``) brings besides its message: its thread, its
+    ``replaced_task_nesting`` and its retry settings."""
+
+    thread_id: str
+    nesting: int
+    max_retries: Optional[int]
+    retry_delay_ms: int
+    policy: str = ""        # its task's policies (policies.policy_text); never max_waiting
+
+
+class Reentry(NamedTuple):
+    """A retry's re-entry into the thread, or the member's replacement, held until the member's
+    body has unwound.  A replacement's ``at_ms`` is ``None`` when it keeps the member's
+    scheduled_at."""
+
+    retries: int
+    delay_ms: int
+    at_ms: Optional[int]
+    envelope: Optional[bytes]
+    replacement: Optional[Replacement] = None
+
+
+class Running:
+    """A member running in this process: when it was claimed (the Redis server's clock, and this
+    process's monotonic clock when the claiming call was first sent), and its re-entry once
+    self.retry() was called."""
+
+    __slots__ = ("claimed_ms", "claimed_mono", "reentry")
+
+    def __init__(self, claimed_ms: int, claimed_mono: float) -> None:
+        self.claimed_ms = claimed_ms
+        self.claimed_mono = claimed_mono
+        self.reentry: Optional[Reentry] = None
+
+    def server_now_ms(self, gate: Optional[Gate] = None) -> int:
+        """The Redis server's time now (a retry's or a replacement's schedule is fixed on it):
+        asked of ``gate`` (one ``TIME`` call).  The claim's time says little about it: the call
+        that claimed the member (for a handed-off member, its predecessor's ``finish``) may have
+        run anywhere between its first send and its reply, seconds apart across an outage.  When
+        the gate does not answer: the claim's time plus the time elapsed here since that first
+        send, which the server's clock cannot be behind (a countdown is never cut short)."""
+        asked = time.monotonic()
+        if gate is not None:
+            try:
+                return gate.now_ms()
+            except redis.RedisError:
+                pass
+        return self.claimed_ms + int((asked - self.claimed_mono) * 1000)
+
+
+# (task id, token) of each member running in this process (a dict: a thread pool runs several).
+_running: dict[tuple[str, str], Running] = {}
+
+
+def running(task_id: str, token: str) -> Optional[Running]:
+    """The member (task id, token) when its body runs in this process, else ``None``."""
+    return _running.get((task_id, token))
+
+
+def current(app: Any) -> Optional[tuple[str, str]]:
+    """(task id, token) of Celery's current task when it is a released member, else ``None``."""
+    request = getattr(app.current_task, "request", None)
+    token = (getattr(request, "headers", None) or {}).get(TOKEN_HEADER)
+    task_id = getattr(request, "id", None)
+    return (str(task_id), str(token)) if token and task_id else None
+
+
+def run(task: Any, body: Callable[[], Any]) -> Any:
+    """Run ``body`` (the task's own ``__call__`` with its arguments) for the delivery in
+    ``task.request``.  A released member's delivery runs only once claimed, and only while its
+    lease holds; its ending then reaches the gate.  Anything else (a direct or eager call) is
+    just ``body()``."""
+    request = task.request
+    headers = request.headers or {}
+    token = headers.get(TOKEN_HEADER)
+    if not token or request.called_directly or request.is_eager:
+        return body()
+    thread_id = headers[THREAD_HEADER]
+    task_id = request.id
+    hostname = request.hostname or ""
+    runtime = get_runtime(task._get_app())
+    keeper = lease_keeper(runtime)
+    claimed = handoff.take_claim(task_id, token)
+    if claimed is None:     # else run by handoff: its predecessor's finish claimed it
+        claimed = _claim(task, runtime, keeper, thread_id, task_id, token, hostname)
+    claimed_ms, lease = claimed
+    try:
+        retries = int(request.retries or 0)
+        key = (task_id, token)
+        with keeper.running(lease) as may_run:
+            if not may_run:
+                logger.warning("celery-threads: not running %s[%s] of thread %s: its lease "
+                               "could not be confirmed with the gate", task.name, task_id,
+                               thread_id)
+                raise Ignore()
+            member = _running[key] = Running(claimed_ms, lease.sent)
+            failure: Optional[BaseException] = None
+            try:
+                result = body()
+            except BaseException as exc:
+                failure = exc
+            finally:
+                _running.pop(key, None)
+        # The member's code has returned (its lease's end is no longer watched): its ending.
+        ending = handoff.Ending(lease.claimant, new_claimant(hostname))
+        deleted = _record_end(runtime, lease, lambda: _ended(
+            task, runtime, thread_id, task_id, token, retries, failure, member.reentry, ending))
+        if deleted is None:
+            # Its ending never reached the gate while the lease held: the gate counts this
+            # attempt as failed and runs the member again, whose outcome is the member's.
+            # Celery stores nothing of this one (what it stored last, STARTED or RETRY,
+            # stays until then).
+            raise Ignore()
+        if deleted and not isinstance(failure, (SystemExit, KeyboardInterrupt)):
+            # Deleted while it ran (Threads.delete): it ends REVOKED, whatever its body did,
+            # and the tracer stores nothing over that.
+            logger.info("celery-threads: %s[%s] of thread %s was deleted while it ran; "
+                        "revoked", task.name, task_id, thread_id)
+            runtime.mark_revoked(task_id)
+            raise Ignore()
+        if failure is not None:
+            raise failure
+        return result
+    finally:
+        keeper.drop(lease)
+
+
+def _claim(task: Any, runtime: Runtime, keeper: Keeper, thread_id: str, task_id: str,
+           token: str, hostname: str) -> tuple[int, Lease]:
+    """Claim the member for this delivery: the claim's time (the Redis server's clock, ms)
+    and its lease; :class:`Ignore` when another delivery has it, or its release is stale."""
+    claimant = new_claimant(hostname)
+    sent = time.monotonic()
+    try:
+        status, claimed_ms = runtime.gate.claim_at(
+            thread_id, task_id, token, hostname, claimant, stoppable=stoppable())
+    except redis.RedisError as exc:
+        logger.warning("celery-threads: not running %s[%s] of thread %s: the gate at %s did "
+                       "not answer its claim (%s); the gate hands it out again once its "
+                       "release or lease lapses", task.name, task_id, thread_id,
+                       runtime.config.redis_url, exc)
+        raise Ignore() from exc
+    if status != Claim.CLAIMED:
+        # Another delivery of this release started first (or it went stale in between).
+        logger.info("celery-threads: not running %s[%s] of thread %s: %s", task.name, task_id,
+                    thread_id, "claimed by another delivery" if status == Claim.ALREADY_CLAIMED
+                    else "stale release")
+        raise Ignore()
+    return claimed_ms, keeper.lease(thread_id, task_id, token, claimant, sent)
+
+
+def _ended(task: Any, runtime: Runtime, thread_id: str, task_id: str, token: str, retries: int,
+           exc: Optional[BaseException], reentry: Optional[Reentry],
+           ending: handoff.Ending) -> bool:
+    """Apply the member's ending to the gate, once its body has fully unwound.  Called again
+    with the same arguments when the gate did not answer (see :func:`_record_end`).  Returns
+    whether the gate ended it as deleted (it was deleted while it ran: no retry, no death)."""
+    gate = runtime.gate
+    outcome: Optional[Outcome] = None
+    if reentry is not None:
+        # self.retry() was called (also with throw=False): it wins however the body ended.
+        outcome = task._reenter(runtime, thread_id, task_id, token, reentry, ending.caller)
+        runtime.publish(outcome.release)
+    elif exc is None or isinstance(exc, Ignore):
+        return handoff.finish(runtime, task, thread_id, task_id, token, ending)
+    elif isinstance(exc, Retry):
+        # Retry raised by hand, without self.retry() publishing: re-enter now.
+        outcome = runtime.publish_outcome(gate.requeue(
+            thread_id, task_id, token, retries=retries + 1, caller=ending.caller))
+    elif isinstance(exc, Reject) and exc.requeue:
+        outcome = runtime.publish_outcome(gate.requeue(
+            thread_id, task_id, token, retries=retries, caller=ending.caller))
+    elif isinstance(exc, Reject):
+        outcome = runtime.kill(thread_id, task_id, token, exc=exc, retries=retries,
+                               keep=task.dead_letter, reason=f"Rejected: {exc.reason!r}",
+                               caller=ending.caller, fenced=True)
+    elif isinstance(exc, Exception):
+        outcome = runtime.kill(thread_id, task_id, token, exc=exc, retries=retries,
+                               keep=task.dead_letter, caller=ending.caller, fenced=True)
+    # Anything else (SystemExit, ...): the process is going away; the lease lapses and the
+    # gate counts a failed attempt.
+    return outcome is not None and outcome.info == DELETED
+
+
+def _record_end(runtime: Runtime, lease: Lease, end: Callable[[], bool]) -> Optional[bool]:
+    """Apply a member's ending to the gate.  While the gate does not answer, the ending is kept
+    and tried again for as long as the member's lease can hold (the keeper goes on renewing it),
+    so a member that ended is not run again because its ending came late: every transition gives
+    the same outcome when a call whose reply was lost is sent again.  No attempt waits past the
+    lease: from then on the gate counts the attempt as failed (it runs again if retries remain).
+    Returns what ``end`` returned, or ``None`` when it could not be applied while the lease
+    held.  An ending that may have reached the gate all the same (a call went out and its reply
+    never came) returns ``False``: the gate may hold it, and the member's result is stored as
+    usual."""
+    warned = False
+    maybe_sent = False
+    while True:
+        # Never past the lease: once it has lapsed the gate has counted the attempt as failed
+        # (and may have run it again), and a late ending must not count it a second time.
+        with deadline.within(max(lease.remaining(), 0.0), bound="the member's lease") as limit:
+            try:
+                return end()
+            except redis.RedisError as exc:
+                error = exc
+                maybe_sent = maybe_sent or limit.unanswered
+        remaining = lease.remaining()
+        if lease.lost or remaining <= 0:
+            logger.error("celery-threads: could not record the end of %s of thread %s in the "
+                         "gate at %s (%s) while its lease held; the gate counts the attempt as "
+                         "failed%s", lease.task_id, lease.thread_id, runtime.config.redis_url,
+                         error, " (unless a call that went out reached it)" if maybe_sent else
+                         " and runs the member again while retries remain")
+            return False if maybe_sent else None
+        if not warned:
+            warned = True
+            logger.warning("celery-threads: the gate at %s did not answer (%s); the end of %s "
+                           "of thread %s is kept and sent again while its lease holds "
+                           "(%.1fs)", runtime.config.redis_url, error, lease.task_id,
+                           lease.thread_id, remaining)
+        time.sleep(min(0.5, remaining))
+
+
+def reenter(task: Any, runtime: Runtime, thread_id: str, task_id: str, token: str,
+            reentry: Reentry, caller: Optional[str] = None) -> Outcome:
+    """The member (task, token) goes back to waiting with a retry's new message; returns the
+    gate's outcome (its release, of the next member, for the caller to publish).  A
+    replacement (``self.replace``) takes the member's place in its thread, or ends it and
+    joins its own thread."""
+    replacement = reentry.replacement
+    if replacement is not None and replacement.thread_id != thread_id:
+        return _replace_elsewhere(task, runtime, thread_id, task_id, token, reentry, replacement,
+                                  caller)
+    if replacement is not None:
+        outcome: Outcome = runtime.gate.replace(
+            thread_id, task_id, token, reentry.envelope or b"", at_ms=reentry.at_ms,
+            max_retries=replacement.max_retries, retry_delay_ms=replacement.retry_delay_ms,
+            caller=caller)
+        if not outcome.done:
+            logger.warning("celery-threads: replacement of %s[%s] dropped: the member no "
+                           "longer holds thread %s (deleted, or its lease lapsed)",
+                           task.name, task_id, thread_id)
+        return outcome
+    outcome = runtime.gate.requeue(
+        thread_id, task_id, token, retries=reentry.retries, delay_ms=reentry.delay_ms,
+        at_ms=reentry.at_ms, envelope=reentry.envelope or b"", caller=caller)
+    if not outcome.done:
+        logger.warning(
+            "celery-threads: retry of %s[%s] ignored: it no longer holds thread %s "
+            "(deleted, or its lease lapsed)", task.name, task_id, thread_id)
+    return outcome
+
+
+def _replace_elsewhere(task: Any, runtime: Runtime, thread_id: str, task_id: str, token: str,
+                       reentry: Reentry, replacement: Replacement,
+                       caller: Optional[str] = None) -> Outcome:
+    """The member ends, then its replacement joins the replacement's own thread as a new
+    arrival under the same task id; returns that enqueue's outcome."""
+    finished: Outcome = runtime.gate.finish(thread_id, task_id, token, caller=caller)
+    if finished.info == DELETED:    # deleted while it ran: no replacement joins
+        return finished             # (the caller publishes its successor's release)
+    if not finished.done:
+        logger.warning("celery-threads: replacement of %s[%s] dropped: the member no longer "
+                       "holds thread %s (deleted, or its lease lapsed)", task.name, task_id,
+                       thread_id)
+        return finished
+    runtime.publish(finished.release)
+    outcome: Outcome = runtime.gate.enqueue(
+        replacement.thread_id, task_id, reentry.envelope or b"", at_ms=reentry.at_ms,
+        max_retries=replacement.max_retries, retry_delay_ms=replacement.retry_delay_ms,
+        replaced=replacement.nesting, policy=replacement.policy)
+    if not outcome.done:
+        logger.warning("celery-threads: replacement %s of %s could not join thread %s: that "
+                       "task id is a member there already", task_id, task.name,
+                       replacement.thread_id)
+    return outcome
