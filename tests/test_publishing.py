@@ -88,11 +88,13 @@ def test_a_thread_key_naming_no_argument_is_refused_where_the_task_is_declared()
 
     app = Celery("typo", broker="redis://127.0.0.1:1/0", set_as_current=False)
 
-    @app.task(base=ThreadedTask, thread_key="account_id")
+    # shared=False: Celery adds a shared task (its default) to every app finalized after it, which
+    # would carry this one's refusal into the apps of the tests that follow.
+    @app.task(base=ThreadedTask, thread_key="account_id", shared=False)
     def by_kwargs(**kwargs):     # **kwargs may carry it: checked per call
         return kwargs
 
-    @app.task(base=ThreadedTask, bind=True, thread_key="acount_id")
+    @app.task(base=ThreadedTask, bind=True, thread_key="acount_id", shared=False)
     def settle(self, account_id, amount):
         return amount
 
