@@ -53,7 +53,7 @@ class Dispatcher:
 
     def _tick_shard(self, shard: ShardKeys, report: TickReport) -> None:
         gate, batch = self.runtime.gate, self.runtime.config.dispatch_batch
-        scan = gate.scan_due(shard, batch)
+        scan = gate.reads.scan_due(shard, batch)
         report.now_ms = scan.now_ms
         if scan.next_ms is not None:
             report.next_ms = min(scan.next_ms, report.next_ms or scan.next_ms)
@@ -101,7 +101,7 @@ class Dispatcher:
             self.runtime.mark_revoked(outcome.info)
         elif outcome.status == Lapse.DIED:
             report.died += 1
-            record = self.runtime.gate.dead_record(outcome.info)
+            record = self.runtime.gate.reads.dead_record(outcome.info)
             exception = record.meta.get("exception", "") if record else "LeaseExpired"
             self._mark_failed(outcome.info, exception)
             self.runtime.announce_death(thread_id, outcome.info, exception,

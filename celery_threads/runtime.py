@@ -175,7 +175,7 @@ class Runtime:
         released one, the result backend is marked REVOKED here, and one worker (elected by a note
         in the gate) sends the ``task-revoked`` event, so Flower shows it without a phantom worker.
         """
-        thread_id = self.gate.thread_of(task_id)
+        thread_id = self.gate.reads.thread_of(task_id)
         if thread_id is None:
             return None
         outcome = self.apply(self.gate.delete(task_id, stop=True, thread_id=thread_id))
@@ -212,7 +212,7 @@ class Runtime:
         """Wait, at most ``wait`` seconds, until a member marked deleted has left its thread."""
         deadline = time.monotonic() + wait
         pause = 0.01
-        while self.gate.holds(thread_id, task_id):
+        while self.gate.reads.holds(thread_id, task_id):
             if time.monotonic() >= deadline:
                 logger.info("celery-threads: deleted member %s of thread %s still runs %ss "
                             "after its revoke; the next member starts once its worker has "
@@ -247,7 +247,7 @@ class Runtime:
 
     def announce_death(self, thread_id: str, task_id: str, exception: str, retries: int,
                        record: Optional[DeadRecord] = None) -> None:
-        record = record or self.gate.dead_record(task_id)
+        record = record or self.gate.reads.dead_record(task_id)
         name = task_name(record.envelope) if record else ""
         logger.warning("celery-threads: member %s (%s) of thread %s died: %s",
                        task_id, name, thread_id, exception)

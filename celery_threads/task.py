@@ -535,7 +535,7 @@ class Running:
         asked = time.monotonic()
         if gate is not None:
             try:
-                return gate.now_ms()
+                return gate.reads.now_ms()
             except redis.RedisError:
                 pass
         return self.claimed_ms + int((asked - self.claimed_mono) * 1000)

@@ -82,7 +82,7 @@ def test_a_replacement_of_an_ended_id_is_admitted_once(proj, isolated_app):
     thread, other, task_id = tid(), tid(), "replaced-id"
 
     def run_to_end(thread_id: str) -> None:
-        token = gate.snapshot(thread_id).active["token"]
+        token = gate.reads.snapshot(thread_id).active["token"]
         assert gate.claim(thread_id, task_id, token, 30_000, "w") == CLAIMED
         assert gate.finish(thread_id, task_id, token).done
 

@@ -147,7 +147,7 @@ def test_cluster_gate_reloads_what_a_master_lost(redis_cluster):
         released.append((thread, ended.release.task_id, ended.release.token))
     forget_everything()
     assert gate.renew_many(released, 30_000) == [1] * len(released)    # pipelined: RENEWED
-    assert all(gate.snapshot(t).active["state"] == "RELEASED" for t in threads)
+    assert all(gate.reads.snapshot(t).active["state"] == "RELEASED" for t in threads)
 
 
 def _lives(gate: Gate, threads: list[str]) -> None:

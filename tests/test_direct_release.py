@@ -89,7 +89,7 @@ def test_a_release_published_by_the_gate_is_not_published_again(proj, isolated_a
     gate, thread = runtime.gate, tid()
     first = proj.record.apply_async((thread, "a"), thread_id=thread)
     proj.record.apply_async((thread, "b"), thread_id=thread)
-    token = gate.snapshot(thread).active["token"]
+    token = gate.reads.snapshot(thread).active["token"]
     assert gate.claim(thread, first.id, token, 30_000, "w") == 1
     outcome = gate.finish(thread, first.id, token)
     assert outcome.release is not None and outcome.release.published
@@ -109,7 +109,7 @@ def test_messages_the_gate_cannot_build_go_through_kombu(proj, isolated_app, red
     runtime = get_runtime(isolated_app)
     thread = tid()
     proj.record.apply_async((thread, "x"), thread_id=thread, **options)
-    snapshot = runtime.gate.snapshot(thread)
+    snapshot = runtime.gate.reads.snapshot(thread)
     assert snapshot is not None and snapshot.active["state"] == "RELEASED"
     client = redis.Redis(port=redis_server.port, db=BROKER_DB)
     messages = [json.loads(client.lrange(key, 0, -1)[0]) for key in client.keys("*")
@@ -178,7 +178,7 @@ def test_a_refused_push_leaves_the_publish_to_kombu(proj, isolated_app, redis_se
     gate = get_runtime(isolated_app).gate
     thread = tid()
     result = proj.record.apply_async((thread, "refused"), thread_id=thread)
-    snapshot = gate.snapshot(thread)
+    snapshot = gate.reads.snapshot(thread)
     assert snapshot is not None and snapshot.active["state"] == "RELEASED"
     assert snapshot.active["task"] == result.id
     assert broker.get(_queue(isolated_app)) == b"not a list"
@@ -189,4 +189,4 @@ def test_a_refused_push_leaves_the_publish_to_kombu(proj, isolated_app, redis_se
     outcome = gate.enqueue(other, "refused-too", envelope)
     assert outcome.release is not None and not outcome.release.published
     assert outcome.release.envelope == envelope
-    assert gate.snapshot(other).active["state"] == "RELEASED"   # and the gate's db is back
+    assert gate.reads.snapshot(other).active["state"] == "RELEASED"   # and the gate's db is back

@@ -146,7 +146,7 @@ def test_tokens_never_repeat_across_lost_writes_and_the_first_holder_loses_its_m
     assert lost is not None and lost.task_id == "b"
 
     lose_writes_since(client, before)
-    active = gate.snapshot("t").active
+    active = gate.reads.snapshot("t").active
     assert (active["task"], active["state"], active["token"]) == ("a", "RELEASED", a.token)
     assert gate.claim("t", "a", a.token, 10_000, "w2", "c2") == 1
     assert gate.renew("t", "a", a.token, 10_000, "c1") == NOT_YOURS
@@ -155,7 +155,7 @@ def test_tokens_never_repeat_across_lost_writes_and_the_first_holder_loses_its_m
     assert gate.finish("t", "a", a.token, caller="c1").status == NOOP
     assert gate.requeue("t", "a", a.token, retries=1, caller="c1").status == NOOP
     assert gate.kill("t", "a", a.token, {"exception": "x"}, caller="c1", fenced=True).status == NOOP
-    assert gate.snapshot("t").active["by"] == "c2"
+    assert gate.reads.snapshot("t").active["by"] == "c2"
     again = gate.finish("t", "a", a.token, caller="c2").release
     assert again is not None and again.task_id == "b"
     assert int(again.token) > int(lost.token) > int(a.token)
@@ -180,9 +180,9 @@ def test_after_a_lost_claim_the_first_workers_main_process_ends_nothing_of_the_s
                      holder=first).status == NOOP
     assert gate.kill("t", "a", a.token, {"exception": "NotRegistered"},
                      holder=NO_HOLDER).status == NOOP
-    assert gate.snapshot("t").active["by"] == second + "beef00"
+    assert gate.reads.snapshot("t").active["by"] == second + "beef00"
     assert gate.fail("t", "a", a.token, lost, holder=second).status == RETRIED
-    assert gate.snapshot("t").active["task"] == "b"
+    assert gate.reads.snapshot("t").active["task"] == "b"
 
 
 def test_tokens_stay_increasing_when_the_counter_is_lost(gate):
@@ -222,7 +222,7 @@ def test_a_transition_no_replica_confirmed_counts_as_not_done(redis_server):
             gate.release_many(["t"])
         assert time.monotonic() - started >= 0.3           # each waited its 100 ms
         plain = Gate(client, Keys("ctwait"), release_timeout_ms=5000)
-        assert plain.snapshot("t").active["task"] == "a"  # the master holds it all the same
+        assert plain.reads.snapshot("t").active["task"] == "a"  # the master holds it all the same
     finally:
         client.flushdb()
 
@@ -254,7 +254,7 @@ def test_an_enqueue_is_sent_again_until_a_replica_confirms_it(redis_server):
         again = gate.enqueue("t", "a", b"A")           # the first one's member, stored then
         assert not again.done and again.release is not None and again.release.task_id == "a"
         plain = Gate(client, Keys("ctwait"), release_timeout_ms=5000)
-        assert [task for task, _ in plain.snapshot("t").waiting] == ["b"]
+        assert [task for task, _ in plain.reads.snapshot("t").waiting] == ["b"]
     finally:
         replica.stop()
         client.config_set("repl-diskless-sync-delay", delay)

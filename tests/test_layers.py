@@ -16,7 +16,7 @@ LAYERS: list[tuple[str, set[str]]] = [
       "policies"}),
     ("the gate: its Lua, loader, records and client",
      {"gate", "gate.records", "gate.replies", "gate.library", "gate.client", "gate.wire",
-      "gate.api", "gate.access", "gate.eviction", "gate.cluster", "gate.sentinel",
+      "gate.reads", "gate.transitions", "gate.access", "gate.eviction", "gate.cluster", "gate.sentinel",
       "gate.deadline"}),
     ("publishing", {"publish"}),
     ("the per-process runtime and the dispatcher", {"runtime", "dispatcher"}),

@@ -192,7 +192,7 @@ def test_a_library_of_our_name_with_other_code_is_not_called(own_redis, caplog):
             assert released is not None and released.task_id == task
             assert gate.claim("t", task, released.token, 1000, "w") == 1
             assert gate.finish("t", task, released.token).done
-            assert gate.snapshot("t") is None
+            assert gate.reads.snapshot("t") is None
     assert client.info("commandstats").get("cmdstat_fcall", {}).get("calls", 0) == 0
     warned = [r for r in caplog.records if library.name in r.getMessage()]
     assert len(warned) == 1 and "EVALSHA" in warned[0].getMessage()

@@ -57,6 +57,19 @@ def not_run(error: BaseException) -> bool:
             or (type(error) is ClusterError and "TTL exhausted" in str(error)))
 
 
+def rerun_unrun(replies: Sequence[Any], rerun: Callable[[int], Any]) -> list[Any]:
+    """A pipeline's replies, each call a cluster's master refused unrun (NOSCRIPT from a master
+    without the script: a cluster's pipeline does not load scripts; TRYAGAIN while its slot
+    moves) run again on its own (``rerun(index)``), which loads the script where needed."""
+    results = list(replies)
+    for i, reply in enumerate(results):
+        if isinstance(reply, Exception):
+            if not not_run(reply):
+                raise reply
+            results[i] = rerun(i)
+    return results
+
+
 class GateCluster(RedisCluster):
     """redis-py's cluster client, which sends a call refused while its slot moves again, backing
     off, for at most ``budget`` seconds."""
