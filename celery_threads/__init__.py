@@ -1,8 +1,6 @@
 """celery-threads: Celery tasks serialized per thread id, earliest scheduled first."""
 from . import install as _install  # noqa: F401  (connects the app-finalize and worker hooks)
-from .errors import InvalidThreadId, ThreadFull, ThreadsError
-from .task import ThreadedTask
-from .threads import (
+from .admin import (
                       ActiveStatus,
                       DeadTask,
                       MemberInfo,
@@ -14,6 +12,8 @@ from .threads import (
                       ThreadSummary,
                       WaitingStatus,
 )
+from .errors import InvalidThreadId, ThreadFull, ThreadsError
+from .task import ThreadedTask
 
 __all__ = [
     "ActiveStatus",

@@ -24,11 +24,11 @@ import click
 import redis
 from kombu.utils.url import maybe_sanitize_url
 
+from .admin import DISPATCHER_HINT, NO_REASON, StuckThread, Threads, ThreadSummary
 from .config import read_config
 from .errors import ConfigurationError, ThreadsError, UnknownTask
 from .gate.eviction import Eviction
 from .runtime import unreachable
-from .threads import DISPATCHER_HINT, NO_REASON, StuckThread, Threads, ThreadSummary
 
 EX_STUCK = 3           # `stats`: at least one thread is stuck
 EX_EVICTING = 4        # `stats`: the gate's Redis may evict waiting members (and none is stuck)

@@ -25,7 +25,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("the wiring", {"install"}),
     ("the task class", {"task"}),
     ("the admin API, the CLI, the exporter and the package's public names",
-     {"threads", "cli", "exporter", "__init__"}),
+     {"admin", "cli", "exporter", "__init__"}),
 ]
 
 

@@ -1,4 +1,5 @@
-"""``Threads(app)``: inspect and steer threads and the dead-letter store."""
+"""The admin API, ``Threads(app)``: inspect and steer threads and the dead-letter store, and read
+the gate's health and metrics."""
 from __future__ import annotations
 
 import functools
