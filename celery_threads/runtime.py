@@ -21,10 +21,10 @@ from .gate import (
     NO_HOLDER,
     STOPPING,
     DeadRecord,
-    DirectRelease,
     Gate,
     Outcome,
     Release,
+    ReleasePush,
     make_client,
 )
 from .gate.access import check_access
@@ -74,7 +74,7 @@ class Runtime:
         self.publisher = ReleasePublisher(app)
         self.pid = os.getpid()
 
-    def _gate(self, client: redis.Redis, direct: Optional[DirectRelease]) -> Gate:
+    def _gate(self, client: redis.Redis, direct: Optional[ReleasePush]) -> Gate:
         return Gate(client, self.keys, release_timeout_ms=self.config.release_timeout_ms,
                     keepalive_ms=self.config.keepalive_ms, direct=direct,
                     wait_replicas=self.config.wait_replicas)
@@ -289,7 +289,7 @@ def unreachable(config: ThreadsConfig) -> Optional[BaseException]:
     return None
 
 
-def direct_release(app: Celery, client: Any) -> Optional[DirectRelease]:
+def direct_release(app: Celery, client: Any) -> Optional[ReleasePush]:
     """Where the gate's scripts may publish releases themselves: when the broker is kombu's Redis
     transport on the gate's own server (same host and port, compared as written, and the same
     credentials), else ``None`` and releases are published by Python through kombu."""
@@ -314,7 +314,7 @@ def direct_release(app: Celery, client: Any) -> Optional[DirectRelease]:
         vhost = str(vhost or "").strip("/")
         broker_db = int(vhost) if vhost else 0
     prefix = (app.conf.broker_transport_options or {}).get("global_keyprefix") or ""
-    return DirectRelease(gate_db=int(options.get("db") or 0), broker_db=broker_db,
+    return ReleasePush(gate_db=int(options.get("db") or 0), broker_db=broker_db,
                          key_prefix=str(prefix))
 
 

@@ -349,7 +349,7 @@ class ThreadedTask(Task):
         claimant = new_claimant(hostname)
         sent = time.monotonic()
         try:
-            status, claimed_ms = runtime.gate.claim_at(
+            status, claimed_ms = runtime.gate.claim_with_time(
                 thread_id, task_id, token, runtime.config.keepalive_ms, hostname, claimant,
                 stoppable=stoppable())
         except redis.RedisError as exc:

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import redis
 
-from celery_threads.gate import DirectRelease, Release, find_record, parse_record
+from celery_threads.gate import Release, ReleasePush, find_record, parse_record
 from celery_threads.runtime import direct_release, get_runtime
 from tests.helpers import starts, tid, wait_for
 from tests.isolated import BROKER_DB, GATE_DB, pointed_at
@@ -50,7 +50,7 @@ def _without_tag(message: dict[str, Any]) -> dict[str, Any]:
 
 def test_the_gate_publishes_what_kombu_would(proj, isolated_app, redis_server):
     runtime = get_runtime(isolated_app)
-    assert runtime.gate.direct == DirectRelease(gate_db=GATE_DB, broker_db=BROKER_DB)
+    assert runtime.gate.direct == ReleasePush(gate_db=GATE_DB, broker_db=BROKER_DB)
     thread = tid("dé/\"q")   # escapes in the thread id survive the splice
     result = proj.record.apply_async((thread, "ünïcode \"quoted\" \\ /"), thread_id=thread,
                                      headers={"custom": {"nested": [1, [], {}], "n": 2 ** 60}})
@@ -139,8 +139,8 @@ def test_direct_release_only_on_the_gates_own_server(proj, isolated_app, redis_s
     app = isolated_app
     here = f"redis://127.0.0.1:{redis_server.port}"
     cases = {
-        f"{here}/3": DirectRelease(gate_db=GATE_DB, broker_db=3),
-        f"{here}": DirectRelease(gate_db=GATE_DB, broker_db=0),
+        f"{here}/3": ReleasePush(gate_db=GATE_DB, broker_db=3),
+        f"{here}": ReleasePush(gate_db=GATE_DB, broker_db=0),
         f"redis://127.0.0.1:{redis_server.port + 1}/3": None,
         f"redis://:secret@127.0.0.1:{redis_server.port}/3": None,
         "amqp://guest:guest@127.0.0.1:5672//": None,

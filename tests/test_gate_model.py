@@ -46,8 +46,8 @@ from hypothesis.stateful import (
 
 from celery_threads import gate as gate_module
 from celery_threads.gate import (
-    DirectRelease,
     Gate,
+    ReleasePush,
     member_field,
     parse_record,
     pause_reason,
@@ -183,7 +183,7 @@ class GateMachine(RuleBasedStateMachine):
         self.gate = Gate(self.r, self.keys, release_timeout_ms=RELEASE_TIMEOUT,
                          keepalive_ms=KEEPALIVE, clock=lambda: self.model.now,
                          functions=self.FUNCTIONS,
-                         direct=DirectRelease(DB, BROKER_DB, BROKER_PREFIX))
+                         direct=ReleasePush(DB, BROKER_DB, BROKER_PREFIX))
         self.m2r: dict[str, str] = {}            # model token -> gate token
         self.r2m: dict[str, str] = {}
         self.last_token: dict[str, int] = {}     # thread id -> its latest release's gate token
@@ -1276,7 +1276,7 @@ def test_uuid_prefix_collisions(gate_url: str) -> None:
         assert gate.enqueue("c", u2, b"again").status == 0              # a duplicate of each
         assert gate.enqueue("c", u1, b"again").status == 0
         assert gate.enqueue("a", u3, b"three").release is None          # behind u1, long form
-        assert (gate.reads.thread_of(u1), gate.reads.thread_of(u2), gate.reads.thread_of(u3)) == ("a", "b", "a")
+        assert [gate.reads.thread_of(u) for u in (u1, u2, u3)] == ["a", "b", "a"]
         assert gate.reads.thread_of(u4) is None
         snap = gate.reads.snapshot("a")
         assert snap is not None and snap.active["task"] == u1

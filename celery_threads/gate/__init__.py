@@ -13,8 +13,8 @@ from .reads import DEAD_CHUNK, ID_PAGE, GateReads  # noqa: F401
 from .records import (  # noqa: F401
     HOLD_MARK,
     NO_HOLDER,
-    DirectRelease,
     Record,
+    ReleasePush,
     call_id,
     claimant_prefix,
     find_record,
@@ -56,4 +56,4 @@ from .replies import (  # noqa: F401
     ThreadSnapshot,
 )
 from .transitions import MAX_REPUBLISH_BACKOFF, OPERATOR_BATCH, Gate  # noqa: F401
-from .wire import DirectLine  # noqa: F401
+from .wire import ScriptLine  # noqa: F401

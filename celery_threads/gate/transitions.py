@@ -25,7 +25,7 @@ from .library import _load_lua, function_library, script_sources
 from .reads import GateReads, clock_argument
 from .records import (
     HOLD_MARK,
-    DirectRelease,
+    ReleasePush,
     _max_retries,
     _text,
     call_id,
@@ -43,7 +43,7 @@ from .replies import (
 )
 from .wire import (
     _MISSED,
-    DirectLine,
+    ScriptLine,
     _pack,
     _Packer,
 )
@@ -60,7 +60,7 @@ class Gate:
     (:class:`~.reads.GateReads`, on the same client).
 
     ``clock`` returns the time in milliseconds to use instead of the Redis server's ``TIME``; only
-    the model-based test sets it.  ``direct`` (a :class:`DirectRelease`) lets the scripts publish
+    the model-based test sets it.  ``direct`` (a :class:`ReleasePush`) lets the scripts publish
     releases themselves when the broker is kombu's Redis transport on the gate's own server.
     ``functions``: the hot path calls the transitions as the functions of :func:`function_library`
     where the server has them (Redis 7+); false keeps it on ``EVALSHA`` (tests of both ways).
@@ -71,7 +71,7 @@ class Gate:
 
     def __init__(self, client: redis.Redis, keys: Keys, *, release_timeout_ms: int,
                  keepalive_ms: int = 30_000, clock: Optional[Callable[[], int]] = None,
-                 direct: Optional[DirectRelease] = None, functions: bool = True,
+                 direct: Optional[ReleasePush] = None, functions: bool = True,
                  wait_replicas: int = 0) -> None:
         self.client = client
         if wait_replicas > 0 and cluster.is_cluster(client):
@@ -92,11 +92,12 @@ class Gate:
         }
         self.library = function_library()
         # On a cluster, a line to each master, picked by the call's shard (cluster.py).
-        self._direct = (cluster.ClusterLine(cast(Any, client), self.library if functions else None,
-                                            keys.all_shards())
-                        if cluster.is_cluster(client)
-                        else DirectLine(client, self.library if functions else None,
-                                        _pack(("WAIT", *self.wait)) if self.wait else b""))
+        self._line = (cluster.ClusterScriptLine(cast(Any, client),
+                                                self.library if functions else None,
+                                                keys.all_shards())
+                      if cluster.is_cluster(client)
+                      else ScriptLine(client, self.library if functions else None,
+                                      _pack(("WAIT", *self.wait)) if self.wait else b""))
         self._functions = (cluster.Functions(client, self.library.source, self.library.functions)
                            if functions and cluster.is_cluster(client) else None)
         self._packers = [_Packer(shard, release_timeout_ms, self._direct_arg)
@@ -137,8 +138,8 @@ class Gate:
         wrote nothing (:meth:`_replicated`)."""
         # The clock is read once per call, whichever way the call goes.
         arguments = self._arguments(thread_id, args) if self.clock is not None else None
-        if client is None and self._direct is not None and not fence:
-            reply = self._direct.call(
+        if client is None and self._line is not None and not fence:
+            reply = self._line.call(
                 lambda functions: self._command(name, thread_id, args, arguments, functions),
                 self.keys.shard_of(thread_id))
             if reply is not _MISSED:
@@ -245,12 +246,12 @@ class Gate:
 
     def claim(self, thread_id: str, task_id: str, token: str, keepalive_ms: int,
               worker: str, claimant: str = "", *, stoppable: bool = False) -> Claim:
-        return self.claim_at(thread_id, task_id, token, keepalive_ms, worker, claimant,
-                             stoppable=stoppable)[0]
+        return self.claim_with_time(thread_id, task_id, token, keepalive_ms, worker, claimant,
+                                    stoppable=stoppable)[0]
 
-    def claim_at(self, thread_id: str, task_id: str, token: str, keepalive_ms: int,
-                 worker: str, claimant: str = "", *,
-                 stoppable: bool = False) -> tuple[Claim, int]:
+    def claim_with_time(self, thread_id: str, task_id: str, token: str, keepalive_ms: int,
+                        worker: str, claimant: str = "", *,
+                        stoppable: bool = False) -> tuple[Claim, int]:
         """``claim``'s status, and the Redis server's time of the claim (ms; 0 unless claimed).
 
         ``claimant``: this delivery's own id; only it renews the lease (:meth:`renew`), and the
@@ -304,7 +305,7 @@ class Gate:
         ``claim`` (with ``keep_release``): ``(keepalive_ms, worker, claimant)``, and the released
         member is also claimed for the caller; the outcome's ``info`` is then the claim's time on
         the Redis server's clock (ms), else empty.  Such a claim is stoppable (see
-        :meth:`claim_at`): only a prefork pool process runs members by handoff.  A member that
+        :meth:`claim_with_time`): only a prefork pool process runs members by handoff.  A member that
         was marked deleted while it ran ends as deleted: ``info`` is :data:`DELETED`, and the
         next member is released (not claimed) for the caller to publish, as without
         ``keep_release``."""
