@@ -12,14 +12,34 @@ from .admin import (
                       ThreadSummary,
                       WaitingStatus,
 )
-from .errors import InvalidThreadId, ThreadFull, ThreadsError
+from .errors import (
+    ConfigurationError,
+    DeadlinePassed,
+    GateUnavailable,
+    InvalidThreadId,
+    LeaseExpired,
+    NotReplicated,
+    ReleaseExpired,
+    SeamRefused,
+    ThreadFull,
+    ThreadsError,
+    UndecodableEnvelope,
+    UnknownTask,
+)
 from .task import ThreadedTask
 
 __all__ = [
     "ActiveStatus",
+    "ConfigurationError",
     "DeadTask",
+    "DeadlinePassed",
+    "GateUnavailable",
     "InvalidThreadId",
+    "LeaseExpired",
     "MemberInfo",
+    "NotReplicated",
+    "ReleaseExpired",
+    "SeamRefused",
     "Stats",
     "StuckThread",
     "ThreadInfo",
@@ -29,6 +49,8 @@ __all__ = [
     "ThreadedTask",
     "Threads",
     "ThreadsError",
+    "UndecodableEnvelope",
+    "UnknownTask",
     "WaitingStatus",
 ]
 __version__ = "0.1.0"

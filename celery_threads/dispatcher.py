@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from .config import sanitized_url
+from .errors import LeaseExpired  # imported here too: results stored before it moved name this module
 from .gate import Lapse, Outcome
 from .keys import ShardKeys
 from .runtime import Runtime
@@ -116,10 +117,6 @@ class Dispatcher:
         except Exception:  # no result backend, or it is down: the dead-letter store has it
             logger.debug("celery-threads: could not mark %s failed in the result backend",
                          task_id, exc_info=True)
-
-
-class LeaseExpired(Exception):
-    """A running member's lease lapsed: its worker stopped renewing it (SIGKILL, lost machine)."""
 
 
 class DispatchLoop:

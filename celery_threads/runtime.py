@@ -15,6 +15,7 @@ from celery import Celery
 
 from . import seams
 from .config import ThreadsConfig, forget_config, read_config, sanitized_url
+from .errors import ReleaseExpired, UndecodableEnvelope
 from .gate import (
     DELETED,
     ENDED,
@@ -33,7 +34,7 @@ from .gate.deadline import unbounded_class
 from .gate.eviction import check_eviction
 from .keys import Keys
 from .protocol import THREAD_HEADER
-from .publish import ReleaseExpired, ReleasePublisher, UndecodableEnvelope, publish_release, task_name
+from .publish import ReleasePublisher, publish_release, task_name
 from .signals import member_dead
 
 logger = logging.getLogger(__name__)

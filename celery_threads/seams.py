@@ -56,7 +56,7 @@ import celery
 import kombu
 import redis
 
-from .errors import ConfigurationError
+from .errors import SeamRefused
 
 logger = logging.getLogger(__name__)
 
@@ -78,10 +78,6 @@ class Seam:
     uses: str                               # the private names, as a reader looks them up
     check: Callable[[Any], Optional[str]]   # (app or None) -> None when it holds, else what not
     fallback: str                           # the public path taken instead; "" when none
-
-
-class SeamRefused(ConfigurationError):
-    """A seam without a safe fallback does not hold on the installed versions."""
 
 
 _results: dict[str, Optional[str]] = {}

@@ -44,9 +44,10 @@ from collections.abc import Iterator
 from typing import Any, Callable, NamedTuple, Optional
 
 from .. import seams
+from ..errors import UndecodableEnvelope
 from ..gate import DELETED, Release
 from ..protocol import THREAD_HEADER, TOKEN_HEADER, is_threaded
-from ..publish import UndecodableEnvelope, decode_envelope
+from ..publish import decode_envelope
 from ..runtime import Runtime, get_runtime
 from .lease import Lease, keeper
 from .slots import Member, Slots
