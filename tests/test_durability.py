@@ -21,7 +21,7 @@ import pytest
 import redis
 
 from celery_threads.errors import NotReplicated
-from celery_threads.gate import NO_HOLDER, NOOP, NOT_YOURS, RENEWED, RETRIED, Gate, claimant_prefix
+from celery_threads.gate import NO_HOLDER, Done, Gate, Lapse, Renewal, claimant_prefix
 from celery_threads.keys import Keys
 from tests.conftest import Deployment, RedisServer, configure_client, deployment_env
 from tests.helpers import events, tid, wait_for
@@ -149,12 +149,12 @@ def test_tokens_never_repeat_across_lost_writes_and_the_first_holder_loses_its_m
     active = gate.reads.snapshot("t").active
     assert (active["task"], active["state"], active["token"]) == ("a", "RELEASED", a.token)
     assert gate.claim("t", "a", a.token, 10_000, "w2", "c2") == 1
-    assert gate.renew("t", "a", a.token, 10_000, "c1") == NOT_YOURS
-    assert gate.renew("t", "a", a.token, 10_000, "c2") == RENEWED
+    assert gate.renew("t", "a", a.token, 10_000, "c1") == Renewal.NOT_YOURS
+    assert gate.renew("t", "a", a.token, 10_000, "c2") == Renewal.RENEWED
     # The first worker's ending, sent again: refused, it would end the second worker's run.
-    assert gate.finish("t", "a", a.token, caller="c1").status == NOOP
-    assert gate.requeue("t", "a", a.token, retries=1, caller="c1").status == NOOP
-    assert gate.kill("t", "a", a.token, {"exception": "x"}, caller="c1", fenced=True).status == NOOP
+    assert gate.finish("t", "a", a.token, caller="c1").status == Done.NOOP
+    assert gate.requeue("t", "a", a.token, retries=1, caller="c1").status == Done.NOOP
+    assert gate.kill("t", "a", a.token, {"exception": "x"}, caller="c1", fenced=True).status == Done.NOOP
     assert gate.reads.snapshot("t").active["by"] == "c2"
     again = gate.finish("t", "a", a.token, caller="c2").release
     assert again is not None and again.task_id == "b"
@@ -175,13 +175,13 @@ def test_after_a_lost_claim_the_first_workers_main_process_ends_nothing_of_the_s
     lose_writes_since(gate.client, before)
     assert gate.claim("t", "a", a.token, 10_000, "w2@h", second + "beef00") == 1
     lost = "WorkerLostError: gone; no retries were left"
-    assert gate.fail("t", "a", a.token, lost, holder=first).status == NOOP
+    assert gate.fail("t", "a", a.token, lost, holder=first).status == Lapse.NOOP
     assert gate.kill("t", "a", a.token, {"exception": "TimeLimitExceeded"},
-                     holder=first).status == NOOP
+                     holder=first).status == Done.NOOP
     assert gate.kill("t", "a", a.token, {"exception": "NotRegistered"},
-                     holder=NO_HOLDER).status == NOOP
+                     holder=NO_HOLDER).status == Done.NOOP
     assert gate.reads.snapshot("t").active["by"] == second + "beef00"
-    assert gate.fail("t", "a", a.token, lost, holder=second).status == RETRIED
+    assert gate.fail("t", "a", a.token, lost, holder=second).status == Lapse.RETRIED
     assert gate.reads.snapshot("t").active["task"] == "b"
 
 

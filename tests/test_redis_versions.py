@@ -7,7 +7,7 @@ import subprocess
 import pytest
 import redis
 
-from celery_threads.gate import DIED, Gate, make_client
+from celery_threads.gate import Gate, Lapse, make_client
 from celery_threads.keys import Keys
 from tests.conftest import RedisServer, redis_binaries
 
@@ -60,7 +60,7 @@ def test_whole_lifecycle(gate):
     while "T" not in scan.lapsed:
         scan = gate.reads.scan_due(gate.keys.shard(0), 10)
     [expired] = gate.expire_many(scan.lapsed)
-    assert expired.status == DIED
+    assert expired.status == Lapse.DIED
     assert [r.task_id for r in gate.reads.dead_records()] == ["a"]
     assert gate.forget("a")
     assert gate.enqueue("T", "c", env("c"), delay_ms=60_000).release is None

@@ -32,7 +32,6 @@ from .records import (
     parse_record,
 )
 from .replies import (
-    NOOP,
     REPLIES,
     Claim,
     Done,
@@ -359,7 +358,7 @@ class Gate:
         :meth:`kill`)."""
         thread_id = thread_id or self.reads.thread_of(task_id)
         if thread_id is None:
-            return Outcome(NOOP, "", None)
+            return Outcome(Done.NOOP, "", None)
         mode = "1" if only_waiting else "2" if only_released else "3" if stop else "0"
         return self._call("delete", thread_id, task_id, token, mode, call_id(caller),
                           holder or "")
@@ -393,7 +392,7 @@ class Gate:
         if thread_id is None:
             record = self.reads.dead_record(task_id)
             if record is None:
-                return Outcome(NOOP, "", None)
+                return Outcome(Done.NOOP, "", None)
             thread_id = str(record.meta["thread_id"])
         return self._call("restart", thread_id, task_id, _max_retries(max_retries),
                           retry_delay_ms)
@@ -463,7 +462,7 @@ class Gate:
         without it."""
         record = self.reads.dead_record(task_id)
         if record is None:
-            return Outcome(NOOP, "", None)
+            return Outcome(Done.NOOP, "", None)
         return self._call("forget", str(record.meta.get("thread_id", "")), task_id)
 
     def forget_batch(self, shard: ShardKeys, up_to: int, limit: int) -> list[str]:
