@@ -32,7 +32,7 @@ PER_THREAD = 10
 ENVELOPE = b'{"headers":{"task":"bench.noop"}}\n' + b"x" * 300
 
 
-# The reads Gate.index_counts sends in one MULTI/EXEC (a consistent view of the indexes): EXEC's
+# The reads GateReads.index_counts sends in one MULTI/EXEC (a consistent view of the indexes): EXEC's
 # time includes theirs, so they are counted once, in EXEC's.  A scrape without --top sends these
 # commands nowhere else.
 IN_EXEC = {"zcard", "hlen", "zcount", "zrangebyscore"}

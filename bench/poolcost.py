@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
                 claim = finish = publish = 0.0
                 for release in heads:
                     t0 = time.process_time()
-                    gate.claim_at(release.thread_id, release.task_id, release.token, "w")
+                    gate.claim_with_time(release.thread_id, release.task_id, release.token, "w")
                     t1 = time.process_time()
                     outcome = gate.finish(release.thread_id, release.task_id, release.token)
                     t2 = time.process_time()

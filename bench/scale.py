@@ -179,7 +179,7 @@ def _dispatched_lives(gate: Any, n: int, tag: str, batch: int = 100
             spent += time.perf_counter() - t0
         time.sleep(0.03)                                   # they fall due
         t0 = time.perf_counter()
-        scan = gate.scan_due(shard, size)
+        scan = gate.reads.scan_due(shard, size)
         outcomes = gate.release_many(scan.due)
         for thread, outcome in zip(scan.due, outcomes):
             rel = outcome.release

@@ -1,8 +1,6 @@
 """celery-threads: Celery tasks serialized per thread id, earliest scheduled first."""
 from . import install as _install  # noqa: F401  (connects the app-finalize and worker hooks)
-from .errors import InvalidThreadId, ThreadFull, ThreadsError
-from .task import ThreadedTask
-from .threads import (
+from .admin import (
                       ActiveStatus,
                       DeadTask,
                       MemberInfo,
@@ -14,12 +12,34 @@ from .threads import (
                       ThreadSummary,
                       WaitingStatus,
 )
+from .errors import (
+    ConfigurationError,
+    DeadlinePassed,
+    GateUnavailable,
+    InvalidThreadId,
+    LeaseExpired,
+    NotReplicated,
+    ReleaseExpired,
+    SeamRefused,
+    ThreadFull,
+    ThreadsError,
+    UndecodableEnvelope,
+    UnknownTask,
+)
+from .task import ThreadedTask
 
 __all__ = [
     "ActiveStatus",
+    "ConfigurationError",
     "DeadTask",
+    "DeadlinePassed",
+    "GateUnavailable",
     "InvalidThreadId",
+    "LeaseExpired",
     "MemberInfo",
+    "NotReplicated",
+    "ReleaseExpired",
+    "SeamRefused",
     "Stats",
     "StuckThread",
     "ThreadInfo",
@@ -29,6 +49,8 @@ __all__ = [
     "ThreadedTask",
     "Threads",
     "ThreadsError",
+    "UndecodableEnvelope",
+    "UnknownTask",
     "WaitingStatus",
 ]
 __version__ = "0.1.0"

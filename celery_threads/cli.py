@@ -24,11 +24,11 @@ import click
 import redis
 from kombu.utils.url import maybe_sanitize_url
 
+from .admin import DISPATCHER_HINT, NO_REASON, StuckThread, Threads, ThreadSummary
 from .config import read_config
 from .errors import ConfigurationError, ThreadsError, UnknownTask
-from .gate.eviction import Eviction, check_eviction
+from .gate.eviction import Eviction
 from .runtime import unreachable
-from .threads import DISPATCHER_HINT, NO_REASON, StuckThread, Threads, ThreadSummary
 
 EX_STUCK = 3           # `stats`: at least one thread is stuck
 EX_EVICTING = 4        # `stats`: the gate's Redis may evict waiting members (and none is stuck)
@@ -380,10 +380,10 @@ def delete(ctx: click.Context, task_id: str, as_json: bool) -> None:
     A running member is also revoked with terminate; a released one is revoked.
     """
     t = _threads(ctx)
-    thread_id = t.gate.thread_of(task_id)
+    thread_id = t.thread_of(task_id)
     if thread_id is None or not t.delete(task_id):
         hint = ("it is in the dead-letter store (see `celery threads forget`)"
-                if t.gate.dead_record(task_id) is not None else
+                if t.dead_task(task_id) is not None else
                 "it may have ended or been deleted already; `celery threads show THREAD_ID` "
                 "lists a thread's members")
         raise click.ClickException(f"no thread has a member with task id {task_id!r}: {hint}.")
@@ -458,7 +458,7 @@ def dead(ctx: click.Context, limit: int, as_json: bool) -> None:
         exception = (d.exception.strip().splitlines() or ["?"])[0]
         retries = f"{d.retries} retr{'y' if d.retries == 1 else 'ies'}"
         click.echo(_fit(f"    {d.name or '?'}, {retries}: {exception}", width))
-    total = t.gate.dead_count() if limit and len(tasks) == limit else len(tasks)
+    total = t.dead_count() if limit and len(tasks) == limit else len(tasks)
     shown = f"the {len(tasks)} latest of " if total > len(tasks) else ""
     click.echo(f"{shown}{total} dead task{'s' if total != 1 else ''}; "
                "`celery threads restart TASK_ID` runs one again"
@@ -476,8 +476,8 @@ def restart(ctx: click.Context, task_id: str, as_json: bool) -> None:
     Same task id; its retries start again from zero.
     """
     t = _threads(ctx)
-    record = t.gate.dead_record(task_id)
-    if record is None:
+    dead = t.dead_task(task_id)
+    if dead is None:
         raise UnknownTask(f"{task_id!r} is not in the dead-letter store; "
                           "`celery threads dead` lists it")
     try:
@@ -487,7 +487,7 @@ def restart(ctx: click.Context, task_id: str, as_json: bool) -> None:
         click.echo(f"warning: could not import the app's task modules ({exc}); the task keeps "
                    "default retry settings", err=True)
     t.restart(task_id)
-    thread_id = str(record.meta.get("thread_id", ""))
+    thread_id = dead.thread_id
     if as_json:
         _echo_json({"task_id": task_id, "thread_id": thread_id, "restarted": True})
     else:
@@ -519,7 +519,7 @@ def forget(ctx: click.Context, task_id: Optional[str], forget_all: bool, yes: bo
         else:
             click.echo(f"Forgot dead task {task_id}.")
         return
-    total = t.gate.dead_count()
+    total = t.dead_count()
     if total and not yes:
         click.confirm(f"Forget all {total} dead task{'s' if total != 1 else ''}? "
                       "This cannot be undone.", abort=True, err=True)
@@ -633,7 +633,7 @@ def stats(ctx: click.Context, stuck_after: Optional[float], as_json: bool) -> No
     t = _threads(ctx)
     numbers = t.stats(grace=stuck_after)
     stuck = t.stuck(grace=stuck_after)
-    eviction = check_eviction(t.runtime.client, t.runtime.config.redis_url)
+    eviction = t.eviction()
     evicting = any(risk.level == "error" for risk in eviction)
     if as_json:
         _echo_json({**_jsonable(numbers), "stuck_threads": stuck, "eviction": eviction,

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from .config import sanitized_url
+from .errors import LeaseExpired  # imported here too: results stored before it moved name this module
 from .gate import Lapse, Outcome
 from .keys import ShardKeys
 from .runtime import Runtime
@@ -53,7 +54,7 @@ class Dispatcher:
 
     def _tick_shard(self, shard: ShardKeys, report: TickReport) -> None:
         gate, batch = self.runtime.gate, self.runtime.config.dispatch_batch
-        scan = gate.scan_due(shard, batch)
+        scan = gate.reads.scan_due(shard, batch)
         report.now_ms = scan.now_ms
         if scan.next_ms is not None:
             report.next_ms = min(scan.next_ms, report.next_ms or scan.next_ms)
@@ -101,7 +102,7 @@ class Dispatcher:
             self.runtime.mark_revoked(outcome.info)
         elif outcome.status == Lapse.DIED:
             report.died += 1
-            record = self.runtime.gate.dead_record(outcome.info)
+            record = self.runtime.gate.reads.dead_record(outcome.info)
             exception = record.meta.get("exception", "") if record else "LeaseExpired"
             self._mark_failed(outcome.info, exception)
             self.runtime.announce_death(thread_id, outcome.info, exception,
@@ -116,10 +117,6 @@ class Dispatcher:
         except Exception:  # no result backend, or it is down: the dead-letter store has it
             logger.debug("celery-threads: could not mark %s failed in the result backend",
                          task_id, exc_info=True)
-
-
-class LeaseExpired(Exception):
-    """A running member's lease lapsed: its worker stopped renewing it (SIGKILL, lost machine)."""
 
 
 class DispatchLoop:

@@ -1,4 +1,5 @@
-"""Every error celery-threads raises derives from :class:`ThreadsError`."""
+"""Every error celery-threads raises derives from :class:`ThreadsError` (and keeps the standard
+base a caller may already catch: ``ValueError``, ``KeyError``, ``redis.TimeoutError``)."""
 from __future__ import annotations
 
 from typing import Any
@@ -59,5 +60,31 @@ class ThreadFull(ThreadsError):
         self.task_id = task_id
 
 
+class SeamRefused(ConfigurationError):
+    """A seam without a safe fallback does not hold on the installed versions
+    (:mod:`celery_threads.seams`)."""
+
+
 class UnknownTask(ThreadsError, KeyError):
     """No thread member (or dead task) has this task id."""
+
+
+class LeaseExpired(ThreadsError):
+    """A running member's lease lapsed: its worker stopped renewing it (SIGKILL, lost machine).
+    The dispatcher that ends such a member stores it as the member's failure, so its
+    ``AsyncResult`` shows it (``celery_threads.dispatcher.LeaseExpired`` names it too, as results
+    stored by earlier releases do)."""
+
+
+class UndecodableEnvelope(ThreadsError, ValueError):
+    """A stored envelope is not ``header_json \\n body``: it can never be published."""
+
+
+class ReleaseExpired(ThreadsError):
+    """A released member's ``expires`` has passed: published, it could never run (a worker
+    revokes it on receipt, RabbitMQ drops it for its TTL), so it is not published."""
+
+
+class DeadlinePassed(ThreadsError, redis.TimeoutError):
+    """The caller's bound ran out before a wait could start (retried as a timeout would be, and
+    reported as the attempt before it failed: see ``BoundedRetry``)."""

@@ -19,8 +19,8 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
+from .admin import Threads
 from .metrics import OUTCOMES, STATES, Metrics
-from .threads import Threads
 
 __all__ = ["GateCollector", "listen", "registry", "render"]
 

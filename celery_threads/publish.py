@@ -18,6 +18,7 @@ from kombu.serialization import dumps as _kombu_dumps
 from kombu.serialization import loads as _kombu_loads
 from kombu.serialization import prepare_accept_content
 
+from .errors import ReleaseExpired, UndecodableEnvelope
 from .gate import Release
 from .protocol import OUR_HEADERS, REPUBLISHED_HEADER, THREAD_HEADER, TOKEN_HEADER
 
@@ -153,15 +154,6 @@ def _loads(body: bytes, content_type: str, content_encoding: str,
            accept: Optional[set[str]]) -> Any:
     return _kombu_loads(body, content_type, content_encoding,  # type: ignore[no-untyped-call]
                         accept=accept)
-
-
-class UndecodableEnvelope(ValueError):
-    """A stored envelope is not ``header_json \\n body``: it can never be published."""
-
-
-class ReleaseExpired(Exception):
-    """A released member's ``expires`` has passed: published, it could never run (a worker
-    revokes it on receipt, RabbitMQ drops it for its TTL), so it is not published."""
 
 
 def decode_envelope(envelope: bytes) -> tuple[dict[str, Any], bytes]:

@@ -15,16 +15,17 @@ from celery import Celery
 
 from . import seams
 from .config import ThreadsConfig, forget_config, read_config, sanitized_url
+from .errors import ReleaseExpired, UndecodableEnvelope
 from .gate import (
     DELETED,
     ENDED,
     NO_HOLDER,
     STOPPING,
     DeadRecord,
-    DirectRelease,
     Gate,
     Outcome,
     Release,
+    ReleasePush,
     make_client,
 )
 from .gate.access import check_access
@@ -33,7 +34,7 @@ from .gate.deadline import unbounded_class
 from .gate.eviction import check_eviction
 from .keys import Keys
 from .protocol import THREAD_HEADER
-from .publish import ReleaseExpired, ReleasePublisher, UndecodableEnvelope, publish_release, task_name
+from .publish import ReleasePublisher, publish_release, task_name
 from .signals import member_dead
 
 logger = logging.getLogger(__name__)
@@ -74,7 +75,7 @@ class Runtime:
         self.publisher = ReleasePublisher(app)
         self.pid = os.getpid()
 
-    def _gate(self, client: redis.Redis, direct: Optional[DirectRelease]) -> Gate:
+    def _gate(self, client: redis.Redis, direct: Optional[ReleasePush]) -> Gate:
         return Gate(client, self.keys, release_timeout_ms=self.config.release_timeout_ms,
                     keepalive_ms=self.config.keepalive_ms, direct=direct,
                     wait_replicas=self.config.wait_replicas)
@@ -177,7 +178,7 @@ class Runtime:
         released one, the result backend is marked REVOKED here, and one worker (elected by a note
         in the gate) sends the ``task-revoked`` event, so Flower shows it without a phantom worker.
         """
-        thread_id = self.gate.thread_of(task_id)
+        thread_id = self.gate.reads.thread_of(task_id)
         if thread_id is None:
             return None
         outcome = self.publish_outcome(self.gate.delete(task_id, stop=True, thread_id=thread_id))
@@ -214,7 +215,7 @@ class Runtime:
         """Wait, at most ``wait`` seconds, until a member marked deleted has left its thread."""
         deadline = time.monotonic() + wait
         pause = 0.01
-        while self.gate.holds(thread_id, task_id):
+        while self.gate.reads.holds(thread_id, task_id):
             if time.monotonic() >= deadline:
                 logger.info("celery-threads: deleted member %s of thread %s still runs %ss "
                             "after its revoke; the next member starts once its worker has "
@@ -250,7 +251,7 @@ class Runtime:
 
     def announce_death(self, thread_id: str, task_id: str, exception: str, retries: int,
                        record: Optional[DeadRecord] = None) -> None:
-        record = record or self.gate.dead_record(task_id)
+        record = record or self.gate.reads.dead_record(task_id)
         name = task_name(record.envelope) if record else ""
         logger.warning("celery-threads: member %s (%s) of thread %s died: %s",
                        task_id, name, thread_id, exception)
@@ -292,7 +293,7 @@ def unreachable(config: ThreadsConfig) -> Optional[BaseException]:
     return None
 
 
-def direct_release(app: Celery, client: Any) -> Optional[DirectRelease]:
+def direct_release(app: Celery, client: Any) -> Optional[ReleasePush]:
     """Where the gate's scripts may publish releases themselves: when the broker is kombu's Redis
     transport on the gate's own server (same host and port, compared as written, and the same
     credentials), else ``None`` and releases are published by Python through kombu."""
@@ -317,7 +318,7 @@ def direct_release(app: Celery, client: Any) -> Optional[DirectRelease]:
         vhost = str(vhost or "").strip("/")
         broker_db = int(vhost) if vhost else 0
     prefix = (app.conf.broker_transport_options or {}).get("global_keyprefix") or ""
-    return DirectRelease(gate_db=int(options.get("db") or 0), broker_db=broker_db,
+    return ReleasePush(gate_db=int(options.get("db") or 0), broker_db=broker_db,
                          key_prefix=str(prefix))
 
 

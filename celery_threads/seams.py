@@ -37,8 +37,8 @@ The seams (docs/compatibility.md has what each buys, measured):
   ``_context`` in the main process's ending of a lost member.  Fallback: read as not revoked
   (the gate's token fences the ending anyway), the retry stored without the request's context.
 * ``direct-line`` (redis-py): ``Connection._sock`` and ``_parser.parse_error`` for the pool
-  processes' EVALSHA/FCALL line (gate.DirectLine; on a cluster, one to each master:
-  gate.cluster.ClusterLine).  Fallback: redis-py's client (on a cluster, its cluster client).
+  processes' EVALSHA/FCALL line (gate.ScriptLine; on a cluster, one to each master:
+  gate.cluster.ClusterScriptLine).  Fallback: redis-py's client (on a cluster, its cluster client).
 """
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ import celery
 import kombu
 import redis
 
-from .errors import ConfigurationError
+from .errors import SeamRefused
 
 logger = logging.getLogger(__name__)
 
@@ -78,10 +78,6 @@ class Seam:
     uses: str                               # the private names, as a reader looks them up
     check: Callable[[Any], Optional[str]]   # (app or None) -> None when it holds, else what not
     fallback: str                           # the public path taken instead; "" when none
-
-
-class SeamRefused(ConfigurationError):
-    """A seam without a safe fallback does not hold on the installed versions."""
 
 
 _results: dict[str, Optional[str]] = {}

@@ -395,7 +395,7 @@ class Cluster:
             dead = {r.task_id: DeadLetter(str(r.meta.get("thread_id", "")),
                                           str(r.meta.get("exception", "")), r.died_at_ms,
                                           int(r.meta.get("retries", -1)))
-                    for r in gate.dead_records()}
+                    for r in gate.reads.dead_records()}
             thread_keys: dict[str, list[str]] = {}
             lingering: dict[str, int] = {}
             head = f"{shard.tag}:t:"
@@ -427,7 +427,7 @@ class Cluster:
                 ended={k.decode(): v for k, v in client.zrange(shard.ended, 0, -1,
                                                                withscores=True)},
                 notes=notes, other_keys=other,
-                paused=gate.paused(shard), listed=list(gate.thread_ids()),
+                paused=gate.reads.paused(shard), listed=list(gate.reads.thread_ids()),
                 stats={k.decode(): int(v) for k, v in client.hgetall(shard.stats).items()})
         finally:
             client.close()
@@ -808,7 +808,7 @@ class Workload:
         from tests.chaos_tasks import now_us, record
 
         try:
-            letters = threads.gate.dead_records()
+            letters = threads.gate.reads.dead_records()
             by_thread: dict[str, list[Any]] = {}
             for r in letters:
                 if str(r.meta.get("thread_id")) not in self.holding:   # a redrive lifts a hold
@@ -819,7 +819,7 @@ class Workload:
             thread = max(by_thread, key=lambda t: (len(by_thread[t]) + rng.random() * 2, t))
             lo = now_us()
             threads.redrive(thread)
-            left = {r.task_id for r in threads.gate.dead_records()}
+            left = {r.task_id for r in threads.gate.reads.dead_records()}
         except Exception as exc:
             self.errors.append(f"redrive: {type(exc).__name__}: {exc}")
             return

@@ -65,7 +65,7 @@ def gate_in_the_past(app: Any, seconds: float) -> Gate:
     (release times, deadlines, schedules) is that old as soon as it is written."""
     runtime = get_runtime(app)
     behind_ms = int(seconds * 1000)
-    clock: Callable[[], int] = lambda: runtime.gate.now_ms() - behind_ms  # noqa: E731
+    clock: Callable[[], int] = lambda: runtime.gate.reads.now_ms() - behind_ms  # noqa: E731
     return Gate(runtime.client, runtime.keys, release_timeout_ms=runtime.config.release_timeout_ms,
                 keepalive_ms=runtime.config.keepalive_ms, clock=clock)
 
@@ -92,4 +92,4 @@ def kill_member(gate: Gate, thread: str, task_id: str, exception: str = "ValueEr
 
 def server_ms(app: Any) -> int:
     """The Redis server's clock, in milliseconds."""
-    return get_runtime(app).gate.now_ms()
+    return get_runtime(app).gate.reads.now_ms()

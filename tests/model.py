@@ -886,7 +886,7 @@ class Model:
                 if t.active is not None}
 
     def scan_due(self, limit: int) -> Scan:
-        """What Gate.scan_due reads: at most ``limit`` due entries of each index (ZSET order:
+        """What GateReads.scan_due reads: at most ``limit`` due entries of each index (ZSET order:
         score, then member bytes), and the earliest future entry of either."""
         def order(index: dict[str, int]) -> list[tuple[str, int]]:
             return sorted(index.items(), key=lambda kv: (kv[1], kv[0].encode()))

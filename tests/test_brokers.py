@@ -62,7 +62,7 @@ class BrokerContract:
 
 def _holder(proj, thread: str) -> str:
     """The name of the worker holding the thread's active member (names are "<name>-<hex>@host")."""
-    snapshot = get_runtime(proj.app).gate.snapshot(thread)
+    snapshot = get_runtime(proj.app).gate.reads.snapshot(thread)
     return snapshot.active["worker"].split("-")[0]
 
 

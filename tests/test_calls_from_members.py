@@ -75,15 +75,15 @@ def test_a_replacement_of_an_ended_id_is_admitted_once(proj, isolated_app):
     """The gate admits a replacement (``replaced_task_nesting``) under the id of a member that
     ended less than a minute ago, once per nesting level: a replayed call stays a no-op, also after
     the replacement itself has ended."""
-    from celery_threads.gate import CLAIMED
+    from celery_threads.gate import Claim
     from celery_threads.runtime import get_runtime
 
     gate = get_runtime(isolated_app).gate
     thread, other, task_id = tid(), tid(), "replaced-id"
 
     def run_to_end(thread_id: str) -> None:
-        token = gate.snapshot(thread_id).active["token"]
-        assert gate.claim(thread_id, task_id, token, "w") == CLAIMED
+        token = gate.reads.snapshot(thread_id).active["token"]
+        assert gate.claim(thread_id, task_id, token, "w") == Claim.CLAIMED
         assert gate.finish(thread_id, task_id, token).done
 
     assert gate.enqueue(thread, task_id, b"x").done

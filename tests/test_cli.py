@@ -69,7 +69,7 @@ def fits(text: str, width: int = 80) -> None:
 def running(app, thread: str, worker: str = "w1@box") -> str:
     """Claim the thread's released member as a worker would; returns its task id."""
     gate = Threads(app).gate
-    active = gate.snapshot(thread).active
+    active = gate.reads.snapshot(thread).active
     assert gate.claim(thread, active["task"], active["token"], worker) == 1
     return active["task"]
 
@@ -259,7 +259,7 @@ def test_dead_lists_the_latest_deaths_up_to_a_limit(app, cli):
     assert [d.task_id for d in threads.dead()] == everything
     assert [d.task_id for d in threads.dead(limit=2)] == ["dead-3", "dead-4"]   # oldest first
     assert [d.task_id for d in threads.dead(limit=9)] == everything
-    assert threads.dead(limit=0) == [] and threads.gate.dead_count() == 5
+    assert threads.dead(limit=0) == [] and threads.gate.reads.dead_count() == 5
     with pytest.raises(ValueError):
         threads.dead(limit=-1)
 

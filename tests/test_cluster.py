@@ -146,8 +146,8 @@ def test_cluster_gate_reloads_what_a_master_lost(redis_cluster):
         assert ended.done and ended.release is not None
         released.append((thread, ended.release.task_id, ended.release.token))
     forget_everything()
-    assert gate.renew_many(released) == [1] * len(released)    # pipelined: RENEWED
-    assert all(gate.snapshot(t).active["state"] == "RELEASED" for t in threads)
+    assert gate.renew_many(released) == [1] * len(released)    # pipelined: Renewal.RENEWED
+    assert all(gate.reads.snapshot(t).active["state"] == "RELEASED" for t in threads)
 
 
 def _lives(gate: Gate, threads: list[str]) -> None:
@@ -188,7 +188,7 @@ def test_cluster_hot_path_has_its_own_line_per_master_and_follows_a_moved_slot(
     through_client = _client_calls(gate, monkeypatch)
     _lives(gate, threads)
     assert through_client == []
-    line = gate._direct
+    line = gate._line
     assert sorted(line._lines) == sorted(f"127.0.0.1:{p}" for p in redis_cluster.ports)
     slot = key_slot(keys.shard(0).seq.encode())
     old = redis_cluster.owner(slot)
@@ -245,7 +245,7 @@ def test_cluster_gate_goes_through_the_client_when_the_direct_line_does_not_hold
     through_client = _client_calls(gate, monkeypatch)
     _lives(gate, threads)
     assert len(through_client) == 3 * len(threads)
-    assert all(line._usable is False for line in gate._direct._lines.values())
+    assert all(line._usable is False for line in gate._line._lines.values())
 
 
 # -- with workers ---------------------------------------------------------------------------------

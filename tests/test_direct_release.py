@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import redis
 
-from celery_threads.gate import DirectRelease, Release, find_record, parse_record
+from celery_threads.gate import Release, ReleasePush, find_record, parse_record
 from celery_threads.runtime import direct_release, get_runtime
 from tests.helpers import starts, tid, wait_for
 from tests.isolated import BROKER_DB, GATE_DB, pointed_at
@@ -50,7 +50,7 @@ def _without_tag(message: dict[str, Any]) -> dict[str, Any]:
 
 def test_the_gate_publishes_what_kombu_would(proj, isolated_app, redis_server):
     runtime = get_runtime(isolated_app)
-    assert runtime.gate.direct == DirectRelease(gate_db=GATE_DB, broker_db=BROKER_DB)
+    assert runtime.gate.direct == ReleasePush(gate_db=GATE_DB, broker_db=BROKER_DB)
     thread = tid("dé/\"q")   # escapes in the thread id survive the splice
     result = proj.record.apply_async((thread, "ünïcode \"quoted\" \\ /"), thread_id=thread,
                                      headers={"custom": {"nested": [1, [], {}], "n": 2 ** 60}})
@@ -89,7 +89,7 @@ def test_a_release_published_by_the_gate_is_not_published_again(proj, isolated_a
     gate, thread = runtime.gate, tid()
     first = proj.record.apply_async((thread, "a"), thread_id=thread)
     proj.record.apply_async((thread, "b"), thread_id=thread)
-    token = gate.snapshot(thread).active["token"]
+    token = gate.reads.snapshot(thread).active["token"]
     assert gate.claim(thread, first.id, token, "w") == 1
     outcome = gate.finish(thread, first.id, token)
     assert outcome.release is not None and outcome.release.published
@@ -109,7 +109,7 @@ def test_messages_the_gate_cannot_build_go_through_kombu(proj, isolated_app, red
     runtime = get_runtime(isolated_app)
     thread = tid()
     proj.record.apply_async((thread, "x"), thread_id=thread, **options)
-    snapshot = runtime.gate.snapshot(thread)
+    snapshot = runtime.gate.reads.snapshot(thread)
     assert snapshot is not None and snapshot.active["state"] == "RELEASED"
     client = redis.Redis(port=redis_server.port, db=BROKER_DB)
     messages = [json.loads(client.lrange(key, 0, -1)[0]) for key in client.keys("*")
@@ -139,8 +139,8 @@ def test_direct_release_only_on_the_gates_own_server(proj, isolated_app, redis_s
     app = isolated_app
     here = f"redis://127.0.0.1:{redis_server.port}"
     cases = {
-        f"{here}/3": DirectRelease(gate_db=GATE_DB, broker_db=3),
-        f"{here}": DirectRelease(gate_db=GATE_DB, broker_db=0),
+        f"{here}/3": ReleasePush(gate_db=GATE_DB, broker_db=3),
+        f"{here}": ReleasePush(gate_db=GATE_DB, broker_db=0),
         f"redis://127.0.0.1:{redis_server.port + 1}/3": None,
         f"redis://:secret@127.0.0.1:{redis_server.port}/3": None,
         "amqp://guest:guest@127.0.0.1:5672//": None,
@@ -178,7 +178,7 @@ def test_a_refused_push_leaves_the_publish_to_kombu(proj, isolated_app, redis_se
     gate = get_runtime(isolated_app).gate
     thread = tid()
     result = proj.record.apply_async((thread, "refused"), thread_id=thread)
-    snapshot = gate.snapshot(thread)
+    snapshot = gate.reads.snapshot(thread)
     assert snapshot is not None and snapshot.active["state"] == "RELEASED"
     assert snapshot.active["task"] == result.id
     assert broker.get(_queue(isolated_app)) == b"not a list"
@@ -189,4 +189,4 @@ def test_a_refused_push_leaves_the_publish_to_kombu(proj, isolated_app, redis_se
     outcome = gate.enqueue(other, "refused-too", envelope)
     assert outcome.release is not None and not outcome.release.published
     assert outcome.release.envelope == envelope
-    assert gate.snapshot(other).active["state"] == "RELEASED"   # and the gate's db is back
+    assert gate.reads.snapshot(other).active["state"] == "RELEASED"   # and the gate's db is back

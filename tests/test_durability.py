@@ -21,7 +21,7 @@ import pytest
 import redis
 
 from celery_threads.errors import NotReplicated
-from celery_threads.gate import NO_HOLDER, NOOP, NOT_YOURS, RENEWED, RETRIED, Gate, claimant_prefix
+from celery_threads.gate import NO_HOLDER, Done, Gate, Lapse, Renewal, claimant_prefix
 from celery_threads.keys import Keys
 from tests.conftest import Deployment, RedisServer, configure_client, deployment_env
 from tests.helpers import events, tid, wait_for
@@ -147,16 +147,16 @@ def test_tokens_never_repeat_across_lost_writes_and_the_first_holder_loses_its_m
     assert lost is not None and lost.task_id == "b"
 
     lose_writes_since(client, before)
-    active = gate.snapshot("t").active
+    active = gate.reads.snapshot("t").active
     assert (active["task"], active["state"], active["token"]) == ("a", "RELEASED", a.token)
     assert gate.claim("t", "a", a.token, "w2", "c2") == 1
-    assert gate.renew("t", "a", a.token, "c1") == NOT_YOURS
-    assert gate.renew("t", "a", a.token, "c2") == RENEWED
+    assert gate.renew("t", "a", a.token, "c1") == Renewal.NOT_YOURS
+    assert gate.renew("t", "a", a.token, "c2") == Renewal.RENEWED
     # The first worker's ending, sent again: refused, it would end the second worker's run.
-    assert gate.finish("t", "a", a.token, caller="c1").status == NOOP
-    assert gate.requeue("t", "a", a.token, retries=1, caller="c1").status == NOOP
-    assert gate.kill("t", "a", a.token, {"exception": "x"}, caller="c1", fenced=True).status == NOOP
-    assert gate.snapshot("t").active["by"] == "c2"
+    assert gate.finish("t", "a", a.token, caller="c1").status == Done.NOOP
+    assert gate.requeue("t", "a", a.token, retries=1, caller="c1").status == Done.NOOP
+    assert gate.kill("t", "a", a.token, {"exception": "x"}, caller="c1", fenced=True).status == Done.NOOP
+    assert gate.reads.snapshot("t").active["by"] == "c2"
     again = gate.finish("t", "a", a.token, caller="c2").release
     assert again is not None and again.task_id == "b"
     assert int(again.token) > int(lost.token) > int(a.token)
@@ -176,14 +176,14 @@ def test_after_a_lost_claim_the_first_workers_main_process_ends_nothing_of_the_s
     lose_writes_since(gate.client, before)
     assert gate.claim("t", "a", a.token, "w2@h", second + "beef00") == 1
     lost = "WorkerLostError: gone; no retries were left"
-    assert gate.fail("t", "a", a.token, lost, holder=first).status == NOOP
+    assert gate.fail("t", "a", a.token, lost, holder=first).status == Lapse.NOOP
     assert gate.kill("t", "a", a.token, {"exception": "TimeLimitExceeded"},
-                     holder=first).status == NOOP
+                     holder=first).status == Done.NOOP
     assert gate.kill("t", "a", a.token, {"exception": "NotRegistered"},
-                     holder=NO_HOLDER).status == NOOP
-    assert gate.snapshot("t").active["by"] == second + "beef00"
-    assert gate.fail("t", "a", a.token, lost, holder=second).status == RETRIED
-    assert gate.snapshot("t").active["task"] == "b"
+                     holder=NO_HOLDER).status == Done.NOOP
+    assert gate.reads.snapshot("t").active["by"] == second + "beef00"
+    assert gate.fail("t", "a", a.token, lost, holder=second).status == Lapse.RETRIED
+    assert gate.reads.snapshot("t").active["task"] == "b"
 
 
 def test_tokens_stay_increasing_when_the_counter_is_lost(gate):
@@ -223,7 +223,7 @@ def test_a_transition_no_replica_confirmed_counts_as_not_done(redis_server):
             gate.release_many(["t"])
         assert time.monotonic() - started >= 0.3           # each waited its 100 ms
         plain = Gate(client, Keys("ctwait"), release_timeout_ms=5000)
-        assert plain.snapshot("t").active["task"] == "a"  # the master holds it all the same
+        assert plain.reads.snapshot("t").active["task"] == "a"  # the master holds it all the same
     finally:
         client.flushdb()
 
@@ -255,7 +255,7 @@ def test_an_enqueue_is_sent_again_until_a_replica_confirms_it(redis_server):
         again = gate.enqueue("t", "a", b"A")           # the first one's member, stored then
         assert not again.done and again.release is not None and again.release.task_id == "a"
         plain = Gate(client, Keys("ctwait"), release_timeout_ms=5000)
-        assert [task for task, _ in plain.snapshot("t").waiting] == ["b"]
+        assert [task for task, _ in plain.reads.snapshot("t").waiting] == ["b"]
     finally:
         replica.stop()
         client.config_set("repl-diskless-sync-delay", delay)

@@ -10,8 +10,9 @@ from celery import Task
 from celery.exceptions import TaskRevokedError
 
 from celery_threads import Threads
+from celery_threads.errors import ReleaseExpired
 from celery_threads.gate import Gate, Release
-from celery_threads.publish import CapturingProducer, ReleaseExpired, release_message
+from celery_threads.publish import CapturingProducer, release_message
 from celery_threads.runtime import get_runtime
 from tests.conftest import rabbitmq_url
 from tests.helpers import assert_serial, starts, tid, wait_for

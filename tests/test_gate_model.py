@@ -46,8 +46,8 @@ from hypothesis.stateful import (
 
 from celery_threads import gate as gate_module
 from celery_threads.gate import (
-    DirectRelease,
     Gate,
+    ReleasePush,
     member_field,
     parse_record,
     pause_reason,
@@ -208,7 +208,7 @@ class GateMachine(RuleBasedStateMachine):
             gate = self.gates[keepalive] = Gate(
                 self.r, self.keys, release_timeout_ms=RELEASE_TIMEOUT, keepalive_ms=keepalive,
                 clock=lambda: self.model.now, functions=self.FUNCTIONS,
-                direct=DirectRelease(DB, BROKER_DB, BROKER_PREFIX))
+                direct=ReleasePush(DB, BROKER_DB, BROKER_PREFIX))
         return gate
 
     def bind(self, thread_id: str, task_id: str, mtok: str, rtok: str) -> None:
@@ -475,7 +475,7 @@ class GateMachine(RuleBasedStateMachine):
     @rule(limit=st.sampled_from([1, 2, 500]))
     def dispatch(self, limit: int) -> None:
         """One dispatcher tick, as Dispatcher._tick_shard does it."""
-        scan = self.gate.scan_due(self.shard, limit)
+        scan = self.gate.reads.scan_due(self.shard, limit)
         expected = self.model.scan_due(limit)
         assert (scan.now_ms, scan.due, scan.lapsed, scan.next_ms) == (
             self.model.now, expected.due, expected.lapsed, expected.next_ms), (
@@ -508,7 +508,7 @@ class GateMachine(RuleBasedStateMachine):
         """A delivery claims the active member; the same claimant again is its claim replayed.
         ``stoppable``: a prefork pool process's claim (a delete waits for it to stop)."""
         thread_id, task_id, mtok, rtok = self.active_target(pick)
-        self.same(self.gate.peek(thread_id, task_id, rtok),
+        self.same(self.gate.reads.peek(thread_id, task_id, rtok),
                   self.model.peek(thread_id, task_id, mtok), "peek")
         self.same(self.leasing(keepalive).claim(thread_id, task_id, rtok, worker, claimant,
                                                 stoppable=stoppable),
@@ -698,7 +698,7 @@ class GateMachine(RuleBasedStateMachine):
         thread_id, task_id, mtok, rtok = self.stale_target(pick, bogus == 0)
         self.caller = None          # a call of its own, never taken for a replay
         if op == "peek":     # the worker's filter of stale deliveries on receipt
-            self.same(self.gate.peek(thread_id, task_id, rtok),
+            self.same(self.gate.reads.peek(thread_id, task_id, rtok),
                       self.model.peek(thread_id, task_id, mtok), "peek")
         elif op == "claim":
             self.same(self.leasing(1000).claim(thread_id, task_id, rtok, "w3"),
@@ -840,7 +840,7 @@ class GateMachine(RuleBasedStateMachine):
             self.last_redrive = (thread_id, letters, caller)
         places = {}          # the arrival numbers the dead records kept
         for task_id, _, _ in letters:
-            record = self.gate.dead_record(task_id)
+            record = self.gate.reads.dead_record(task_id)
             if record is not None:
                 places[task_id] = record.meta["seq"]
         codes, release = self.gate.redrive(thread_id, letters, caller=caller)
@@ -1070,7 +1070,7 @@ class GateMachine(RuleBasedStateMachine):
         model, turn, now = self.model, self.checks % 8, self.model.now
         if turn == 0:
             thread_id = threads[(self.checks // 8) % len(threads)]
-            snap, thread = self.gate.snapshot(thread_id), model.threads.get(thread_id)
+            snap, thread = self.gate.reads.snapshot(thread_id), model.threads.get(thread_id)
             paused = model.paused.get(thread_id)
             assert (snap is None) == (thread is None and paused is None), (
                 f"snapshot of {thread_id}: {snap}")
@@ -1086,26 +1086,26 @@ class GateMachine(RuleBasedStateMachine):
                 active = thread.active.task_id if thread.active else None
                 assert snap.active.get("task") == active
         elif turn == 1:
-            listed = list(self.gate.thread_ids())
+            listed = list(self.gate.reads.thread_ids())
             assert sorted(listed) == sorted(set(model.threads) | set(model.paused)), (
                 f"thread_ids {listed}")
         elif turn == 2:
             task_id = self.known_task(self.checks // 8)
-            assert self.gate.thread_of(task_id) == model.thread_of(task_id), task_id
+            assert self.gate.reads.thread_of(task_id) == model.thread_of(task_id), task_id
         elif turn == 3:
             dead = [(d.task_id, without_seq(d.meta), d.envelope, d.died_at_ms)
-                    for d in self.gate.dead_records()]
+                    for d in self.gate.reads.dead_records()]
             expected = [(d.task_id, d.meta, d.envelope, d.died_at_ms)
                         for d in model.dead.values()]
             assert dead == expected, f"dead letters {dead} vs {expected}"
             for task_id in list(model.dead)[:1] + [UNKNOWN]:
-                record, want = self.gate.dead_record(task_id), model.dead.get(task_id)
+                record, want = self.gate.reads.dead_record(task_id), model.dead.get(task_id)
                 assert (record is None) == (want is None), task_id
                 if record is not None and want is not None:
                     assert (without_seq(record.meta), record.envelope, record.died_at_ms) == (
                         want.meta, want.envelope, want.died_at_ms)
         elif turn == 4:
-            rows = self.gate.thread_summaries(threads)
+            rows = self.gate.reads.thread_summaries(threads)
             for thread_id, (active, waiting, head) in zip(threads, rows):
                 thread = model.threads.get(thread_id)
                 queue = thread.waiting() if thread else []
@@ -1115,14 +1115,14 @@ class GateMachine(RuleBasedStateMachine):
                 ), f"summary of {thread_id}: {active, waiting, head}"
         elif turn == 5:
             before, limit = now + (self.checks // 8) % 3 * RELEASE_TIMEOUT, 1 + self.checks % 3
-            got = self.gate.overdue(self.shard, before, limit)
+            got = self.gate.reads.overdue(self.shard, before, limit)
             assert got == model.overdue(before, limit), f"overdue({before}, {limit}): {got}"
         elif turn == 6:
             before = now - RELEASE_TIMEOUT
-            got = self.gate.index_counts(self.shard, now, before)
+            got = self.gate.reads.index_counts(self.shard, now, before)
             assert got == model.index_counts(now, before), f"index_counts: {got}"
         else:
-            got = self.gate.active_states(self.shard, batch=2)
+            got = self.gate.reads.active_states(self.shard, batch=2)
             assert got == model.active_states(), f"active_states: {got}"
 
 
@@ -1202,7 +1202,7 @@ def test_expire_of_an_idle_thread_reports_its_release(gate_url: str) -> None:
         assert gate.enqueue("a", "t1", b"body", delay_ms=10).release is None   # idle, not due
         now[0] += 10                                                            # due now
         outcome = gate.expire("a")
-        snap = gate.snapshot("a")
+        snap = gate.reads.snapshot("a")
         assert snap is not None and snap.active["state"] == "RELEASED"          # released ...
         assert outcome.release is not None, f"... but not reported: {outcome}"  # ... silently
     finally:
@@ -1248,7 +1248,7 @@ def test_enqueue_paths_release_the_member_they_admit(gate_url: str) -> None:
         assert nxt.token != first.release.token
         assert gate.claim("a", "t2", nxt.token, "w") == 1
         assert gate.finish("a", "t2", nxt.token).done
-        assert gate.snapshot("a") is None and not client.exists(shard.tasks)
+        assert gate.reads.snapshot("a") is None and not client.exists(shard.tasks)
 
         assert gate.enqueue("b", "t3", b"later", delay_ms=5_000).release is None
         assert client.zscore(shard.due, "b") == START + 5_000
@@ -1257,7 +1257,7 @@ def test_enqueue_paths_release_the_member_they_admit(gate_url: str) -> None:
         assert (calls() - before)["cmdstat_hget"] == 0                     # its record, not re-read
         assert early is not None and (early.task_id, early.envelope) == ("t4", b"now")
         assert client.zscore(shard.due, "b") is None and client.zscore(shard.leases, "b") is not None
-        assert [t for t, _ in gate.snapshot("b").waiting] == ["t3"]
+        assert [t for t, _ in gate.reads.snapshot("b").waiting] == ["t3"]
     finally:
         client.close()
 
@@ -1287,12 +1287,12 @@ def test_uuid_prefix_collisions(gate_url: str) -> None:
         assert gate.enqueue("c", u2, b"again").status == 0              # a duplicate of each
         assert gate.enqueue("c", u1, b"again").status == 0
         assert gate.enqueue("a", u3, b"three").release is None          # behind u1, long form
-        assert (gate.thread_of(u1), gate.thread_of(u2), gate.thread_of(u3)) == ("a", "b", "a")
-        assert gate.thread_of(u4) is None
-        snap = gate.snapshot("a")
+        assert [gate.reads.thread_of(u) for u in (u1, u2, u3)] == ["a", "b", "a"]
+        assert gate.reads.thread_of(u4) is None
+        snap = gate.reads.snapshot("a")
         assert snap is not None and snap.active["task"] == u1
         assert snap.waiting == [(u3, START)] and set(snap.records) == {u1, u3}
-        assert [row[2] for row in gate.thread_summaries(["a", "b"])] == [(u3, START), None]
+        assert [row[2] for row in gate.reads.thread_summaries(["a", "b"])] == [(u3, START), None]
 
         assert gate.claim("a", u1, r1.token, "w") == 1
         r3 = gate.finish("a", u1, r1.token).release                   # frees the short field
@@ -1301,18 +1301,18 @@ def test_uuid_prefix_collisions(gate_url: str) -> None:
         assert gate.enqueue("c", u2, b"again").status == 0              # still a member
         r4 = gate.enqueue("d", u4, b"four").release                    # takes the short field
         assert r4 is not None and client.hget(tasks, short) is not None
-        assert gate.delete(u2).done and gate.thread_of(u2) is None     # by its long form
+        assert gate.delete(u2).done and gate.reads.thread_of(u2) is None     # by its long form
         assert client.zscore(ended, u2) == now[0]                        # ended, not +inf
-        assert gate.thread_of(u4) == "d" and gate.thread_of(u3) == "a"
+        assert gate.reads.thread_of(u4) == "d" and gate.reads.thread_of(u3) == "a"
 
         assert gate.claim("a", u3, r3.token, "w") == 1
         assert gate.requeue("a", u3, r3.token, retries=1).done          # a retry keeps its key
-        r3 = gate.snapshot("a").active
-        assert r3["task"] == u3 and gate.thread_of(u3) == "a"
+        r3 = gate.reads.snapshot("a").active
+        assert r3["task"] == u3 and gate.reads.thread_of(u3) == "a"
         assert gate.kill("a", u3, r3["token"], keep=True, meta={"thread_id": "a"}).done
         assert gate.claim("d", u4, r4.token, "w") == 1
         assert gate.finish("d", u4, r4.token).done
-        assert not client.exists(tasks) and gate.snapshot("a") is None
+        assert not client.exists(tasks) and gate.reads.snapshot("a") is None
     finally:
         client.close()
 
@@ -1334,10 +1334,10 @@ def test_dead_records_latest_across_shards(gate_url: str) -> None:
             assert rel is not None and gate.claim(thread, f"d{i}", rel.token, "w") == 1
             assert gate.kill(thread, f"d{i}", rel.token, {"exception": "boom"}).done
         every = [f"d{i}" for i in range(8)]
-        assert [r.task_id for r in gate.dead_records()] == every
-        assert [r.task_id for r in gate.dead_records(3)] == every[-3:]
-        assert [r.task_id for r in gate.dead_records(10)] == every     # more than there are
-        assert gate.dead_records(0) == [] and gate.dead_count() == 8
+        assert [r.task_id for r in gate.reads.dead_records()] == every
+        assert [r.task_id for r in gate.reads.dead_records(3)] == every[-3:]
+        assert [r.task_id for r in gate.reads.dead_records(10)] == every     # more than there are
+        assert gate.reads.dead_records(0) == [] and gate.reads.dead_count() == 8
     finally:
         client.close()
 

@@ -315,7 +315,7 @@ def test_terminate_signals_a_handed_off_member_only_while_its_process_runs_it(pr
                 client.client_unpause()
             terminating.join(20)
             assert not terminating.is_alive()
-            assert runtime.gate.snapshot(thread) is None    # x left its thread all the same
+            assert runtime.gate.reads.snapshot(thread) is None    # x left its thread all the same
             tell(None)                              # alive: it was not signalled
             _terminate_handed_off(runtime, "later", None)   # its slot names it: signalled
             process.join(10)

@@ -156,7 +156,7 @@ def test_a_lost_member_too_long_for_its_slot_is_read_from_the_gate(shared_slots,
 
     handoff._reported.clear()                  # read again, once the member has moved on
     gate.fail(thread, task_id, released.token, "lost")
-    assert gate.snapshot(thread).active.get("token") != released.token
+    assert gate.reads.snapshot(thread).active.get("token") != released.token
     assert handoff.lost_member(pid) is None
 
 

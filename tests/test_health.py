@@ -55,7 +55,7 @@ def test_status_of_a_released_member_and_its_waiting_siblings(proj, app, threads
 def test_status_of_a_running_member_names_its_worker_and_lease(proj, app, threads):
     thread = tid("hs")
     task = proj.record.delay(thread, "a").id
-    token = threads.gate.snapshot(thread).active["token"]
+    token = threads.gate.reads.snapshot(thread).active["token"]
     assert threads.gate.claim(thread, task, token, "w7@box") == 1
 
     a = threads.status(thread).active
@@ -196,7 +196,7 @@ def test_stats_count_threads_members_by_state_and_dead_letters(proj, app, thread
     proj.record.delay(b, "b0")
     proj.record.apply_async((c, "c0"), countdown=60)
     task_b = threads.get(b).active.task_id
-    token = threads.gate.snapshot(b).active["token"]
+    token = threads.gate.reads.snapshot(b).active["token"]
     threads.gate.claim(b, task_b, token, "w@box")
     kill_member(threads.gate, tid("hs-dead"), "dead-1")
 

@@ -16,7 +16,7 @@ LAYERS: list[tuple[str, set[str]]] = [
       "policies"}),
     ("the gate: its Lua, loader, records and client",
      {"gate", "gate.records", "gate.replies", "gate.library", "gate.client", "gate.wire",
-      "gate.api", "gate.access", "gate.eviction", "gate.cluster", "gate.sentinel",
+      "gate.reads", "gate.transitions", "gate.access", "gate.eviction", "gate.cluster", "gate.sentinel",
       "gate.deadline"}),
     ("publishing", {"publish"}),
     ("the per-process runtime and the dispatcher", {"runtime", "dispatcher"}),
@@ -27,7 +27,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("the wiring", {"install"}),
     ("the task class", {"task"}),
     ("the admin API, the CLI, the exporter and the package's public names",
-     {"threads", "cli", "exporter", "__init__"}),
+     {"admin", "cli", "exporter", "__init__"}),
 ]
 
 

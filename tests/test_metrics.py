@@ -76,7 +76,7 @@ def test_counters_after_real_runs(proj, make_deployment):
     assert Threads(proj.app).purge(held) == 2
     # A second worker takes over the dispatching; the first, running the blocker, is killed.
     d.worker("mB", concurrency=1)
-    holder = get_runtime(proj.app).gate.snapshot(held).active["worker"].split("-")[0]
+    holder = get_runtime(proj.app).gate.reads.snapshot(held).active["worker"].split("-")[0]
     victim = next(p for p in d.processes if p.kind == "worker" and p.name == holder)
     victim.kill(signal.SIGKILL)
     wait_for(lambda: state(proj, blocker) == "FAILURE", what="the blocker's lapsed lease",

@@ -111,7 +111,7 @@ def test_ids_lists_every_thread_once_across_shards_and_pages(server, threads):
                for s in gate.keys.all_shards()]
     assert all(due and leases for due, leases in indexes), indexes
     for page in (1, 7, 500):
-        listed = list(gate.thread_ids(page))
+        listed = list(gate.reads.thread_ids(page))
         assert sorted(listed) == sorted(names), page
 
 
@@ -135,7 +135,7 @@ def test_ids_while_threads_move_between_the_indexes(server):
             active[thread] = task
 
     listed = Counter()
-    for thread_id in gate.thread_ids(page=10):
+    for thread_id in gate.reads.thread_ids(page=10):
         listed[thread_id] += 1
         for thread in rng.sample(names, 3):
             move(thread)
@@ -218,7 +218,7 @@ def test_forget_all_works_in_batches(app, server, cli):
     data = as_json(cli("forget", "--all", "--yes", "--json"))
     assert sorted(data["forgotten"]) == sorted(ids)
     assert calls_of(server, "zrem") - zrem == 3      # 500 + 500 + 100
-    assert gate.dead_count() == 0 and gate.client.hlen(gate.keys.shard(0).dead_records) == 0
+    assert gate.reads.dead_count() == 0 and gate.client.hlen(gate.keys.shard(0).dead_records) == 0
 
 
 def test_forget_all_forgets_the_deaths_before_it_started(app):

@@ -232,5 +232,5 @@ def test_coalescing_on_a_cluster_gate(redis_cluster):
             assert told == [[], [calls[0]], [calls[1], calls[0]]]
             assert gate.enqueue(thread, calls[2], b"sync", coalesce="sync").superseded == [
                 calls[1], calls[0]]                                   # a replay is told again
-            snapshot = gate.snapshot(thread)
+            snapshot = gate.reads.snapshot(thread)
             assert snapshot is not None and [t for t, _ in snapshot.waiting] == [calls[2]]

@@ -276,4 +276,4 @@ def test_a_message_sent_by_name_with_invalid_retry_settings_is_rejected(proj, ma
              what="the worker to reject the message")
     assert "default_retry_delay=-1" in w.output()
     threads = Threads(proj.app)
-    assert threads.get(thread) is None and threads.gate.thread_of(sent.id) is None
+    assert threads.get(thread) is None and threads.gate.reads.thread_of(sent.id) is None

@@ -7,7 +7,7 @@ import subprocess
 import pytest
 import redis
 
-from celery_threads.gate import DIED, Gate, make_client
+from celery_threads.gate import Gate, Lapse, make_client
 from celery_threads.keys import Keys
 from tests.conftest import RedisServer, redis_binaries
 
@@ -51,18 +51,18 @@ def test_whole_lifecycle(gate):
     requeued = gate.requeue("T", "b", b_token, retries=1, delay_ms=0)
     assert requeued.release.task_id == "b" and requeued.release.retries == 1
     assert gate.finish("T", "b", requeued.release.token).done
-    assert gate.snapshot("T") is None
+    assert gate.reads.snapshot("T") is None
     restarted = gate.restart("a", max_retries=0)
     assert restarted.release.task_id == "a"
     a_token = restarted.release.token
     brief = Gate(gate.client, gate.keys, release_timeout_ms=60_000, keepalive_ms=1)
     assert brief.claim("T", "a", a_token, "w") == 1                  # a 1 ms lease
-    scan = gate.scan_due(gate.keys.shard(0), 10)
+    scan = gate.reads.scan_due(gate.keys.shard(0), 10)
     while "T" not in scan.lapsed:
-        scan = gate.scan_due(gate.keys.shard(0), 10)
+        scan = gate.reads.scan_due(gate.keys.shard(0), 10)
     [expired] = gate.expire_many(scan.lapsed)
-    assert expired.status == DIED
-    assert [r.task_id for r in gate.dead_records()] == ["a"]
+    assert expired.status == Lapse.DIED
+    assert [r.task_id for r in gate.reads.dead_records()] == ["a"]
     assert gate.forget("a")
     assert gate.enqueue("T", "c", env("c"), delay_ms=60_000).release is None
     assert gate.delete("c").info == "WAITING"
@@ -83,4 +83,4 @@ def test_hot_path_rides_out_a_script_flush_and_killed_connections(gate):
     release = gate.finish("H", "h1", release.token).release
     assert release.task_id == "h2"
     assert gate.finish("H", "h2", release.token).release is None
-    assert gate.snapshot("H") is None
+    assert gate.reads.snapshot("H") is None

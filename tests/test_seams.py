@@ -167,7 +167,7 @@ def test_the_gate_goes_through_the_client_when_the_direct_line_does_not_hold(pro
     assert outcome.release is not None
     assert gate.claim(thread, task, outcome.release.token, "w") == 1
     assert gate.finish(thread, task, outcome.release.token).done
-    assert gate._direct._usable is False
+    assert gate._line._usable is False
     client.close()
 
 

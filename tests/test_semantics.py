@@ -1,4 +1,5 @@
-"""Each paragraph of the seed text (shared/seed/threads.md), on real workers."""
+"""Each rule of the design celery-threads implements (README.md, "The guarantees"), on real
+workers."""
 from __future__ import annotations
 
 import time

@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 import redis
 
-from celery_threads.gate import DirectRelease, Gate
+from celery_threads.gate import Gate, ReleasePush
 from celery_threads.keys import Keys
 
 
 def test_packed_calls_are_redis_pys():
     conn = redis.Connection()
-    for direct in (None, DirectRelease(gate_db=0, broker_db=1, key_prefix="pfx:")):
+    for direct in (None, ReleasePush(gate_db=0, broker_db=1, key_prefix="pfx:")):
         for shards in (1, 4):
             gate = Gate(redis.Redis(), Keys("P", shards), release_timeout_ms=1234, direct=direct)
             for thread in ("t1", "é-ü:{x}", "a" * 300, ""):
@@ -81,7 +81,7 @@ def test_fields_and_queue_members(redis_server):
 
 
 def test_the_direct_line_reads_what_the_server_replies(redis_server):
-    """The hot path's own reply reader (gate.DirectLine, _parse_reply): a script's array of bulk
+    """The hot path's own reply reader (gate.ScriptLine, _parse_reply): a script's array of bulk
     strings (one longer than a socket read) and integers; nested arrays and nulls; the server's
     error raised as redis-py would raise it; a script the server lost (SCRIPT FLUSH) and a
     connection the server closed both go the client's way, which loads and reconnects."""
@@ -90,7 +90,7 @@ def test_the_direct_line_reads_what_the_server_replies(redis_server):
 
     client = make_client(redis_server.url())
     gate = Gate(client, Keys("W"), release_timeout_ms=1000, keepalive_ms=1000)
-    line = gate._direct
+    line = gate._line
     big = "x" * 200_000
     sha = client.script_load("return {1, '', ARGV[1], 7, {2, false}}")
 
@@ -192,7 +192,7 @@ def test_a_library_of_our_name_with_other_code_is_not_called(own_redis, caplog):
             assert released is not None and released.task_id == task
             assert gate.claim("t", task, released.token, "w") == 1
             assert gate.finish("t", task, released.token).done
-            assert gate.snapshot("t") is None
+            assert gate.reads.snapshot("t") is None
     assert client.info("commandstats").get("cmdstat_fcall", {}).get("calls", 0) == 0
     warned = [r for r in caplog.records if library.name in r.getMessage()]
     assert len(warned) == 1 and "EVALSHA" in warned[0].getMessage()

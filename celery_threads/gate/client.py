@@ -10,6 +10,7 @@ import redis
 from redis.backoff import AbstractBackoff, ExponentialBackoff
 from redis.retry import Retry
 
+from ..errors import DeadlinePassed
 from ..redis_options import checked, client_kwargs
 from ..seams import health_check_interval
 from . import cluster, deadline
@@ -53,7 +54,7 @@ class BoundedRetry(Retry):
             if not started:
                 started.append(time.monotonic())
             result = fail(error, *count)
-            if isinstance(error, deadline.DeadlinePassed):
+            if isinstance(error, DeadlinePassed):
                 raise attempted[-1] if attempted else error
             attempted[:] = [error]
             if time.monotonic() - started[0] > self.budget:

@@ -16,8 +16,8 @@ The hot path's calls do not go through redis-py's cluster client: its way costs 
 four times the CPU of the call itself (it packs every argument, computes the slot of each of the
 call's twelve keys, checks out a pooled connection and parses the reply generically), and its
 work between calls leaves the master's caches colder, so that the same ``FCALL`` costs the master
-more too.  :class:`ClusterLine` keeps the single Redis's direct line to each master instead: the
-master of each shard is looked up once in the client's slot map and kept until a call misses;
+more too.  :class:`ClusterScriptLine` keeps the single Redis's script line to each master instead:
+the master of each shard is looked up once in the client's slot map and kept until a call misses;
 a call the master refuses (``MOVED``, ``ASK``, ``TRYAGAIN``, ``CLUSTERDOWN``), or one on a new or
 broken connection, goes the cluster client's way, which follows the redirect and updates the map.
 
@@ -39,7 +39,7 @@ from ..errors import ConfigurationError
 from ..keys import Keys, ShardKeys
 from . import deadline
 from .library import Library
-from .wire import _MISSED, DirectLine
+from .wire import _MISSED, ScriptLine
 
 #: Errors of a call that did not run because its slot was moving or unassigned.
 _NOT_RUN = (TryAgainError, ClusterDownError, SlotNotCoveredError)
@@ -55,6 +55,19 @@ def not_run(error: BaseException) -> bool:
     on the master that holds the slot now (``NOSCRIPT``)."""
     return (isinstance(error, (_NOT_RUN, redis.exceptions.NoScriptError))
             or (type(error) is ClusterError and "TTL exhausted" in str(error)))
+
+
+def rerun_unrun(replies: Sequence[Any], rerun: Callable[[int], Any]) -> list[Any]:
+    """A pipeline's replies, each call a cluster's master refused unrun (NOSCRIPT from a master
+    without the script: a cluster's pipeline does not load scripts; TRYAGAIN while its slot
+    moves) run again on its own (``rerun(index)``), which loads the script where needed."""
+    results = list(replies)
+    for i, reply in enumerate(results):
+        if isinstance(reply, Exception):
+            if not not_run(reply):
+                raise reply
+            results[i] = rerun(i)
+    return results
 
 
 class GateCluster(RedisCluster):
@@ -86,8 +99,8 @@ def _until_run(call: Callable[[], Any], budget: float) -> Any:
         pause = min(pause * 2, 0.5)
 
 
-class ClusterLine:
-    """The hot path's line on a cluster: a :class:`~celery_threads.gate.wire.DirectLine` to each
+class ClusterScriptLine:
+    """The hot path's line on a cluster: a :class:`~celery_threads.gate.wire.ScriptLine` to each
     master, the shard's master cached.  Its :meth:`call` returns ``_MISSED`` where the caller is
     to go the cluster client's way (the single Redis's line does the same), and forgets the
     shard's master then: the next call looks it up again in the client's slot map, which that
@@ -97,8 +110,8 @@ class ClusterLine:
                  shards: Sequence[ShardKeys]) -> None:
         self.client, self.library = client, library
         self._slot_keys = [shard.seq for shard in shards]      # a key of each shard: its slot
-        self._shard_lines: list[Optional[DirectLine]] = [None] * len(shards)
-        self._lines: dict[str, DirectLine] = {}                 # by master (host:port)
+        self._shard_lines: list[Optional[ScriptLine]] = [None] * len(shards)
+        self._lines: dict[str, ScriptLine] = {}                 # by master (host:port)
         self._lock = threading.Lock()
 
     def call(self, command: Callable[[bool], bytes], shard: int = 0) -> Any:
@@ -110,7 +123,7 @@ class ClusterLine:
             self._shard_lines[shard] = None
         return reply
 
-    def _line(self, shard: int) -> Optional[DirectLine]:
+    def _line(self, shard: int) -> Optional[ScriptLine]:
         try:
             node = self.client.get_node_from_key(self._slot_keys[shard])  # type: ignore[no-untyped-call]
             connection = node and self.client.get_redis_connection(node)
@@ -121,7 +134,7 @@ class ClusterLine:
         with self._lock:
             line = self._lines.get(node.name)
             if line is None:
-                line = self._lines[node.name] = DirectLine(connection, self.library)
+                line = self._lines[node.name] = ScriptLine(connection, self.library)
         self._shard_lines[shard] = line
         return line
 

@@ -26,6 +26,8 @@ from typing import Any, Optional
 
 import redis
 
+from ..errors import DeadlinePassed
+
 #: The least a wait is given once its deadline is near: a socket with no time at all would not
 #: even connect, and the error would say less than the attempt's own.
 MIN_WAIT = 0.05
@@ -55,11 +57,6 @@ class Deadline:
         self.unanswered = False
         if self.stall:
             self.at = time.monotonic() + self.seconds
-
-
-class DeadlinePassed(redis.TimeoutError):
-    """The caller's bound ran out before a wait could start (retried as a timeout would be, and
-    reported as the attempt before it failed: see ``BoundedRetry``)."""
 
 
 _current: ContextVar[Optional[Deadline]] = ContextVar("celery_threads_deadline", default=None)

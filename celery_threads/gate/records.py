@@ -99,8 +99,9 @@ def held_by(stored: Optional[str]) -> Optional[str]:
 
 
 @dataclass(frozen=True)
-class DirectRelease:
-    """Where the scripts push a release's message: kombu's Redis transport on the gate's server.
+class ReleasePush:
+    """Where the scripts push a released member's message themselves (direct release,
+    ``threads_direct_release``): kombu's Redis transport on the gate's server.
 
     ``broker_db`` is the broker's database, ``gate_db`` the gate client's (a script switches to the
     first for the push and back), ``key_prefix`` kombu's ``global_keyprefix`` transport option.

@@ -81,11 +81,6 @@ class Redriven(str, Enum):
 REPLIES: dict[str, type[IntEnum]] = {"enqueue": Enqueue, "claim": Claim, "renew": Renewal, "expire": Lapse,
                                      "fail": Lapse, "handback": Lapse, "restart": Restart,
                                      "pause": Pause, "resume": Resume}
-# The names callers use most.
-DONE, NOOP = Done.DONE, Done.NOOP
-CLAIMED, ALREADY_CLAIMED, STALE = Claim.CLAIMED, Claim.ALREADY_CLAIMED, Claim.STALE
-RENEWED, NOT_YOURS = Renewal.RENEWED, Renewal.NOT_YOURS
-REPUBLISH, RETRIED, DIED = Lapse.REPUBLISH, Lapse.RETRIED, Lapse.DIED
 #: delete's info when a replayed call finds the member already gone (it may have been RUNNING).
 ENDED = "ENDED"
 #: delete's info when the member runs in a process its worker can stop: it is marked deleted and
@@ -117,7 +112,7 @@ class Outcome:
 
     @property
     def done(self) -> bool:
-        return self.status == DONE
+        return self.status == Done.DONE
 
     @property
     def superseded(self) -> list[str]:

@@ -43,9 +43,10 @@ from collections.abc import Iterator
 from typing import Any, Callable, NamedTuple, Optional
 
 from .. import seams
+from ..errors import UndecodableEnvelope
 from ..gate import DELETED, Release
 from ..protocol import THREAD_HEADER, TOKEN_HEADER, is_threaded
-from ..publish import UndecodableEnvelope, decode_envelope
+from ..publish import decode_envelope
 from ..runtime import Runtime, get_runtime
 from . import shared
 from .lease import Lease, keeper
@@ -165,7 +166,7 @@ def _active_task_id(member: Member) -> Optional[str]:
     slot): the thread's active member in the gate, when it is that member under that token
     (else it is no longer active there, and there is nothing to fail)."""
     try:
-        [(active, _, _)] = get_runtime(_app).gate.thread_summaries([member.thread_id])
+        [(active, _, _)] = get_runtime(_app).gate.reads.thread_summaries([member.thread_id])
     except Exception:
         logger.exception("celery-threads: could not read the active member of thread %s from "
                          "the gate; its lease will lapse", member.thread_id)

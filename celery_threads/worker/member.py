@@ -71,7 +71,7 @@ class Running:
         asked = time.monotonic()
         if gate is not None:
             try:
-                return gate.now_ms()
+                return gate.reads.now_ms()
             except redis.RedisError:
                 pass
         return self.claimed_ms + int((asked - self.claimed_mono) * 1000)
@@ -161,7 +161,7 @@ def _claim(task: Any, runtime: Runtime, keeper: Keeper, thread_id: str, task_id:
     claimant = new_claimant(hostname)
     sent = time.monotonic()
     try:
-        status, claimed_ms = runtime.gate.claim_at(
+        status, claimed_ms = runtime.gate.claim_with_time(
             thread_id, task_id, token, hostname, claimant, stoppable=stoppable())
     except redis.RedisError as exc:
         logger.warning("celery-threads: not running %s[%s] of thread %s: the gate at %s did "

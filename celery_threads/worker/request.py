@@ -134,7 +134,7 @@ class ThreadedRequest(Request):
         if not self.store_errors:
             return
         try:
-            record = runtime.gate.dead_record(self.id)
+            record = runtime.gate.reads.dead_record(self.id)
             if record is None:
                 return
             backend = self.task.backend

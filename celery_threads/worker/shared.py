@@ -48,6 +48,7 @@ from collections.abc import Iterator
 from typing import Any, NamedTuple, Optional
 
 from .. import seams
+from ..errors import ThreadsError
 
 #: Bytes per slot: a thread id of the maximum length, a token, and a task id of about 3,000
 #: bytes fit in full; a longer task id is kept as its digest.
@@ -76,7 +77,7 @@ class Member(NamedTuple):
         return self.task_id == task_id
 
 
-class Unreadable(Exception):
+class Unreadable(ThreadsError):
     """A slot that stayed mid-write for the whole patience of its reader (its writer died in
     the middle of a write, or is held up)."""
 

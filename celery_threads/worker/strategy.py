@@ -61,7 +61,7 @@ def threaded_strategy(task: Any, app: Any, consumer: Any, **kwargs: Any) -> Any:
                 return None
         thread_id, task_id = str(headers.get(THREAD_HEADER)), str(headers.get("id"))
         try:
-            state = (runtime.gate.peek(thread_id, task_id, token) if may_be_duplicate(message)
+            state = (runtime.gate.reads.peek(thread_id, task_id, token) if may_be_duplicate(message)
                      else "RELEASED")
         except redis.RedisError as exc:
             # Unchecked, it goes on: its claim, when it starts, lets one delivery run.

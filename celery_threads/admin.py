@@ -1,4 +1,5 @@
-"""``Threads(app)``: inspect and steer threads and the dead-letter store."""
+"""The admin API, ``Threads(app)``: inspect and steer threads and the dead-letter store, and read
+the gate's health and metrics."""
 from __future__ import annotations
 
 import functools
@@ -25,6 +26,7 @@ from .gate import (
     deadline,
     parse_record,
 )
+from .gate.eviction import Eviction, check_eviction
 from .metrics import Counters, Metrics
 from .protocol import normalize_thread_id, retry_settings
 from .publish import arguments_repr, decode_arguments, task_name
@@ -120,13 +122,14 @@ class Threads:
         with deadline.within(self.timeout, stall=True):
             self.runtime = get_runtime(app)
         self.gate = self.runtime.gate
+        self.reads = self.gate.reads
 
     @_admin
     def get(self, thread_id: Any) -> Optional[ThreadInfo]:
         """The thread's active and waiting members and its pause, or ``None`` when the thread
         does not exist.  A paused thread exists while it is paused, even with no member left (an
         operator's pause is state to see: ``ThreadInfo(thread_id, None, [], reason)``)."""
-        snapshot = self.gate.snapshot(normalize_thread_id(thread_id))
+        snapshot = self.reads.snapshot(normalize_thread_id(thread_id))
         return None if snapshot is None else self._info(snapshot)
 
     def _member(self, snapshot: ThreadSnapshot, task_id: str, scheduled_ms: int,
@@ -155,10 +158,10 @@ class Threads:
         many threads exist.
 
         Read while threads come and go, every thread that exists throughout the listing is
-        listed at least once and none twice (but see :meth:`Gate.thread_ids
-        <celery_threads.gate.Gate.thread_ids>` for the one exception); one created or ended
+        listed at least once and none twice (but see :meth:`GateReads.thread_ids
+        <celery_threads.gate.GateReads.thread_ids>` for the one exception); one created or ended
         meanwhile may or may not be."""
-        return self.gate.thread_ids(page)
+        return self.reads.thread_ids(page)
 
     @_admin
     def pause(self, thread_id: Any, reason: Optional[str] = None) -> bool:
@@ -187,7 +190,7 @@ class Threads:
         """The paused threads and their reasons (read without a scan of the threads)."""
         found: dict[str, str] = {}
         for shard in self.gate.keys.all_shards():
-            found.update(self.gate.paused(shard))
+            found.update(self.reads.paused(shard))
         return found
 
     @_admin
@@ -212,7 +215,23 @@ class Threads:
         the app accepts (see :class:`DeadTask`)."""
         if limit is not None and limit < 0:
             raise ValueError(f"limit must be 0 or more, not {limit}")
-        return [self._dead_task(record) for record in self.gate.dead_records(limit)]
+        return [self._dead_task(record) for record in self.reads.dead_records(limit)]
+
+    @_admin
+    def dead_task(self, task_id: str) -> Optional[DeadTask]:
+        """The task ``task_id`` in the dead-letter store, or ``None`` when it is not there."""
+        record = self.reads.dead_record(task_id)
+        return None if record is None else self._dead_task(record)
+
+    @_admin
+    def dead_count(self) -> int:
+        """How many tasks the dead-letter store holds: O(1) reads."""
+        return self.reads.dead_count()
+
+    @_admin
+    def thread_of(self, task_id: str) -> Optional[str]:
+        """The id of the thread ``task_id`` is a member of, or ``None`` when it is no member."""
+        return self.reads.thread_of(task_id)
 
     @_admin
     def restart(self, task_id: str) -> Any:
@@ -224,7 +243,7 @@ class Threads:
         not in the dead-letter store, :class:`celery_threads.errors.ConfigurationError` (and
         keeps it there) when its task's ``max_retries`` or ``default_retry_delay`` is invalid.
         """
-        record = self.gate.dead_record(task_id)
+        record = self.reads.dead_record(task_id)
         if record is None:
             raise UnknownTask(f"{task_id} is not in the dead-letter store (see Threads.dead())")
         max_retries, retry_delay_ms = self._retry_settings(record)
@@ -258,25 +277,14 @@ class Threads:
         wanted = None if thread_id is None else normalize_thread_id(thread_id)
         chosen: list[DeadRecord] = []
         # Each shard is in death order; merged by time across shards.
-        for record in heapq.merge(*(self._dead_in_order(s) for s in self.gate.keys.all_shards()),
+        shards = self.gate.keys.all_shards()
+        for record in heapq.merge(*(self.reads.dead_in_order(s) for s in shards),
                                   key=lambda r: r.died_at_ms):
             if limit is not None and len(chosen) >= limit:
                 break
             if wanted is None or str(record.meta.get("thread_id", "")) == wanted:
                 chosen.append(record)
         return chosen
-
-    def _dead_in_order(self, shard: Any) -> Iterator[DeadRecord]:
-        start = 0
-        while True:
-            ids = self.gate.dead_ids(shard, start, DEAD_CHUNK)
-            if not ids:
-                return
-            raws: list[Any] = self.gate.client.hmget(shard.dead_records, ids)
-            for task_id, raw in zip(ids, raws):
-                if raw is not None:
-                    yield DeadRecord.parse(task_id, raw)
-            start += len(ids)
 
     @_admin
     def redrive(self, thread_id: Any = None, limit: Optional[int] = None, *,
@@ -289,7 +297,7 @@ class Threads:
         first.  A letter that died
         before the store kept places re-enters as a new arrival (logged).
 
-        The letters go back :data:`~celery_threads.gate.api.OPERATOR_BATCH` per script call, each
+        The letters go back :data:`~celery_threads.gate.transitions.OPERATOR_BATCH` per script call, each
         thread's in their original order; ``progress(n)`` is told after each call.  Returns the
         number redriven."""
         by_thread: dict[str, list[DeadRecord]] = {}
@@ -351,11 +359,8 @@ class Threads:
         """How many members wait (not released nor running) in ``thread_id``, or in every
         thread: O(1) reads."""
         if thread_id is not None:
-            keys = self.gate.keys.thread(normalize_thread_id(thread_id))
-            return int(self.gate.client.zcard(keys.queue))
-        client = self.gate.client
-        return sum(max(0, int(client.hlen(s.tasks)) - int(client.zcard(s.leases)))
-                   for s in self.gate.keys.all_shards())
+            return self.reads.waiting_count(normalize_thread_id(thread_id))
+        return self.reads.waiting_total()
 
     @_admin
     def purge(self, thread_id: Any = None, *,
@@ -364,18 +369,18 @@ class Threads:
         member goes on.  Dropped members end as ``REVOKED`` in the result backend and leave the
         gate as any ending does; a thread's keys vanish with its last member.
 
-        Members are dropped :data:`~celery_threads.gate.api.OPERATOR_BATCH` per script call, the
+        Members are dropped :data:`~celery_threads.gate.transitions.OPERATOR_BATCH` per script call, the
         last in release order first (so nothing is released meanwhile); every thread is found
         through the gate's indexes with a cursor.  ``progress(n)`` is told after each call.
         Members that arrive while a thread is being purged may be dropped too.  Returns the
         number dropped."""
         if thread_id is not None:
             return self._purge_thread(normalize_thread_id(thread_id), progress)
-        return sum(self._purge_thread(t, progress) for t in self.gate.thread_ids())
+        return sum(self._purge_thread(t, progress) for t in self.reads.thread_ids())
 
     def _purge_thread(self, thread_id: str, progress: Optional[Callable[[int], None]]) -> int:
         # Bounded, so that producers adding members as fast as they go cannot keep it going.
-        bound = 2 * int(self.gate.client.zcard(self.gate.keys.thread(thread_id).queue)) + 1
+        bound = 2 * self.reads.waiting_count(thread_id) + 1
         total = 0
         while total < bound:
             dropped, left = self.gate.purge(thread_id)
@@ -396,7 +401,7 @@ class Threads:
         if batch < 1:
             raise ValueError(f"batch must be 1 or more, not {batch}")
         with deadline.within(self.timeout, stall=True):
-            ends = [(shard, self.gate.last_death(shard)) for shard in self.gate.keys.all_shards()]
+            ends = [(shard, self.reads.last_death(shard)) for shard in self.gate.keys.all_shards()]
         for shard, up_to in ends:
             while up_to is not None:
                 with deadline.within(self.timeout, stall=True):
@@ -420,8 +425,8 @@ class Threads:
         the thread does not exist."""
 
         thread_id = normalize_thread_id(thread_id)
-        now = self.gate.now_ms()
-        snapshot = self.gate.snapshot(thread_id)
+        now = self.reads.now_ms()
+        snapshot = self.reads.snapshot(thread_id)
         return None if snapshot is None else _status(snapshot, now)
 
     @_admin_iter
@@ -443,10 +448,10 @@ class Threads:
             yield from self._summaries(pending)
 
     def _summaries(self, thread_ids: list[str]) -> Iterator[ThreadSummary]:
-        now = self.gate.now_ms()
-        reasons = self.gate.paused_reasons(thread_ids)
+        now = self.reads.now_ms()
+        reasons = self.reads.paused_reasons(thread_ids)
         for thread_id, (active, waiting, head), reason in zip(
-                thread_ids, self.gate.thread_summaries(thread_ids), reasons):
+                thread_ids, self.reads.thread_summaries(thread_ids), reasons):
             if not active and head is None and reason is None:
                 continue            # it ended between the scan and the read
             since = _int(active.get("since"))
@@ -476,14 +481,14 @@ class Threads:
         threads), at most ``limit`` of each kind per shard.
         """
         grace_ms = int((self.stuck_after if grace is None else grace) * 1000)
-        now = self.gate.now_ms()
+        now = self.reads.now_ms()
         cutoff = now - grace_ms
         found: list[StuckThread] = []
         for shard in self.gate.keys.all_shards():
-            lapsed, due = self.gate.overdue(shard, cutoff, limit)
-            paused = self.gate.paused(shard)
+            lapsed, due = self.reads.overdue(shard, cutoff, limit)
+            paused = self.reads.paused(shard)
             lapsed = [(t, score) for t, score in lapsed if t not in paused]
-            rows = self.gate.thread_summaries([t for t, _ in lapsed] + [t for t, _ in due])
+            rows = self.reads.thread_summaries([t for t, _ in lapsed] + [t for t, _ in due])
             for (thread_id, score), (active, _, _) in zip(lapsed, rows[:len(lapsed)]):
                 stuck = _stuck_active(thread_id, score, active, now, cutoff)
                 if stuck is not None:
@@ -495,22 +500,28 @@ class Threads:
         found.sort(key=lambda s: s.overdue_for, reverse=True)
         return found
 
+    def eviction(self) -> list[Eviction]:
+        """What the gate's Redis servers may evict (none listed for a ``noeviction`` server), as
+        :func:`~celery_threads.gate.eviction.check_eviction` logs it once per process.  Never
+        raises: a server that does not answer is not checked."""
+        return check_eviction(self.runtime.client, self.runtime.config.redis_url)
+
     @_admin
     def stats(self, grace: Optional[float] = None) -> Stats:
         """Counts of threads, members by state, paused threads and dead letters, the oldest
         waiting head, and how many threads are :meth:`stuck` (``grace`` as there).  Everything is
         read from the indexes in O(log n), except the RELEASED/RUNNING split (O(active members))
         and the paused threads (O(paused threads))."""
-        now = self.gate.now_ms()
+        now = self.reads.now_ms()
         totals = self._totals(now, grace)
         states: dict[str, int] = {}
         for shard in self.gate.keys.all_shards():
-            for state, n in self.gate.active_states(shard).items():
+            for state, n in self.reads.active_states(shard).items():
                 states[state] = states.get(state, 0) + n
         head = None
         if totals.oldest is not None:
             thread_id, scheduled = totals.oldest
-            row = self.gate.thread_summaries([thread_id])[0][2]
+            row = self.reads.thread_summaries([thread_id])[0][2]
             head = WaitingHead(thread_id, row[0] if row else "", _at(scheduled),
                                (now - scheduled) / 1000.0)
         return Stats(
@@ -523,7 +534,7 @@ class Threads:
             oldest_waiting_head=head,
             stuck=totals.stuck,
             paused=totals.paused,
-            dead_dropped=self.gate.dead_dropped(),
+            dead_dropped=self.reads.dead_dropped(),
         )
 
     @_admin
@@ -533,11 +544,11 @@ class Threads:
         a scan of threads or members.  ``top``: also the ``top`` threads with the most waiting
         members, which does read every thread (O(threads), in pages): opt-in.  ``stuck_threads``
         is :meth:`stats`' count (``grace`` as there)."""
-        now = self.gate.now_ms()
+        now = self.reads.now_ms()
         totals = self._totals(now, grace)
         counters = Counters()
         for shard in self.gate.keys.all_shards():
-            counters += Counters.parse(self.gate.stats_counters(shard))
+            counters += Counters.parse(self.reads.stats_counters(shard))
         # The RUNNING count is the transitions' own; it cannot exceed the active members.
         running = min(max(0, counters.running), totals.active)
         return Metrics(
@@ -560,14 +571,14 @@ class Threads:
         threads = members = active = dead = stuck = paused = 0
         oldest: Optional[tuple[str, int]] = None
         for shard in self.gate.keys.all_shards():
-            counts = self.gate.index_counts(shard, now, now - grace_ms)
+            counts = self.reads.index_counts(shard, now, now - grace_ms)
             threads += counts["idle"] + counts["active"]
             members += counts["members"]
             active += counts["active"]
             dead += counts["dead"]
             stuck += counts["lapsed"] + counts["overdue_heads"]
             # A paused thread is never stuck; one with nothing active is in no index.
-            held = self.gate.paused_leases(shard)
+            held = self.reads.paused_leases(shard)
             paused += len(held)
             threads += sum(1 for score in held.values() if score is None)
             stuck -= sum(1 for score in held.values()
@@ -582,7 +593,7 @@ class Threads:
         order): every thread's queue length read, a page per round trip, ``top`` kept."""
         def waiting() -> Iterator[tuple[str, int]]:
             for page in _pages(self.ids(), ID_PAGE):
-                for thread_id, n in zip(page, self.gate.waiting_counts(page)):
+                for thread_id, n in zip(page, self.reads.waiting_counts(page)):
                     if n:
                         yield thread_id, n
 
