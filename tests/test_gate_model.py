@@ -471,6 +471,26 @@ class GateMachine(RuleBasedStateMachine):
                                                             caller=self.caller),
                          lambda: self.model.finish(thread_id, task_id, mtok, caller=self.caller))
 
+    @rule(pick=st.integers(0, 999), keep=st.booleans())
+    def held_death(self, pick: int, keep: bool) -> None:
+        """A member with on_death="hold" and no retries left arrives in an idle thread, is
+        released at once, and dies: its thread is held (the other rules redrive, restart,
+        forget or resume it).  Not left to the draws alone: the coverage check below needs it
+        reached whatever the examples drawn."""
+        idle = [t for t in THREAD_IDS if t not in self.model.paused
+                and (t not in self.model.threads or self.model.threads[t].active is None)]
+        if not idle:
+            return
+        thread_id = idle[pick % len(idle)]
+        self.enqueue(thread_id, dup=7, pick=0, at=False, delay=0, offset=0, max_retries=0,
+                     retry_delay=0, own="h")
+        thread = self.model.threads.get(thread_id)
+        if thread is None or thread.active is None:
+            return
+        task_id, mtok = thread.active.task_id, thread.active.token
+        self.caller = f"call-{len(self.task_ids)}-{STATS['calls']}"
+        self._kill(thread_id, task_id, mtok, self.m2r[mtok], keep, 0)
+
     # -- the dispatcher -----------------------------------------------------------------------
     @rule(limit=st.sampled_from([1, 2, 500]))
     def dispatch(self, limit: int) -> None:
