@@ -491,7 +491,7 @@ def pool_process_index() -> Optional[int]:
     sets ``index`` on each process it starts (``billiard.pool``: ``w.index = i``), undocumented:
     the slots the lease watchdog and the handoff share with the main process are found by it.
     Without it a pool process takes no slot, and the watchdog cannot stop its member (as under the
-    threads pool: the worker logs an error instead); tests/test_seams.py checks that billiard still
+    threads pool: the worker logs an error instead); tests/project/test_seams.py checks that billiard still
     numbers its processes."""
     from billiard.process import current_process
 

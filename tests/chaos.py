@@ -8,7 +8,7 @@ What runs: a redis-server with append-only persistence holding the gate (and, wi
 the broker in database 1), restarted during the run; a second redis-server, never restarted, holding
 the history (same host, so the same clock for both) and, in database 2, Celery's results
 (``--no-results``: none); ``--workers`` prefork ``celery worker`` processes and ``celery beat`` of
-:mod:`tests.chaos_tasks`; a producer enqueuing members into ``--threads`` threads (a few hot ones)
+:mod:`tests.support.chaos_tasks`; a producer enqueuing members into ``--threads`` threads (a few hot ones)
 with random countdowns, sleeps, retries with random countdowns, deaths and a few members longer than
 the keepalive, one call in 8 with ``coalesce="latest"`` and one in 16 debounced (a call the gate
 superseded is recorded when its producer learns it; a failed such call is sent again under its task
@@ -22,7 +22,7 @@ messages on RabbitMQ), ``--redis-restarts`` restarts of the gate's Redis (SIGTER
 ``--outage`` seconds, started again on the same port with its append-only file; an outage longer
 than the gate client's retries, 15 s, with a keepalive longer than the outage, is the long outage),
 and ``--partitions`` silent partitions between one worker and the gate (each worker reaches the gate
-through a relay of its own, tests/netfault.py, that drops everything for ``--partition`` seconds;
+through a relay of its own, tests/support/netfault.py, that drops everything for ``--partition`` seconds;
 the broker stays reachable).  The pool processes a worker kills when a lease ends unconfirmed
 ("killed pool process" in its log) count as kills of their own kind.
 
@@ -30,7 +30,7 @@ The run is also the deployment's supervisor: a worker that exits, or whose consu
 Redis transport does so when the broker restarts), is replaced at once, and how many healthy
 workers there are is written to the history, so that the checker can tell an outage from a slow
 gate.  After the load phase the faults stop, the workers are brought back to full strength, and the
-run waits until the gate is empty; then :func:`tests.checker.check` reads the history, the gate and
+run waits until the gate is empty; then :func:`tests.support.checker.check` reads the history, the gate and
 the stored results, and the report is printed (and written as JSON with ``--json``).  Exit status 0
 when the checker found no violation.
 """
@@ -58,10 +58,10 @@ from typing import Any, Optional
 import redis
 
 from celery_threads.policies import rate_interval_ms
-from tests import checker
-from tests.checker import DeadLetter, Deletion, Enqueue, Event, GateState, Limits, Report, check
 from tests.conftest import CeleryProcess, RedisServer
-from tests.netfault import Relay
+from tests.support import checker
+from tests.support.checker import DeadLetter, Deletion, Enqueue, Event, GateState, Limits, Report, check
+from tests.support.netfault import Relay
 
 AMQP_URL = "amqp://guest:guest@127.0.0.1:5672//"
 RESULTS_DB = 2      # the history server's database holding Celery's results (1: redis-apart's broker)
@@ -105,14 +105,14 @@ class Options:
 
 
 class ChaosProcess(CeleryProcess):
-    """A ``celery -A tests.chaos_tasks worker|beat`` subprocess, logging into the run's directory."""
+    """A ``celery -A tests.support.chaos_tasks worker|beat`` subprocess, logging into the run's directory."""
 
     def __init__(self, kind: str, env: dict[str, str], args: list[str], name: str,
                  logdir: Path) -> None:
         super().__init__(kind, env, args, name)
         shutil.rmtree(self.log.parent, ignore_errors=True)
         self.log = logdir / f"{name}.log"
-        self.cmd = [sys.executable, "-m", "celery", "-A", "tests.chaos_tasks", kind, *args]
+        self.cmd = [sys.executable, "-m", "celery", "-A", "tests.support.chaos_tasks", kind, *args]
 
     _read = 0
     is_ready = False
@@ -201,7 +201,7 @@ class Cluster:
             # is read after the run and checked against how the member ended.
             self.env["CHAOS_BACKEND_URL"] = self.history_server.url(RESULTS_DB)
         os.environ.update(self.env)
-        from tests import chaos_tasks
+        from tests.support import chaos_tasks
 
         chaos_tasks.configure(self.env)
         for _ in range(self.opts.workers):
@@ -249,7 +249,7 @@ class Cluster:
         busy = [w for w in candidates if set(w.children()) & busy_pids]
         victim = rng.choice(busy or candidates)
         pids = victim.group()
-        from tests.chaos_tasks import now_us, record
+        from tests.support.chaos_tasks import now_us, record
 
         lo = now_us()
         victim.kill(signal.SIGKILL)
@@ -262,7 +262,7 @@ class Cluster:
     def supervise(self) -> list[str]:
         """A supervisor's job: replace each worker that exited, or whose consumer crashed (it
         finishes what it runs, then exits); note how many healthy workers there are."""
-        from tests.chaos_tasks import record
+        from tests.support.chaos_tasks import record
 
         gone = []
         for w in list(self.workers):
@@ -291,7 +291,7 @@ class Cluster:
     def kill_child(self, rng: random.Random, history: redis.Redis, key: str,
                    deadline: float) -> Optional[int]:
         """SIGKILL a pool child in the middle of user code (at least 150 ms of sleep left)."""
-        from tests.chaos_tasks import now_us, record
+        from tests.support.chaos_tasks import now_us, record
 
         while time.time() < deadline:
             now = now_us()
@@ -312,7 +312,7 @@ class Cluster:
 
     def partition_worker(self, rng: random.Random, busy_pids: set[int]) -> Optional[ChaosProcess]:
         """Silence the link between a worker (preferably one running a member) and the gate."""
-        from tests.chaos_tasks import now_us, record
+        from tests.support.chaos_tasks import now_us, record
 
         candidates = [w for w in self.workers if w.healthy() and w.relay is not None
                       and w.relay.mode == "pass"]
@@ -327,7 +327,7 @@ class Cluster:
         return victim
 
     def heal(self, worker: ChaosProcess) -> None:
-        from tests.chaos_tasks import record
+        from tests.support.chaos_tasks import record
 
         if worker.relay is not None:
             worker.relay.heal()
@@ -353,7 +353,7 @@ class Cluster:
         return found
 
     def restart_redis(self, outage: float) -> None:
-        from tests.chaos_tasks import record
+        from tests.support.chaos_tasks import record
 
         record("redis_down")
         self.gate_server.stop()             # SIGTERM: Redis flushes its append-only file
@@ -574,7 +574,7 @@ class Workload:
         """Members at ``--rate``; one time in 16, a burst of three into one thread with the same
         ``eta`` (a multiple of 250 ms, so exact on the gate's millisecond clock), whose order
         must be their arrival order."""
-        from tests.chaos_tasks import now_us
+        from tests.support.chaos_tasks import now_us
 
         rng = random.Random(self.opts.seed)
         period = 1.0 / self.opts.rate
@@ -624,7 +624,7 @@ class Workload:
 
         from celery.utils import uuid
 
-        from tests.chaos_tasks import now_us, record, work
+        from tests.support.chaos_tasks import now_us, record, work
 
         lo = now_us()
         # Rate-limited and holding threads (each call there), besides coalesce or debounce.
@@ -663,7 +663,7 @@ class Workload:
 
     def _resume_held(self) -> None:
         from celery_threads import Threads
-        from tests.chaos_tasks import app, now_us, record
+        from tests.support.chaos_tasks import app, now_us, record
 
         threads = Threads(app)
         for thread in sorted(self.holding):
@@ -679,7 +679,7 @@ class Workload:
 
     def deleter(self, until: float) -> None:
         from celery_threads import Threads
-        from tests.chaos_tasks import app, now_us, record
+        from tests.support.chaos_tasks import app, now_us, record
 
         rng = random.Random(self.opts.seed + 1)
         threads = Threads(app)
@@ -712,7 +712,7 @@ class Workload:
         restarts: the members a purge dropped are known from its replies (Threads.purge marks
         each REVOKED), and a reply lost to a restart would hide some."""
         from celery_threads import Threads
-        from tests.chaos_tasks import app
+        from tests.support.chaos_tasks import app
 
         rng = random.Random(self.opts.seed + 3)
         threads = Threads(app)
@@ -751,7 +751,7 @@ class Workload:
         """A pause or a resume (each idempotent), sent until it went through: a thread left
         paused would keep its members for good.  Recorded with the time read before the first
         try (``lo``) and the stamp after the last (``t``)."""
-        from tests.chaos_tasks import now_us, record
+        from tests.support.chaos_tasks import now_us, record
 
         lo, end = now_us(), time.monotonic() + timeout
         while True:
@@ -774,7 +774,7 @@ class Workload:
         """After the run: pause a thread with no member left, which exists for its pause alone
         (the checker finds it listed and in the paused hash)."""
         from celery_threads import Threads
-        from tests.chaos_tasks import app
+        from tests.support.chaos_tasks import app
 
         threads = Threads(app)
         for thread in self.threads:
@@ -788,7 +788,7 @@ class Workload:
                 return
 
     def _purge(self, threads: Any, thread: str, purged: list[str]) -> None:
-        from tests.chaos_tasks import now_us, record
+        from tests.support.chaos_tasks import now_us, record
 
         lo = now_us()
         try:
@@ -805,7 +805,7 @@ class Workload:
         """The dead letters of one thread back at their places: which went back is read from
         the dead store before and after (a letter leaves it only so here), their places from
         their records."""
-        from tests.chaos_tasks import now_us, record
+        from tests.support.chaos_tasks import now_us, record
 
         try:
             letters = threads.gate.reads.dead_records()
@@ -836,7 +836,7 @@ def _record_superseded() -> None:
     before it revokes them as usual: the checker's record of what coalesce and debounce
     ended."""
     from celery_threads.runtime import get_runtime
-    from tests.chaos_tasks import app, record
+    from tests.support.chaos_tasks import app, record
 
     runtime = get_runtime(app)
     revoke = runtime.revoke_superseded
@@ -927,7 +927,7 @@ def run(opts: Options) -> Report:
             f"{opts.concurrency}, {opts.threads} threads, {opts.minutes:g} min, seed {opts.seed}, "
             f"keepalive {opts.keepalive:g}s, logs in {cluster.logdir} "
             f"(set-up {time.time() - t_setup:.1f}s)")
-        from tests.chaos_tasks import HISTORY_KEY, read_history
+        from tests.support.chaos_tasks import HISTORY_KEY, read_history
 
         history = redis.Redis.from_url(cluster.env["CHAOS_HISTORY_URL"])
         rng = random.Random(opts.seed + 2)

@@ -135,12 +135,12 @@ def redis_server() -> Iterator[RedisServer]:
 
 
 class CeleryProcess:
-    """A real `celery -A tests.proj worker|beat` subprocess with its own environment."""
+    """A real `celery -A tests.support.proj worker|beat` subprocess with its own environment."""
 
     def __init__(self, kind: str, env: dict[str, str], args: list[str], name: str) -> None:
         self.kind, self.name = kind, name
         self.log = Path(tempfile.mkdtemp(prefix="ct-celery-")) / f"{kind}.log"
-        self.cmd = [sys.executable, "-m", "celery", "-A", "tests.proj", kind, *args]
+        self.cmd = [sys.executable, "-m", "celery", "-A", "tests.support.proj", kind, *args]
         self.env = {**os.environ, **env, "PYTHONPATH": str(ROOT)}
         self.proc: Optional[subprocess.Popen[bytes]] = None
         self.nodename = ""
@@ -221,7 +221,7 @@ class Deployment:
 
     def dump_stacks(self) -> None:
         """Have every process still running (main processes and pool children) write its threads'
-        stacks into its log (tests/proj.py registers the handler), and print where the logs are:
+        stacks into its log (tests/support/proj.py registers the handler), and print where the logs are:
         what a test that hung leaves behind to read."""
         dumped = []
         for proc in self.processes:
@@ -310,7 +310,7 @@ def rabbitmq_url() -> str:
 def proj(redis_server: RedisServer):
     """The tests' Celery project, configured as the client side of the default deployment."""
     os.environ.update(deployment_env(redis_server))
-    from tests import proj as module
+    from tests.support import proj as module
 
     configure_client(module.app, **deployment_env(redis_server))
     return module
@@ -318,8 +318,8 @@ def proj(redis_server: RedisServer):
 
 def configure_client(app, **env: str) -> None:
     """Point the in-test client app at a deployment's Redis, broker and settings."""
-    from tests.isolated import point_app
-    from tests.proj import routing
+    from tests.support.isolated import point_app
+    from tests.support.proj import routing
 
     point_app(app, {
         "threads_redis_url": env["CT_REDIS_URL"],
@@ -347,7 +347,7 @@ def worker(redis_server: RedisServer, proj) -> Iterator[CeleryProcess]:
 @pytest.fixture
 def isolated_app(proj, redis_server):
     """The tests' app on private, freshly flushed databases no worker or beat touches."""
-    from tests.isolated import isolated
+    from tests.support.isolated import isolated
 
     with isolated(proj.app, redis_server) as app:
         yield app
@@ -355,8 +355,8 @@ def isolated_app(proj, redis_server):
 
 @pytest.fixture
 def sentinel_setup() -> Iterator[Any]:
-    """A master, its replica and one sentinel (tests/topologies.py), stopped after the test."""
-    from tests.topologies import SentinelSetup
+    """A master, its replica and one sentinel (tests/support/topologies.py), stopped after the test."""
+    from tests.support.topologies import SentinelSetup
 
     setup = SentinelSetup()
     try:
@@ -368,8 +368,8 @@ def sentinel_setup() -> Iterator[Any]:
 
 @pytest.fixture(scope="module")
 def redis_cluster(redis_server: RedisServer) -> Iterator[Any]:
-    """A Redis Cluster of three masters (tests/topologies.py), for the tests of one module."""
-    from tests.topologies import REDIS_CLI, RedisClusterServers
+    """A Redis Cluster of three masters (tests/support/topologies.py), for the tests of one module."""
+    from tests.support.topologies import REDIS_CLI, RedisClusterServers
 
     if shutil.which(REDIS_CLI) is None:
         pytest.skip("redis-cli is not available")

@@ -24,7 +24,7 @@ releases a fresh ``pip install`` brings): one environment, ``ci-oldest``, with c
 redis-py at exactly their declared minimums and nothing else but pytest (no test extra: building
 gevent from source for an old Python takes minutes), on the oldest Python declared when this
 machine has it (else the one running), on the newest Redis found; the subset ``CI`` goes through
-every seam (tests/test_seams.py breaks each one in real workers) and every fast path, on the
+every seam (tests/project/test_seams.py breaks each one in real workers) and every fast path, on the
 Redis broker.
 """
 from __future__ import annotations
@@ -50,19 +50,34 @@ LIBRARIES = ("celery", "kombu", "redis")
 NEWEST_PYTHON = "3.13"
 
 FULL = [
-    "tests/test_seams.py", "tests/test_semantics.py", "tests/test_endings.py", "tests/test_publishing.py",
-    "tests/test_direct_release.py", "tests/test_noack.py", "tests/test_handoff.py",
-    "tests/test_recovery.py", "tests/test_edges.py", "tests/test_brokers.py",
-    "tests/test_pools.py", "tests/test_gevent.py", "tests/test_inprocess.py",
-    "tests/test_gate_model.py", "tests/test_wire.py", "tests/test_redis_versions.py",
+    "tests/project/test_seams.py",
+    "tests/tasks/test_semantics.py",
+    "tests/worker/test_endings.py",
+    "tests/tasks/test_publishing.py",
+    "tests/worker/test_direct_release.py",
+    "tests/worker/test_noack.py",
+    "tests/worker/test_handoff.py",
+    "tests/worker/test_recovery.py",
+    "tests/tasks/test_edges.py",
+    "tests/tasks/test_brokers.py",
+    "tests/worker/test_pools.py",
+    "tests/worker/test_gevent.py",
+    "tests/worker/test_inprocess.py",
+    "tests/gate/test_gate_model.py",
+    "tests/gate/test_wire.py",
+    "tests/gate/test_redis_versions.py",
 ]
 # Every seam's check and fallback, each broker under each pool, direct releases (text and binary
 # bodies), the direct line and the function library, the handoff, untracked deliveries and a
 # SIGKILLed worker on each broker.
 QUICK = [
-    "tests/test_seams.py", "tests/test_pools.py", "tests/test_direct_release.py", "tests/test_wire.py",
-    "tests/test_brokers.py", "tests/test_handoff.py::test_the_next_members_run_in_the_finishing_pool_process",
-    "tests/test_noack.py::test_threaded_deliveries_stay_out_of_the_unacked_index",
+    "tests/project/test_seams.py",
+    "tests/worker/test_pools.py",
+    "tests/worker/test_direct_release.py",
+    "tests/gate/test_wire.py",
+    "tests/tasks/test_brokers.py",
+    "tests/worker/test_handoff.py::test_the_next_members_run_in_the_finishing_pool_process",
+    "tests/worker/test_noack.py::test_threaded_deliveries_stay_out_of_the_unacked_index",
 ]
 
 # The short variant (.ci/run): every seam's check and fallback (test_seams), direct releases read
@@ -70,10 +85,11 @@ QUICK = [
 # seams are kombu's Redis transport's; RabbitMQ is left to --quick: on Celery 5.3.6 its worker
 # alone takes ~40 s to stop).
 CI = [
-    "tests/test_seams.py", "tests/test_direct_release.py",
-    "tests/test_handoff.py::test_the_next_members_run_in_the_finishing_pool_process",
-    "tests/test_noack.py::test_threaded_deliveries_stay_out_of_the_unacked_index",
-    "tests/test_pools.py::test_threads_run_serially_in_order_with_retries_and_deaths[prefork-redis]",
+    "tests/project/test_seams.py",
+    "tests/worker/test_direct_release.py",
+    "tests/worker/test_handoff.py::test_the_next_members_run_in_the_finishing_pool_process",
+    "tests/worker/test_noack.py::test_threaded_deliveries_stay_out_of_the_unacked_index",
+    "tests/worker/test_pools.py::test_threads_run_serially_in_order_with_retries_and_deaths[prefork-redis]",
 ]
 
 

@@ -253,7 +253,7 @@ class _Packer:
     Every script call takes the shard's keys and the thread's keys (keys.py's order), then the
     server's clock (empty here), the thread id, three settings and the script's own arguments;
     only the thread's parts and the own arguments are packed per call.  Gives the bytes redis-py
-    would send for the same call (tests/test_wire.py), in a fraction of the time
+    would send for the same call (tests/gate/test_wire.py), in a fraction of the time
     (``python -m bench.callcost`` shows the client's side).
     """
 

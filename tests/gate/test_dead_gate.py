@@ -1,0 +1,163 @@
+"""A producer's ``apply_async`` on a dead gate raises ``GateUnavailable`` within
+``threads_publish_timeout``, whatever way the gate is dead, and sends nothing.
+
+The gate is a redis-server of the test's own (or a port nobody listens on, or a socket that never
+answers); the broker is the test Redis (its private database, tests/support/isolated.py), which stays up.
+The bound is set to 1 s to keep the tests short; each call must end within twice that (a loaded
+machine), the only timing asserted.  Workers riding out a longer outage: test_bad_input.py
+(``test_gate_down_while_workers_finish_members_loses_nothing``, with this bound at 1 s).
+"""
+from __future__ import annotations
+
+import signal
+import socket
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import redis
+
+from bench.gateunavailable import black_hole as silent_server
+from celery_threads import Threads
+from celery_threads.errors import GateUnavailable
+from tests.conftest import RedisServer
+from tests.support.isolated import BROKER_DB, pointed_at
+
+BOUND = 1.0
+
+
+@pytest.fixture
+def gate_server() -> Iterator[RedisServer]:
+    server = RedisServer()
+    server.start()
+    try:
+        yield server
+    finally:
+        if server.proc is not None:
+            server.proc.send_signal(signal.SIGCONT)
+        server.stop(kill=True)
+
+
+@pytest.fixture
+def black_hole() -> Iterator[int]:
+    """A port whose server accepts connections and never answers."""
+    with silent_server() as port:
+        yield port
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _unavailable(proj: Any, thread: str, task_id: str) -> tuple[float, str]:
+    """Seconds until apply_async raised GateUnavailable, and its message."""
+    started = time.monotonic()
+    with pytest.raises(GateUnavailable) as info:
+        proj.record.apply_async((thread, "x"), task_id=task_id)
+    return time.monotonic() - started, str(info.value)
+
+
+def _broker_holds(redis_server: Any, task_id: str) -> bool:
+    broker = redis.Redis(port=redis_server.port, db=BROKER_DB)
+    for key in broker.scan_iter(count=1000):
+        if broker.type(key) == b"list" and any(task_id.encode() in v
+                                               for v in broker.lrange(key, 0, -1)):
+            return True
+    return False
+
+
+def _stores(server: RedisServer, text: str) -> bool:
+    """Whether any key or value of ``server`` mentions ``text``."""
+    client = redis.Redis(port=server.port)
+    for key in client.scan_iter(count=1000):
+        if text.encode() in key or text.encode() in client.dump(key):
+            return True
+    return False
+
+
+def _fails_fast(proj: Any, redis_server: Any, url: str, *, calls: int = 1,
+                **settings: Any) -> list[str]:
+    """Each of ``calls`` calls raises GateUnavailable naming the URL, within twice the bound, and
+    nothing reaches the broker; their messages."""
+    messages = []
+    with pointed_at(proj.app, threads_redis_url=url, threads_publish_timeout=BOUND, **settings):
+        for _ in range(calls):
+            task_id = str(uuid.uuid4())
+            elapsed, message = _unavailable(proj, f"dead-gate-{uuid.uuid4().hex[:8]}", task_id)
+            assert elapsed < 2 * BOUND, f"{elapsed:.1f}s: {message}"
+            assert url.split("/")[2] in message and "threads_publish_timeout" in message, message
+            assert "Nothing was sent to the broker" in message, message
+            assert not _broker_holds(redis_server, task_id)
+            messages.append(message)
+    return messages
+
+
+def test_a_gate_never_reachable(proj: Any, isolated_app: Any, redis_server: Any) -> None:
+    [message] = _fails_fast(proj, redis_server, f"redis://127.0.0.1:{_free_port()}/0")
+    assert "Nothing was stored in the gate either" in message, message
+    assert "Connection refused" in message, message
+
+
+def test_a_gate_killed_after_use(proj: Any, isolated_app: Any, redis_server: Any,
+                                 gate_server: RedisServer) -> None:
+    """The first call after (its connections were good) and the later ones (they reconnect)."""
+    with pointed_at(proj.app, threads_redis_url=gate_server.url(), threads_publish_timeout=BOUND):
+        proj.record.apply_async((f"dead-gate-{uuid.uuid4().hex[:8]}", "warm-up"))
+        gate_server.stop(kill=True)
+        _fails_fast(proj, redis_server, gate_server.url(), calls=3)
+
+
+def test_rediss_against_a_plain_server(proj: Any, isolated_app: Any, redis_server: Any,
+                                       gate_server: RedisServer) -> None:
+    url = f"rediss://127.0.0.1:{gate_server.port}/0"
+    thread = f"dead-gate-{uuid.uuid4().hex[:8]}"
+    with pointed_at(proj.app, threads_redis_options={"ssl_cert_reqs": "none"}):
+        _fails_fast(proj, redis_server, url, calls=2)
+    assert not _stores(gate_server, thread) and not _stores(gate_server, "dead-gate")
+
+
+def test_a_server_that_never_answers(proj: Any, isolated_app: Any, redis_server: Any,
+                                     black_hole: int) -> None:
+    """Also each step of an admin call (Threads: its set-up, then each call) gives up within the
+    bound, raising the client's error."""
+    url = f"redis://127.0.0.1:{black_hole}/0"
+    _fails_fast(proj, redis_server, url, calls=2)
+    with pointed_at(proj.app, threads_redis_url=url, threads_publish_timeout=BOUND):
+        started = time.monotonic()
+        threads = Threads(proj.app)
+        assert time.monotonic() - started < 2 * BOUND
+        started = time.monotonic()
+        with pytest.raises(redis.RedisError):
+            threads.get("dead-gate")
+        assert time.monotonic() - started < 2 * BOUND
+
+
+def test_a_stopped_server_may_hold_the_call_and_says_so(
+        proj: Any, isolated_app: Any, redis_server: Any, gate_server: RedisServer) -> None:
+    """A server that stops answering after the call was sent (SIGSTOP) runs it once it goes on:
+    the error says the member may be stored, and calling again with the same task id stores
+    nothing twice."""
+    thread, task_id = f"dead-gate-{uuid.uuid4().hex[:8]}", str(uuid.uuid4())
+    with pointed_at(proj.app, threads_redis_url=gate_server.url(), threads_publish_timeout=BOUND):
+        proj.record.apply_async((f"dead-gate-{uuid.uuid4().hex[:8]}", "warm-up"))
+        assert gate_server.proc is not None
+        gate_server.proc.send_signal(signal.SIGSTOP)
+        try:
+            elapsed, message = _unavailable(proj, thread, task_id)
+        finally:
+            gate_server.proc.send_signal(signal.SIGCONT)
+        assert elapsed < 2 * BOUND, f"{elapsed:.1f}s: {message}"
+        assert "may be stored" in message and "same task_id is safe" in message, message
+        assert not _broker_holds(redis_server, task_id)
+        threads = Threads(proj.app)
+        info = threads.get(thread)
+        assert info is not None and info.active is not None, info   # the call ran, whole
+        assert info.active.task_id == task_id and info.waiting == []
+        proj.record.apply_async((thread, "x"), task_id=task_id)     # the caller calls again
+        info = threads.get(thread)
+        assert info is not None and info.active is not None
+        assert info.active.task_id == task_id and info.waiting == []

@@ -1,0 +1,80 @@
+"""The same workload on each broker: Redis and RabbitMQ (one shared body, subclassed per broker)."""
+from __future__ import annotations
+
+import signal
+
+import pytest
+
+from celery_threads import Threads
+from celery_threads.runtime import get_runtime
+from tests.conftest import rabbitmq_url
+from tests.support.helpers import assert_serial, starts, tid, wait_for
+
+
+class BrokerContract:
+    broker: str = ""
+
+    def broker_url(self, redis_server) -> str:
+        raise NotImplementedError
+
+    def extra_env(self) -> dict[str, str]:
+        return {}
+
+    @pytest.fixture
+    def deployment(self, make_deployment, redis_server):
+        d = make_deployment(broker=self.broker_url(redis_server), CT_KEEPALIVE="2",
+                            CT_DISPATCH_INTERVAL="0.2", **self.extra_env())
+        d.worker("a", concurrency=2)
+        d.worker("b", concurrency=2)
+        d.beat()
+        return d
+
+    def test_threads_are_serial_ordered_and_retry(self, proj, deployment):
+        r = proj.history()
+        threads = [tid(self.broker) for _ in range(6)]
+        results = []
+        go = f"go:{threads[0]}"     # each m0 held until every call was sent, however slowly
+        for t in threads:
+            results.append(proj.record.delay(t, "m0", sleep=0.05, fail_times=1, countdown=0.3,
+                                             until=go))
+            results += [proj.record.delay(t, f"m{i}", sleep=0.05) for i in range(1, 4)]
+        r.set(go, 1)
+        for x in results:
+            x.get(timeout=60)
+        for t in threads:
+            # m0's retry re-enters at now + 0.3 s, after its siblings' arrival times.
+            assert starts(r, t) == ["m0", "m1", "m2", "m3", "m0"]
+            assert_serial(r, t)
+            wait_for(lambda t=t: Threads(proj.app).get(t) is None, what="thread to vanish")
+
+    def test_sigkilled_worker_is_recovered(self, proj, deployment):
+        r = proj.history()
+        thread = tid(self.broker)
+        doomed = proj.record.delay(thread, "doomed", sleep=30)
+        nxt = proj.record.delay(thread, "next")
+        wait_for(lambda: starts(r, thread) == ["doomed"], what="doomed to start")
+        holder = _holder(proj, thread)
+        victim = next(p for p in deployment.processes if p.kind == "worker" and p.name == holder)
+        victim.kill(signal.SIGKILL)
+        assert nxt.get(timeout=60) == "next"
+        Threads(proj.app).delete(doomed.id)
+
+
+def _holder(proj, thread: str) -> str:
+    """The name of the worker holding the thread's active member (names are "<name>-<hex>@host")."""
+    snapshot = get_runtime(proj.app).gate.reads.snapshot(thread)
+    return snapshot.active["worker"].split("-")[0]
+
+
+class TestRedisBroker(BrokerContract):
+    broker = "redis"
+
+    def broker_url(self, redis_server) -> str:
+        return redis_server.url(3)
+
+
+class TestRabbitMQBroker(BrokerContract):
+    broker = "amqp"
+
+    def broker_url(self, redis_server) -> str:
+        return rabbitmq_url()

@@ -1,0 +1,118 @@
+"""Deleting a running member: under prefork the next member starts only once the deleted
+member's code has stopped; under the threads pool (which cannot stop a body) it starts at once.
+
+Judged by what the bodies wrote: heartbeats every 10 ms and start/end records, stamped with the
+Redis server's clock (tests/support/proj.py ``beater``, ``deaf``).
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from celery_threads import Threads
+from tests.support.helpers import (
+    beats,
+    events,
+    gate_keys,
+    last_beat,
+    now_us,
+    started_at,
+    starts,
+    tid,
+    wait_for,
+)
+
+
+@pytest.fixture
+def r(proj):
+    return proj.history()
+
+
+def ran_before(r, thread: str, deleted: str, nxt: str) -> None:
+    """Everything ``deleted``'s body wrote (heartbeats, its end record if its unwinding wrote
+    one) came before ``nxt``'s first heartbeat and its start."""
+    first_next = min([started_at(r, thread, nxt), *beats(r, thread, nxt)])
+    last_deleted = max([*beats(r, thread, deleted),
+                        *[e.at_us for e in events(r, thread)
+                          if e.label == deleted and e.kind == "end"]])
+    assert last_deleted < first_next, (
+        f"{deleted}'s body wrote {(last_deleted - first_next) / 1000:.1f} ms after {nxt} started")
+
+
+def vanishes(proj, r, thread: str) -> None:
+    wait_for(lambda: Threads(proj.app).get(thread) is None and not gate_keys(r, thread),
+             what="the thread's keys to vanish")
+
+
+def test_the_next_member_starts_once_the_deleted_body_has_stopped(proj, make_deployment, r):
+    """Prefork, two pool processes (the next member could run beside the deleted one): the
+    deleted 20 s body is stopped; its last heartbeat precedes the next member's first, which
+    comes well within a second or two; Threads.delete returns once the next is released."""
+    d = make_deployment(CT_EVENTS="0")
+    d.worker("del", concurrency=2)
+    thread = tid("del")
+    long = proj.beater.delay(thread, "long", seconds=20)
+    nxt = proj.beater.delay(thread, "next", seconds=0.3)
+    wait_for(lambda: len(beats(r, thread, "long")) > 3, what="the long member to beat")
+    deleted_at, t0 = now_us(r), time.monotonic()
+    assert Threads(proj.app).delete(long.id) is True
+    returned_in = time.monotonic() - t0
+    if returned_in < 4.5:     # it waited for the promotion (at most STOP_WAIT, 5 s)
+        info = Threads(proj.app).get(thread)
+        assert info is None or info.active is None or info.active.task_id != long.id
+    assert nxt.get(timeout=20) == "next"
+    wait_for(lambda: long.state == "REVOKED", what="the deleted member to be REVOKED")
+    ran_before(r, thread, "long", "next")
+    waited = (started_at(r, thread, "next") - deleted_at) / 1e6
+    assert waited < 3, f"the next member started {waited:.2f}s after the delete"
+    assert starts(r, thread) == ["long", "next"]
+    vanishes(proj, r, thread)
+    assert Threads(proj.app).delete(long.id) is False
+
+
+def test_a_body_that_ignores_the_signal_holds_its_thread_until_it_returns(proj, make_deployment,
+                                                                           r):
+    """A deleted member whose code ignores SIGTERM is not stopped: the thread waits for it (shown
+    as stopping meanwhile), its own end ends it as deleted (REVOKED, not SUCCESS, no dead
+    letter), and only then does the next member start."""
+    d = make_deployment(CT_EVENTS="0")
+    d.worker("deaf", concurrency=2)
+    thread = tid("deaf")
+    deaf = proj.deaf.delay(thread, "deaf", seconds=3)
+    nxt = proj.beater.delay(thread, "next", seconds=0.3)
+    wait_for(lambda: beats(r, thread, "deaf"), what="the deaf member to beat")
+    threads = Threads(proj.app)
+    deleting = threading.Thread(target=threads.delete, args=(deaf.id,))
+    deleting.start()
+    try:
+        info = wait_for(lambda: (lambda i: i if i and i.active and i.active.stopping else None)(
+            threads.get(thread)), what="the member to show as stopping")
+        assert info.active.task_id == deaf.id and info.active.state == "RUNNING"
+        assert [m.task_id for m in info.waiting] == [nxt.id]
+    finally:
+        deleting.join(10)
+    assert not deleting.is_alive(), "Threads.delete did not return within its bound"
+    assert nxt.get(timeout=20) == "next"
+    ran_before(r, thread, "deaf", "next")
+    wait_for(lambda: deaf.state == "REVOKED", what="the deleted member to be REVOKED")
+    assert deaf.id not in [t.task_id for t in threads.dead()]
+    vanishes(proj, r, thread)
+
+
+def test_under_the_threads_pool_the_next_member_starts_at_once(proj, make_deployment, r):
+    """The threads pool cannot stop a member's body: the delete detaches it at once and the next
+    member starts while the deleted body runs on to its end (README, caveats)."""
+    d = make_deployment(CT_EVENTS="0")
+    d.worker("threads", pool="threads", concurrency=4)
+    thread = tid("thr")
+    long = proj.beater.delay(thread, "long", seconds=4)
+    nxt = proj.beater.delay(thread, "next", seconds=0.3)
+    wait_for(lambda: beats(r, thread, "long"), what="the long member to beat")
+    t0 = time.monotonic()
+    assert Threads(proj.app).delete(long.id) is True
+    assert time.monotonic() - t0 < 4, "the delete waited for a body it cannot stop"
+    assert nxt.get(timeout=20) == "next"
+    assert last_beat(r, thread, "long", timeout=10) > started_at(r, thread, "next")
+    vanishes(proj, r, thread)

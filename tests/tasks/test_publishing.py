@@ -1,0 +1,279 @@
+"""Every publication path goes through the gate; bad input leaves nothing behind."""
+from __future__ import annotations
+
+import pytest
+import redis
+from celery import chain, chord, group
+from kombu.exceptions import EncodeError
+
+from celery_threads import InvalidThreadId, Threads, ThreadsError
+from celery_threads.errors import ConfigurationError, UnknownTask
+from tests.support.helpers import assert_serial, gate_keys, starts, tid, wait_for
+
+
+@pytest.fixture
+def r(proj):
+    return proj.history()
+
+
+def _broker_depth(proj) -> int:
+    with proj.app.connection_for_write() as conn:
+        return conn.default_channel.client.llen(proj.app.conf.task_default_queue)
+
+
+def test_signature_with_thread_id_option(proj, worker, r):
+    thread = tid()
+    sig = proj.free.s("sig").set(thread_id=thread)
+    assert sig.apply_async().get(timeout=30) == "sig"
+    assert starts(r, thread) == ["sig"]
+
+
+def test_int_thread_id_is_its_decimal_string(proj, worker, r):
+    n = int(tid("").replace("-", "")[:8], 16)
+    assert proj.free.apply_async(("int",), thread_id=n).get(timeout=30) == "int"
+    assert starts(r, str(n)) == ["int"]
+
+
+def test_chain_steps_are_published_through_the_gate(proj, worker, r):
+    thread = tid()
+    blocker = proj.record.delay(thread, "blocker", sleep=1.0)
+    wait_for(lambda: starts(r, thread) == ["blocker"], what="blocker")
+    # Each step joins the thread when the worker publishes it, behind what is already waiting.
+    c = chain(proj.record.si(thread, "c1"), proj.record.si(thread, "c2"))
+    waiting = proj.record.delay(thread, "waiting")
+    res = c.apply_async()
+    assert res.get(timeout=30) == "c2"
+    assert starts(r, thread) == ["blocker", "waiting", "c1", "c2"]
+    assert_serial(r, thread)
+    assert waiting.get(timeout=10) == "waiting"
+    blocker.get(timeout=10)
+
+
+def test_group_members_join_their_threads(proj, worker, r):
+    a, b = tid(), tid()
+    g = group(proj.record.si(a, "a1", sleep=0.1), proj.record.si(b, "b1"),
+              proj.record.si(a, "a2"), proj.record.si(b, "b2"))
+    assert g.apply_async().get(timeout=30) == ["a1", "b1", "a2", "b2"]
+    assert starts(r, a) == ["a1", "a2"] and starts(r, b) == ["b1", "b2"]
+    assert_serial(r, a)
+
+
+def test_chord_body_goes_through_the_gate(proj, worker, r):
+    thread = tid()
+    header = [proj.record.si(thread, f"h{i}") for i in range(3)]
+    res = chord(header)(proj.free.si("body").set(thread_id=thread))
+    assert res.get(timeout=30) == "body"
+    assert starts(r, thread) == ["h0", "h1", "h2", "body"]
+
+
+@pytest.mark.parametrize("bad", [None, "", "x" * 1025, 3.5, b"bytes", ["a"], True])
+def test_invalid_thread_id_stores_and_sends_nothing(proj, bad):
+    before = _broker_depth(proj)
+    with pytest.raises(InvalidThreadId) as info:
+        proj.free.apply_async(("x",), thread_id=bad)
+    assert isinstance(info.value, ValueError) and isinstance(info.value, ThreadsError)
+    assert "thread" in str(info.value)
+    assert _broker_depth(proj) == before
+
+
+def test_missing_thread_key_argument(proj):
+    with pytest.raises(InvalidThreadId, match="argument 'thread'"):
+        proj.record.apply_async(kwargs={"label": "x"})
+
+
+def test_a_thread_key_naming_no_argument_is_refused_where_the_task_is_declared():
+    from celery import Celery
+
+    from celery_threads import ThreadedTask
+
+    app = Celery("typo", broker="redis://127.0.0.1:1/0", set_as_current=False)
+
+    # shared=False: Celery adds a shared task (its default) to every app finalized after it, which
+    # would carry this one's refusal into the apps of the tests that follow.
+    @app.task(base=ThreadedTask, thread_key="account_id", shared=False)
+    def by_kwargs(**kwargs):     # **kwargs may carry it: checked per call
+        return kwargs
+
+    @app.task(base=ThreadedTask, bind=True, thread_key="acount_id", shared=False)
+    def settle(self, account_id, amount):
+        return amount
+
+    # The worker, beat and every caller finalize the app first, and stop there.
+    with pytest.raises(ConfigurationError, match="thread_key='acount_id'.*account_id, amount"):
+        app.finalize(auto=True)
+
+
+def test_thread_id_of_1024_bytes_is_accepted(proj, worker, r):
+    thread = "é" * 512
+    assert proj.free.apply_async(("long",), thread_id=thread).get(timeout=30) == "long"
+
+
+def test_unencodable_arguments_store_and_send_nothing(proj, r):
+    thread = tid()
+    before = _broker_depth(proj)
+    with pytest.raises(EncodeError):
+        proj.record.delay(thread, object())
+    assert gate_keys(r, thread) == []
+    assert Threads(proj.app).get(thread) is None
+    assert _broker_depth(proj) == before
+
+
+def test_eager_mode_runs_inline(proj, r):
+    thread = tid()
+    proj.app.conf.task_always_eager = True
+    try:
+        assert proj.record.delay(thread, "eager").get() == "eager"
+    finally:
+        proj.app.conf.task_always_eager = False
+    assert starts(r, thread) == ["eager"]
+    assert gate_keys(r, thread) == []
+
+
+def test_send_task_by_name_enters_the_gate_at_the_worker(proj, worker, r):
+    thread = tid()
+    blocker = proj.record.delay(thread, "blocker", sleep=1.0)
+    wait_for(lambda: starts(r, thread) == ["blocker"], what="blocker")
+    res = proj.app.send_task("tests.support.proj.record", (thread, "by-name"))
+    assert res.get(timeout=30) == "by-name"
+    assert starts(r, thread) == ["blocker", "by-name"]
+    assert_serial(r, thread)
+    blocker.get(timeout=10)
+
+
+def test_same_task_id_is_not_enqueued_twice(proj, r):
+    thread = tid()
+    first = proj.record.apply_async((thread, "a"), countdown=30)
+    proj.record.apply_async((thread, "a"), countdown=30, task_id=first.id)
+    info = Threads(proj.app).get(thread)
+    assert [m.task_id for m in info.waiting] == [first.id]
+    assert Threads(proj.app).delete(first.id)
+    assert Threads(proj.app).get(thread) is None
+
+
+def test_a_task_id_that_just_ended_is_not_enqueued_again(proj, worker, r):
+    """What the client does when a Redis restart loses the reply to an enqueue that ran: it
+    replays the call.  If the member has run and ended in between, the replay must not make it a
+    member again (it would run twice)."""
+    from celery_threads.runtime import get_runtime
+
+    thread = tid()
+    ran = proj.record.apply_async((thread, "once"))
+    assert ran.get(timeout=30) == "once"
+    wait_for(lambda: Threads(proj.app).get(thread) is None, what="the member to leave the gate")
+    gate = get_runtime(proj.app).gate
+    # The replay, as the gate sees it: the same task id and message, once more.
+    assert not gate.enqueue(thread, ran.id, b'{"headers":{}}\n[]').done
+    proj.record.apply_async((thread, "once"), task_id=ran.id)         # and through apply_async
+    after = proj.record.delay(thread, "after")
+    assert after.get(timeout=30) == "after"
+    assert starts(r, thread) == ["once", "after"]
+    assert gate.client.zscore(gate.keys.thread(thread).shard.ended, ran.id) is not None
+
+
+def test_restart_and_forget_of_unknown_task(proj):
+    threads = Threads(proj.app)
+    with pytest.raises(UnknownTask):
+        threads.restart("no-such-task")
+    assert threads.forget("no-such-task") is False
+    assert threads.delete("no-such-task") is False
+
+
+def test_dead_letter_queue_receives_the_dead_members_message(proj, make_deployment, r):
+    d = make_deployment(CT_DLQ="threads-dead")
+    d.worker("w", concurrency=1)
+    thread = tid()
+    dying = proj.boom.delay(thread, "dlq")
+    with pytest.raises(ValueError):
+        dying.get(timeout=30)
+    with proj.app.connection_for_read() as conn:
+        queue = conn.SimpleQueue("threads-dead", no_ack=True)
+        message = queue.get(timeout=10)
+        queue.close()
+    assert message.headers["id"] == dying.id
+    assert message.headers["thread_id"] == thread
+    assert "ValueError" in message.headers["thread_exception"]
+    assert [d.task_id for d in Threads(proj.app).dead() if d.thread_id == thread] == [dying.id]
+
+
+def test_a_release_at_enqueue_is_published_as_its_stored_message(proj):
+    """When an enqueue releases the member it adds, the producer publishes the message it has just
+    captured (``release_message(parts=...)``) instead of decoding the stored envelope: both ways
+    give the same message, with every option Celery set (expiry, priority, time limits...)."""
+    import json
+
+    from celery.app.task import Task as CeleryTask
+
+    from celery_threads.gate import Release
+    from celery_threads.publish import CapturingProducer, release_message
+
+    app = proj.app
+    with app.producer_or_acquire() as real:
+        capture = CapturingProducer(real)
+        CeleryTask.apply_async(proj.record, (tid(), "x"), {"sleep": 0.5}, producer=capture,
+                               task_id="t-1", expires=600, priority=3, time_limit=9,
+                               headers={"custom": {"a": [1, 2]}}, countdown=None)
+    assert capture.envelope is not None and capture.parts is not None
+    release = Release("th", "t-1", "42", 0, capture.envelope)
+    fast_body, fast = release_message(app, release, parts=capture.parts)
+    slow_body, slow = release_message(app, release)
+    assert fast_body == slow_body
+    assert fast.pop("expiration") == pytest.approx(slow.pop("expiration"), abs=5)
+
+    def plain(options):  # tuples and lists alike, as the envelope's JSON stores them
+        return json.loads(json.dumps(options, default=repr))
+
+    assert plain(fast) == plain(slow)
+    assert fast["headers"]["thread_token"] == "42" and fast["headers"]["custom"] == {"a": [1, 2]}
+    assert fast["priority"] == 3 and fast["headers"]["timelimit"] in ((9, None), [9, None])
+
+
+def _gate_and_broker_are_empty(app) -> None:
+    """Nothing in the isolated gate's database, no message in the isolated broker's."""
+    from tests.support.isolated import BROKER_DB, GATE_DB
+
+    port = int(app.conf.threads_redis_url.rsplit(":", 1)[1].split("/")[0])
+    gate, broker = (redis.Redis(port=port, db=db) for db in (GATE_DB, BROKER_DB))
+    assert gate.keys() == []
+    assert [k for k in broker.keys() if broker.type(k) == b"list"] == []
+
+
+@pytest.mark.parametrize("name", ["negative_retry_delay", "negative_max_retries"])
+def test_invalid_retry_settings_store_and_send_nothing(proj, isolated_app, name):
+    """The gate stores max_retries and default_retry_delay with each member; values its record
+    cannot hold are refused at publish time, with what to fix."""
+    task = getattr(proj, name)
+    option = "default_retry_delay" if "delay" in name else "max_retries"
+    with pytest.raises(ConfigurationError, match=option) as info:
+        task.delay(tid(), "x")
+    assert isinstance(info.value, ThreadsError)
+    _gate_and_broker_are_empty(isolated_app)
+
+
+def test_restart_of_a_task_with_invalid_retry_settings_keeps_it_dead(proj, isolated_app):
+    from tests.support.isolated import envelope
+
+    gate = Threads(isolated_app).gate
+    thread = tid()
+    outcome = gate.enqueue(thread, "bad-1", envelope("bad-1", thread,
+                                                     name="tests.support.proj.negative_retry_delay"))
+    assert outcome.release is not None
+    assert gate.claim(thread, "bad-1", outcome.release.token, "w") == 1
+    assert gate.kill(thread, "bad-1", outcome.release.token, {"exception": "E"}).done
+    with pytest.raises(ConfigurationError, match="default_retry_delay"):
+        Threads(isolated_app).restart("bad-1")
+    assert [d.task_id for d in Threads(isolated_app).dead()] == ["bad-1"]
+    assert Threads(isolated_app).get(thread) is None
+
+
+def test_a_message_sent_by_name_with_invalid_retry_settings_is_rejected(proj, make_deployment):
+    """A message that reaches a worker without the gate (send_task by name) enters its thread at
+    the worker, which refuses the same values: the message is rejected with a log line."""
+    d = make_deployment()
+    w = d.worker("bad-retry", concurrency=1)
+    thread = tid()
+    sent = proj.app.send_task("tests.support.proj.negative_retry_delay", (thread, "x"))
+    wait_for(lambda: f"rejected tests.support.proj.negative_retry_delay[{sent.id}]" in w.output(),
+             what="the worker to reject the message")
+    assert "default_retry_delay=-1" in w.output()
+    threads = Threads(proj.app)
+    assert threads.get(thread) is None and threads.gate.reads.thread_of(sent.id) is None

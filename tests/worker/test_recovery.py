@@ -1,0 +1,217 @@
+"""Crashed workers, lost releases and duplicate deliveries."""
+from __future__ import annotations
+
+import signal
+import time
+
+import kombu.transport.redis
+import pytest
+import redis
+from celery import Task
+
+from celery_threads import Threads
+from celery_threads.gate import Gate
+from celery_threads.runtime import get_runtime
+from tests.conftest import free_port
+from tests.support.helpers import assert_serial, events, starts, tid, wait_for
+
+
+@pytest.fixture
+def r(proj):
+    return proj.history()
+
+
+def test_sigkilled_worker_lease_lapses_and_member_reenters(proj, make_deployment, r):
+    d = make_deployment(CT_KEEPALIVE="2", CT_DISPATCH_INTERVAL="0.2")
+    victim = d.worker("victim", concurrency=1)
+    thread = tid("crash")
+    doomed = proj.record.delay(thread, "doomed", sleep=30)
+    nxt = proj.record.delay(thread, "next")
+    wait_for(lambda: starts(r, thread) == ["doomed"], what="doomed to start")
+    d.worker("survivor", concurrency=1)
+    seconds, micros = r.time()
+    killed_at_us = seconds * 1_000_000 + micros
+    victim.kill(signal.SIGKILL)
+    assert nxt.get(timeout=30) == "next"
+    # The lapsed attempt counted as a failure with retries left: doomed re-entered at
+    # now + its retry delay, behind `next`, which arrived earlier.
+    assert starts(r, thread)[:2] == ["doomed", "next"]
+    next_start = [e for e in events(r, thread) if e.label == "next"][0].at_us
+    moved_on = (next_start - killed_at_us) / 1e6
+    # keepalive 2 s + tick 0.2 s + 3 s for a busy machine to publish, deliver and start `next`
+    # (a lease left to its 30 s default, or a lost release, would take far longer)
+    assert moved_on <= 2 + 0.2 + 3.0, f"took {moved_on:.2f}s (keepalive 2s + tick 0.2s + 3s)"
+    wait_for(lambda: starts(r, thread)[2:3] == ["doomed"], what="doomed to run again")
+    assert Threads(proj.app).get(thread).active.retries == 1
+    Threads(proj.app).delete(doomed.id)
+
+
+def test_lapsed_lease_without_retries_dies_naming_the_keepalive(proj, make_deployment, r):
+    d = make_deployment(CT_KEEPALIVE="1.5", CT_DISPATCH_INTERVAL="0.2")
+    victim = d.worker("victim", concurrency=1)
+    thread = tid("crash")
+    doomed = proj.boom.delay(thread, "doomed", sleep=30)       # max_retries=0
+    wait_for(lambda: starts(r, thread) == ["doomed"], what="doomed to start")
+    victim.kill(signal.SIGKILL)
+    d.worker("rescuer", concurrency=1)
+    nxt = proj.record.delay(thread, "next")
+    assert nxt.get(timeout=30) == "next"
+    [dead] = [x for x in Threads(proj.app).dead() if x.task_id == doomed.id]
+    assert "LeaseExpired" in dead.exception and "1.5s" in dead.exception
+
+
+@pytest.mark.parametrize("how", ["publish-failed", "message-lost"])
+def test_release_that_never_reached_the_broker_is_republished(proj, make_deployment, r, how):
+    """A released member whose message is in no broker queue: the producer's publish failed
+    (its broker unreachable; direct release off, so the gate's script does not push it
+    itself), or the broker lost the message before any worker took it.  The gate holds it
+    RELEASED; once the release timeout lapses the dispatcher (the worker's own loop)
+    republishes it, and it runs once."""
+    direct = "0" if how == "publish-failed" else "1"
+    d = make_deployment(CT_RELEASE_TIMEOUT="1", CT_DISPATCH_INTERVAL="0.2",
+                        CT_DIRECT_RELEASE=direct)
+    broker = redis.Redis.from_url(d.env["CT_BROKER_URL"])
+    queue = d.env["CT_QUEUE"]
+    thread = tid("lost")
+    if how == "publish-failed":
+        with proj.app.connection_for_write(f"redis://127.0.0.1:{free_port()}/1") as dead:
+            result = proj.record.apply_async(
+                (thread, "lost"), producer=dead.Producer(auto_declare=False),
+                retry_policy={"max_retries": 0})
+        assert broker.llen(queue) == 0
+    else:
+        result = proj.record.apply_async((thread, "lost"))
+        assert broker.llen(queue) == 1            # the gate's script pushed it ...
+        assert broker.delete(queue) == 1          # ... and the broker lost it
+    info = Threads(proj.app).get(thread)
+    assert info is not None and info.active.state == "RELEASED"
+    w = d.worker("w", concurrency=1)
+    assert result.get(timeout=20) == "lost"
+    assert starts(r, thread) == ["lost"]
+    assert "within its release deadline; republishing it" in w.output()
+    assert w.output().count(f"{result.id}] received") == 1
+    broker.close()
+
+
+@pytest.mark.parametrize("track", [True, False], ids=["tracked", "untracked"])
+def test_redelivered_message_never_runs_twice_at_once(proj, make_deployment, r, track):
+    """Late acks and a one-second visibility timeout: kombu's Redis transport puts back a delivery
+    still unacked after it, and plain Celery runs it again.  With ``threads_track_releases`` the
+    threaded delivery is tracked the same way and the claim drops its redelivery; by default it
+    is not tracked, so nothing is redelivered."""
+    if not hasattr(kombu.transport.redis.Channel, "unacked_restore_interval"):
+        pytest.skip("this kombu restores unacked deliveries every 10 s at the earliest: plain "
+                    "Celery's control run is not redelivered within the test")
+    d = make_deployment(CT_ACKS_LATE="1", CT_VISIBILITY="1", CT_UNACKED_RESTORE="1",
+                        CT_PREFETCH="1", CT_TRACK_RELEASES="1" if track else "0")
+    d.worker("a", concurrency=2)
+    d.worker("b", concurrency=2)
+    thread, plain_thread = tid("dup"), tid("dup-plain")
+    plain = proj.plain.delay(plain_thread, "plain", sleep=6)
+    threaded = proj.record.delay(thread, "threaded", sleep=6)
+    assert threaded.get(timeout=60) == "threaded"
+    plain.get(timeout=60)
+    # The control: plain Celery with these settings runs the redelivered task again while the
+    # first run is still going.
+    plain_events = events(r, plain_thread)
+    assert [e.kind for e in plain_events][:2] == ["start", "start"], plain_events
+    # Ours ran once: its redelivery, restored as the plain one was, is dropped (and said so)
+    # when tracked; untracked, there is none.
+    if track:
+        wait_for(lambda: "a duplicate delivery" in "".join(p.output() for p in d.processes),
+                 timeout=30, what="the claim to drop the redelivery")
+    else:
+        time.sleep(2)    # what a redelivery would take: none must come
+        assert "a duplicate delivery" not in "".join(p.output() for p in d.processes)
+    assert starts(r, thread) == ["threaded"]
+    assert_serial(r, thread)
+
+
+def test_member_prefetched_by_a_worker_shutting_down_runs_elsewhere(proj, make_deployment, r):
+    """A warm shutdown hands back prefetched messages; the gate still holds them RELEASED (the
+    claim happens when a task starts), so the redelivery runs at once and burns no retry."""
+    d = make_deployment(CT_PREFETCH="4")
+    leaving = d.worker("leaving", concurrency=1)
+    busy, waiting = tid("busy"), tid("prefetched")
+    proj.record.delay(busy, "busy", sleep=2)
+    wait_for(lambda: starts(r, busy) == ["busy"], what="busy to start")
+    prefetched = proj.record.delay(waiting, "prefetched")
+    wait_for(lambda: f"{prefetched.id}] received" in leaving.output(), what="the prefetch")
+    info = Threads(proj.app).get(waiting)
+    assert info is not None, (starts(r, waiting), leaving.output()[-2000:])
+    assert info.active.state == "RELEASED"
+    leaving.proc.send_signal(signal.SIGTERM)   # warm shutdown: finishes busy, returns the rest
+    d.worker("staying", concurrency=1)
+    leaving.proc.wait(30)
+    assert f"{prefetched.id}] succeeded" not in leaving.output()
+    assert prefetched.get(timeout=20) == "prefetched"
+    assert starts(r, waiting) == ["prefetched"]
+    assert starts(r, busy) == ["busy"]       # finished by the leaving worker, once
+
+
+def _released_but_unpublished(proj, thread: str, label: str, sleep: float = 0.0):
+    """A member stored and released by the gate that nobody has published yet: (result, release).
+    (The runtime's gate would publish the release itself on this Redis broker: this one does not.)"""
+    from celery_threads.publish import CapturingProducer
+
+    runtime = get_runtime(proj.app)
+    gate = Gate(runtime.client, runtime.keys, release_timeout_ms=runtime.config.release_timeout_ms)
+    with proj.app.producer_or_acquire() as real:
+        capture = CapturingProducer(real)
+        result = Task.apply_async(proj.record, (thread, label), {"sleep": sleep}, producer=capture)
+    outcome = gate.enqueue(thread, result.id, capture.envelope)
+    assert outcome.release is not None
+    return result, outcome.release
+
+
+def _first_copy_running(proj, make_deployment, r, prefix: str, sleep: float):
+    """A worker, and a member whose release this process published by hand, now running."""
+    w = make_deployment().worker("w", concurrency=2)
+    thread = tid(prefix)
+    runtime = get_runtime(proj.app)
+    result, release = _released_but_unpublished(proj, thread, "once", sleep=sleep)
+    runtime.publish(release)
+    wait_for(lambda: starts(r, thread) == ["once"], what="the first copy to start")
+    return w, thread, runtime, result, release
+
+
+def test_republished_copy_of_a_running_member_is_dropped_on_receipt(proj, make_deployment, r):
+    """A copy the gate published again (header thread_republished) is checked on receipt: while
+    the first copy runs, the second is acked and dropped before Celery logs it as received."""
+    w, thread, runtime, result, release = _first_copy_running(proj, make_deployment, r,
+                                                              "republished", sleep=2)
+    runtime.publish(release, republish=True)
+    wait_for(lambda: "a duplicate delivery" in w.output(), what="the copy to be dropped")
+    assert result.get(timeout=20) == "once"
+    assert starts(r, thread) == ["once"]
+    assert w.output().count(f"{result.id}] received") == 1
+
+
+def test_unmarked_duplicate_copy_is_stopped_by_the_claim(proj, make_deployment, r):
+    """A copy that carries no duplicate mark passes the receipt check unread; the claim at task
+    start stops it, its body never runs, and the thread moves on."""
+    w, thread, runtime, result, release = _first_copy_running(proj, make_deployment, r,
+                                                              "unmarked", sleep=1)
+    runtime.publish(release)                               # the same message, unmarked
+    nxt = proj.record.delay(thread, "next")
+    assert nxt.get(timeout=20) == "next"
+    assert result.get(timeout=20) == "once"
+    assert starts(r, thread) == ["once", "next"]
+    assert_serial(r, thread)
+    wait_for(lambda: "claimed by another delivery" in w.output() or "stale release" in w.output(),
+             what="the copy to lose its claim")
+
+
+def test_pool_processes_that_exit_after_each_member_still_release_the_next(proj, make_deployment,
+                                                                           r):
+    """The next member's release goes out from a background thread of the pool process that ended
+    its predecessor; a process that leaves right after (``--max-tasks-per-child 1``) publishes it
+    first, so the thread never waits for the release timeout (120 s here)."""
+    d = make_deployment(CT_RELEASE_TIMEOUT="120")
+    d.worker("recycler", concurrency=1, extra=["--max-tasks-per-child", "1"])
+    thread = tid("recycled")
+    labels = [f"m{i}" for i in range(4)]
+    results = [proj.record.delay(thread, label) for label in labels]
+    assert [x.get(timeout=40) for x in results] == labels
+    assert starts(r, thread) == labels
+    assert_serial(r, thread)
