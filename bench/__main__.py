@@ -1,5 +1,6 @@
 """``python -m bench <name> [--quick] [--repeats N] [--results FILE] [...]``: run one benchmark, print
 its table and record it in a results file (``python -m bench.report FILE`` renders one)."""
+
 from __future__ import annotations
 
 import argparse
@@ -18,7 +19,7 @@ BENCHMARKS = {
     "lspage": "celery threads ls --limit 20 at 20,000 and 1,000,000 threads, before/after the cursor",
     "metrics": "a celery threads metrics scrape on a gate of 1,000 and of 1,000,000 waiting members",
     "gatecpu": "the gate's Redis and worker CPU per task: one Redis vs a 3-master cluster, and "
-               "plain Celery's broker",
+    "plain Celery's broker",
     "gateunavailable": "time for a producer's apply_async to raise GateUnavailable on a dead gate",
 }
 
@@ -33,17 +34,31 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="name", required=True, metavar="name")
     for name, summary in BENCHMARKS.items():
         module = importlib.import_module(f"bench.{name}")
-        p = sub.add_parser(name, help=summary, description=module.__doc__,
-                           formatter_class=argparse.RawDescriptionHelpFormatter)
-        p.add_argument("--quick", action="store_true",
-                       help="shrink the run to seconds (CI: checks that it runs and prints)")
-        p.add_argument("--results", default=None, metavar="FILE",
-                       help="record the table in this JSON file (default: "
-                            "bench/results/<date>-<commit>.json; none with --quick); "
-                            "'-' records nothing; render with python -m bench.report FILE")
-        p.add_argument("--repeats", type=int, default=None,
-                       help=f"repeats of each side (default: {_repeats(module)}, or 1 with "
-                            "--quick)")
+        p = sub.add_parser(
+            name,
+            help=summary,
+            description=module.__doc__,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        p.add_argument(
+            "--quick",
+            action="store_true",
+            help="shrink the run to seconds (CI: checks that it runs and prints)",
+        )
+        p.add_argument(
+            "--results",
+            default=None,
+            metavar="FILE",
+            help="record the table in this JSON file (default: "
+            "bench/results/<date>-<commit>.json; none with --quick); "
+            "'-' records nothing; render with python -m bench.report FILE",
+        )
+        p.add_argument(
+            "--repeats",
+            type=int,
+            default=None,
+            help=f"repeats of each side (default: {_repeats(module)}, or 1 with --quick)",
+        )
         module.add_arguments(p)
     args = parser.parse_args(argv)
     module = importlib.import_module(f"bench.{args.name}")

@@ -10,6 +10,7 @@ client with ``threads_shards`` shards (its line to each master, ``FCALL``; redis
 client for anything else).  Redis time is ``INFO commandstats`` (every command's ``usec``) of
 each server, reset before the run; per master and in total, divided by the lives run.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -47,17 +48,49 @@ def _start_cluster(stack: h.Stack, masters: int = 3) -> list[int]:
     binary = h.redis_binary() or "redis-server"
     ports = [cluster_port() for _ in range(masters)]
     for port in ports:
-        stack.procs.append(h.Proc(f"cluster-{port}", [
-            binary, "--port", str(port), "--bind", "127.0.0.1", "--cluster-enabled", "yes",
-            "--cluster-config-file", f"{stack.logdir}/nodes-{port}.conf", "--save", "",
-            "--appendonly", "no", "--dir", stack.logdir], logdir=stack.logdir).start())
+        stack.procs.append(
+            h.Proc(
+                f"cluster-{port}",
+                [
+                    binary,
+                    "--port",
+                    str(port),
+                    "--bind",
+                    "127.0.0.1",
+                    "--cluster-enabled",
+                    "yes",
+                    "--cluster-config-file",
+                    f"{stack.logdir}/nodes-{port}.conf",
+                    "--save",
+                    "",
+                    "--appendonly",
+                    "no",
+                    "--dir",
+                    stack.logdir,
+                ],
+                logdir=stack.logdir,
+            ).start()
+        )
     for port in ports:
         _wait(lambda port=port: _pings(port), f"redis-server on {port}")
-    subprocess.run([REDIS_CLI, "--cluster", "create", *[f"127.0.0.1:{p}" for p in ports],
-                    "--cluster-replicas", "0", "--cluster-yes"],
-                   check=True, capture_output=True, timeout=60)
-    _wait(lambda: all(redis.Redis(port=p).cluster("info")["cluster_state"] == "ok"
-                      for p in ports), "the cluster")
+    subprocess.run(
+        [
+            REDIS_CLI,
+            "--cluster",
+            "create",
+            *[f"127.0.0.1:{p}" for p in ports],
+            "--cluster-replicas",
+            "0",
+            "--cluster-yes",
+        ],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
+    _wait(
+        lambda: all(redis.Redis(port=p).cluster("info")["cluster_state"] == "ok" for p in ports),
+        "the cluster",
+    )
     return ports
 
 
@@ -76,16 +109,16 @@ def _wait(condition: Any, what: str, timeout: float = 60.0) -> None:
         time.sleep(0.05)
 
 
-def _lives(url: str, options: dict[str, Any], shards: int, seconds: float, ready: Any,
-           start: Any, out: Any) -> None:
+def _lives(
+    url: str, options: dict[str, Any], shards: int, seconds: float, ready: Any, start: Any, out: Any
+) -> None:
     """One client process: lives on its own threads until ``seconds`` after ``start`` is set."""
     from celery_threads.gate import Gate, make_client
     from celery_threads.keys import Keys
 
-    gate = Gate(make_client(url, options), Keys("bench-cluster", shards),
-                release_timeout_ms=60_000)
+    gate = Gate(make_client(url, options), Keys("bench-cluster", shards), release_timeout_ms=60_000)
     me = uuid.uuid4().hex[:8]
-    gate.enqueue(f"{me}-warm", str(uuid.uuid4()), ENVELOPE)   # connections open, scripts loaded
+    gate.enqueue(f"{me}-warm", str(uuid.uuid4()), ENVELOPE)  # connections open, scripts loaded
     ready.put(me)
     start.wait()
     end, n, cpu = time.monotonic() + seconds, 0, time.process_time()
@@ -99,15 +132,18 @@ def _lives(url: str, options: dict[str, Any], shards: int, seconds: float, ready
     out.put((n, time.process_time() - cpu))
 
 
-def _run(url: str, options: dict[str, Any], shards: int, ports: list[int], processes: int,
-         seconds: float) -> dict[str, Any]:
+def _run(
+    url: str, options: dict[str, Any], shards: int, ports: list[int], processes: int, seconds: float
+) -> dict[str, Any]:
     ctx = multiprocessing.get_context("fork")
     ready, start, out = ctx.Queue(), ctx.Event(), ctx.Queue()
-    procs = [ctx.Process(target=_lives, args=(url, options, shards, seconds, ready, start, out))
-             for _ in range(processes)]
+    procs = [
+        ctx.Process(target=_lives, args=(url, options, shards, seconds, ready, start, out))
+        for _ in range(processes)
+    ]
     for proc in procs:
         proc.start()
-    for _ in procs:    # every process connected and warmed up before the clock starts
+    for _ in procs:  # every process connected and warmed up before the clock starts
         ready.get(timeout=120)
     nodes = [redis.Redis(port=p) for p in ports]
     for node in nodes:
@@ -119,15 +155,26 @@ def _run(url: str, options: dict[str, Any], shards: int, ports: list[int], proce
     lives, cpu = sum(n for n, _ in done), sum(c for _, c in done)
     for proc in procs:
         proc.join(30)
-    usec = [sum(v["usec"] for k, v in node.info("commandstats").items()
-                if k.startswith("cmdstat_")) for node in nodes]
-    return {"lives": lives, "wall": wall, "rate": lives / wall, "usec": usec,
-            "per_life": sum(usec) / lives, "cpu": cpu}
+    usec = [
+        sum(v["usec"] for k, v in node.info("commandstats").items() if k.startswith("cmdstat_"))
+        for node in nodes
+    ]
+    return {
+        "lives": lives,
+        "wall": wall,
+        "rate": lives / wall,
+        "usec": usec,
+        "per_life": sum(usec) / lives,
+        "cpu": cpu,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.cluster", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m bench.cluster",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--seconds", type=float, default=10.0, help="run time per topology (10)")
     p.add_argument("--processes", type=int, default=6, help="client processes per topology (6)")
     p.add_argument("--shards", type=int, default=3, help="threads_shards on the cluster (3)")
@@ -140,34 +187,67 @@ def main(argv: list[str] | None = None) -> int:
         h.progress(f"one Redis: {args.processes} processes, {args.seconds:g} s")
         single = _run(server.url(), {}, 1, [server.port], args.processes, args.seconds)
         h.progress(f"cluster of 3 masters: {args.processes} processes, {args.seconds:g} s")
-        cluster = _run(f"redis://127.0.0.1:{ports[0]}/0", {"cluster": True}, args.shards, ports,
-                       args.processes, args.seconds)
+        cluster = _run(
+            f"redis://127.0.0.1:{ports[0]}/0",
+            {"cluster": True},
+            args.shards,
+            ports,
+            args.processes,
+            args.seconds,
+        )
 
     rows: list[list[Any]] = [
-        ["member lives per second (wall clock)", single["rate"], cluster["rate"],
-         h.ratio(cluster["rate"], single["rate"])],
-        ["Redis time per life, all servers (µs)", single["per_life"], cluster["per_life"],
-         h.ratio(cluster["per_life"], single["per_life"])],
+        [
+            "member lives per second (wall clock)",
+            single["rate"],
+            cluster["rate"],
+            h.ratio(cluster["rate"], single["rate"]),
+        ],
+        [
+            "Redis time per life, all servers (µs)",
+            single["per_life"],
+            cluster["per_life"],
+            h.ratio(cluster["per_life"], single["per_life"]),
+        ],
     ]
     for i, usec in enumerate(cluster["usec"]):
-        rows.append([f"Redis time per life on master {i + 1} (µs; share)",
-                     single["per_life"] if i == 0 else "-",
-                     f"{usec / cluster['lives']:.1f} ({usec / sum(cluster['usec']):.0%})", "-"])
+        rows.append(
+            [
+                f"Redis time per life on master {i + 1} (µs; share)",
+                single["per_life"] if i == 0 else "-",
+                f"{usec / cluster['lives']:.1f} ({usec / sum(cluster['usec']):.0%})",
+                "-",
+            ]
+        )
     cpu = [x["cpu"] / x["lives"] * 1e6 for x in (single, cluster)]
-    rows.append(["client CPU per life (µs, the client processes' own)", cpu[0], cpu[1],
-                 h.ratio(cpu[1], cpu[0])])
+    rows.append(
+        ["client CPU per life (µs, the client processes' own)", cpu[0], cpu[1], h.ratio(cpu[1], cpu[0])]
+    )
     rows.append(["lives run", single["lives"], cluster["lives"], "-"])
-    print(h.table("cluster (gate only)", [
-        f"command: `python -m bench.cluster --seconds {args.seconds:g} --processes "
-        f"{args.processes} --shards {args.shards}`",
-        f"machine: {where}",
-        f"load: {args.processes} client processes per topology, each running idle-thread lives "
-        f"(enqueue, claim, finish) for {args.seconds:g} s; one Redis first, then the cluster"],
-        ["measure", "one Redis (direct line, FCALL)", "3-master cluster (line per master, FCALL)",
-         "ratio"], rows,
-        ["ratio = cluster / one Redis. On a machine with fewer cores than masters plus clients, "
-         "the cluster's wall-clock rate is bounded by the CPU, not by any one master: its "
-         "Redis time per master is what one core per master would serve."]))
+    print(
+        h.table(
+            "cluster (gate only)",
+            [
+                f"command: `python -m bench.cluster --seconds {args.seconds:g} --processes "
+                f"{args.processes} --shards {args.shards}`",
+                f"machine: {where}",
+                f"load: {args.processes} client processes per topology, each running idle-thread lives "
+                f"(enqueue, claim, finish) for {args.seconds:g} s; one Redis first, then the cluster",
+            ],
+            [
+                "measure",
+                "one Redis (direct line, FCALL)",
+                "3-master cluster (line per master, FCALL)",
+                "ratio",
+            ],
+            rows,
+            [
+                "ratio = cluster / one Redis. On a machine with fewer cores than masters plus clients, "
+                "the cluster's wall-clock rate is bounded by the CPU, not by any one master: its "
+                "Redis time per master is what one core per master would serve."
+            ],
+        )
+    )
     return 0
 
 

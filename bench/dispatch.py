@@ -17,6 +17,7 @@ message's ``eta``.  One prefork worker with 2 processes (its dispatch loop on) a
 
 Targets: a tick with nothing due under 5 ms; threaded p99 lateness at most 20 ms.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,13 +35,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None, help="existing threads (100,000)")
     p.add_argument("--due", type=int, default=None, help="due heads (1,000)")
     p.add_argument("--ticks", type=int, default=None, help="timed idle ticks per repeat (200)")
-    p.add_argument("--members", type=int, default=None,
-                   help="countdown members per side and repeat (500)")
+    p.add_argument("--members", type=int, default=None, help="countdown members per side and repeat (500)")
     p.add_argument("--spacing-ms", type=float, default=10.0)
 
 
-def _tick_part(stack: h.Stack, server: h.RedisServer, args: argparse.Namespace, threads: int,
-               due: int, ticks: int) -> dict[str, list[float]]:
+def _tick_part(
+    stack: h.Stack, server: h.RedisServer, args: argparse.Namespace, threads: int, due: int, ticks: int
+) -> dict[str, list[float]]:
     from bench import tasks
     from celery_threads.dispatcher import Dispatcher
     from celery_threads.runtime import Runtime
@@ -98,8 +99,9 @@ def _tick_part(stack: h.Stack, server: h.RedisServer, args: argparse.Namespace, 
     return out
 
 
-def _lateness_part(stack: h.Stack, server: h.RedisServer, args: argparse.Namespace,
-                   members: int) -> dict[str, list[list[float]]]:
+def _lateness_part(
+    stack: h.Stack, server: h.RedisServer, args: argparse.Namespace, members: int
+) -> dict[str, list[list[float]]]:
     from bench import tasks
 
     env = h.celery_env(server)
@@ -116,10 +118,13 @@ def _lateness_part(stack: h.Stack, server: h.RedisServer, args: argparse.Namespa
             key = f"bench:{stack.run_id}:{rep}:{side}:due"
             task = tasks.due_threaded if side == "threaded" else tasks.due_plain
             for i in range(members):
-                task.apply_async((f"due-{side}-{rep}-{i}", key, str(i)),
-                                 countdown=1.0 + i * spacing)
-            h.wait_until(lambda key=key: client.llen(key) >= members, 60 + members * spacing,
-                         f"{members} {side} countdown members", stack=stack)
+                task.apply_async((f"due-{side}-{rep}-{i}", key, str(i)), countdown=1.0 + i * spacing)
+            h.wait_until(
+                lambda key=key: client.llen(key) >= members,
+                60 + members * spacing,
+                f"{members} {side} countdown members",
+                stack=stack,
+            )
             late: list[float] = []
             parts: dict[str, list[float]] = {"released": [], "claimed": [], "started": []}
             for row in h.read_stamps(client, key):
@@ -130,7 +135,7 @@ def _lateness_part(stack: h.Stack, server: h.RedisServer, args: argparse.Namespa
                     parts["released"].append(since - sched)
                     parts["claimed"].append(claimed - since)
                     parts["started"].append(start_ms - claimed)
-                else:                   # label | eta | start us
+                else:  # label | eta | start us
                     eta = dt.datetime.fromisoformat(row[1])
                     late.append((int(row[2]) - eta.timestamp() * 1e6) / 1000.0)
             samples[side].append(late)
@@ -160,29 +165,62 @@ def run(args: argparse.Namespace) -> int:
         return h.median(h.pct(s, p) for s in late[side])
 
     rows: list[list[Any]] = [
-        [f"tick, {threads:,} threads, nothing due: p50 (ms)", med("idle_p50"), "-", "-", "< 5 ms",
-         h.verdict(med("idle_p50") < 5)],
+        [
+            f"tick, {threads:,} threads, nothing due: p50 (ms)",
+            med("idle_p50"),
+            "-",
+            "-",
+            "< 5 ms",
+            h.verdict(med("idle_p50") < 5),
+        ],
         [f"tick, {threads:,} threads, nothing due: p99 (ms)", med("idle_p99"), "-", "-", "-", "-"],
-        ["  its Redis execution time (µs) / top-level, all commands",
-         f"{med('idle_server_us'):.0f} / {med('idle_cmds'):.0f}, {med('idle_all'):.0f}",
-         "-", "-", "-", "-"],
-        [f"{due:,} due heads: release and publish them all (ms)", med("due_total"), "-", "-",
-         "-", "-"],
-        ["  per head (µs); ticks; longest tick (ms)",
-         f"{med('due_per_head'):.0f}; {med('due_ticks'):.0f}; {med('due_max_tick'):.0f}",
-         "-", "-", "-", "-"],
+        [
+            "  its Redis execution time (µs) / top-level, all commands",
+            f"{med('idle_server_us'):.0f} / {med('idle_cmds'):.0f}, {med('idle_all'):.0f}",
+            "-",
+            "-",
+            "-",
+            "-",
+        ],
+        [f"{due:,} due heads: release and publish them all (ms)", med("due_total"), "-", "-", "-", "-"],
+        [
+            "  per head (µs); ticks; longest tick (ms)",
+            f"{med('due_per_head'):.0f}; {med('due_ticks'):.0f}; {med('due_max_tick'):.0f}",
+            "-",
+            "-",
+            "-",
+            "-",
+        ],
     ]
     for p in (50, 90, 99):
         t, pl = lat("threaded", p), lat("plain", p)
-        rows.append([f"countdown lateness p{p} (ms)", t, pl, h.ratio(t, pl),
-                     "<= 20 ms" if p == 99 else "-", h.verdict(t <= 20) if p == 99 else "-"])
+        rows.append(
+            [
+                f"countdown lateness p{p} (ms)",
+                t,
+                pl,
+                h.ratio(t, pl),
+                "<= 20 ms" if p == 99 else "-",
+                h.verdict(t <= 20) if p == 99 else "-",
+            ]
+        )
     t, pl = lat("threaded", 100), lat("plain", 100)
     rows.append(["countdown lateness max (ms)", t, pl, h.ratio(t, pl), "-", "-"])
-    for name, label in (("released", "due -> released by a dispatcher"),
-                        ("claimed", "released -> claimed by the worker"),
-                        ("started", "claimed -> task body starts")):
-        rows.append([f"  threaded, of which {label}: p50 / p99 (ms)",
-                     f"{lat(name, 50):.1f} / {lat(name, 99):.1f}", "-", "-", "-", "-"])
+    for name, label in (
+        ("released", "due -> released by a dispatcher"),
+        ("claimed", "released -> claimed by the worker"),
+        ("started", "claimed -> task body starts"),
+    ):
+        rows.append(
+            [
+                f"  threaded, of which {label}: p50 / p99 (ms)",
+                f"{lat(name, 50):.1f} / {lat(name, 99):.1f}",
+                "-",
+                "-",
+                "-",
+                "-",
+            ]
+        )
     notes = [
         f"tick figures: medians over {args.repeats} repeat(s) of {ticks} ticks (client wall time, "
         f"this process as the dispatcher); due heads released {ticked['batch'][0]} per tick "
@@ -192,10 +230,17 @@ def run(args: argparse.Namespace) -> int:
         f"over {args.repeats} repeat(s); the gate's scheduled_at is whole ms, so threaded "
         "lateness may read up to 1 ms high; ratio = threaded / plain.",
     ]
-    h.report("dispatch (redis broker)", "dispatch", args.quick, where,
-             f"tick: {threads:,} existing threads (half active, half idle with a head a day "
-             f"ahead), then {due:,} due heads; lateness: one prefork worker -c 2 with its "
-             "dispatch loop, beat (threads_dispatch_interval 1 s)",
-             ["measure", "threaded", "plain", "ratio", "target", "verdict"], rows, notes,
-             problems)
+    h.report(
+        "dispatch (redis broker)",
+        "dispatch",
+        args.quick,
+        where,
+        f"tick: {threads:,} existing threads (half active, half idle with a head a day "
+        f"ahead), then {due:,} due heads; lateness: one prefork worker -c 2 with its "
+        "dispatch loop, beat (threads_dispatch_interval 1 s)",
+        ["measure", "threaded", "plain", "ratio", "target", "verdict"],
+        rows,
+        notes,
+        problems,
+    )
     return 0

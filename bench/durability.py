@@ -9,6 +9,7 @@ caller: the wall time per transition (what the caller waits) and Redis's time pe
 (``INFO commandstats`` of ``fcall``; WAIT's own entry apart).  The settings take turns in each
 repeat, in a rotating order; medians over the repeats.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,8 +22,13 @@ import redis
 from bench import harness as h
 
 ENVELOPE = b'{"headers":{"task":"bench.noop"}}\n' + b"x" * 900
-SETTINGS = ("no persistence", "appendfsync everysec", "appendfsync always",
-            "replica, threads_wait_replicas=0", "replica, threads_wait_replicas=1")
+SETTINGS = (
+    "no persistence",
+    "appendfsync everysec",
+    "appendfsync always",
+    "replica, threads_wait_replicas=0",
+    "replica, threads_wait_replicas=1",
+)
 
 
 def _server(stack: Any, name: str, *args: str) -> h.RedisServer:
@@ -40,7 +46,7 @@ def _lives(gate: Any, client: redis.Redis, calls: int, tag: str) -> tuple[float,
         thread, task = f"{tag}-{i}", str(uuid.uuid4())
         release = gate.enqueue(thread, task, ENVELOPE).release
         gate.claim(thread, task, release.token, "bench", task)
-        gate.finish(thread, task, release.token, caller=task)    # the claim's own ending
+        gate.finish(thread, task, release.token, caller=task)  # the claim's own ending
     wall = (time.perf_counter() - started) / (3 * calls) * 1e6
     stats = client.info("commandstats")
     top = stats.get("cmdstat_fcall") or stats["cmdstat_evalsha"]
@@ -49,8 +55,11 @@ def _lives(gate: Any, client: redis.Redis, calls: int, tag: str) -> tuple[float,
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.durability", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m bench.durability",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--calls", type=int, default=2000, help="lives per setting and repeat (2,000)")
     p.add_argument("--repeats", type=int, default=3)
     args = p.parse_args(argv)
@@ -70,34 +79,58 @@ def main(argv: list[str] | None = None) -> int:
         else:
             raise SystemExit(f"the replica did not connect:\n{replica.output()}")
         servers = dict(zip(SETTINGS, (plain, everysec, always, master, master)))
-        gates = {name: Gate(make_client(server.url()), Keys(f"dur-{i}"),
-                            release_timeout_ms=60_000, wait_replicas=1 if i == 4 else 0)
-                 for i, (name, server) in enumerate(servers.items())}
-        for name, gate in gates.items():          # lines open, library loaded
+        gates = {
+            name: Gate(
+                make_client(server.url()),
+                Keys(f"dur-{i}"),
+                release_timeout_ms=60_000,
+                wait_replicas=1 if i == 4 else 0,
+            )
+            for i, (name, server) in enumerate(servers.items())
+        }
+        for name, gate in gates.items():  # lines open, library loaded
             _lives(gate, servers[name].client(), 100, f"warm-{name}")
         results: dict[str, list[tuple[float, float, float]]] = {name: [] for name in SETTINGS}
         for rep in range(args.repeats):
-            order = SETTINGS[rep % len(SETTINGS):] + SETTINGS[:rep % len(SETTINGS)]
+            order = SETTINGS[rep % len(SETTINGS) :] + SETTINGS[: rep % len(SETTINGS)]
             for name in order:
                 h.progress(f"repeat {rep + 1}/{args.repeats}: {name}")
-                results[name].append(_lives(gates[name], servers[name].client(), args.calls,
-                                            f"{rep}-{name}"))
+                results[name].append(_lives(gates[name], servers[name].client(), args.calls, f"{rep}-{name}"))
         where = h.machine(plain)
 
     base = h.median(r[0] for r in results[SETTINGS[0]])
     rows = []
     for name in SETTINGS:
         wall = h.median(r[0] for r in results[name])
-        rows.append([name, wall, wall - base, h.median(r[1] for r in results[name]),
-                     h.median(r[2] for r in results[name]) or "-"])
-    print(h.table("durability (gate only, one caller)", [
-        f"command: `python -m bench.durability --calls {args.calls} --repeats {args.repeats}`",
-        f"machine: {where}",
-        f"load: {args.calls:,} idle-thread lives (enqueue, claim, finish) per setting and repeat; "
-        f"{args.repeats} repeat(s), the settings in rotating order"],
-        ["setting", "wall per transition (µs)", "added (µs)", "Redis per call (µs)",
-         "Redis per WAIT (µs)"], rows,
-        [f"medians over {args.repeats} repeat(s); added = against no persistence, same run."]))
+        rows.append(
+            [
+                name,
+                wall,
+                wall - base,
+                h.median(r[1] for r in results[name]),
+                h.median(r[2] for r in results[name]) or "-",
+            ]
+        )
+    print(
+        h.table(
+            "durability (gate only, one caller)",
+            [
+                f"command: `python -m bench.durability --calls {args.calls} --repeats {args.repeats}`",
+                f"machine: {where}",
+                f"load: {args.calls:,} idle-thread lives (enqueue, claim, finish) per setting and repeat; "
+                f"{args.repeats} repeat(s), the settings in rotating order",
+            ],
+            [
+                "setting",
+                "wall per transition (µs)",
+                "added (µs)",
+                "Redis per call (µs)",
+                "Redis per WAIT (µs)",
+            ],
+            rows,
+            [f"medians over {args.repeats} repeat(s); added = against no persistence, same run."],
+        )
+    )
     return 0
 
 

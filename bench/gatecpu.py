@@ -26,6 +26,7 @@ command a script ran is logged without a client address and is not a round trip.
 Targets (issue 31): one Redis's gate CPU per task <= 120 µs; a 3-master cluster's busiest master
 <= 1/2.5 of one Redis's; worker CPU per task on the cluster <= 1.2x one Redis's.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,8 +41,7 @@ from bench import harness as h
 from bench.cluster import _start_cluster
 
 SIDES = ("single", "cluster", "plain")
-LABELS = {"single": "one Redis gate", "cluster": "3-master cluster gate (6 shards)",
-          "plain": "plain Celery"}
+LABELS = {"single": "one Redis gate", "cluster": "3-master cluster gate (6 shards)", "plain": "plain Celery"}
 OWN = ("CONFIG", "SLOWLOG", "INFO", "PING", "CLUSTER", "COMMAND", "CLIENT", "HELLO", "SELECT")
 
 
@@ -125,9 +125,17 @@ def _log_all(nodes: list[redis.Redis]) -> None:
         node.config_set("slowlog-log-slower-than", 0)
 
 
-def _side(stack: h.Stack, side: str, args: argparse.Namespace, n: int, threads: int,
-          broker: h.RedisServer, probe: h.RedisServer, gate_url: str,
-          gate_nodes: list[redis.Redis]) -> dict[str, Any]:
+def _side(
+    stack: h.Stack,
+    side: str,
+    args: argparse.Namespace,
+    n: int,
+    threads: int,
+    broker: h.RedisServer,
+    probe: h.RedisServer,
+    gate_url: str,
+    gate_nodes: list[redis.Redis],
+) -> dict[str, Any]:
     from bench import tasks
 
     extra: dict[str, Any] = {"BENCH_PROBE_URL": probe.url()}
@@ -138,15 +146,21 @@ def _side(stack: h.Stack, side: str, args: argparse.Namespace, n: int, threads: 
     tasks.configure(env)
     task = tasks.noop_plain if side == "plain" else tasks.noop_threaded
     rec = tasks.recorder()
-    worker = stack.worker(env, name=f"worker-{side}", concurrency=args.concurrency,
-                          ready_client=probe.client())
+    worker = stack.worker(
+        env, name=f"worker-{side}", concurrency=args.concurrency, ready_client=probe.client()
+    )
     timeout = 120 + n / 10
     try:
+
         def drain(tag: str, count: int, over: int = threads) -> float:
             key = f"bench:{stack.run_id}:{side}:{tag}"
             cpu = _publish(task, f"{side}{tag}", count, over, key)
-            h.wait_until(lambda: int(rec.client.get(key) or 0) >= count, timeout,
-                         f"{side}: {count} tasks ({tag})", stack=stack)
+            h.wait_until(
+                lambda: int(rec.client.get(key) or 0) >= count,
+                timeout,
+                f"{side}: {count} tasks ({tag})",
+                stack=stack,
+            )
             return cpu
 
         h.progress(f"{side}: warming up")
@@ -165,7 +179,7 @@ def _side(stack: h.Stack, side: str, args: argparse.Namespace, n: int, threads: 
         usec = Counter[str]()
         for g in gate_nodes:
             for k, v in g.info("commandstats").items():
-                name = k[len("cmdstat_"):]
+                name = k[len("cmdstat_") :]
                 if name.split("|")[0] in ("config", "info", "slowlog"):
                     continue
                 stats[name] += int(v["calls"])
@@ -185,10 +199,12 @@ def _side(stack: h.Stack, side: str, args: argparse.Namespace, n: int, threads: 
     per_master = [(b - a) * 1e6 / n for a, b in zip(gate0, gate1)]
     scripts = stats["fcall"] + stats["evalsha"]
     return {
-        "gate_us": sum(per_master), "masters_us": per_master,
+        "gate_us": sum(per_master),
+        "masters_us": per_master,
         "broker_us": (broker1 - broker0) * 1e6 / n,
         "worker_us": (sum(worker1) - sum(worker0)) * 1e6 / n,
-        "main_us": (worker1[0] - worker0[0]) * 1e6 / n, "pool_us": (worker1[1] - worker0[1]) * 1e6 / n,
+        "main_us": (worker1[0] - worker0[0]) * 1e6 / n,
+        "pool_us": (worker1[1] - worker0[1]) * 1e6 / n,
         "producer_us": producer * 1e6 / n,
         "scripts": scripts / n,
         "script_us": (usec["fcall"] + usec["evalsha"]) / scripts if scripts else float("nan"),
@@ -223,12 +239,13 @@ def run(args: argparse.Namespace) -> int:
         single = stack.redis("gate")
         where = h.machine(single)
         ports = _start_cluster(stack)
-        gates = {"single": (single.url(), [single.client()]),
-                 "cluster": (f"redis://127.0.0.1:{ports[0]}/0",
-                             [redis.Redis(port=p) for p in ports]),
-                 "plain": (probe.url(), [])}
+        gates = {
+            "single": (single.url(), [single.client()]),
+            "cluster": (f"redis://127.0.0.1:{ports[0]}/0", [redis.Redis(port=p) for p in ports]),
+            "plain": (probe.url(), []),
+        }
         for rep in range(args.repeats):
-            for side in (SIDES if rep % 2 == 0 else SIDES[::-1]):
+            for side in SIDES if rep % 2 == 0 else SIDES[::-1]:
                 if args.repeats > 1:
                     h.progress(f"repeat {rep + 1}/{args.repeats}")
                 url, nodes = gates[side]
@@ -240,46 +257,129 @@ def run(args: argparse.Namespace) -> int:
     s, c, p = out["single"], out["cluster"], out["plain"]
     busiest = max(c["masters_us"])
     rows: list[list[Any]] = [
-        ["gate Redis CPU per task, all servers (µs)", s["gate_us"], c["gate_us"],
-         h.ratio(c["gate_us"], s["gate_us"]), "-", "one Redis <= 120",
-         h.verdict(s["gate_us"] <= 120)],
-        ["busiest master's Redis CPU per task (µs; masters "
-         + " / ".join(f"{m:.0f}" for m in c["masters_us"]) + ")", s["gate_us"], busiest,
-         h.ratio(busiest, s["gate_us"]), "-", "<= 0.40 (2.5x capacity)",
-         h.verdict(busiest <= s["gate_us"] / 2.5)],
-        ["a master's Redis CPU per task were the threads spread evenly (all servers / 3, µs)",
-         s["gate_us"], c["gate_us"] / 3, h.ratio(c["gate_us"] / 3, s["gate_us"]), "-", "-", "-"],
-        ["worker CPU per task (µs: main + pool processes)", s["worker_us"], c["worker_us"],
-         h.ratio(c["worker_us"], s["worker_us"]), p["worker_us"], "cluster <= 1.2x",
-         h.verdict(c["worker_us"] <= 1.2 * s["worker_us"])],
-        ["producer CPU per task (µs: apply_async)", s["producer_us"], c["producer_us"],
-         h.ratio(c["producer_us"], s["producer_us"]), p["producer_us"], "-", "-"],
-        ["broker Redis CPU per task (µs)", s["broker_us"], c["broker_us"],
-         h.ratio(c["broker_us"], s["broker_us"]), p["broker_us"], "-", "-"],
-        ["gate script calls per task (FCALL/EVALSHA)", s["scripts"], c["scripts"],
-         h.ratio(c["scripts"], s["scripts"]), "-", "-", "-"],
-        ["Redis time per script call (µs, commandstats)", s["script_us"], c["script_us"],
-         h.ratio(c["script_us"], s["script_us"]), "-", "-", "-"],
-        ["gate round trips per task (commands sent)", s["trips"], c["trips"],
-         h.ratio(c["trips"], s["trips"]), "-", "-", "-"],
-        ["gate Redis CPU per task inside its scripts (script calls x time per call, µs)",
-         s["scripts"] * s["script_us"], c["scripts"] * c["script_us"],
-         h.ratio(c["scripts"] * c["script_us"], s["scripts"] * s["script_us"]), "-", "-", "-"],
-        ["gate Redis CPU per task outside its scripts (reading, replying, the kernel; µs)",
-         s["gate_us"] - s["scripts"] * s["script_us"], c["gate_us"] - c["scripts"] * c["script_us"],
-         h.ratio(c["gate_us"] - c["scripts"] * c["script_us"],
-                 s["gate_us"] - s["scripts"] * s["script_us"]), "-", "-", "-"],
-        ["broker round trips per task", s["broker_trips"], c["broker_trips"],
-         h.ratio(c["broker_trips"], s["broker_trips"]), p["broker_trips"], "-", "-"],
+        [
+            "gate Redis CPU per task, all servers (µs)",
+            s["gate_us"],
+            c["gate_us"],
+            h.ratio(c["gate_us"], s["gate_us"]),
+            "-",
+            "one Redis <= 120",
+            h.verdict(s["gate_us"] <= 120),
+        ],
+        [
+            "busiest master's Redis CPU per task (µs; masters "
+            + " / ".join(f"{m:.0f}" for m in c["masters_us"])
+            + ")",
+            s["gate_us"],
+            busiest,
+            h.ratio(busiest, s["gate_us"]),
+            "-",
+            "<= 0.40 (2.5x capacity)",
+            h.verdict(busiest <= s["gate_us"] / 2.5),
+        ],
+        [
+            "a master's Redis CPU per task were the threads spread evenly (all servers / 3, µs)",
+            s["gate_us"],
+            c["gate_us"] / 3,
+            h.ratio(c["gate_us"] / 3, s["gate_us"]),
+            "-",
+            "-",
+            "-",
+        ],
+        [
+            "worker CPU per task (µs: main + pool processes)",
+            s["worker_us"],
+            c["worker_us"],
+            h.ratio(c["worker_us"], s["worker_us"]),
+            p["worker_us"],
+            "cluster <= 1.2x",
+            h.verdict(c["worker_us"] <= 1.2 * s["worker_us"]),
+        ],
+        [
+            "producer CPU per task (µs: apply_async)",
+            s["producer_us"],
+            c["producer_us"],
+            h.ratio(c["producer_us"], s["producer_us"]),
+            p["producer_us"],
+            "-",
+            "-",
+        ],
+        [
+            "broker Redis CPU per task (µs)",
+            s["broker_us"],
+            c["broker_us"],
+            h.ratio(c["broker_us"], s["broker_us"]),
+            p["broker_us"],
+            "-",
+            "-",
+        ],
+        [
+            "gate script calls per task (FCALL/EVALSHA)",
+            s["scripts"],
+            c["scripts"],
+            h.ratio(c["scripts"], s["scripts"]),
+            "-",
+            "-",
+            "-",
+        ],
+        [
+            "Redis time per script call (µs, commandstats)",
+            s["script_us"],
+            c["script_us"],
+            h.ratio(c["script_us"], s["script_us"]),
+            "-",
+            "-",
+            "-",
+        ],
+        [
+            "gate round trips per task (commands sent)",
+            s["trips"],
+            c["trips"],
+            h.ratio(c["trips"], s["trips"]),
+            "-",
+            "-",
+            "-",
+        ],
+        [
+            "gate Redis CPU per task inside its scripts (script calls x time per call, µs)",
+            s["scripts"] * s["script_us"],
+            c["scripts"] * c["script_us"],
+            h.ratio(c["scripts"] * c["script_us"], s["scripts"] * s["script_us"]),
+            "-",
+            "-",
+            "-",
+        ],
+        [
+            "gate Redis CPU per task outside its scripts (reading, replying, the kernel; µs)",
+            s["gate_us"] - s["scripts"] * s["script_us"],
+            c["gate_us"] - c["scripts"] * c["script_us"],
+            h.ratio(
+                c["gate_us"] - c["scripts"] * c["script_us"], s["gate_us"] - s["scripts"] * s["script_us"]
+            ),
+            "-",
+            "-",
+            "-",
+        ],
+        [
+            "broker round trips per task",
+            s["broker_trips"],
+            c["broker_trips"],
+            h.ratio(c["broker_trips"], s["broker_trips"]),
+            p["broker_trips"],
+            "-",
+            "-",
+        ],
     ]
 
     def breakdown(side: dict[str, Any]) -> str:
-        return ", ".join(f"{k} {calls:.2f} x {us:.1f} µs" for k, (calls, us)
-                         in list(side["commands"].items())[:14])
+        return ", ".join(
+            f"{k} {calls:.2f} x {us:.1f} µs" for k, (calls, us) in list(side["commands"].items())[:14]
+        )
 
     notes = [
-        "worker CPU per task, main process / pool processes (µs): " + "; ".join(
-            f"{LABELS[k]} {out[k]['main_us']:.0f} / {out[k]['pool_us']:.0f}" for k in SIDES) + ".",
+        "worker CPU per task, main process / pool processes (µs): "
+        + "; ".join(f"{LABELS[k]} {out[k]['main_us']:.0f} / {out[k]['pool_us']:.0f}" for k in SIDES)
+        + ".",
         f"medians over {args.repeats} repeat(s), the sides' order alternating; the breakdowns "
         "below are of the repeat with the median gate CPU.  Inside the scripts: their Redis time "
         "(commandstats, wall time, so an upper bound of their CPU on a busy machine); outside: "
@@ -287,9 +387,11 @@ def run(args: argparse.Namespace) -> int:
         "ratio = cluster / one Redis.  CPU per task: the servers' INFO cpu (user + system) and "
         "the processes' /proc times over the publish-and-run window of each side, divided by the "
         "tasks run; plain Celery's column is the same worker and producer without the gate.",
-        "gate round trips per task by command, one Redis: " + ", ".join(
-            f"{k} {v:.2f}" for k, v in s["trips_by"].items()) + "; cluster: " + ", ".join(
-            f"{k} {v:.2f}" for k, v in c["trips_by"].items()) + ".",
+        "gate round trips per task by command, one Redis: "
+        + ", ".join(f"{k} {v:.2f}" for k, v in s["trips_by"].items())
+        + "; cluster: "
+        + ", ".join(f"{k} {v:.2f}" for k, v in c["trips_by"].items())
+        + ".",
         "gate commandstats per task (calls x µs per call, a script's inner commands included), "
         "one Redis: " + breakdown(s) + ".",
         "cluster: " + breakdown(c) + ".",
@@ -298,9 +400,17 @@ def run(args: argparse.Namespace) -> int:
         "the gate's servers are not the broker's: releases are published through kombu (no "
         "direct release), on both gates; worker dispatch loops included.",
     ]
-    h.report("gatecpu (gate cost per task)", "gatecpu", args.quick, where,
-             f"{n:,} no-op tasks per side, threaded ones over {threads:,} threads; one prefork "
-             f"worker -c {args.concurrency} per side (prefetch 4), broker on its own Redis; "
-             f"{args.repeats} repeat(s)", ["measure", LABELS["single"], LABELS["cluster"], "ratio",
-                         LABELS["plain"], "target", "verdict"], rows, notes, problems)
+    h.report(
+        "gatecpu (gate cost per task)",
+        "gatecpu",
+        args.quick,
+        where,
+        f"{n:,} no-op tasks per side, threaded ones over {threads:,} threads; one prefork "
+        f"worker -c {args.concurrency} per side (prefetch 4), broker on its own Redis; "
+        f"{args.repeats} repeat(s)",
+        ["measure", LABELS["single"], LABELS["cluster"], "ratio", LABELS["plain"], "target", "verdict"],
+        rows,
+        notes,
+        problems,
+    )
     return 0

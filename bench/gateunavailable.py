@@ -13,6 +13,7 @@ Each path is timed ``--repeats`` times, each on a new runtime (as a new process 
 table gives median / min / max in seconds, against ``threads_publish_timeout`` (its default
 unless ``--timeout``; 1 s with ``--quick``).  No timing is asserted.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,9 +45,13 @@ def noop() -> None:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--timeout", type=float, default=None,
-                   help="threads_publish_timeout in seconds (default: the setting's default, "
-                        f"{DEFAULTS['threads_publish_timeout']:g})")
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        help="threads_publish_timeout in seconds (default: the setting's default, "
+        f"{DEFAULTS['threads_publish_timeout']:g})",
+    )
 
 
 @contextmanager
@@ -102,8 +107,11 @@ def run(args: argparse.Namespace) -> int:
     times: dict[str, list[float]] = {}
     stored: dict[str, bool] = {}
 
-    def measure(path: str, prepare: Callable[[], Any], after: Callable[[], Any] = lambda: None,
-                ) -> None:
+    def measure(
+        path: str,
+        prepare: Callable[[], Any],
+        after: Callable[[], Any] = lambda: None,
+    ) -> None:
         for repeat in range(args.repeats):
             h.progress(f"{path}: repeat {repeat + 1}/{args.repeats}")
             prepare()
@@ -119,20 +127,22 @@ def run(args: argparse.Namespace) -> int:
         where = h.machine(gate)
         broker_url = broker.url(h.BROKER_DB)
 
-        measure("never reachable", lambda: _point(
-            broker_url, f"redis://127.0.0.1:{h.free_port()}/0", timeout))
+        measure(
+            "never reachable", lambda: _point(broker_url, f"redis://127.0.0.1:{h.free_port()}/0", timeout)
+        )
 
         def used_then(action: Callable[[], None]) -> Callable[[], None]:
             def prepare() -> None:
                 if not gate.alive():
                     gate.start()
                 _point(broker_url, gate.url(), timeout)
-                noop.apply_async(thread_id="bench-warm-up")      # the gate answered once
+                noop.apply_async(thread_id="bench-warm-up")  # the gate answered once
                 action()
+
             return prepare
 
         def gate_down() -> None:
-            h.Proc.stop(gate)       # keeps its directory, to start it again
+            h.Proc.stop(gate)  # keeps its directory, to start it again
 
         measure("down after use: first call", used_then(gate_down))
         # The runtime of the last repeat, its gate still down: the calls after the first.
@@ -141,28 +151,44 @@ def run(args: argparse.Namespace) -> int:
             seconds, _ = _time_call()
             times.setdefault("down after use: a later call", []).append(seconds)
         gate.start()
-        measure("TLS mismatch (rediss:// on a plain server)", lambda: _point(
-            broker_url, f"rediss://127.0.0.1:{gate.port}/0", timeout, ssl_cert_reqs="none"))
+        measure(
+            "TLS mismatch (rediss:// on a plain server)",
+            lambda: _point(broker_url, f"rediss://127.0.0.1:{gate.port}/0", timeout, ssl_cert_reqs="none"),
+        )
         with black_hole() as port:
-            measure("black hole (accepts, never answers)", lambda: _point(
-                broker_url, f"redis://127.0.0.1:{port}/0", timeout))
-        measure("stopped after use (SIGSTOP)", used_then(
-            lambda: gate.proc.send_signal(signal.SIGSTOP)),
-            after=lambda: gate.proc.send_signal(signal.SIGCONT))
+            measure(
+                "black hole (accepts, never answers)",
+                lambda: _point(broker_url, f"redis://127.0.0.1:{port}/0", timeout),
+            )
+        measure(
+            "stopped after use (SIGSTOP)",
+            used_then(lambda: gate.proc.send_signal(signal.SIGSTOP)),
+            after=lambda: gate.proc.send_signal(signal.SIGCONT),
+        )
         reset(app)
 
-    rows = [[path, h.median(values), min(values), max(values),
-             "yes" if stored.get(path) else "no"] for path, values in times.items()]
-    notes = [f"seconds from apply_async to GateUnavailable, {args.repeats} repeat(s) per path, "
-             f"each on a new runtime (the later calls: on the last one); "
-             f"threads_publish_timeout {bound:g} s"
-             + (" (its default)" if timeout is None else "") + ".",
-             "'may be stored': the error said a call went out without its reply (the member may "
-             "be stored and run; calling again with the same task id is safe).",
-             "before threads_publish_timeout (main at 2f03b9f): never reachable 46.5 s, down "
-             "after use 15.5 s then 31 s, TLS mismatch 67 s (issue 27, item 4)."]
-    h.report("gateunavailable", "gateunavailable", args.quick, where,
-             "this process publishes; no worker",
-             ["gate", "median (s)", "min (s)", "max (s)", "may be stored"], rows, notes,
-             options=f" --timeout {args.timeout:g}" if args.timeout is not None else "")
+    rows = [
+        [path, h.median(values), min(values), max(values), "yes" if stored.get(path) else "no"]
+        for path, values in times.items()
+    ]
+    notes = [
+        f"seconds from apply_async to GateUnavailable, {args.repeats} repeat(s) per path, "
+        f"each on a new runtime (the later calls: on the last one); "
+        f"threads_publish_timeout {bound:g} s" + (" (its default)" if timeout is None else "") + ".",
+        "'may be stored': the error said a call went out without its reply (the member may "
+        "be stored and run; calling again with the same task id is safe).",
+        "before threads_publish_timeout (main at 2f03b9f): never reachable 46.5 s, down "
+        "after use 15.5 s then 31 s, TLS mismatch 67 s (issue 27, item 4).",
+    ]
+    h.report(
+        "gateunavailable",
+        "gateunavailable",
+        args.quick,
+        where,
+        "this process publishes; no worker",
+        ["gate", "median (s)", "min (s)", "max (s)", "may be stored"],
+        rows,
+        notes,
+        options=f" --timeout {args.timeout:g}" if args.timeout is not None else "",
+    )
     return 0

@@ -12,6 +12,7 @@ server clock, publishes one no-op task, waits for its end, idles 10 ms, and so o
 One prefork worker with 2 processes and beat, Redis broker.
 Targets: handoff p50 at most 1.2x and p99 at most 1.5x those of plain Celery.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,8 +36,9 @@ def _threaded(tasks: Any, client: Any, stack: h.Stack, rep: int, m: int) -> list
     for i in range(m):
         tasks.mark_threaded.apply_async((thread, key, str(i)))
     client.rpush(go, "go")
-    h.wait_until(lambda: client.llen(key) >= 2 * m + 1, 120 + m * 0.05,
-                 f"{m} members of one thread", stack=stack)
+    h.wait_until(
+        lambda: client.llen(key) >= 2 * m + 1, 120 + m * 0.05, f"{m} members of one thread", stack=stack
+    )
     rows = h.read_stamps(client, key)
     ends = {label: int(us) for kind, label, us in rows if kind == "e"}
     starts = {label: int(us) for kind, label, us in rows if kind == "s"}
@@ -64,7 +66,7 @@ def _plain(tasks: Any, client: Any, stack: h.Stack, rep: int, m: int) -> list[fl
             assert label == str(i), (label, i)
             got[kind] = int(us)
         latencies.append((got["s"] - published) / 1000.0)
-        time.sleep(0.01)   # let the worker finish its bookkeeping: the next one meets an idle worker
+        time.sleep(0.01)  # let the worker finish its bookkeeping: the next one meets an idle worker
     return latencies
 
 
@@ -101,23 +103,50 @@ def run(args: argparse.Namespace) -> int:
         t, pl = stat("threaded", p), stat("plain", p)
         r = h.ratio(t, pl)
         limit = targets.get(p)
-        rows.append([f"p{p} (ms)", t, pl, r, f"<= {limit}x" if limit else "-",
-                     h.verdict(r <= limit) if limit else "-"])
-    rows.append(["mean (ms)", mean("threaded"), mean("plain"),
-                 h.ratio(mean("threaded"), mean("plain")), "-", "-"])
-    rows.append(["max (ms)", stat("threaded", 100), stat("plain", 100),
-                 h.ratio(stat("threaded", 100), stat("plain", 100)), "-", "-"])
+        rows.append(
+            [
+                f"p{p} (ms)",
+                t,
+                pl,
+                r,
+                f"<= {limit}x" if limit else "-",
+                h.verdict(r <= limit) if limit else "-",
+            ]
+        )
+    rows.append(
+        ["mean (ms)", mean("threaded"), mean("plain"), h.ratio(mean("threaded"), mean("plain")), "-", "-"]
+    )
+    rows.append(
+        [
+            "max (ms)",
+            stat("threaded", 100),
+            stat("plain", 100),
+            h.ratio(stat("threaded", 100), stat("plain", 100)),
+            "-",
+            "-",
+        ]
+    )
     per_rep = "; ".join(
         f"p50 {h.pct(t, 50) / h.pct(p, 50):.2f} p99 {h.pct(t, 99) / h.pct(p, 99):.2f}"
-        for t, p in zip(samples["threaded"], samples["plain"]))
-    notes = [f"each figure: the percentile over {m:,} samples, median over {args.repeats} "
-             "repeat(s); ratio = threaded / plain.",
-             f"per-repeat ratios: {per_rep}."]
-    h.report(f"handoff ({args.broker} broker)", "handoff", args.quick, where,
-             f"one thread of {m:,} no-op members (threaded: member end -> next member start) vs "
-             f"{m:,} plain no-op tasks one at a time on an idle worker (publish -> start); one "
-             f"prefork worker -c {args.concurrency}, beat; {args.repeats} repeat(s); Redis server "
-             "clock",
-             ["measure", "threaded handoff", "plain publish->start", "ratio", "target", "verdict"],
-             rows, notes, problems)
+        for t, p in zip(samples["threaded"], samples["plain"])
+    )
+    notes = [
+        f"each figure: the percentile over {m:,} samples, median over {args.repeats} "
+        "repeat(s); ratio = threaded / plain.",
+        f"per-repeat ratios: {per_rep}.",
+    ]
+    h.report(
+        f"handoff ({args.broker} broker)",
+        "handoff",
+        args.quick,
+        where,
+        f"one thread of {m:,} no-op members (threaded: member end -> next member start) vs "
+        f"{m:,} plain no-op tasks one at a time on an idle worker (publish -> start); one "
+        f"prefork worker -c {args.concurrency}, beat; {args.repeats} repeat(s); Redis server "
+        "clock",
+        ["measure", "threaded handoff", "plain publish->start", "ratio", "target", "verdict"],
+        rows,
+        notes,
+        problems,
+    )
     return 0

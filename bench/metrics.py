@@ -16,6 +16,7 @@ commands it sent.  Targets: the same commands at both sizes, and the 1,000,000 s
 the 1,000 one in Redis time: its reads are O(1) and O(log n) (a sorted set's rank or range by
 score), never a scan, and log2 of the indexes' sizes (500 and 500,000 threads) doubles.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,9 +40,12 @@ IN_EXEC = {"zcard", "hlen", "zcount", "zrangebyscore"}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--sizes", type=str, default=None,
-                   help="waiting members, comma-separated (default 1000,1000000; "
-                        "--quick: 1000,20000)")
+    p.add_argument(
+        "--sizes",
+        type=str,
+        default=None,
+        help="waiting members, comma-separated (default 1000,1000000; --quick: 1000,20000)",
+    )
 
 
 def _fill(app: Celery, waiting: int, label: str) -> float:
@@ -52,8 +56,7 @@ def _fill(app: Celery, waiting: int, label: str) -> float:
     threads = max(2, waiting // PER_THREAD)
     t0 = time.monotonic()
     h.progress(f"{label}: {threads:,} threads, active members for half of them")
-    h.enqueue_many(gate, [(f"t-{i}", str(uuid.uuid4()), 0) for i in range(0, threads, 2)],
-                   ENVELOPE)
+    h.enqueue_many(gate, [(f"t-{i}", str(uuid.uuid4()), 0) for i in range(0, threads, 2)], ENVELOPE)
     h.progress(f"{label}: {threads * PER_THREAD:,} waiting members")
     for start in range(0, threads, 10_000):
         rows = []
@@ -66,8 +69,11 @@ def _fill(app: Celery, waiting: int, label: str) -> float:
 
 def _commandstats(client: Any) -> dict[str, tuple[int, int]]:
     """command -> (usec, calls) so far, every command but INFO."""
-    return {k.removeprefix("cmdstat_"): (int(v["usec"]), int(v["calls"]))
-            for k, v in client.info("commandstats").items() if k != "cmdstat_info"}
+    return {
+        k.removeprefix("cmdstat_"): (int(v["usec"]), int(v["calls"]))
+        for k, v in client.info("commandstats").items()
+        if k != "cmdstat_info"
+    }
 
 
 def _scrape(app: Celery, client: Any) -> tuple[float, dict[str, tuple[int, int]], str]:
@@ -99,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
         servers, apps = h.gate_servers(stack, "metrics", sizes)
         clients = [server.client() for server in servers]
         fills = [_fill(app, n, f"{n:,}") for app, n in zip(apps, sizes)]
-        for app, client in zip(apps, clients):       # connect and load scripts once
+        for app, client in zip(apps, clients):  # connect and load scripts once
             _scrape(app, client)
         walls: dict[int, list[float]] = {}
         usecs: dict[int, list[float]] = {}
@@ -111,37 +117,71 @@ def run(args: argparse.Namespace) -> int:
             for app, client, n in zip(apps, clients, sizes):
                 wall, spent, texts[n] = _scrape(app, client)
                 walls.setdefault(n, []).append(wall)
-                usecs.setdefault(n, []).append(sum(u for name, (u, _) in spent.items()
-                                                   if name not in IN_EXEC))
+                usecs.setdefault(n, []).append(
+                    sum(u for name, (u, _) in spent.items() if name not in IN_EXEC)
+                )
                 commands[n] = sum(c for _, c in spent.values())
                 for name, (usec, _) in spent.items():
-                    per_command.setdefault(n, {})[name] = (
-                        per_command.get(n, {}).get(name, 0) + usec)
+                    per_command.setdefault(n, {})[name] = per_command.get(n, {}).get(name, 0) + usec
         where = h.machine(servers[0])
     rows = []
     for n, fill in zip(sizes, fills):
         w, u = walls[n], usecs[n]
-        rows.append([f"{n:,}", h.median(w) * 1000, min(w) * 1000, max(w) * 1000, h.median(u),
-                     commands[n], _value(texts[n], 'celery_threads_members{state="waiting"}'),
-                     round(fill, 1)])
+        rows.append(
+            [
+                f"{n:,}",
+                h.median(w) * 1000,
+                min(w) * 1000,
+                max(w) * 1000,
+                h.median(u),
+                commands[n],
+                _value(texts[n], 'celery_threads_members{state="waiting"}'),
+                round(fill, 1),
+            ]
+        )
     small, large = sizes[0], sizes[-1]
     redis_ratio = h.ratio(h.median(usecs[large]), h.median(usecs[small]))
     wall_ratio = h.ratio(h.median(walls[large]), h.median(walls[small]))
-    rows.append([f"{large:,} over {small:,}", wall_ratio, "-", "-", redis_ratio,
-                 h.verdict(commands[large] == commands[small]), "-",
-                 h.verdict(redis_ratio <= 2.0)])
+    rows.append(
+        [
+            f"{large:,} over {small:,}",
+            wall_ratio,
+            "-",
+            "-",
+            redis_ratio,
+            h.verdict(commands[large] == commands[small]),
+            "-",
+            h.verdict(redis_ratio <= 2.0),
+        ]
+    )
     breakdown = "; ".join(
-        f"{n:,}: " + ", ".join(f"{name} {usec / args.repeats:.1f}"
-                               for name, usec in sorted(per_command[n].items()))
-        for n in sizes)
-    h.report("metrics: a scrape of celery threads metrics", "metrics", args.quick, where,
-             f"one process scraping, {len(sizes)} redis-servers; the machine's own load: see its "
-             "load average",
-             ["waiting members", "wall ms (median)", "min", "max", "Redis µs (median)",
-              "Redis commands", "waiting (scraped)", "fill s"], rows,
-             [f"{args.repeats} repeats, alternating sizes; Redis µs and commands from INFO "
-              "commandstats (INFO itself left out; the reads of the scrape's one MULTI/EXEC "
-              "counted in EXEC's); filled through the enqueue script in pipelines of 1,000",
-              f"Redis µs per scrape by command (mean): {breakdown}"],
-             options=f" --sizes {args.sizes}" if args.sizes else "")
+        f"{n:,}: "
+        + ", ".join(f"{name} {usec / args.repeats:.1f}" for name, usec in sorted(per_command[n].items()))
+        for n in sizes
+    )
+    h.report(
+        "metrics: a scrape of celery threads metrics",
+        "metrics",
+        args.quick,
+        where,
+        f"one process scraping, {len(sizes)} redis-servers; the machine's own load: see its load average",
+        [
+            "waiting members",
+            "wall ms (median)",
+            "min",
+            "max",
+            "Redis µs (median)",
+            "Redis commands",
+            "waiting (scraped)",
+            "fill s",
+        ],
+        rows,
+        [
+            f"{args.repeats} repeats, alternating sizes; Redis µs and commands from INFO "
+            "commandstats (INFO itself left out; the reads of the scrape's one MULTI/EXEC "
+            "counted in EXEC's); filled through the enqueue script in pipelines of 1,000",
+            f"Redis µs per scrape by command (mean): {breakdown}",
+        ],
+        options=f" --sizes {args.sizes}" if args.sizes else "",
+    )
     return 0

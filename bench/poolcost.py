@@ -14,6 +14,7 @@ private redis-server (and RabbitMQ for ``--broker amqp``), it times with ``time.
 
 Redis's own CPU is not counted here (see ``throughput``'s redis-server row).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,8 +30,11 @@ def _per_call(times: list[float]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.poolcost", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m bench.poolcost",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--broker", choices=("redis", "amqp"), default="redis")
     p.add_argument("--members", type=int, default=3000, help="calls of each kind (default 3,000)")
     p.add_argument("--repeats", type=int, default=3)
@@ -58,15 +62,24 @@ def main(argv: list[str] | None = None) -> int:
                     calls()
                     rows.setdefault(name, []).append((time.process_time() - start) / n)
 
-                timed("plain task: apply_async (producer)", lambda tag=tag: [
-                    tasks.noop_plain.apply_async((f"{tag}-p{i}", "k", n)) for i in range(n)])
-                timed("threaded task: apply_async (producer; 10 members per thread)", lambda tag=tag: [
-                    tasks.noop_threaded.apply_async((f"{tag}-t{i % (n // 10 or 1)}", "k", n))
-                    for i in range(n)])
-                timed("threaded task: apply_async (producer; each to an idle thread, so "
-                      "enqueued and published)", lambda tag=tag: [
-                          tasks.noop_threaded.apply_async((f"{tag}-i{i}", "k", n))
-                          for i in range(n)])
+                timed(
+                    "plain task: apply_async (producer)",
+                    lambda tag=tag: [tasks.noop_plain.apply_async((f"{tag}-p{i}", "k", n)) for i in range(n)],
+                )
+                timed(
+                    "threaded task: apply_async (producer; 10 members per thread)",
+                    lambda tag=tag: [
+                        tasks.noop_threaded.apply_async((f"{tag}-t{i % (n // 10 or 1)}", "k", n))
+                        for i in range(n)
+                    ],
+                )
+                timed(
+                    "threaded task: apply_async (producer; each to an idle thread, so "
+                    "enqueued and published)",
+                    lambda tag=tag: [
+                        tasks.noop_threaded.apply_async((f"{tag}-i{i}", "k", n)) for i in range(n)
+                    ],
+                )
                 # The pool's part: two members per thread, the first released at enqueue.
                 heads = []
                 for i in range(n):
@@ -75,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
                     assert head is not None, "a new thread's first member is released"
                     heads.append(head)
                     gate.enqueue(thread, uuid.uuid4().hex, envelope)
-                runtime.publish(heads[0])       # the kept producer's first publish declares
+                runtime.publish(heads[0])  # the kept producer's first publish declares
                 claim = finish = publish = 0.0
                 for release in heads:
                     t0 = time.process_time()
@@ -86,28 +99,33 @@ def main(argv: list[str] | None = None) -> int:
                     runtime.publish(outcome.release)
                     t3 = time.process_time()
                     claim, finish, publish = claim + t1 - t0, finish + t2 - t1, publish + t3 - t2
-                for name, total in (("threaded member: claim (pool)", claim),
-                                    ("threaded member: finish (pool)", finish),
-                                    ("threaded member: publish of the next release (pool)",
-                                     publish)):
+                for name, total in (
+                    ("threaded member: claim (pool)", claim),
+                    ("threaded member: finish (pool)", finish),
+                    ("threaded member: publish of the next release (pool)", publish),
+                ):
                     rows.setdefault(name, []).append(total / n)
         finally:
             if args.broker == "amqp":
                 h.delete_amqp_queue(env["BENCH_BROKER_URL"], env["BENCH_QUEUE"])
         where = h.machine(server)
     print(f"### poolcost ({args.broker} broker)\n")
-    options = (" --broker amqp" if args.broker == "amqp" else "") + (
-        f" --members {n}" if n != p.get_default("members") else "") + (
-        f" --repeats {args.repeats}" if args.repeats != p.get_default("repeats") else "")
+    options = (
+        (" --broker amqp" if args.broker == "amqp" else "")
+        + (f" --members {n}" if n != p.get_default("members") else "")
+        + (f" --repeats {args.repeats}" if args.repeats != p.get_default("repeats") else "")
+    )
     print(f"command: `python -m bench.poolcost{options}`  \nmachine: {where}  \n")
     width = max(len(k) for k in rows)
     print(f"| {'client CPU per call'.ljust(width)} | µs |")
     print(f"|{'-' * (width + 2)}|----|")
     for name, times in rows.items():
         print(f"| {name.ljust(width)} | {_per_call(times)} |")
-    print(f"\n{n:,} calls of each kind per repeat, median over {args.repeats} repeat(s) of the "
-          "mean (time.process_time of this one process; Redis's and the broker's CPU not "
-          "included).")
+    print(
+        f"\n{n:,} calls of each kind per repeat, median over {args.repeats} repeat(s) of the "
+        "mean (time.process_time of this one process; Redis's and the broker's CPU not "
+        "included)."
+    )
     return 0
 
 

@@ -37,6 +37,7 @@ Targets: large within 1.2x of small (settled, and with the growth amortized); at
 of gate overhead per waiting member; at most three script calls per member life on the hot path
 (idle and busy threads).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -48,9 +49,9 @@ from typing import Any, Callable, Optional
 from bench import harness as h
 
 DAY_MS = 86_400_000
-FAR_MS = 10 * DAY_MS              # release timeout / keepalive: nothing lapses during the run
-PER_THREAD = 10                    # waiting members per thread, both cases
-CHUNK = 100                        # lives per turn when alternating between the servers
+FAR_MS = 10 * DAY_MS  # release timeout / keepalive: nothing lapses during the run
+PER_THREAD = 10  # waiting members per thread, both cases
+CHUNK = 100  # lives per turn when alternating between the servers
 # Five repeats, not three: one disturbed repeat (ratios 0.98-1.25 between the repeats of one run
 # on a quiet VM) moved the median of three past the target.
 REPEATS = 5
@@ -58,8 +59,7 @@ REPEATS = 5
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--small", type=int, default=None, help="waiting members, small case (1,000)")
-    p.add_argument("--large", type=int, default=None,
-                   help="waiting members, large case (1,000,000)")
+    p.add_argument("--large", type=int, default=None, help="waiting members, large case (1,000,000)")
     p.add_argument("--lives", type=int, default=None, help="member lives per kind and repeat (2,000)")
 
 
@@ -67,8 +67,7 @@ def _gate(server: h.RedisServer, prefix: str) -> Any:
     from celery_threads.gate import Gate, make_client
     from celery_threads.keys import Keys
 
-    return Gate(make_client(server.url()), Keys(prefix), release_timeout_ms=FAR_MS,
-                keepalive_ms=FAR_MS)
+    return Gate(make_client(server.url()), Keys(prefix), release_timeout_ms=FAR_MS, keepalive_ms=FAR_MS)
 
 
 def _fill(gate: Any, client: Any, waiting: int, envelope: bytes, label: str) -> dict[str, float]:
@@ -83,7 +82,7 @@ def _fill(gate: Any, client: Any, waiting: int, envelope: bytes, label: str) -> 
     rows = []
     for i in range(threads):
         t = f"bg-{i}"
-        delay = 0 if i % 2 == 0 else DAY_MS     # behind the active member / a future head
+        delay = 0 if i % 2 == 0 else DAY_MS  # behind the active member / a future head
         rows += [(t, f"w-{t}-{j}-{uuid.uuid4().hex[:12]}", delay) for j in range(PER_THREAD)]
     # uuid-like task ids, as Celery's (36 characters)
     rows = [(t, str(uuid.uuid5(uuid.NAMESPACE_OID, task)), d) for t, task, d in rows]
@@ -94,14 +93,21 @@ def _fill(gate: Any, client: Any, waiting: int, envelope: bytes, label: str) -> 
     shard = gate.keys.shard(0)
     counts = (client.zcard(shard.due), client.zcard(shard.leases), client.hlen(shard.tasks))
     assert counts == (threads - len(busy), len(busy), len(busy) + len(rows)), counts
-    return {"threads": threads, "waiting": len(rows), "m0": m0, "m1": m1, "m2": m2,
-            "per_waiting": (m2 - m1) / len(rows), "fill_s": fill_s}
+    return {
+        "threads": threads,
+        "waiting": len(rows),
+        "m0": m0,
+        "m1": m1,
+        "m2": m2,
+        "per_waiting": (m2 - m1) / len(rows),
+        "fill_s": fill_s,
+    }
 
 
 # "\2" + a UUID's last two bytes + "seq|retries|max|delay|len\n" + thread id: a 7-digit seq (the
 # large case's are ~1,100,000)
 RECORD_HEADER_BYTES = 3 + len("1100000|0|-1|0|8\nbg-12345")
-SDS16_OVERHEAD = 6                                        # sdshdr16 (5 bytes) + NUL
+SDS16_OVERHEAD = 6  # sdshdr16 (5 bytes) + NUL
 
 
 def _jemalloc_class(size: int) -> int:
@@ -125,9 +131,10 @@ def _memory_breakdown(client: Any, gate: Any, threads: int) -> dict[str, float]:
     shard = gate.keys.shard(0)
     members = client.hlen(shard.tasks)
     out["tasks hash (records)"] = int(client.memory_usage(shard.tasks, samples=1000) or 0) / members
-    out["due + leases index"] = (int(client.memory_usage(shard.due, samples=1000) or 0)
-                                 + int(client.memory_usage(shard.leases, samples=1000) or 0)
-                                 ) / members
+    out["due + leases index"] = (
+        int(client.memory_usage(shard.due, samples=1000) or 0)
+        + int(client.memory_usage(shard.leases, samples=1000) or 0)
+    ) / members
     return out
 
 
@@ -153,8 +160,8 @@ def _busy_lives(gate: Any, n: int, tag: str) -> tuple[list[float], int]:
     for _ in range(n):
         task = str(uuid.uuid4())
         t0 = time.perf_counter()
-        assert gate.enqueue(thread, task, ENVELOPE[0]).release is None   # waits behind current
-        nxt = gate.finish(thread, current, token).release                # releases it
+        assert gate.enqueue(thread, task, ENVELOPE[0]).release is None  # waits behind current
+        nxt = gate.finish(thread, current, token).release  # releases it
         assert nxt is not None and nxt.task_id == task
         assert gate.claim(thread, task, nxt.token, "bench@host") == 1
         times.append((time.perf_counter() - t0) * 1e6)
@@ -165,8 +172,7 @@ def _busy_lives(gate: Any, n: int, tag: str) -> tuple[list[float], int]:
     return times, n + 1
 
 
-def _dispatched_lives(gate: Any, n: int, tag: str, batch: int = 100
-                      ) -> tuple[list[float], int]:
+def _dispatched_lives(gate: Any, n: int, tag: str, batch: int = 100) -> tuple[list[float], int]:
     shard = gate.keys.shard(0)
     per_member = []
     for b in range(0, n, batch):
@@ -177,7 +183,7 @@ def _dispatched_lives(gate: Any, n: int, tag: str, batch: int = 100
             t0 = time.perf_counter()
             assert gate.enqueue(thread, task, ENVELOPE[0], delay_ms=20).release is None
             spent += time.perf_counter() - t0
-        time.sleep(0.03)                                   # they fall due
+        time.sleep(0.03)  # they fall due
         t0 = time.perf_counter()
         scan = gate.reads.scan_due(shard, size)
         outcomes = gate.release_many(scan.due)
@@ -194,8 +200,14 @@ def _dispatched_lives(gate: Any, n: int, tag: str, batch: int = 100
 Results = dict[tuple[str, str], list[dict[str, Any]]]
 
 
-def _measure(servers: dict[str, h.RedisServer], gates: dict[str, Any], cases: dict[str, int],
-             repeats: int, lives: int, phase: str) -> Results:
+def _measure(
+    servers: dict[str, h.RedisServer],
+    gates: dict[str, Any],
+    cases: dict[str, int],
+    repeats: int,
+    lives: int,
+    phase: str,
+) -> Results:
     """Every kind of life, ``repeats`` times, alternating between the servers; per (server, kind),
     one dict of measures per repeat."""
     results: Results = {}
@@ -212,7 +224,7 @@ def _measure(servers: dict[str, h.RedisServer], gates: dict[str, Any], cases: di
                 # a shared machine falls on both alike
                 for c, start in enumerate(range(0, lives, CHUNK)):
                     size = min(CHUNK, lives - start)
-                    for name in (list(cases) if c % 2 == 0 else list(reversed(cases))):
+                    for name in list(cases) if c % 2 == 0 else list(reversed(cases)):
                         got, lived = fn(gates[name], size, f"{phase[0]}{rep}-{c}")
                         times[name] += got
                         members[name] += lived
@@ -221,26 +233,29 @@ def _measure(servers: dict[str, h.RedisServer], gates: dict[str, Any], cases: di
                     probe.__exit__(None, None, None)
             for name in cases:
                 probe, count = probes[name], members[name]
-                results.setdefault((name, kind), []).append({
-                    "p50": h.pct(times[name], 50), "p99": h.pct(times[name], 99),
-                    "server_us": probe.server_us / count,
-                    "members": count,
-                    "scripts": sum(v for k, v in probe.top.items()
-                                   if k.startswith("script")) / count,
-                    "top": sum(probe.top.values()) / count,
-                    "all": probe.all_calls / count,
-                    "breakdown": {k: v / count for k, v in sorted(probe.top.items())},
-                    "breakdown_us": {k: probe.top_us[k] / max(1, probe.top[k])
-                                     for k in sorted(probe.top)},
-                    "per_call_us": probe.per_call_us,
-                })
+                results.setdefault((name, kind), []).append(
+                    {
+                        "p50": h.pct(times[name], 50),
+                        "p99": h.pct(times[name], 99),
+                        "server_us": probe.server_us / count,
+                        "members": count,
+                        "scripts": sum(v for k, v in probe.top.items() if k.startswith("script")) / count,
+                        "top": sum(probe.top.values()) / count,
+                        "all": probe.all_calls / count,
+                        "breakdown": {k: v / count for k, v in sorted(probe.top.items())},
+                        "breakdown_us": {
+                            k: probe.top_us[k] / max(1, probe.top[k]) for k in sorted(probe.top)
+                        },
+                        "per_call_us": probe.per_call_us,
+                    }
+                )
     return results
 
 
 def _htstats(client: Any, key: str) -> Optional[str]:
     try:
         return client.execute_command("DEBUG", "HTSTATS-KEY", key).decode()
-    except Exception:                       # redis-server < 7, or DEBUG not enabled
+    except Exception:  # redis-server < 7, or DEBUG not enabled
         return None
 
 
@@ -250,8 +265,10 @@ def _tables(client: Any, gate: Any) -> Optional[tuple[list[int], list[int]]]:
     stats = _htstats(client, gate.keys.shard(0).tasks)
     if stats is None:
         return None
-    return ([int(x) for x in re.findall(r"table size: (\d+)", stats)],
-            [int(x) for x in re.findall(r"number of elements: (\d+)", stats)])
+    return (
+        [int(x) for x in re.findall(r"table size: (\d+)", stats)],
+        [int(x) for x in re.findall(r"number of elements: (\d+)", stats)],
+    )
 
 
 def _growing(client: Any, gate: Any) -> Optional[str]:
@@ -264,8 +281,7 @@ def _growing(client: Any, gate: Any) -> Optional[str]:
     sizes, used = tables
     if len(sizes) < 2:
         return ""
-    return (f"{sum(used):,} entries, table of {sizes[0]:,} buckets moving into "
-            f"one of {sizes[1]:,}")
+    return f"{sum(used):,} entries, table of {sizes[0]:,} buckets moving into one of {sizes[1]:,}"
 
 
 SETTLE_SCRIPT = """
@@ -298,13 +314,15 @@ def _settle(client: Any, gate: Any) -> Optional[dict[str, float]]:
     assert not _growing(client, gate)
     if tables is None or len(tables[0]) < 2:
         return None
-    return {"extra_us": finishing - _lookups(client, gate),
-            "room": tables[0][1] - tables[0][0]}
+    return {"extra_us": finishing - _lookups(client, gate), "room": tables[0][1] - tables[0][0]}
 
 
 ENVELOPE: list[bytes] = []
 KINDS: dict[str, Callable[[Any, int, str], tuple[list[float], int]]] = {
-    "idle thread": _idle_lives, "busy thread": _busy_lives, "dispatcher": _dispatched_lives}
+    "idle thread": _idle_lives,
+    "busy thread": _busy_lives,
+    "dispatcher": _dispatched_lives,
+}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -314,6 +332,7 @@ def run(args: argparse.Namespace) -> int:
     large = args.large or (7_850 if args.quick else 1_000_000)
     lives = args.lives or (200 if args.quick else 2_000)
     from bench import tasks
+
     cases = {"small": small, "large": large}
     fills: dict[str, dict[str, float]] = {}
     results_growing: Results = {}
@@ -326,20 +345,21 @@ def run(args: argparse.Namespace) -> int:
         gates = {name: _gate(servers[name], "bench-scale") for name in cases}
         for name, waiting in cases.items():
             fills[name] = _fill(gates[name], servers[name].client(), waiting, ENVELOPE[0], name)
-            for fn in KINDS.values():          # warm up: scripts loaded, connections open
+            for fn in KINDS.values():  # warm up: scripts loaded, connections open
                 fn(gates[name], 5, "warm")
         growing = _growing(servers["large"].client(), gates["large"])
         if growing:
             # the lives first measured while the large tasks hash's table grows, then once it is done
             h.progress(f"large: tasks hash mid-growth ({growing}); measuring that state first")
             results_growing = _measure(servers, gates, cases, args.repeats, lives, "growing")
-        if growing or growing is None:      # None: no DEBUG, the state is unknown
+        if growing or growing is None:  # None: no DEBUG, the state is unknown
             h.progress("finishing the growth, then the same lookups on the settled table")
             growth = _settle(servers["large"].client(), gates["large"])
             _settle(servers["small"].client(), gates["small"])
         results = _measure(servers, gates, cases, args.repeats, lives, "settled")
-        breakdown_mem = _memory_breakdown(servers["large"].client(), gates["large"],
-                                          int(fills["large"]["threads"]))
+        breakdown_mem = _memory_breakdown(
+            servers["large"].client(), gates["large"], int(fills["large"]["threads"])
+        )
     envelope_bytes = len(ENVELOPE[0])
 
     def med(name: str, kind: str, what: str, source: Optional[Results] = None) -> float:
@@ -348,55 +368,117 @@ def run(args: argparse.Namespace) -> int:
     rows = []
     for source, state in ((results, ""), (results_growing, ", tasks hash growing (transient)")):
         for kind in KINDS if source else ():
-            for what, label in (("p50", "client wall time per life, p50 (µs)"),
-                                ("server_us", "Redis execution time per life (µs)")):
+            for what, label in (
+                ("p50", "client wall time per life, p50 (µs)"),
+                ("server_us", "Redis execution time per life (µs)"),
+            ):
                 s, big = med("small", kind, what, source), med("large", kind, what, source)
                 r = h.ratio(big, s)
                 # The target is the steady state's, and the amortized growth's below: a growth
                 # lasts about as many operations as the hash has entries (the note says more).
                 target = source is results
-                rows.append([f"{kind}{state}: {label}", s, big, r, "<= 1.2x" if target else "-",
-                             h.verdict(r <= 1.2) if target else "-"])
+                rows.append(
+                    [
+                        f"{kind}{state}: {label}",
+                        s,
+                        big,
+                        r,
+                        "<= 1.2x" if target else "-",
+                        h.verdict(r <= 1.2) if target else "-",
+                    ]
+                )
     amortized = None
     if growth is not None and results_growing:
         # The whole growth's extra Redis time: what the lives measured during it paid over the
         # same lives on the settled table, plus what finishing it cost over the same lookups
         # on the settled table; shared by the members the grown table takes before the next.
-        during = sum((med("large", kind, "server_us", results_growing)
-                      - med("large", kind, "server_us"))
-                     * sum(r["members"] for r in results_growing[("large", kind)])
-                     for kind in KINDS)
+        during = sum(
+            (med("large", kind, "server_us", results_growing) - med("large", kind, "server_us"))
+            * sum(r["members"] for r in results_growing[("large", kind)])
+            for kind in KINDS
+        )
         amortized = (during + growth["extra_us"]) / growth["room"]
         for kind in KINDS:
             s, big = med("small", kind, "server_us"), med("large", kind, "server_us") + amortized
             r = h.ratio(big, s)
-            rows.append([f"{kind}, the growth amortized: Redis execution time per life (µs)",
-                         s, big, r, "<= 1.2x", h.verdict(r <= 1.2)])
+            rows.append(
+                [
+                    f"{kind}, the growth amortized: Redis execution time per life (µs)",
+                    s,
+                    big,
+                    r,
+                    "<= 1.2x",
+                    h.verdict(r <= 1.2),
+                ]
+            )
     for kind in KINDS:
         s, big = med("small", kind, "scripts"), med("large", kind, "scripts")
         hot = kind != "dispatcher"
-        rows.append([f"{kind}: script calls per life", s, big, "-", "<= 3" if hot else "-",
-                     h.verdict(max(s, big) <= 3) if hot else "-"])
-        rows.append([f"{kind}: top-level commands / all commands per life",
-                     f"{med('small', kind, 'top'):.2f} / {med('small', kind, 'all'):.1f}",
-                     f"{med('large', kind, 'top'):.2f} / {med('large', kind, 'all'):.1f}",
-                     "-", "-", "-"])
+        rows.append(
+            [
+                f"{kind}: script calls per life",
+                s,
+                big,
+                "-",
+                "<= 3" if hot else "-",
+                h.verdict(max(s, big) <= 3) if hot else "-",
+            ]
+        )
+        rows.append(
+            [
+                f"{kind}: top-level commands / all commands per life",
+                f"{med('small', kind, 'top'):.2f} / {med('small', kind, 'all'):.1f}",
+                f"{med('large', kind, 'top'):.2f} / {med('large', kind, 'all'):.1f}",
+                "-",
+                "-",
+                "-",
+            ]
+        )
     over = {n: fills[n]["per_waiting"] - envelope_bytes for n in cases}
-    rows.append(["Redis memory per waiting member (bytes)", fills["small"]["per_waiting"],
-                 fills["large"]["per_waiting"], "-", "-", "-"])
-    rows.append(["  of which gate overhead beyond the message (bytes)", over["small"],
-                 over["large"], "-", "<= 200", h.verdict(over["large"] <= 200)])
+    rows.append(
+        [
+            "Redis memory per waiting member (bytes)",
+            fills["small"]["per_waiting"],
+            fills["large"]["per_waiting"],
+            "-",
+            "-",
+            "-",
+        ]
+    )
+    rows.append(
+        [
+            "  of which gate overhead beyond the message (bytes)",
+            over["small"],
+            over["large"],
+            "-",
+            "<= 200",
+            h.verdict(over["large"] <= 200),
+        ]
+    )
     record = RECORD_HEADER_BYTES + envelope_bytes + SDS16_OVERHEAD
     rounding = _jemalloc_class(record) - record
-    rows.append(["    of which the allocator's rounding of the stored record (bytes)",
-                 rounding, rounding, "-", "-", "-"])
+    rows.append(
+        [
+            "    of which the allocator's rounding of the stored record (bytes)",
+            rounding,
+            rounding,
+            "-",
+            "-",
+            "-",
+        ]
+    )
+
     def per_call(name: str, kind: str, command: str) -> float:
         return h.median(r["breakdown_us"].get(command, float("nan")) for r in results[(name, kind)])
 
     breakdown = "; ".join(
-        f"{kind}: " + ", ".join(
+        f"{kind}: "
+        + ", ".join(
             f"{k} {v:.2f} x ({per_call('small', kind, k):.0f} / {per_call('large', kind, k):.0f} µs)"
-            for k, v in results[("large", kind)][0]["breakdown"].items()) for kind in KINDS)
+            for k, v in results[("large", kind)][0]["breakdown"].items()
+        )
+        for kind in KINDS
+    )
 
     def inner(source: Results) -> str:
         """The commands the idle-thread life's scripts run: Redis µs per call, small / large."""
@@ -421,26 +503,38 @@ def run(args: argparse.Namespace) -> int:
         f"call (median over repeats, small / large): {breakdown}.",
         "the commands inside an idle-thread life's scripts, Redis µs per call (INFO "
         f"commandstats, median over repeats, small / large): {inner(results)}"
-        + (f"; tasks hash growing: {inner(results_growing)}" if results_growing else "") + ".",
+        + (f"; tasks hash growing: {inner(results_growing)}" if results_growing else "")
+        + ".",
         "memory by key, bytes per member (MEMORY USAGE, large case: sampled threads' queues, "
         "the tasks hash whose records hold the message): "
-        + ", ".join(f"{k} {v:.0f}" for k, v in breakdown_mem.items()) + ".",
+        + ", ".join(f"{k} {v:.0f}" for k, v in breakdown_mem.items())
+        + ".",
         "the dispatcher kind's client time is per member of a 100-member batch (its scan and "
         "release are one pipelined round trip each for the whole batch).",
     ]
-    def per_repeat(source: Results) -> str:
-        return "; ".join(f"{kind} " + ", ".join(
-            f"{h.ratio(big['server_us'], s['server_us']):.2f}"
-            for s, big in zip(source[("small", kind)], source[("large", kind)])) for kind in KINDS)
 
-    notes.append("per-repeat ratios of Redis execution time per life (large / small; each repeat "
-                 f"alternates the servers every {CHUNK} lives): settled: {per_repeat(results)}"
-                 + (f"; tasks hash growing: {per_repeat(results_growing)}"
-                    if results_growing else "") + ".")
+    def per_repeat(source: Results) -> str:
+        return "; ".join(
+            f"{kind} "
+            + ", ".join(
+                f"{h.ratio(big['server_us'], s['server_us']):.2f}"
+                for s, big in zip(source[("small", kind)], source[("large", kind)])
+            )
+            for kind in KINDS
+        )
+
+    notes.append(
+        "per-repeat ratios of Redis execution time per life (large / small; each repeat "
+        f"alternates the servers every {CHUNK} lives): settled: {per_repeat(results)}"
+        + (f"; tasks hash growing: {per_repeat(results_growing)}" if results_growing else "")
+        + "."
+    )
     if growing is None:
-        notes.append("tasks hash: this redis-server gives no DEBUG HTSTATS-KEY, so whether the "
-                     "fill left it mid-growth is unknown; as many lookups as it has entries "
-                     "finished any pending growth before the lives were measured.")
+        notes.append(
+            "tasks hash: this redis-server gives no DEBUG HTSTATS-KEY, so whether the "
+            "fill left it mid-growth is unknown; as many lookups as it has entries "
+            "finished any pending growth before the lives were measured."
+        )
     if growing:
         notes.append(
             f"tasks hash growing: after the fill, the large case's tasks hash was mid-growth "
@@ -448,7 +542,8 @@ def run(args: argparse.Namespace) -> int:
             "such a growth after about as many operations as it has members, and the next "
             "comes when its entries have doubled. The rows marked 'tasks hash growing "
             "(transient)' were measured in that state; then as many lookups as the hash "
-            "has entries finished it on both servers, and the other rows were measured.")
+            "has entries finished it on both servers, and the other rows were measured."
+        )
     if amortized is not None and growth is not None:
         notes.append(
             "the growth amortized: the large case's settled time plus the whole growth's extra "
@@ -457,10 +552,17 @@ def run(args: argparse.Namespace) -> int:
             "during it, over the same lives settled, plus the lookups that finished it, "
             f"{growth['extra_us'] / 1e6:.2f} s over the same lookups on the settled table). "
             "The small case is given its settled time: its own growths, of a 1,024-bucket "
-            "table, are left out, which only raises the ratio.")
-    h.report("scale (gate only)", "scale", args.quick, where,
-             "Gate driven directly (enqueue, claim, finish, scan_due + release_many) on two "
-             "private redis-servers, one small, one large; client = this Python process",
-             ["measure", f"{small:,} waiting", f"{large:,} waiting", "ratio", "target", "verdict"],
-             rows, notes)
+            "table, are left out, which only raises the ratio."
+        )
+    h.report(
+        "scale (gate only)",
+        "scale",
+        args.quick,
+        where,
+        "Gate driven directly (enqueue, claim, finish, scan_due + release_many) on two "
+        "private redis-servers, one small, one large; client = this Python process",
+        ["measure", f"{small:,} waiting", f"{large:,} waiting", "ratio", "target", "verdict"],
+        rows,
+        notes,
+    )
     return 0

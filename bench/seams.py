@@ -16,6 +16,7 @@ worker and in this producer process), in an order rotated between repeats:
 
 Medians over the repeats; ratio = seam on / seam off (for handoff and CPU lower is better).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,12 +29,16 @@ from bench import handoff as handoff_bench
 from bench import harness as h
 
 SPEED_SEAMS = ("handoff", "direct-release", "untracked-releases", "direct-line")
-MEASURES = ("cpu_producer", "cpu_worker", "cpu_redis", "handoff_p50", "handoff_p90", "publish",
-            "drain")
-LABELS = {"publish": "publish (tasks/s)", "drain": "drain (tasks/s)",
-          "cpu_producer": "producer CPU ms/task (publish)",
-          "cpu_worker": "worker CPU ms/task (drain)", "cpu_redis": "redis CPU ms/task (drain)",
-          "handoff_p50": "handoff p50 (ms)", "handoff_p90": "handoff p90 (ms)"}
+MEASURES = ("cpu_producer", "cpu_worker", "cpu_redis", "handoff_p50", "handoff_p90", "publish", "drain")
+LABELS = {
+    "publish": "publish (tasks/s)",
+    "drain": "drain (tasks/s)",
+    "cpu_producer": "producer CPU ms/task (publish)",
+    "cpu_worker": "worker CPU ms/task (drain)",
+    "cpu_redis": "redis CPU ms/task (drain)",
+    "handoff_p50": "handoff p50 (ms)",
+    "handoff_p90": "handoff p90 (ms)",
+}
 
 
 def _configure(tasks: Any, env: dict[str, str], off: Optional[str]) -> None:
@@ -48,8 +53,18 @@ def _configure(tasks: Any, env: dict[str, str], off: Optional[str]) -> None:
     tasks.configure(env)
 
 
-def _one(tasks: Any, stack: h.Stack, server: Any, client: Any, env: dict[str, str],
-         off: Optional[str], tag: str, n: int, threads: int, members: int) -> dict[str, float]:
+def _one(
+    tasks: Any,
+    stack: h.Stack,
+    server: Any,
+    client: Any,
+    env: dict[str, str],
+    off: Optional[str],
+    tag: str,
+    n: int,
+    threads: int,
+    members: int,
+) -> dict[str, float]:
     worker_env = dict(env)
     if off is not None:
         off = off.replace("+", ",")
@@ -65,37 +80,45 @@ def _one(tasks: Any, stack: h.Stack, server: Any, client: Any, env: dict[str, st
     p1 = rec.now_us()
     worker = stack.worker(worker_env, name=f"w{tag}", ready_client=None)
     cpu0: Optional[dict[str, float]] = None
-    while cpu0 is None:   # from the first completion on
+    while cpu0 is None:  # from the first completion on
         if client.exists(f"{key}:first"):
             cpu0 = h.cpu_snapshot(worker, server)
         elif not worker.alive():
             raise RuntimeError(f"worker {worker.name} died:\n{worker.output()}")
         else:
             time.sleep(0.005)
-    h.wait_until(lambda: int(client.get(key) or 0) >= n, 120 + n / 20, f"drain of {n}",
-                 stack=stack)
+    h.wait_until(lambda: int(client.get(key) or 0) >= n, 120 + n / 20, f"drain of {n}", stack=stack)
     cpu1 = h.cpu_snapshot(worker, server)
     first, last = (int(client.get(f"{key}:{x}") or 0) for x in ("first", "last"))
     gaps = sorted(handoff_bench._threaded(tasks, client, stack, tag, members))  # type: ignore[arg-type]
     worker.stop()
     stack.procs.remove(worker)
-    return {"publish": n / ((p1 - p0) / 1e6), "cpu_producer": cpu_producer,
-            "drain": n / ((last - first) / 1e6),
-            "cpu_worker": ((cpu1["main"] - cpu0["main"]) + (cpu1["pool"] - cpu0["pool"]))
-            * 1000 / n,
-            "cpu_redis": (cpu1["redis"] - cpu0["redis"]) * 1000 / n,
-            "handoff_p50": h.pct(gaps, 50), "handoff_p90": h.pct(gaps, 90)}
+    return {
+        "publish": n / ((p1 - p0) / 1e6),
+        "cpu_producer": cpu_producer,
+        "drain": n / ((last - first) / 1e6),
+        "cpu_worker": ((cpu1["main"] - cpu0["main"]) + (cpu1["pool"] - cpu0["pool"])) * 1000 / n,
+        "cpu_redis": (cpu1["redis"] - cpu0["redis"]) * 1000 / n,
+        "handoff_p50": h.pct(gaps, 50),
+        "handoff_p90": h.pct(gaps, 90),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.seams", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m bench.seams",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--tasks", type=int, default=4_000)
     p.add_argument("--threads", type=int, default=400)
     p.add_argument("--members", type=int, default=300)
-    p.add_argument("--only", default=",".join(SPEED_SEAMS),
-                   help="seams to turn off, one by one; 'a+b': b off on top of a")
+    p.add_argument(
+        "--only",
+        default=",".join(SPEED_SEAMS),
+        help="seams to turn off, one by one; 'a+b': b off on top of a",
+    )
     p.add_argument("--quick", action="store_true", help="seconds: 1 repeat, 200 tasks")
     args = p.parse_args(argv)
     if args.quick:
@@ -110,11 +133,21 @@ def main(argv: list[str] | None = None) -> int:
         env = h.celery_env(server)
         where = h.machine(server)
         for rep in range(args.repeats):
-            order = configs[rep % len(configs):] + configs[:rep % len(configs)]
+            order = configs[rep % len(configs) :] + configs[: rep % len(configs)]
             for i, off in enumerate(order):
                 h.progress(f"repeat {rep + 1}/{args.repeats}: {off or 'every seam on'}")
-                got = _one(tasks, stack, server, client, env, off, f"r{rep}c{i}", args.tasks,
-                           args.threads, args.members)
+                got = _one(
+                    tasks,
+                    stack,
+                    server,
+                    client,
+                    env,
+                    off,
+                    f"r{rep}c{i}",
+                    args.tasks,
+                    args.threads,
+                    args.members,
+                )
                 for k, v in got.items():
                     results.setdefault((off, k), []).append(v)
         problems = stack.celery_problems()
@@ -127,21 +160,35 @@ def main(argv: list[str] | None = None) -> int:
         for what in MEASURES:
             on_value, off_value = (h.median(results[(c, what)]) for c in (base, off))
             rows.append([off, LABELS[what], on_value, off_value, h.ratio(on_value, off_value)])
-    notes = ["medians over the repeats; a worker started per configuration and repeat; the "
-             "producer (this process) runs the same configuration.  'a+b': b turned off on top "
-             "of a, against a alone (seam on: every other seam on)."]
+    notes = [
+        "medians over the repeats; a worker started per configuration and repeat; the "
+        "producer (this process) runs the same configuration.  'a+b': b turned off on top "
+        "of a, against a alone (seam on: every other seam on)."
+    ]
     for what in ("drain", "publish", "handoff_p50"):
-        notes.append(f"{LABELS[what]} per repeat: " + "; ".join(
-            f"{off or 'all on'} " + "/".join(f"{v:,.4g}" for v in results[(off, what)])
-            for off in configs) + ".")
+        notes.append(
+            f"{LABELS[what]} per repeat: "
+            + "; ".join(
+                f"{off or 'all on'} " + "/".join(f"{v:,.4g}" for v in results[(off, what)]) for off in configs
+            )
+            + "."
+        )
     if problems:
         notes.append("worker log problems: " + " / ".join(problems[:5]))
-    print(h.table("private seams: fast path vs public fallback", [
-        f"command: `python -m bench.seams{' --quick' if args.quick else ''}`",
-        f"machine: {where}",
-        f"load: {args.tasks:,} no-op threaded tasks over {args.threads:,} threads, then one thread "
-        f"of {args.members:,} members; prefork -c 2; {args.repeats} repeat(s)"],
-        ["seam turned off", "measure", "seam on", "seam off", "ratio on/off"], rows, notes))
+    print(
+        h.table(
+            "private seams: fast path vs public fallback",
+            [
+                f"command: `python -m bench.seams{' --quick' if args.quick else ''}`",
+                f"machine: {where}",
+                f"load: {args.tasks:,} no-op threaded tasks over {args.threads:,} threads, then one thread "
+                f"of {args.members:,} members; prefork -c 2; {args.repeats} repeat(s)",
+            ],
+            ["seam turned off", "measure", "seam on", "seam off", "ratio on/off"],
+            rows,
+            notes,
+        )
+    )
     return 0
 
 

@@ -14,6 +14,7 @@ in the probes' Redis when the worker or beat is ready.
 Every probe is one Lua script stamped with the Redis server's ``TIME`` (:class:`Recorder`), and the
 threaded and plain variants of a task run exactly the same body.
 """
+
 from __future__ import annotations
 
 import json

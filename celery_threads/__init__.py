@@ -1,16 +1,17 @@
 """celery-threads: Celery tasks serialized per thread id, earliest scheduled first."""
+
 from . import install as _install  # noqa: F401  (connects the app-finalize and worker hooks)
 from .admin import (
-                      ActiveStatus,
-                      DeadTask,
-                      MemberInfo,
-                      Stats,
-                      StuckThread,
-                      ThreadInfo,
-                      Threads,
-                      ThreadStatus,
-                      ThreadSummary,
-                      WaitingStatus,
+    ActiveStatus,
+    DeadTask,
+    MemberInfo,
+    Stats,
+    StuckThread,
+    ThreadInfo,
+    Threads,
+    ThreadStatus,
+    ThreadSummary,
+    WaitingStatus,
 )
 from .errors import (
     ConfigurationError,

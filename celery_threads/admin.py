@@ -1,5 +1,6 @@
 """The admin API, ``Threads(app)``: inspect and steer threads and the dead-letter store, and read
 the gate's health and metrics."""
+
 from __future__ import annotations
 
 import functools
@@ -40,14 +41,14 @@ NO_REASON = "paused"
 
 
 def _utc(ms: Optional[int]) -> Optional[datetime]:
-    return None if ms is None else datetime.fromtimestamp(ms / 1000.0, tz=timezone.utc)
+    return None if ms is None else _at(ms)
 
 
 class MemberInfo(NamedTuple):
     task_id: str
     name: str
-    scheduled_at: datetime        # aware UTC
-    state: str                    # "WAITING", "RELEASED" or "RUNNING"
+    scheduled_at: datetime  # aware UTC
+    state: str  # "WAITING", "RELEASED" or "RUNNING"
     retries: int
     # Deleted while it runs in a process its worker stops (prefork): still RUNNING, and the
     # thread's next member starts once its code has stopped.
@@ -57,7 +58,7 @@ class MemberInfo(NamedTuple):
 class ThreadInfo(NamedTuple):
     thread_id: str
     active: Optional[MemberInfo]  # released to the broker or running
-    waiting: list[MemberInfo]     # in the order they would be released
+    waiting: list[MemberInfo]  # in the order they would be released
     paused: Optional[str] = None  # the pause's reason (NO_REASON when given none), or None
 
 
@@ -74,7 +75,7 @@ class DeadTask(NamedTuple):
     kwargs: dict[str, Any]
     retries: int
     exception: str
-    died_at: datetime             # aware UTC
+    died_at: datetime  # aware UTC
 
 
 def _admin(method: Callable[..., T]) -> Callable[..., T]:
@@ -111,9 +112,9 @@ def _admin_iter(method: Callable[..., Iterator[T]]) -> Callable[..., Iterator[T]
 class Threads:
     """Read and steer the gate of ``app``::
 
-        threads = Threads(app)
-        info = threads.get("acct-1")
-        threads.delete(info.waiting[0].task_id)
+    threads = Threads(app)
+    info = threads.get("acct-1")
+    threads.delete(info.waiting[0].task_id)
     """
 
     def __init__(self, app: Celery) -> None:
@@ -132,23 +133,30 @@ class Threads:
         snapshot = self.reads.snapshot(normalize_thread_id(thread_id))
         return None if snapshot is None else self._info(snapshot)
 
-    def _member(self, snapshot: ThreadSnapshot, task_id: str, scheduled_ms: int,
-                state: str, stopping: bool = False) -> MemberInfo:
+    def _member(
+        self, snapshot: ThreadSnapshot, task_id: str, scheduled_ms: int, state: str, stopping: bool = False
+    ) -> MemberInfo:
         raw = snapshot.records.get(task_id)
         record = parse_record(raw) if raw is not None else None
         name = task_name(record.envelope) if record is not None else ""
         retries = record.retries if record is not None else 0
-        return MemberInfo(task_id, name, _utc(scheduled_ms), state, retries,  # type: ignore[arg-type]
-                          stopping)
+        return MemberInfo(
+            task_id,
+            name,
+            _at(scheduled_ms),
+            state,
+            retries,
+            stopping,
+        )
 
     def _info(self, snapshot: ThreadSnapshot) -> ThreadInfo:
         active = None
         if snapshot.active:
             a = snapshot.active
-            active = self._member(snapshot, a["task"], int(a.get("sched", 0)), a["state"],
-                                  a.get("del") == "1")
-        waiting = [self._member(snapshot, task_id, ms, "WAITING")
-                   for task_id, ms in snapshot.waiting]
+            active = self._member(
+                snapshot, a["task"], int(a.get("sched", 0)), a["state"], a.get("del") == "1"
+            )
+        waiting = [self._member(snapshot, task_id, ms, "WAITING") for task_id, ms in snapshot.waiting]
         return ThreadInfo(snapshot.thread_id, active, waiting, snapshot.paused)
 
     @_admin_iter
@@ -248,8 +256,11 @@ class Threads:
             raise UnknownTask(f"{task_id} is not in the dead-letter store (see Threads.dead())")
         max_retries, retry_delay_ms = self._retry_settings(record)
         outcome = self.gate.restart(
-            task_id, max_retries=max_retries, retry_delay_ms=retry_delay_ms,
-            thread_id=str(record.meta["thread_id"]))
+            task_id,
+            max_retries=max_retries,
+            retry_delay_ms=retry_delay_ms,
+            thread_id=str(record.meta["thread_id"]),
+        )
         if outcome.status == Restart.ALREADY_MEMBER:
             raise UnknownTask(f"{task_id} is a live member again; it cannot be restarted twice")
         self.runtime.publish_outcome(outcome)
@@ -278,8 +289,7 @@ class Threads:
         chosen: list[DeadRecord] = []
         # Each shard is in death order; merged by time across shards.
         shards = self.gate.keys.all_shards()
-        for record in heapq.merge(*(self.reads.dead_in_order(s) for s in shards),
-                                  key=lambda r: r.died_at_ms):
+        for record in heapq.merge(*(self.reads.dead_in_order(s) for s in shards), key=lambda r: r.died_at_ms):
             if limit is not None and len(chosen) >= limit:
                 break
             if wanted is None or str(record.meta.get("thread_id", "")) == wanted:
@@ -287,8 +297,13 @@ class Threads:
         return chosen
 
     @_admin
-    def redrive(self, thread_id: Any = None, limit: Optional[int] = None, *,
-                progress: Optional[Callable[[int], None]] = None) -> int:
+    def redrive(
+        self,
+        thread_id: Any = None,
+        limit: Optional[int] = None,
+        *,
+        progress: Optional[Callable[[int], None]] = None,
+    ) -> int:
         """Put dead letters (of ``thread_id``, or of every thread; oldest death first; at most
         ``limit``) back into their threads at their original place: the scheduled_at and
         arrival number they had, same task id, retries reset, policies kept.  A thread's
@@ -308,18 +323,22 @@ class Threads:
             # By place, so that the head released after each call is the earliest of them all.
             records.sort(key=_place)
             for at in range(0, len(records), OPERATOR_BATCH):
-                batch = records[at:at + OPERATOR_BATCH]
+                batch = records[at : at + OPERATOR_BATCH]
                 codes, release = self.gate.redrive(
-                    thread, [(r.task_id, *self._retry_settings(r)) for r in batch])
+                    thread, [(r.task_id, *self._retry_settings(r)) for r in batch]
+                )
                 self.runtime.publish(release)
                 done = sum(1 for c in codes if c in (Redriven.AT_PLACE, Redriven.NEW_ARRIVAL))
                 for record, code in zip(batch, codes):
                     if code in (Redriven.AT_PLACE, Redriven.NEW_ARRIVAL):
                         self._forget_result(record.task_id)
                     if code == Redriven.NEW_ARRIVAL:
-                        logger.warning("celery-threads: dead letter %s of thread %s was stored "
-                                       "without its place; it re-entered as a new arrival",
-                                       record.task_id, thread)
+                        logger.warning(
+                            "celery-threads: dead letter %s of thread %s was stored "
+                            "without its place; it re-entered as a new arrival",
+                            record.task_id,
+                            thread,
+                        )
                 redriven += done
                 if progress is not None:
                     progress(len(batch))
@@ -330,9 +349,8 @@ class Threads:
         ``AsyncResult`` is ``PENDING`` until it runs (and ``get()`` waits for that run)."""
         try:
             self.app.backend.forget(task_id)
-        except Exception:   # no result backend, or it is down: its next run overwrites it
-            logger.debug("celery-threads: could not forget the result of %s", task_id,
-                         exc_info=True)
+        except Exception:  # no result backend, or it is down: its next run overwrites it
+            logger.debug("celery-threads: could not forget the result of %s", task_id, exc_info=True)
 
     def _retry_settings(self, record: DeadRecord) -> tuple[Optional[int], int]:
         task = self.app.tasks.get(task_name(record.envelope))
@@ -363,8 +381,7 @@ class Threads:
         return self.reads.waiting_total()
 
     @_admin
-    def purge(self, thread_id: Any = None, *,
-              progress: Optional[Callable[[int], None]] = None) -> int:
+    def purge(self, thread_id: Any = None, *, progress: Optional[Callable[[int], None]] = None) -> int:
         """Drop the waiting members of ``thread_id``, or of every thread; a released or running
         member goes on.  Dropped members end as ``REVOKED`` in the result backend and leave the
         gate as any ending does; a thread's keys vanish with its last member.
@@ -430,8 +447,9 @@ class Threads:
         return None if snapshot is None else _status(snapshot, now)
 
     @_admin_iter
-    def summaries(self, batch: int = ID_PAGE, limit: Optional[int] = None,
-                  paused: bool = False) -> Iterator[ThreadSummary]:
+    def summaries(
+        self, batch: int = ID_PAGE, limit: Optional[int] = None, paused: bool = False
+    ) -> Iterator[ThreadSummary]:
         """One line of health per existing thread (``celery threads ls``), in :meth:`ids`' order,
         read ``batch`` threads per round trip.  Reads as many threads as the caller takes: the
         first ``n`` cost O(n) reads.  ``limit``: the caller takes at most that many (the pages
@@ -439,7 +457,7 @@ class Threads:
         if limit is not None:
             batch = max(1, min(batch, limit))
         pending: list[str] = []
-        for thread_id in (self.paused() if paused else self.ids(page=batch)):
+        for thread_id in self.paused() if paused else self.ids(page=batch):
             pending.append(thread_id)
             if len(pending) >= batch:
                 yield from self._summaries(pending)
@@ -451,9 +469,10 @@ class Threads:
         now = self.reads.now_ms()
         reasons = self.reads.paused_reasons(thread_ids)
         for thread_id, (active, waiting, head), reason in zip(
-                thread_ids, self.reads.thread_summaries(thread_ids), reasons):
+            thread_ids, self.reads.thread_summaries(thread_ids), reasons
+        ):
             if not active and head is None and reason is None:
-                continue            # it ended between the scan and the read
+                continue  # it ended between the scan and the read
             since = _int(active.get("since"))
             yield ThreadSummary(
                 thread_id=thread_id,
@@ -489,13 +508,13 @@ class Threads:
             paused = self.reads.paused(shard)
             lapsed = [(t, score) for t, score in lapsed if t not in paused]
             rows = self.reads.thread_summaries([t for t, _ in lapsed] + [t for t, _ in due])
-            for (thread_id, score), (active, _, _) in zip(lapsed, rows[:len(lapsed)]):
+            for (thread_id, score), (active, _, _) in zip(lapsed, rows[: len(lapsed)]):
                 stuck = _stuck_active(thread_id, score, active, now, cutoff)
                 if stuck is not None:
                     found.append(stuck)
-            for (thread_id, _score), (active, _, head) in zip(due, rows[len(lapsed):]):
+            for (thread_id, _score), (active, _, head) in zip(due, rows[len(lapsed) :]):
                 if active or head is None or head[1] > cutoff:
-                    continue        # released, or displaced by a later head, since the read
+                    continue  # released, or displaced by a later head, since the read
                 found.append(_stuck_head(thread_id, head[0], head[1], now))
         found.sort(key=lambda s: s.overdue_for, reverse=True)
         return found
@@ -522,14 +541,15 @@ class Threads:
         if totals.oldest is not None:
             thread_id, scheduled = totals.oldest
             row = self.reads.thread_summaries([thread_id])[0][2]
-            head = WaitingHead(thread_id, row[0] if row else "", _at(scheduled),
-                               (now - scheduled) / 1000.0)
+            head = WaitingHead(thread_id, row[0] if row else "", _at(scheduled), (now - scheduled) / 1000.0)
         return Stats(
             now=_at(now),
             threads=totals.threads,
-            members={"WAITING": max(0, totals.members - totals.active),
-                     "RELEASED": states.get("RELEASED", 0),
-                     "RUNNING": states.get("RUNNING", 0)},
+            members={
+                "WAITING": max(0, totals.members - totals.active),
+                "RELEASED": states.get("RELEASED", 0),
+                "RUNNING": states.get("RUNNING", 0),
+            },
             dead=totals.dead,
             oldest_waiting_head=head,
             stuck=totals.stuck,
@@ -553,12 +573,14 @@ class Threads:
         running = min(max(0, counters.running), totals.active)
         return Metrics(
             threads=totals.threads,
-            members={"waiting": max(0, totals.members - totals.active),
-                     "released": totals.active - running, "running": running},
+            members={
+                "waiting": max(0, totals.members - totals.active),
+                "released": totals.active - running,
+                "running": running,
+            },
             paused_threads=totals.paused,
             stuck_threads=totals.stuck,
-            oldest_due_seconds=0.0 if totals.oldest is None
-            else max(0, now - totals.oldest[1]) / 1000.0,
+            oldest_due_seconds=0.0 if totals.oldest is None else max(0, now - totals.oldest[1]) / 1000.0,
             dead_letters=totals.dead,
             counters=counters,
             thread_waiting=self._most_waiting(top) if top > 0 else [],
@@ -581,16 +603,15 @@ class Threads:
             held = self.reads.paused_leases(shard)
             paused += len(held)
             threads += sum(1 for score in held.values() if score is None)
-            stuck -= sum(1 for score in held.values()
-                         if score is not None and score <= now - grace_ms)
-            if counts["oldest_due"] is not None and (oldest is None
-                                                     or counts["oldest_due"][1] < oldest[1]):
+            stuck -= sum(1 for score in held.values() if score is not None and score <= now - grace_ms)
+            if counts["oldest_due"] is not None and (oldest is None or counts["oldest_due"][1] < oldest[1]):
                 oldest = counts["oldest_due"]
         return _Totals(threads, members, active, dead, stuck, paused, oldest)
 
     def _most_waiting(self, top: int) -> list[tuple[str, int]]:
         """The ``top`` threads with the most waiting members, most first (ties in :meth:`ids`'
         order): every thread's queue length read, a page per round trip, ``top`` kept."""
+
         def waiting() -> Iterator[tuple[str, int]]:
             for page in _pages(self.ids(), ID_PAGE):
                 for thread_id, n in zip(page, self.reads.waiting_counts(page)):
@@ -605,8 +626,10 @@ class Threads:
 STUCK_AFTER_TICKS = 3
 """A deadline lapsed, or a due head left unreleased, for this many dispatcher ticks is stuck."""
 
-DISPATCHER_HINT = ("is a dispatcher running? Start `celery beat` or a worker of this app "
-                   "(each worker dispatches unless threads_worker_dispatch is False)")
+DISPATCHER_HINT = (
+    "is a dispatcher running? Start `celery beat` or a worker of this app "
+    "(each worker dispatches unless threads_worker_dispatch is False)"
+)
 
 
 class ActiveStatus(NamedTuple):
@@ -614,18 +637,18 @@ class ActiveStatus(NamedTuple):
 
     task_id: str
     name: str
-    state: str                        # "RELEASED" or "RUNNING"
+    state: str  # "RELEASED" or "RUNNING"
     scheduled_at: datetime
     retries: int
-    since: datetime                   # when it was released to the broker
-    active_for: float                 # seconds since ``since``
-    deadline: datetime                # lease expiry (RUNNING) or release deadline (RELEASED)
-    expires_in: float                 # seconds until ``deadline``; negative once it lapsed
-    worker: Optional[str]             # hostname of the worker that claimed it (RUNNING)
+    since: datetime  # when it was released to the broker
+    active_for: float  # seconds since ``since``
+    deadline: datetime  # lease expiry (RUNNING) or release deadline (RELEASED)
+    expires_in: float  # seconds until ``deadline``; negative once it lapsed
+    worker: Optional[str]  # hostname of the worker that claimed it (RUNNING)
     claimed_at: Optional[datetime]
-    republished: int                  # times its release was republished, unclaimed
-    arguments: str = ""               # as Celery's argsrepr and kwargsrepr show them
-    stopping: bool = False            # deleted; the next starts once its worker has stopped it
+    republished: int  # times its release was republished, unclaimed
+    arguments: str = ""  # as Celery's argsrepr and kwargsrepr show them
+    stopping: bool = False  # deleted; the next starts once its worker has stopped it
 
 
 class WaitingStatus(NamedTuple):
@@ -634,21 +657,21 @@ class WaitingStatus(NamedTuple):
     task_id: str
     name: str
     scheduled_at: datetime
-    arrival: int                      # arrival order among the thread's members, 1 = earliest
+    arrival: int  # arrival order among the thread's members, 1 = earliest
     retries: int
-    arguments: str = ""               # as Celery's argsrepr and kwargsrepr show them
+    arguments: str = ""  # as Celery's argsrepr and kwargsrepr show them
 
 
 class ThreadStatus(NamedTuple):
     """One thread in detail (``celery threads show``)."""
 
     thread_id: str
-    now: datetime                     # the Redis server's clock when it was read
+    now: datetime  # the Redis server's clock when it was read
     active: Optional[ActiveStatus]
-    waiting: list[WaitingStatus]      # in the order they would be released
-    next_eligible_at: Optional[datetime]   # the head's scheduled_at
-    head_age: Optional[float]         # seconds since the head became eligible; negative: not yet
-    paused: Optional[str] = None      # the pause's reason, or None
+    waiting: list[WaitingStatus]  # in the order they would be released
+    next_eligible_at: Optional[datetime]  # the head's scheduled_at
+    head_age: Optional[float]  # seconds since the head became eligible; negative: not yet
+    paused: Optional[str] = None  # the pause's reason, or None
 
     @property
     def members(self) -> int:
@@ -662,21 +685,21 @@ class ThreadSummary(NamedTuple):
     members: int
     active_task: Optional[str]
     active_state: Optional[str]
-    active_for: Optional[float]       # seconds the active member has been active
-    next_eligible_at: Optional[datetime]   # the head's scheduled_at
-    head_age: Optional[float]         # seconds since the head became eligible; negative: not yet
-    paused: Optional[str] = None      # the pause's reason, or None
+    active_for: Optional[float]  # seconds the active member has been active
+    next_eligible_at: Optional[datetime]  # the head's scheduled_at
+    head_age: Optional[float]  # seconds since the head became eligible; negative: not yet
+    paused: Optional[str] = None  # the pause's reason, or None
 
 
 class StuckThread(NamedTuple):
     """A thread the dispatcher did not move on (see :meth:`Threads.stuck`)."""
 
     thread_id: str
-    kind: str                         # "lease", "release" (an active member) or "head"
+    kind: str  # "lease", "release" (an active member) or "head"
     task_id: str
-    state: str                        # "RUNNING", "RELEASED" or "WAITING"
-    overdue_since: datetime           # the lapsed deadline, or the head's scheduled_at
-    overdue_for: float                # seconds
+    state: str  # "RUNNING", "RELEASED" or "WAITING"
+    overdue_since: datetime  # the lapsed deadline, or the head's scheduled_at
+    overdue_for: float  # seconds
     worker: Optional[str]
     reason: str
 
@@ -685,7 +708,7 @@ class WaitingHead(NamedTuple):
     thread_id: str
     task_id: str
     scheduled_at: datetime
-    age: float                        # seconds it has been due
+    age: float  # seconds it has been due
 
 
 class _Totals(NamedTuple):
@@ -695,7 +718,7 @@ class _Totals(NamedTuple):
     dead: int
     stuck: int
     paused: int
-    oldest: Optional[tuple[str, int]]     # (thread id, scheduled_at ms) of the oldest due head
+    oldest: Optional[tuple[str, int]]  # (thread id, scheduled_at ms) of the oldest due head
 
 
 def _pages(items: Iterator[str], size: int) -> Iterator[list[str]]:
@@ -710,14 +733,14 @@ def _pages(items: Iterator[str], size: int) -> Iterator[list[str]]:
 
 
 class Stats(NamedTuple):
-    now: datetime                     # the Redis server's clock
+    now: datetime  # the Redis server's clock
     threads: int
-    members: dict[str, int]           # by state: WAITING, RELEASED, RUNNING
-    dead: int                         # tasks in the dead-letter store
-    oldest_waiting_head: Optional[WaitingHead]   # the idle thread's head due the longest
-    stuck: int                        # threads :meth:`Threads.stuck` would list
-    paused: int = 0                   # paused threads (never stuck)
-    dead_dropped: int = 0             # dead letters dropped by retention, ever
+    members: dict[str, int]  # by state: WAITING, RELEASED, RUNNING
+    dead: int  # tasks in the dead-letter store
+    oldest_waiting_head: Optional[WaitingHead]  # the idle thread's head due the longest
+    stuck: int  # threads :meth:`Threads.stuck` would list
+    paused: int = 0  # paused threads (never stuck)
+    dead_dropped: int = 0  # dead letters dropped by retention, ever
 
 
 def _place(record: DeadRecord) -> tuple[int, int, int]:
@@ -739,8 +762,9 @@ def _int(value: Optional[str]) -> Optional[int]:
 
 def _status(snapshot: ThreadSnapshot, now: int) -> ThreadStatus:
     parsed = {task_id: parse_record(record) for task_id, record in snapshot.records.items()}
-    arrival = {task_id: rank for rank, task_id in
-               enumerate(sorted(parsed, key=lambda t: parsed[t].seq), start=1)}
+    arrival = {
+        task_id: rank for rank, task_id in enumerate(sorted(parsed, key=lambda t: parsed[t].seq), start=1)
+    }
 
     def name_of(task_id: str) -> str:
         return task_name(parsed[task_id].envelope) if task_id in parsed else ""
@@ -757,56 +781,98 @@ def _status(snapshot: ThreadSnapshot, now: int) -> ThreadStatus:
         since, deadline = int(a.get("since", now)), int(a.get("deadline", now))
         claimed = _int(a.get("claimed"))
         active = ActiveStatus(
-            task_id=a["task"], name=name_of(a["task"]), state=a.get("state", ""),
+            task_id=a["task"],
+            name=name_of(a["task"]),
+            state=a.get("state", ""),
             scheduled_at=_at(int(a.get("sched", since))),
             retries=retries_of(a["task"]),
-            since=_at(since), active_for=(now - since) / 1000.0,
-            deadline=_at(deadline), expires_in=(deadline - now) / 1000.0,
-            worker=a.get("worker") or None, claimed_at=_utc(claimed),
-            republished=int(a.get("n", 0) or 0), arguments=arguments_of(a["task"]),
+            since=_at(since),
+            active_for=(now - since) / 1000.0,
+            deadline=_at(deadline),
+            expires_in=(deadline - now) / 1000.0,
+            worker=a.get("worker") or None,
+            claimed_at=_utc(claimed),
+            republished=int(a.get("n", 0) or 0),
+            arguments=arguments_of(a["task"]),
             stopping=a.get("del") == "1",
         )
-    waiting = [WaitingStatus(task_id, name_of(task_id), _at(ms),
-                             arrival.get(task_id, 0), retries_of(task_id), arguments_of(task_id))
-               for task_id, ms in snapshot.waiting]
+    waiting = [
+        WaitingStatus(
+            task_id,
+            name_of(task_id),
+            _at(ms),
+            arrival.get(task_id, 0),
+            retries_of(task_id),
+            arguments_of(task_id),
+        )
+        for task_id, ms in snapshot.waiting
+    ]
     head_ms = snapshot.waiting[0][1] if snapshot.waiting else None
     return ThreadStatus(
-        thread_id=snapshot.thread_id, now=_at(now), active=active,
-        waiting=waiting, next_eligible_at=_utc(head_ms),
+        thread_id=snapshot.thread_id,
+        now=_at(now),
+        active=active,
+        waiting=waiting,
+        next_eligible_at=_utc(head_ms),
         head_age=None if head_ms is None else (now - head_ms) / 1000.0,
         paused=snapshot.paused,
     )
 
 
-def _stuck_active(thread_id: str, score: int, active: dict[str, str], now: int,
-                  cutoff: int) -> Optional[StuckThread]:
+def _stuck_active(
+    thread_id: str, score: int, active: dict[str, str], now: int, cutoff: int
+) -> Optional[StuckThread]:
     if not active:
-        return StuckThread(thread_id, "lease", "", "", _at(score), (now - score) / 1000.0,
-                           None, "in the leases index without an active member, past its "
-                           f"deadline by {_seconds(now - score)}: {DISPATCHER_HINT}")
+        return StuckThread(
+            thread_id,
+            "lease",
+            "",
+            "",
+            _at(score),
+            (now - score) / 1000.0,
+            None,
+            "in the leases index without an active member, past its "
+            f"deadline by {_seconds(now - score)}: {DISPATCHER_HINT}",
+        )
     deadline = int(active.get("deadline", score))
     if deadline > cutoff:
-        return None                 # renewed, republished or reclaimed since the read
+        return None  # renewed, republished or reclaimed since the read
     state, worker = active.get("state", ""), active.get("worker") or None
     late = _seconds(now - deadline)
     if state == "RUNNING":
         kind = "lease"
-        reason = (f"lease expired {late} ago (worker {worker} stopped renewing it) and the "
-                  f"member was not reclaimed: {DISPATCHER_HINT}")
+        reason = (
+            f"lease expired {late} ago (worker {worker} stopped renewing it) and the "
+            f"member was not reclaimed: {DISPATCHER_HINT}"
+        )
     else:
         kind = "release"
-        reason = (f"released but unclaimed {late} past its release deadline, and not "
-                  f"republished: {DISPATCHER_HINT}")
-    return StuckThread(thread_id, kind, active.get("task", ""), state,
-                       _at(deadline), (now - deadline) / 1000.0,
-                       worker, reason)
+        reason = (
+            f"released but unclaimed {late} past its release deadline, and not republished: {DISPATCHER_HINT}"
+        )
+    return StuckThread(
+        thread_id,
+        kind,
+        active.get("task", ""),
+        state,
+        _at(deadline),
+        (now - deadline) / 1000.0,
+        worker,
+        reason,
+    )
 
 
 def _stuck_head(thread_id: str, task_id: str, scheduled_ms: int, now: int) -> StuckThread:
-    return StuckThread(thread_id, "head", task_id, "WAITING",
-                       _at(scheduled_ms), (now - scheduled_ms) / 1000.0,
-                       None, f"head due {_seconds(now - scheduled_ms)} ago and not released: "
-                       f"{DISPATCHER_HINT}")
+    return StuckThread(
+        thread_id,
+        "head",
+        task_id,
+        "WAITING",
+        _at(scheduled_ms),
+        (now - scheduled_ms) / 1000.0,
+        None,
+        f"head due {_seconds(now - scheduled_ms)} ago and not released: {DISPATCHER_HINT}",
+    )
 
 
 def _seconds(ms: int) -> str:

@@ -6,6 +6,7 @@ these commands as ``ctx.obj.app`` (a :class:`celery.bin.base.CLIContext`).  Ever
 :data:`EX_EVICTING` when the gate's Redis may evict waiting members, so it doubles as a health
 check.  Times are the gate's Redis server clock, printed in UTC.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -30,12 +31,12 @@ from .errors import ConfigurationError, ThreadsError, UnknownTask
 from .gate.eviction import Eviction
 from .runtime import unreachable
 
-EX_STUCK = 3           # `stats`: at least one thread is stuck
-EX_EVICTING = 4        # `stats`: the gate's Redis may evict waiting members (and none is stuck)
-EX_UNAVAILABLE = 69    # the gate's Redis cannot be reached (sysexits EX_UNAVAILABLE, as Celery)
-EX_CONFIG = 78         # a threads_* setting is wrong (sysexits EX_CONFIG)
-DEAD_LIMIT = 100       # `dead`: the latest deaths listed unless --limit says otherwise
-PROGRESS_FROM = 1000   # `purge`, `redrive`: a progress bar on a terminal from this many items
+EX_STUCK = 3  # `stats`: at least one thread is stuck
+EX_EVICTING = 4  # `stats`: the gate's Redis may evict waiting members (and none is stuck)
+EX_UNAVAILABLE = 69  # the gate's Redis cannot be reached (sysexits EX_UNAVAILABLE, as Celery)
+EX_CONFIG = 78  # a threads_* setting is wrong (sysexits EX_CONFIG)
+DEAD_LIMIT = 100  # `dead`: the latest deaths listed unless --limit says otherwise
+PROGRESS_FROM = 1000  # `purge`, `redrive`: a progress bar on a terminal from this many items
 
 F = TypeVar("F", bound=Callable[..., Any])
 T = TypeVar("T")
@@ -51,13 +52,16 @@ class BadSettings(click.ClickException):
 
 # -- the app, its gate, and errors ------------------------------------------------------------
 
+
 def _app(ctx: click.Context) -> Any:
     app = getattr(ctx.obj, "app", None)
-    if app is None or (not app.conf.get("threads_redis_url") and not app.conf.broker_url
-                       and not getattr(app, "_celery_threads_installed", False)):
+    if app is None or (
+        not app.conf.get("threads_redis_url")
+        and not app.conf.broker_url
+        and not getattr(app, "_celery_threads_installed", False)
+    ):
         # Celery's default app, when no -A named the user's: no setting of it is the user's.
-        raise click.UsageError("name your Celery app, which configures the gate: "
-                               "celery -A proj threads ...")
+        raise click.UsageError("name your Celery app, which configures the gate: celery -A proj threads ...")
     return app
 
 
@@ -73,7 +77,8 @@ def _unreachable(url: str, exc: BaseException) -> GateUnreachable:
     return GateUnreachable(
         f"cannot reach the gate's Redis at {maybe_sanitize_url(url)}: {reason}.\n"
         "Start that server, or set threads_redis_url in the app's configuration to the Redis "
-        "the workers use.")
+        "the workers use."
+    )
 
 
 def _threads(ctx: click.Context) -> Threads:
@@ -82,8 +87,9 @@ def _threads(ctx: click.Context) -> Threads:
     url = _redis_url(ctx)
     problem = unreachable(read_config(_app(ctx)))
     if isinstance(problem, ValueError):
-        raise BadSettings(f"threads_redis_url {maybe_sanitize_url(url)!r} is not a Redis URL "
-                          f"({problem}); fix that setting") from None
+        raise BadSettings(
+            f"threads_redis_url {maybe_sanitize_url(url)!r} is not a Redis URL ({problem}); fix that setting"
+        ) from None
     if problem is not None:
         raise _unreachable(url, problem) from None
     return Threads(_app(ctx))
@@ -111,11 +117,11 @@ def _message(exc: BaseException) -> str:
     return str(exc.args[0]) if exc.args else type(exc).__name__
 
 
-json_option = click.option("--json", "as_json", is_flag=True,
-                           help="Print JSON instead of text.")
+json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
 
 
 # -- output -----------------------------------------------------------------------------------
+
 
 def _jsonable(value: Any) -> Any:
     if isinstance(value, tuple) and hasattr(value, "_asdict"):
@@ -174,36 +180,37 @@ def _relative(seconds_ahead: Optional[float]) -> str:
 
 
 def _fit(text: str, width: int) -> str:
-    return text if len(text) <= width else text[:max(width - 1, 0)] + "…"
+    return text if len(text) <= width else text[: max(width - 1, 0)] + "…"
 
 
 class Column(NamedTuple):
     header: str
-    right: bool = False      # align right (numbers)
-    shrink: int = 0          # may be cut, with "…", to fit the width: 1 first, then 2, ...
+    right: bool = False  # align right (numbers)
+    shrink: int = 0  # may be cut, with "…", to fit the width: 1 first, then 2, ...
 
 
-def _table(columns: Sequence[Column], rows: Sequence[Sequence[Any]],
-           width: Optional[int] = None) -> list[str]:
+def _table(
+    columns: Sequence[Column], rows: Sequence[Sequence[Any]], width: Optional[int] = None
+) -> list[str]:
     """Aligned lines (header first), shrinking the shrinkable columns to fit ``width``."""
     width = width or _width()
     cells = [["-" if v is None else str(v) for v in row] for row in rows]
     widths = [max([len(c.header), *(len(r[i]) for r in cells)]) for i, c in enumerate(columns)]
     excess = sum(widths) + 2 * (len(columns) - 1) - width
     while excess > 0:
-        shrinkable = [i for i, c in enumerate(columns)
-                      if c.shrink and widths[i] > max(len(c.header), 8)]
+        shrinkable = [i for i, c in enumerate(columns) if c.shrink and widths[i] > max(len(c.header), 8)]
         if not shrinkable:
             break
         first = min(columns[i].shrink for i in shrinkable)
-        widest = max((i for i in shrinkable if columns[i].shrink == first),
-                     key=lambda i: widths[i])
+        widest = max((i for i in shrinkable if columns[i].shrink == first), key=lambda i: widths[i])
         widths[widest] -= 1
         excess -= 1
 
     def line(values: Sequence[str]) -> str:
-        parts = [_fit(v, w).rjust(w) if c.right else _fit(v, w).ljust(w)
-                 for c, v, w in zip(columns, values, widths)]
+        parts = [
+            _fit(v, w).rjust(w) if c.right else _fit(v, w).ljust(w)
+            for c, v, w in zip(columns, values, widths)
+        ]
         return "  ".join(parts).rstrip()
 
     return [line([c.header for c in columns]), *(line(r) for r in cells)]
@@ -217,11 +224,11 @@ def _echo_lines(lines: Sequence[str]) -> None:
 def _pairs(pairs: Sequence[tuple[str, Any]], indent: int = 2) -> list[str]:
     """``label  value`` lines, the values aligned."""
     label_width = max(len(label) for label, _ in pairs)
-    return [f"{' ' * indent}{label.ljust(label_width)}  {'-' if v is None else v}"
-            for label, v in pairs]
+    return [f"{' ' * indent}{label.ljust(label_width)}  {'-' if v is None else v}" for label, v in pairs]
 
 
 # -- commands ---------------------------------------------------------------------------------
+
 
 @click.group(name="threads")
 def threads() -> None:
@@ -232,28 +239,38 @@ _SORTS: dict[str, Callable[[ThreadSummary], Any]] = {
     "id": lambda s: s.thread_id,
     "members": lambda s: (-s.members, s.thread_id),
     # Longest active first; then idle threads, the longest-eligible head first.
-    "age": lambda s: ((0, -s.active_for, s.thread_id) if s.active_for is not None
-                      else (1, -(s.head_age or 0.0), s.thread_id)),
+    "age": lambda s: (
+        (0, -s.active_for, s.thread_id)
+        if s.active_for is not None
+        else (1, -(s.head_age or 0.0), s.thread_id)
+    ),
 }
 
 
 @threads.command("ls")
-@click.option("--sort", type=click.Choice(list(_SORTS)), default=None,
-              help="id; members (most first); age (longest active first).  Sorting reads "
-                   "every thread; unsorted (the default), threads come in the gate's order "
-                   "and --limit N reads only N of them.")
-@click.option("--limit", type=click.IntRange(min=1), default=None,
-              help="Show at most this many threads.")
-@click.option("--paused", "only_paused", is_flag=True,
-              help="List only the paused threads (read without reading the others).")
+@click.option(
+    "--sort",
+    type=click.Choice(list(_SORTS)),
+    default=None,
+    help="id; members (most first); age (longest active first).  Sorting reads "
+    "every thread; unsorted (the default), threads come in the gate's order "
+    "and --limit N reads only N of them.",
+)
+@click.option("--limit", type=click.IntRange(min=1), default=None, help="Show at most this many threads.")
+@click.option(
+    "--paused",
+    "only_paused",
+    is_flag=True,
+    help="List only the paused threads (read without reading the others).",
+)
 @json_option
 @click.pass_context
 @_guarded
-def ls(ctx: click.Context, sort: Optional[str], limit: Optional[int], only_paused: bool,
-       as_json: bool) -> None:
+def ls(
+    ctx: click.Context, sort: Optional[str], limit: Optional[int], only_paused: bool, as_json: bool
+) -> None:
     """List threads: members, active member, when the head is eligible, pause."""
-    summaries = _threads(ctx).summaries(limit=None if sort or not limit else limit + 1,
-                                        paused=only_paused)
+    summaries = _threads(ctx).summaries(limit=None if sort or not limit else limit + 1, paused=only_paused)
     if sort is None:
         # One more than shown tells whether more exist, without counting them all.
         read = list(itertools.islice(summaries, limit + 1) if limit else summaries)
@@ -272,17 +289,34 @@ def ls(ctx: click.Context, sort: Optional[str], limit: Optional[int], only_pause
     # Ids are printed whole (they are pasted into show and delete), the thread's last; the
     # PAUSED column (a pause's reason) only when a thread shown is paused.
     pauses = any(s.paused is not None for s in shown)
-    columns = [Column("MEMBERS", right=True), Column("STATE"), Column("ACTIVE FOR", right=True),
-               Column("NEXT ELIGIBLE"), Column("ACTIVE TASK"),
-               *([Column("PAUSED", shrink=1)] if pauses else []), Column("THREAD")]
-    _echo_lines(_table(columns, [
-        (s.members, s.active_state, None if s.active_for is None else _duration(s.active_for),
-         None if s.head_age is None else _relative(-s.head_age), s.active_task,
-         *([s.paused] if pauses else []), s.thread_id)
-        for s in shown]))
+    columns = [
+        Column("MEMBERS", right=True),
+        Column("STATE"),
+        Column("ACTIVE FOR", right=True),
+        Column("NEXT ELIGIBLE"),
+        Column("ACTIVE TASK"),
+        *([Column("PAUSED", shrink=1)] if pauses else []),
+        Column("THREAD"),
+    ]
+    _echo_lines(
+        _table(
+            columns,
+            [
+                (
+                    s.members,
+                    s.active_state,
+                    None if s.active_for is None else _duration(s.active_for),
+                    None if s.head_age is None else _relative(-s.head_age),
+                    s.active_task,
+                    *([s.paused] if pauses else []),
+                    s.thread_id,
+                )
+                for s in shown
+            ],
+        )
+    )
     if total is None:
-        click.echo(f"first {len(shown)} threads shown; more exist "
-                   "(`celery threads stats` counts them)")
+        click.echo(f"first {len(shown)} threads shown; more exist (`celery threads stats` counts them)")
         return
     more = f" (first {len(shown)} shown)" if len(shown) < total else ""
     kind = " paused" if only_paused else ""
@@ -312,28 +346,33 @@ def show(ctx: click.Context, thread_id: str, as_json: bool) -> None:
     if status is None:
         raise click.ClickException(
             f"no thread {thread_id!r}: a thread exists only while it has members or is paused. "
-            "`celery threads ls` lists the existing threads.")
+            "`celery threads ls` lists the existing threads."
+        )
     if as_json:
         _echo_json({**_jsonable(status), "members": status.members})
         return
     n = status.members
-    click.echo(f"Thread {status.thread_id}: {n} member{'s' if n != 1 else ''} "
-               f"(Redis time {_when(status.now)})")
+    click.echo(
+        f"Thread {status.thread_id}: {n} member{'s' if n != 1 else ''} (Redis time {_when(status.now)})"
+    )
     if status.paused is not None:
-        click.echo(f"PAUSED: {status.paused}. Nothing more of it is released until "
-                   f"`celery threads resume {status.thread_id}`.")
+        click.echo(
+            f"PAUSED: {status.paused}. Nothing more of it is released until "
+            f"`celery threads resume {status.thread_id}`."
+        )
     click.echo("")
     a = status.active
     if a is None and status.paused is not None:
         click.echo("Active member: none (paused).")
     elif a is None:
-        click.echo(f"Active member: none; the head is eligible "
-                   f"{_relative(None if status.head_age is None else -status.head_age)}.")
+        click.echo(
+            f"Active member: none; the head is eligible "
+            f"{_relative(None if status.head_age is None else -status.head_age)}."
+        )
     else:
         # A RELEASED member's deadline is the release timeout: unclaimed by then, it is republished.
         lease_label = "lease expires" if a.state == "RUNNING" else "release deadline"
-        lease = (_relative(a.expires_in) if a.expires_in >= 0
-                 else f"LAPSED {_relative(a.expires_in)}")
+        lease = _relative(a.expires_in) if a.expires_in >= 0 else f"LAPSED {_relative(a.expires_in)}"
         scheduled_ahead = (a.scheduled_at - status.now).total_seconds()
         pairs: list[tuple[str, Any]] = [
             ("task id", a.task_id),
@@ -349,8 +388,7 @@ def show(ctx: click.Context, thread_id: str, as_json: bool) -> None:
         if a.republished:
             pairs.append(("republished", f"{a.republished} time(s): no worker claimed it"))
         if a.stopping:
-            pairs.append(("deleted", "its worker is stopping it; the next member starts once "
-                                     "it has stopped"))
+            pairs.append(("deleted", "its worker is stopping it; the next member starts once it has stopped"))
         click.echo("Active member")
         _echo_lines(_pairs(pairs))
     click.echo("")
@@ -358,11 +396,22 @@ def show(ctx: click.Context, thread_id: str, as_json: bool) -> None:
         click.echo("Waiting members: none.")
         return
     click.echo("Waiting members, in release order")
-    columns = [Column("#", right=True), Column("SCHEDULED AT"), Column("ARRIVAL", right=True),
-               Column("RETRIES", right=True), Column("TASK ID")]
+    columns = [
+        Column("#", right=True),
+        Column("SCHEDULED AT"),
+        Column("ARRIVAL", right=True),
+        Column("RETRIES", right=True),
+        Column("TASK ID"),
+    ]
     width = _width()
-    lines = _table(columns, [(i, _when(m.scheduled_at), m.arrival, m.retries, m.task_id)
-                             for i, m in enumerate(status.waiting, start=1)], width)
+    lines = _table(
+        columns,
+        [
+            (i, _when(m.scheduled_at), m.arrival, m.retries, m.task_id)
+            for i, m in enumerate(status.waiting, start=1)
+        ],
+        width,
+    )
     click.echo(lines[0])
     for line, m in zip(lines[1:], status.waiting):
         click.echo(line)
@@ -382,10 +431,12 @@ def delete(ctx: click.Context, task_id: str, as_json: bool) -> None:
     t = _threads(ctx)
     thread_id = t.thread_of(task_id)
     if thread_id is None or not t.delete(task_id):
-        hint = ("it is in the dead-letter store (see `celery threads forget`)"
-                if t.dead_task(task_id) is not None else
-                "it may have ended or been deleted already; `celery threads show THREAD_ID` "
-                "lists a thread's members")
+        hint = (
+            "it is in the dead-letter store (see `celery threads forget`)"
+            if t.dead_task(task_id) is not None
+            else "it may have ended or been deleted already; `celery threads show THREAD_ID` "
+            "lists a thread's members"
+        )
         raise click.ClickException(f"no thread has a member with task id {task_id!r}: {hint}.")
     if as_json:
         _echo_json({"task_id": task_id, "thread_id": thread_id, "deleted": True})
@@ -409,12 +460,13 @@ def pause(ctx: click.Context, thread_id: str, reason: Optional[str], as_json: bo
     new = t.pause(thread_id, reason)
     reason = reason or NO_REASON
     if as_json:
-        _echo_json({"thread_id": thread_id, "paused": True, "reason": reason,
-                    "was_paused": not new})
+        _echo_json({"thread_id": thread_id, "paused": True, "reason": reason, "was_paused": not new})
         return
     again = "" if new else " (it was paused already; the reason is replaced)"
-    click.echo(f"Paused thread {thread_id}: {reason}{again}.  A member released or running goes "
-               f"on to its end; `celery threads resume {thread_id}` releases the rest.")
+    click.echo(
+        f"Paused thread {thread_id}: {reason}{again}.  A member released or running goes "
+        f"on to its end; `celery threads resume {thread_id}` releases the rest."
+    )
 
 
 @threads.command()
@@ -425,8 +477,9 @@ def pause(ctx: click.Context, thread_id: str, reason: Optional[str], as_json: bo
 def resume(ctx: click.Context, thread_id: str, as_json: bool) -> None:
     """Release a paused thread's members again, its due head at once."""
     if not _threads(ctx).resume(thread_id):
-        raise click.ClickException(f"thread {thread_id!r} is not paused; "
-                                   "`celery threads ls --paused` lists the paused threads.")
+        raise click.ClickException(
+            f"thread {thread_id!r} is not paused; `celery threads ls --paused` lists the paused threads."
+        )
     if as_json:
         _echo_json({"thread_id": thread_id, "resumed": True})
     else:
@@ -434,8 +487,13 @@ def resume(ctx: click.Context, thread_id: str, as_json: bool) -> None:
 
 
 @threads.command()
-@click.option("--limit", type=click.IntRange(min=0), default=DEAD_LIMIT, show_default=True,
-              help="Show only this many of the latest deaths; 0 shows them all.")
+@click.option(
+    "--limit",
+    type=click.IntRange(min=0),
+    default=DEAD_LIMIT,
+    show_default=True,
+    help="Show only this many of the latest deaths; 0 shows them all.",
+)
 @json_option
 @click.pass_context
 @_guarded
@@ -450,8 +508,11 @@ def dead(ctx: click.Context, limit: int, as_json: bool) -> None:
         click.echo("The dead-letter store is empty.")
         return
     width = _width()
-    lines = _table([Column("DIED AT"), Column("TASK ID"), Column("THREAD")],
-                   [(_when(d.died_at), d.task_id, d.thread_id) for d in tasks], width)
+    lines = _table(
+        [Column("DIED AT"), Column("TASK ID"), Column("THREAD")],
+        [(_when(d.died_at), d.task_id, d.thread_id) for d in tasks],
+        width,
+    )
     click.echo(lines[0])
     for line, d in zip(lines[1:], tasks):
         click.echo(line)
@@ -460,9 +521,10 @@ def dead(ctx: click.Context, limit: int, as_json: bool) -> None:
         click.echo(_fit(f"    {d.name or '?'}, {retries}: {exception}", width))
     total = t.dead_count() if limit and len(tasks) == limit else len(tasks)
     shown = f"the {len(tasks)} latest of " if total > len(tasks) else ""
-    click.echo(f"{shown}{total} dead task{'s' if total != 1 else ''}; "
-               "`celery threads restart TASK_ID` runs one again"
-               + ("; --limit 0 lists them all" if shown else ""))
+    click.echo(
+        f"{shown}{total} dead task{'s' if total != 1 else ''}; "
+        "`celery threads restart TASK_ID` runs one again" + ("; --limit 0 lists them all" if shown else "")
+    )
 
 
 @threads.command()
@@ -478,14 +540,16 @@ def restart(ctx: click.Context, task_id: str, as_json: bool) -> None:
     t = _threads(ctx)
     dead = t.dead_task(task_id)
     if dead is None:
-        raise UnknownTask(f"{task_id!r} is not in the dead-letter store; "
-                          "`celery threads dead` lists it")
+        raise UnknownTask(f"{task_id!r} is not in the dead-letter store; `celery threads dead` lists it")
     try:
         # The task's max_retries and default_retry_delay come from its registered class.
         t.app.loader.import_default_modules()
     except Exception as exc:
-        click.echo(f"warning: could not import the app's task modules ({exc}); the task keeps "
-                   "default retry settings", err=True)
+        click.echo(
+            f"warning: could not import the app's task modules ({exc}); the task keeps "
+            "default retry settings",
+            err=True,
+        )
     t.restart(task_id)
     thread_id = dead.thread_id
     if as_json:
@@ -501,8 +565,7 @@ def restart(ctx: click.Context, task_id: str, as_json: bool) -> None:
 @json_option
 @click.pass_context
 @_guarded
-def forget(ctx: click.Context, task_id: Optional[str], forget_all: bool, yes: bool,
-           as_json: bool) -> None:
+def forget(ctx: click.Context, task_id: Optional[str], forget_all: bool, yes: bool, as_json: bool) -> None:
     """Drop dead tasks from the dead-letter store.
 
     TASK_ID drops one; --all drops every dead task, after asking (--yes skips the question).
@@ -512,8 +575,7 @@ def forget(ctx: click.Context, task_id: Optional[str], forget_all: bool, yes: bo
     t = _threads(ctx)
     if task_id:
         if not t.forget(task_id):
-            raise UnknownTask(f"{task_id!r} is not in the dead-letter store; "
-                              "`celery threads dead` lists it")
+            raise UnknownTask(f"{task_id!r} is not in the dead-letter store; `celery threads dead` lists it")
         if as_json:
             _echo_json({"forgotten": [task_id]})
         else:
@@ -521,8 +583,11 @@ def forget(ctx: click.Context, task_id: Optional[str], forget_all: bool, yes: bo
         return
     total = t.dead_count()
     if total and not yes:
-        click.confirm(f"Forget all {total} dead task{'s' if total != 1 else ''}? "
-                      "This cannot be undone.", abort=True, err=True)
+        click.confirm(
+            f"Forget all {total} dead task{'s' if total != 1 else ''}? This cannot be undone.",
+            abort=True,
+            err=True,
+        )
     forgotten: list[str] = []
     with _progress(total, "Forgetting dead tasks", as_json, at_least=1) as progress:
         for batch in t.forget_all():
@@ -535,8 +600,9 @@ def forget(ctx: click.Context, task_id: Optional[str], forget_all: bool, yes: bo
 
 
 @contextlib.contextmanager
-def _progress(total: int, label: str, as_json: bool = False, at_least: int = PROGRESS_FROM
-              ) -> Iterator[Callable[[int], None]]:
+def _progress(
+    total: int, label: str, as_json: bool = False, at_least: int = PROGRESS_FROM
+) -> Iterator[Callable[[int], None]]:
     """click's progress bar on stderr for a batched operator action of at least ``at_least``
     items, on a terminal only (none with --json, or when stderr is a pipe, a file, a script);
     yields the callback told after each batch."""
@@ -549,14 +615,16 @@ def _progress(total: int, label: str, as_json: bool = False, at_least: int = PRO
 
 @threads.command()
 @click.argument("thread_id", required=False)
-@click.option("--limit", type=click.IntRange(min=0), default=None,
-              help="Redrive at most this many, oldest death first.")
+@click.option(
+    "--limit", type=click.IntRange(min=0), default=None, help="Redrive at most this many, oldest death first."
+)
 @click.option("--dry-run", is_flag=True, help="List what would be redriven; change nothing.")
 @json_option
 @click.pass_context
 @_guarded
-def redrive(ctx: click.Context, thread_id: Optional[str], limit: Optional[int], dry_run: bool,
-            as_json: bool) -> None:
+def redrive(
+    ctx: click.Context, thread_id: Optional[str], limit: Optional[int], dry_run: bool, as_json: bool
+) -> None:
     """Put dead letters back into their threads at their original place.
 
     Those of THREAD_ID, or of every thread; oldest death first.  Each keeps its task id, its
@@ -577,15 +645,17 @@ def redrive(ctx: click.Context, thread_id: Optional[str], limit: Optional[int], 
         # The tasks' max_retries and default_retry_delay come from their registered classes.
         t.app.loader.import_default_modules()
     except Exception as exc:
-        click.echo(f"warning: could not import the app's task modules ({exc}); the tasks keep "
-                   "default retry settings", err=True)
+        click.echo(
+            f"warning: could not import the app's task modules ({exc}); the tasks keep "
+            "default retry settings",
+            err=True,
+        )
     with _progress(len(letters), "redriving") as progress:
         count = t.redrive(thread_id, limit, progress=progress)
     if as_json:
         _echo_json({"redriven": count})
     else:
-        click.echo(f"Redrove {count} dead task{'s' if count != 1 else ''} to their original "
-                   "place.")
+        click.echo(f"Redrove {count} dead task{'s' if count != 1 else ''} to their original place.")
 
 
 @threads.command()
@@ -604,8 +674,12 @@ def purge(ctx: click.Context, thread_id: Optional[str], force: bool, as_json: bo
     waiting = t.waiting_count(thread_id)
     where = f"thread {thread_id}" if thread_id is not None else "every thread"
     if not force:
-        click.confirm(f"Drop the {waiting} waiting member{'s' if waiting != 1 else ''} of "
-                      f"{where}? This cannot be undone.", abort=True, err=True)
+        click.confirm(
+            f"Drop the {waiting} waiting member{'s' if waiting != 1 else ''} of "
+            f"{where}? This cannot be undone.",
+            abort=True,
+            err=True,
+        )
     with _progress(waiting, "purging") as progress:
         count = t.purge(thread_id, progress=progress)
     if as_json:
@@ -615,8 +689,13 @@ def purge(ctx: click.Context, thread_id: Optional[str], force: bool, as_json: bo
 
 
 @threads.command()
-@click.option("--stuck-after", type=click.FloatRange(min=0), default=None, metavar="SECONDS",
-              help="How late counts as stuck (default: 3 dispatcher ticks).")
+@click.option(
+    "--stuck-after",
+    type=click.FloatRange(min=0),
+    default=None,
+    metavar="SECONDS",
+    help="How late counts as stuck (default: 3 dispatcher ticks).",
+)
 @json_option
 @click.pass_context
 @_guarded
@@ -636,30 +715,45 @@ def stats(ctx: click.Context, stuck_after: Optional[float], as_json: bool) -> No
     eviction = t.eviction()
     evicting = any(risk.level == "error" for risk in eviction)
     if as_json:
-        _echo_json({**_jsonable(numbers), "stuck_threads": stuck, "eviction": eviction,
-                    "healthy": not stuck and not evicting})
+        _echo_json(
+            {
+                **_jsonable(numbers),
+                "stuck_threads": stuck,
+                "eviction": eviction,
+                "healthy": not stuck and not evicting,
+            }
+        )
     else:
         head = numbers.oldest_waiting_head
         waiting = numbers.members["WAITING"]
         if head is not None:
             oldest = f"due {_relative(-head.age)}: {head.task_id or '?'} of thread {head.thread_id}"
         elif waiting:
-            oldest = (f"none (the {waiting} waiting wait behind an active member of their "
-                      "thread, or are not due yet)")
+            oldest = (
+                f"none (the {waiting} waiting wait behind an active member of their "
+                "thread, or are not due yet)"
+            )
         else:
             oldest = "none"
-        click.echo("\n".join(_pairs([
-            ("threads", numbers.threads),
-            ("members", sum(numbers.members.values())),
-            ("  waiting", numbers.members["WAITING"]),
-            ("  released", numbers.members["RELEASED"]),
-            ("  running", numbers.members["RUNNING"]),
-            ("paused threads", numbers.paused),
-            ("dead letters", numbers.dead),
-            ("  retention drops", numbers.dead_dropped),
-            ("oldest due idle head", oldest),
-            ("stuck", max(numbers.stuck, len(stuck)) if stuck else 0),
-        ], indent=0)))
+        click.echo(
+            "\n".join(
+                _pairs(
+                    [
+                        ("threads", numbers.threads),
+                        ("members", sum(numbers.members.values())),
+                        ("  waiting", numbers.members["WAITING"]),
+                        ("  released", numbers.members["RELEASED"]),
+                        ("  running", numbers.members["RUNNING"]),
+                        ("paused threads", numbers.paused),
+                        ("dead letters", numbers.dead),
+                        ("  retention drops", numbers.dead_dropped),
+                        ("oldest due idle head", oldest),
+                        ("stuck", max(numbers.stuck, len(stuck)) if stuck else 0),
+                    ],
+                    indent=0,
+                )
+            )
+        )
         if stuck:
             _echo_stuck(stuck)
         _echo_eviction(eviction)
@@ -670,15 +764,28 @@ def stats(ctx: click.Context, stuck_after: Optional[float], as_json: bool) -> No
 
 
 @threads.command()
-@click.option("--port", type=click.IntRange(0, 65535), default=9808, show_default=True,
-              help="TCP port of the /metrics endpoint.")
-@click.option("--address", default="127.0.0.1", show_default=True,
-              help="Address to listen on (0.0.0.0: every interface).")
-@click.option("--top", type=click.IntRange(min=0), default=0, metavar="N",
-              help="Also celery_threads_thread_waiting{thread_id} for the N threads with the "
-                   "most waiting members (reads every thread's queue length per scrape).")
-@click.option("--once", is_flag=True,
-              help="Print the metrics once in Prometheus' text format and exit.")
+@click.option(
+    "--port",
+    type=click.IntRange(0, 65535),
+    default=9808,
+    show_default=True,
+    help="TCP port of the /metrics endpoint.",
+)
+@click.option(
+    "--address",
+    default="127.0.0.1",
+    show_default=True,
+    help="Address to listen on (0.0.0.0: every interface).",
+)
+@click.option(
+    "--top",
+    type=click.IntRange(min=0),
+    default=0,
+    metavar="N",
+    help="Also celery_threads_thread_waiting{thread_id} for the N threads with the "
+    "most waiting members (reads every thread's queue length per scrape).",
+)
+@click.option("--once", is_flag=True, help="Print the metrics once in Prometheus' text format and exit.")
 @click.pass_context
 @_guarded
 def metrics(ctx: click.Context, port: int, address: str, top: int, once: bool) -> None:
@@ -691,8 +798,8 @@ def metrics(ctx: click.Context, port: int, address: str, top: int, once: bool) -
         from . import exporter  # an optional extra: imported only for this command
     except ImportError as exc:
         raise click.ClickException(
-            f"celery threads metrics needs prometheus_client ({exc}): "
-            "pip install 'celery-threads[metrics]'") from None
+            f"celery threads metrics needs prometheus_client ({exc}): pip install 'celery-threads[metrics]'"
+        ) from None
     t = _threads(ctx)
     if once:
         click.echo(exporter.render(t, top), nl=False)
@@ -700,8 +807,9 @@ def metrics(ctx: click.Context, port: int, address: str, top: int, once: bool) -
     try:
         server = exporter.listen(t, address, port, top)
     except OSError as exc:
-        raise click.ClickException(f"cannot listen on {address}:{port}: {exc.strerror or exc}; "
-                                   "choose another --port or --address") from None
+        raise click.ClickException(
+            f"cannot listen on {address}:{port}: {exc.strerror or exc}; choose another --port or --address"
+        ) from None
     click.echo(f"Serving celery-threads metrics at http://{address}:{port}/metrics", err=True)
     server.join()
 
@@ -709,18 +817,35 @@ def metrics(ctx: click.Context, port: int, address: str, top: int, once: bool) -
 def _echo_eviction(eviction: Sequence[Eviction]) -> None:
     for risk in eviction:
         click.echo("")
-        click.echo(textwrap.fill(f"{risk.level.upper()}: "
-                                 f"{risk.message.removeprefix('celery-threads: ')}", _width()))
+        click.echo(
+            textwrap.fill(f"{risk.level.upper()}: {risk.message.removeprefix('celery-threads: ')}", _width())
+        )
 
 
 def _echo_stuck(stuck: Sequence[StuckThread]) -> None:
     click.echo("")
     click.echo("Stuck threads, most overdue first")
     labels = {"lease": "lease lapsed", "release": "release lapsed", "head": "head not released"}
-    _echo_lines(_table(
-        [Column("PROBLEM"), Column("OVERDUE", right=True), Column("WORKER", shrink=1),
-         Column("TASK ID"), Column("THREAD")],
-        [(labels.get(s.kind, s.kind), _duration(s.overdue_for), s.worker, s.task_id or "?",
-          s.thread_id) for s in stuck]))
+    _echo_lines(
+        _table(
+            [
+                Column("PROBLEM"),
+                Column("OVERDUE", right=True),
+                Column("WORKER", shrink=1),
+                Column("TASK ID"),
+                Column("THREAD"),
+            ],
+            [
+                (
+                    labels.get(s.kind, s.kind),
+                    _duration(s.overdue_for),
+                    s.worker,
+                    s.task_id or "?",
+                    s.thread_id,
+                )
+                for s in stuck
+            ],
+        )
+    )
     click.echo("")
     click.echo(textwrap.fill(f"These threads did not move on: {DISPATCHER_HINT}.", _width()))

@@ -1,4 +1,5 @@
 """The ``threads_*`` settings, read once from ``app.conf`` and cached on the app."""
+
 from __future__ import annotations
 
 import re
@@ -51,7 +52,7 @@ class ThreadsConfig:
     local_handoff: float = 1.0
     #: the gate client's redis-py options (:mod:`celery_threads.redis_options`)
     redis_options: dict[str, Any] = field(default_factory=dict, hash=False)
-    wait_replicas: int = 0      # Redis WAIT after each transition (docs/durability.md)
+    wait_replicas: int = 0  # Redis WAIT after each transition (docs/durability.md)
     #: the most a producer's ``apply_async`` (and each step of an admin call: ``Threads``, the
     #: CLI) waits for the gate, all its connection attempts, retries and handshakes included,
     #: before it raises ``GateUnavailable``; a worker's own gate calls ride out longer outages
@@ -93,7 +94,7 @@ def _checked_url(url: str, setting: str) -> str:
             parsed = urlparse(part.strip())
             if parsed.scheme not in _SCHEMES:
                 raise ValueError(f"the scheme must be one of {', '.join(_SCHEMES)}")
-            parsed.port     # noqa: B018 (raises ValueError for a port out of range or not a number)
+            parsed.port  # noqa: B018 (raises ValueError for a port out of range or not a number)
     except ValueError as exc:
         raise ConfigurationError(
             f"{setting}={sanitized_url(url)!r} is not a Redis URL the gate can use ({exc}): "
@@ -116,8 +117,7 @@ def _redis_url(app: Celery) -> str:
     if url:
         return _checked_url(str(url), "threads_redis_url")
     broker = app.conf.broker_url or ""
-    if isinstance(broker, str) and broker.startswith(
-            ("redis://", "rediss://", "unix://", "sentinel://")):
+    if isinstance(broker, str) and broker.startswith(("redis://", "rediss://", "unix://", "sentinel://")):
         return _checked_url(broker, "broker_url (the gate's Redis unless threads_redis_url is set)")
     raise ConfigurationError(
         "celery-threads needs a Redis server for its gate: set app.conf.threads_redis_url "
@@ -157,28 +157,35 @@ def read_config(app: Celery) -> ThreadsConfig:
         dead_letter_max=_optional(app, "threads_dead_letter_max", int),
         dead_letter_ttl=_optional(app, "threads_dead_letter_ttl", float),
     )
-    if (config.keepalive <= 0 or config.dispatch_interval <= 0 or config.release_timeout <= 0
-            or config.publish_timeout <= 0):
+    if (
+        config.keepalive <= 0
+        or config.dispatch_interval <= 0
+        or config.release_timeout <= 0
+        or config.publish_timeout <= 0
+    ):
         raise ConfigurationError(
             "threads_keepalive, threads_dispatch_interval, threads_release_timeout and "
             "threads_publish_timeout must be positive numbers of seconds."
         )
-    if ((config.dead_letter_max is not None and config.dead_letter_max < 0)
-            or (config.dead_letter_ttl is not None and config.dead_letter_ttl <= 0)):
+    if (config.dead_letter_max is not None and config.dead_letter_max < 0) or (
+        config.dead_letter_ttl is not None and config.dead_letter_ttl <= 0
+    ):
         raise ConfigurationError(
             "threads_dead_letter_max must be None (no bound) or a number of letters, 0 or more; "
-            "threads_dead_letter_ttl None (kept) or a positive number of seconds.")
+            "threads_dead_letter_ttl None (kept) or a positive number of seconds."
+        )
     if config.wait_replicas < 0:
-        raise ConfigurationError(
-            "threads_wait_replicas must be 0 (no WAIT) or a number of replicas.")
+        raise ConfigurationError("threads_wait_replicas must be 0 (no WAIT) or a number of replicas.")
     if config.local_handoff < 0:
         raise ConfigurationError(
             "threads_local_handoff must be a number of seconds, 0 or more (0 turns the "
-            "in-process handoff off).")
+            "in-process handoff off)."
+        )
     if config.shards < 1:
         raise ConfigurationError(
             f"threads_shards={config.shards}: the gate needs at least 1 shard (one per hash tag; "
-            "on a Redis Cluster, a few per master spread the threads over them).")
+            "on a Redis Cluster, a few per master spread the threads over them)."
+        )
     setattr(app, _ATTR, config)
     return config
 

@@ -4,6 +4,7 @@ A tick reads only the earliest entries of two index ZSETs, so it costs O(due wor
 all threads.  Each piece of work is one fenced script, so any number of dispatchers (beat's entry
 on any worker, every worker's own loop) can run at once.
 """
+
 from __future__ import annotations
 
 import logging
@@ -27,10 +28,10 @@ class TickReport:
     republished: int = 0
     retried: int = 0
     died: int = 0
-    dead_dropped: int = 0               # dead letters dropped by retention
-    next_ms: Optional[int] = None       # earliest known future work (server clock, ms)
+    dead_dropped: int = 0  # dead letters dropped by retention
+    next_ms: Optional[int] = None  # earliest known future work (server clock, ms)
     now_ms: int = 0
-    more: bool = False                  # a batch was full: run again at once
+    more: bool = False  # a batch was full: run again at once
 
 
 class Dispatcher:
@@ -74,40 +75,57 @@ class Dispatcher:
         config = self.runtime.config
         if config.dead_letter_max is None and config.dead_letter_ttl is None:
             return
-        keep = (None if config.dead_letter_max is None
-                else -(-config.dead_letter_max // config.shards))    # ceil: a share per shard
+        keep = (
+            None if config.dead_letter_max is None else -(-config.dead_letter_max // config.shards)
+        )  # ceil: a share per shard
         ttl_ms = None if config.dead_letter_ttl is None else int(config.dead_letter_ttl * 1000)
         dropped, more = self.runtime.gate.trim_dead(shard, keep, ttl_ms, config.dispatch_batch)
         if dropped:
             report.dead_dropped += dropped
-            logger.info("celery-threads: dropped %s dead letter(s) past threads_dead_letter_max "
-                        "or threads_dead_letter_ttl", dropped)
+            logger.info(
+                "celery-threads: dropped %s dead letter(s) past threads_dead_letter_max "
+                "or threads_dead_letter_ttl",
+                dropped,
+            )
         report.more = report.more or more
 
     def _after_expire(self, thread_id: str, outcome: Outcome, report: TickReport) -> None:
         if outcome.status == Lapse.REPUBLISH:
             report.republished += 1
-            logger.warning("celery-threads: member %s of thread %s was released but no worker "
-                           "claimed it within its release deadline; republishing it (or ending "
-                           "it, if it has expired)",
-                           outcome.release and outcome.release.task_id, thread_id)
+            logger.warning(
+                "celery-threads: member %s of thread %s was released but no worker "
+                "claimed it within its release deadline; republishing it (or ending "
+                "it, if it has expired)",
+                outcome.release and outcome.release.task_id,
+                thread_id,
+            )
         elif outcome.status == Lapse.RETRIED:
             report.retried += 1
-            logger.warning("celery-threads: lease of member %s of thread %s lapsed (worker "
-                           "lost?); it will run again", outcome.info, thread_id)
+            logger.warning(
+                "celery-threads: lease of member %s of thread %s lapsed (worker lost?); it will run again",
+                outcome.info,
+                thread_id,
+            )
         elif outcome.status == Lapse.DELETED:
             # Deleted while it ran, and no worker was left to stop it and end it.
-            logger.info("celery-threads: lease of deleted member %s of thread %s lapsed; it "
-                        "has left its thread", outcome.info, thread_id)
+            logger.info(
+                "celery-threads: lease of deleted member %s of thread %s lapsed; it has left its thread",
+                outcome.info,
+                thread_id,
+            )
             self.runtime.mark_revoked(outcome.info)
         elif outcome.status == Lapse.DIED:
             report.died += 1
             record = self.runtime.gate.reads.dead_record(outcome.info)
             exception = record.meta.get("exception", "") if record else "LeaseExpired"
             self._mark_failed(outcome.info, exception)
-            self.runtime.announce_death(thread_id, outcome.info, exception,
-                                        int(record.meta.get("retries", 0)) if record else 0,
-                                        record)
+            self.runtime.announce_death(
+                thread_id,
+                outcome.info,
+                exception,
+                int(record.meta.get("retries", 0)) if record else 0,
+                record,
+            )
         self.runtime.publish(outcome.release, republish=outcome.status == Lapse.REPUBLISH)
 
     def _mark_failed(self, task_id: str, exception: str) -> None:
@@ -115,8 +133,9 @@ class Dispatcher:
         try:
             self.runtime.app.backend.mark_as_failure(task_id, LeaseExpired(exception))
         except Exception:  # no result backend, or it is down: the dead-letter store has it
-            logger.debug("celery-threads: could not mark %s failed in the result backend",
-                         task_id, exc_info=True)
+            logger.debug(
+                "celery-threads: could not mark %s failed in the result backend", task_id, exc_info=True
+            )
 
 
 class DispatchLoop:
@@ -128,13 +147,12 @@ class DispatchLoop:
         self.dispatcher = Dispatcher(runtime)
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
-        self._failing_since: Optional[float] = None     # monotonic time of the first failure
+        self._failing_since: Optional[float] = None  # monotonic time of the first failure
         self._reported = 0.0
         self._failures = 0
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="celery-threads-dispatch",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._run, name="celery-threads-dispatch", daemon=True)
         self._thread.start()
 
     def stop(self, timeout: float = 5.0) -> None:
@@ -148,8 +166,8 @@ class DispatchLoop:
         while not self._stop.is_set():
             try:
                 if pubsub is None:
-                    client: Any = self.runtime.client   # redis-py's pubsub() is typed in some
-                    pubsub = client.pubsub(ignore_subscribe_messages=True)   # versions only
+                    client: Any = self.runtime.client  # redis-py's pubsub() is typed in some
+                    pubsub = client.pubsub(ignore_subscribe_messages=True)  # versions only
                     pubsub.subscribe(*[s.wake_channel for s in self.runtime.keys.all_shards()])
                 started = time.monotonic()
                 report = self.dispatcher.tick()
@@ -190,18 +208,27 @@ class DispatchLoop:
         else:
             logger.debug("celery-threads: dispatcher tick failure", exc_info=True)
             return
-        log("celery-threads: cannot reach the gate's Redis at %s (threads_redis_url): %s; %d "
+        log(
+            "celery-threads: cannot reach the gate's Redis at %s (threads_redis_url): %s; %d "
             "failure(s) in %.0fs. Check that the server runs and accepts connections from here, "
             "and the URL's host, port, password and TLS options (threads_redis_options). "
-            "Trying again every %ss", sanitized_url(self.runtime.config.redis_url),
-            f"{type(exc).__name__}: {exc}", self._failures, now - self._failing_since, interval)
+            "Trying again every %ss",
+            sanitized_url(self.runtime.config.redis_url),
+            f"{type(exc).__name__}: {exc}",
+            self._failures,
+            now - self._failing_since,
+            interval,
+        )
         logger.debug("celery-threads: dispatcher tick failure", exc_info=True)
 
     def _answered(self) -> None:
         if self._failing_since is not None:
-            logger.warning("celery-threads: the gate's Redis at %s answers again, after %d failed "
-                           "tick(s) in %.0fs", sanitized_url(self.runtime.config.redis_url),
-                           self._failures, time.monotonic() - self._failing_since)
+            logger.warning(
+                "celery-threads: the gate's Redis at %s answers again, after %d failed tick(s) in %.0fs",
+                sanitized_url(self.runtime.config.redis_url),
+                self._failures,
+                time.monotonic() - self._failing_since,
+            )
         self._failing_since, self._failures = None, 0
 
     def _sleep(self, pubsub: Any, wait: float) -> None:

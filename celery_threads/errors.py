@@ -1,5 +1,6 @@
 """Every error celery-threads raises derives from :class:`ThreadsError` (and keeps the standard
 base a caller may already catch: ``ValueError``, ``KeyError``, ``redis.TimeoutError``)."""
+
 from __future__ import annotations
 
 from typing import Any

@@ -5,6 +5,7 @@ only for that command.  A custom collector reads the gate on each scrape
 (:meth:`celery_threads.Threads.metrics`): the counters live in the gate, so the exporter keeps no
 state, and any number of them can run.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -44,38 +45,51 @@ def families(m: Metrics, top: bool = False) -> Iterator[Metric]:
     for state in STATES:
         members.add_metric([state], m.members[state])
     yield members
-    yield GaugeMetricFamily("celery_threads_paused_threads", "Paused threads.",
-                            value=m.paused_threads)
-    yield GaugeMetricFamily("celery_threads_stuck_threads",
-                            "Threads `celery threads stats` reports as stuck.",
-                            value=m.stuck_threads)
+    yield GaugeMetricFamily("celery_threads_paused_threads", "Paused threads.", value=m.paused_threads)
+    yield GaugeMetricFamily(
+        "celery_threads_stuck_threads",
+        "Threads `celery threads stats` reports as stuck.",
+        value=m.stuck_threads,
+    )
     yield GaugeMetricFamily(
         "celery_threads_oldest_due_seconds",
         "How long the member that has been due longest without release has waited (0 when none).",
-        value=m.oldest_due_seconds)
-    yield GaugeMetricFamily("celery_threads_dead_letters", "Members in the dead-letter store.",
-                            value=m.dead_letters)
+        value=m.oldest_due_seconds,
+    )
+    yield GaugeMetricFamily(
+        "celery_threads_dead_letters", "Members in the dead-letter store.", value=m.dead_letters
+    )
     c = m.counters
     endings = CounterMetricFamily(
-        "celery_threads_endings", "Members ended, by outcome (deleted: also purged, superseded, "
-        "expired).", labels=["outcome"])
+        "celery_threads_endings",
+        "Members ended, by outcome (deleted: also purged, superseded, expired).",
+        labels=["outcome"],
+    )
     for outcome in OUTCOMES:
         endings.add_metric([outcome], c.endings[outcome])
     yield endings
     yield CounterMetricFamily(
-        "celery_threads_retries", "Attempts that re-entered their thread (retries, lost attempts "
-        "with retries left).", value=c.retries)
+        "celery_threads_retries",
+        "Attempts that re-entered their thread (retries, lost attempts with retries left).",
+        value=c.retries,
+    )
     yield CounterMetricFamily(
-        "celery_threads_lease_lapses", "Leases that lapsed (a worker or pool process lost, or cut "
-        "off).", value=c.lease_lapses)
+        "celery_threads_lease_lapses",
+        "Leases that lapsed (a worker or pool process lost, or cut off).",
+        value=c.lease_lapses,
+    )
     yield HistogramMetricFamily(
-        "celery_threads_wait_seconds", "From a member's due time to the start of its body.",
+        "celery_threads_wait_seconds",
+        "From a member's due time to the start of its body.",
         buckets=[(_bound(le), n) for le, n in c.cumulative_wait_buckets()],
-        sum_value=c.wait_sum_ms / 1000.0)
+        sum_value=c.wait_sum_ms / 1000.0,
+    )
     if top:
-        waiting = GaugeMetricFamily("celery_threads_thread_waiting",
-                                    "Waiting members of the threads with the most.",
-                                    labels=["thread_id"])
+        waiting = GaugeMetricFamily(
+            "celery_threads_thread_waiting",
+            "Waiting members of the threads with the most.",
+            labels=["thread_id"],
+        )
         for thread_id, n in m.thread_waiting:
             waiting.add_metric([thread_id], n)
         yield waiting

@@ -1,4 +1,5 @@
 """Self-installation: ``base=ThreadedTask`` sets up the beat entry, the worker step and handlers."""
+
 from __future__ import annotations
 
 import logging
@@ -49,12 +50,15 @@ def install(app: Any) -> None:
     _quiet_tick_logs()
     interval = float(app.conf.get("threads_dispatch_interval") or 1.0)
     schedule = dict(app.conf.beat_schedule or {})
-    schedule.setdefault(BEAT_ENTRY, {
-        "task": DISPATCH_TASK,
-        "schedule": interval,
-        # A tick that waited longer than a few intervals is useless: a newer one is coming.
-        "options": {"expires": max(interval * 5, 5.0)},
-    })
+    schedule.setdefault(
+        BEAT_ENTRY,
+        {
+            "task": DISPATCH_TASK,
+            "schedule": interval,
+            # A tick that waited longer than a few intervals is useless: a newer one is coming.
+            "options": {"expires": max(interval * 5, 5.0)},
+        },
+    )
     app.conf.beat_schedule = schedule
 
 
@@ -66,8 +70,12 @@ def _dispatch(self: Any) -> dict[str, int]:
     from .runtime import get_runtime
 
     report = Dispatcher(get_runtime(self.app)).run_until_idle()
-    return {"released": report.released, "republished": report.republished,
-            "retried": report.retried, "died": report.died}
+    return {
+        "released": report.released,
+        "republished": report.republished,
+        "retried": report.retried,
+        "died": report.died,
+    }
 
 
 @signals.worker_init.connect

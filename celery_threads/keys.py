@@ -6,6 +6,7 @@ With one shard the tag is ``{0}``; with ``n`` shards, shard ``i``'s tag is the f
 Cluster slot lies in the ``i``-th of ``n`` equal ranges of the 16,384 slots (:func:`shard_tag`), so
 the shards spread over a cluster's masters as evenly as its slot ranges do.
 """
+
 from __future__ import annotations
 
 import functools
@@ -146,8 +147,20 @@ class ThreadKeys:
 
     def script_keys(self) -> list[str]:
         s = self.shard
-        return [s.seq, s.due, s.leases, s.tasks, s.dead, s.dead_records, self.queue, self.active,
-                s.ended, s.paused, s.stats, self.policy]
+        return [
+            s.seq,
+            s.due,
+            s.leases,
+            s.tasks,
+            s.dead,
+            s.dead_records,
+            self.queue,
+            self.active,
+            s.ended,
+            s.paused,
+            s.stats,
+            self.policy,
+        ]
 
 
 @dataclass(frozen=True)

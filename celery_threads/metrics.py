@@ -6,14 +6,31 @@ restart, or none at all, and a scrape reads a few O(1) or O(log n) values per sh
 only names and parses them; :meth:`celery_threads.Threads.metrics` reads them, and
 :mod:`celery_threads.exporter` serves them through ``prometheus_client``.
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-WAIT_BUCKETS_MS = (5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10_000, 30_000, 60_000,
-                   300_000, 900_000, 3_600_000)
+WAIT_BUCKETS_MS = (
+    5,
+    10,
+    25,
+    50,
+    100,
+    250,
+    500,
+    1000,
+    2500,
+    5000,
+    10_000,
+    30_000,
+    60_000,
+    300_000,
+    900_000,
+    3_600_000,
+)
 """The wait histogram's upper bounds in ms (WAIT_BUCKETS in lua/_common.lua), and +Inf."""
 
 OUTCOMES = ("succeeded", "dead", "deleted")
@@ -75,11 +92,11 @@ class Counters:
 class Metrics:
     """One reading of every metric (:meth:`celery_threads.Threads.metrics`), summed over shards."""
 
-    threads: int                      # threads that exist
-    members: dict[str, int]           # by state: waiting, released, running
+    threads: int  # threads that exist
+    members: dict[str, int]  # by state: waiting, released, running
     paused_threads: int
-    stuck_threads: int                # as ``celery threads stats`` counts them
-    oldest_due_seconds: float         # the idle head due the longest (0 when none is due)
+    stuck_threads: int  # as ``celery threads stats`` counts them
+    oldest_due_seconds: float  # the idle head due the longest (0 when none is due)
     dead_letters: int
     counters: Counters
     # ``--top N``: (thread id, waiting members) of the N threads with the most, most first.

@@ -1,6 +1,7 @@
 """The policy task options (``on_death``, ``max_waiting``, ``thread_rate_limit``): their values
 checked, and turned into what the gate's enqueue carries.  Each policy is decided inside the
 gate's scripts (lua/_common.lua); this module only reads the options."""
+
 from __future__ import annotations
 
 import math
@@ -32,16 +33,19 @@ def check_on_death(value: Any, where: str) -> bool:
         return False
     if value == "hold":
         return True
-    raise ConfigurationError(f"{where}: on_death must be one of {', '.join(map(repr, ON_DEATH))}, "
-                             f"not {value!r}")
+    raise ConfigurationError(
+        f"{where}: on_death must be one of {', '.join(map(repr, ON_DEATH))}, not {value!r}"
+    )
 
 
 def check_max_waiting(value: Any, where: str) -> Optional[int]:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigurationError(f"{where}: max_waiting must be None or an int of 1 or more (the "
-                                 f"waiting members a call may find in its thread), not {value!r}")
+        raise ConfigurationError(
+            f"{where}: max_waiting must be None or an int of 1 or more (the "
+            f"waiting members a call may find in its thread), not {value!r}"
+        )
     return value
 
 
@@ -54,11 +58,14 @@ def rate_interval_ms(value: Any, where: str) -> Optional[int]:
     try:
         per_second = float(rate(value))
     except (TypeError, ValueError, KeyError, AttributeError) as exc:
-        raise ConfigurationError(f"{where}: thread_rate_limit must be Celery's rate form such as "
-                                 f"'10/s', '30/m' or '100/h', not {value!r}") from exc
+        raise ConfigurationError(
+            f"{where}: thread_rate_limit must be Celery's rate form such as "
+            f"'10/s', '30/m' or '100/h', not {value!r}"
+        ) from exc
     if not per_second > 0:
-        raise ConfigurationError(f"{where}: thread_rate_limit must allow more than 0 releases "
-                                 f"(None for no limit), not {value!r}")
+        raise ConfigurationError(
+            f"{where}: thread_rate_limit must allow more than 0 releases (None for no limit), not {value!r}"
+        )
     return max(1, math.ceil(1000 / per_second))
 
 
@@ -66,13 +73,13 @@ def resolve(task: Any, options: dict[str, Any]) -> Policy:
     """The call's policies: each ``apply_async`` option (popped from ``options``, so that Celery
     never sees it) or else the task's attribute.  Raises :class:`ConfigurationError` naming the
     option when a value is not allowed."""
-    values = {name: options.pop(name) if name in options else getattr(task, name, None)
-              for name in OPTIONS}
+    values = {name: options.pop(name) if name in options else getattr(task, name, None) for name in OPTIONS}
     if not any(v is not None for v in values.values()):
         return NO_POLICY
     where = f"task {task.name}"
-    text = policy_text(check_on_death(values["on_death"], where),
-                       rate_interval_ms(values["thread_rate_limit"], where))
+    text = policy_text(
+        check_on_death(values["on_death"], where), rate_interval_ms(values["thread_rate_limit"], where)
+    )
     return Policy(text, check_max_waiting(values["max_waiting"], where))
 
 

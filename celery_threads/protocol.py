@@ -4,6 +4,7 @@ the gate's numbers, and how any module recognises a threaded task without import
 
 Nothing here imports another module of the package but :mod:`celery_threads.errors`.
 """
+
 from __future__ import annotations
 
 import math
@@ -52,14 +53,16 @@ def normalize_thread_id(value: Any) -> str:
     if isinstance(value, bool) or not isinstance(value, (str, int)):
         raise InvalidThreadId(
             f"thread id {saferepr(value, 80)} is a {type(value).__name__}: use {_KINDS}; "
-            "nothing was stored or sent")
+            "nothing was stored or sent"
+        )
     if isinstance(value, int):
         if value.bit_length() > _MAX_THREAD_ID_BITS:
             raise InvalidThreadId(
                 f"thread id is an int of {value.bit_length()} bits, more than "
                 f"{MAX_THREAD_ID_BYTES} decimal digits; the limit is {MAX_THREAD_ID_BYTES} bytes "
                 "of its decimal string: use a shorter id (a hash of it, for example); nothing "
-                "was stored or sent")
+                "was stored or sent"
+            )
         text = str(int(value))
     else:
         text = value
@@ -73,11 +76,13 @@ def normalize_thread_id(value: Any) -> str:
             f"{text[exc.start]!r} at position {exc.start}, "
             "a lone surrogate that UTF-8 cannot encode (text decoded with "
             "errors='surrogateescape' keeps undecodable bytes so): decode it into valid text, "
-            "or use its bytes' hex; nothing was stored or sent") from None
+            "or use its bytes' hex; nothing was stored or sent"
+        ) from None
     if size > MAX_THREAD_ID_BYTES:
         raise InvalidThreadId(
             f"thread id is {size} bytes long in UTF-8; the limit is {MAX_THREAD_ID_BYTES} bytes: "
-            "use a shorter id (a hash of it, for example); nothing was stored or sent")
+            "use a shorter id (a hash of it, for example); nothing was stored or sent"
+        )
     return text
 
 
@@ -87,21 +92,28 @@ def retry_settings(task: Any) -> tuple[Optional[int], int]:
     member's record, which a negative delay or a fractional or negative retry count would make
     unreadable to every later transition of its thread."""
     max_retries = task.max_retries
-    if max_retries is not None and (isinstance(max_retries, bool)
-                                    or not isinstance(max_retries, int) or max_retries < 0):
+    if max_retries is not None and (
+        isinstance(max_retries, bool) or not isinstance(max_retries, int) or max_retries < 0
+    ):
         raise ConfigurationError(
             f"task {task.name} has max_retries={max_retries!r}: a threaded task needs an int of 0 "
             "or more, or None for unlimited retries. Fix the task's max_retries; nothing was "
-            "stored or sent")
+            "stored or sent"
+        )
     delay = task.default_retry_delay
     if delay is None:
         delay = 0
-    if (isinstance(delay, bool) or not isinstance(delay, (int, float)) or not math.isfinite(delay)
-            or delay < 0):
+    if (
+        isinstance(delay, bool)
+        or not isinstance(delay, (int, float))
+        or not math.isfinite(delay)
+        or delay < 0
+    ):
         raise ConfigurationError(
             f"task {task.name} has default_retry_delay={delay!r}: a threaded task needs a number "
             "of seconds, 0 or more. Fix the task's default_retry_delay; nothing was stored or "
-            "sent")
+            "sent"
+        )
     return max_retries, int(float(delay) * 1000)
 
 
@@ -119,26 +131,28 @@ def eta_ms(eta: Any) -> int:
 SUPERSEDE_OPTIONS = ("coalesce", "debounce", "debounce_max")
 
 
-def supersede_policy(name: str, coalesce: Any, debounce: Any,
-                     debounce_max: Any) -> Optional[tuple[int, int]]:
+def supersede_policy(name: str, coalesce: Any, debounce: Any, debounce_max: Any) -> Optional[tuple[int, int]]:
     """``(debounce ms, debounce_max ms)`` (0: none) when a call of task ``name`` supersedes its
     task's waiting call in its thread (``coalesce="latest"`` or a ``debounce``), else ``None``;
     :class:`ConfigurationError` naming the option for a value the gate cannot take."""
     if coalesce is not None and coalesce != "latest":
         raise ConfigurationError(
             f"task {name}: coalesce={coalesce!r}; the one policy is coalesce='latest' (or None). "
-            "Nothing was stored or sent")
+            "Nothing was stored or sent"
+        )
     debounce_ms = _seconds_ms(name, "debounce", debounce)
     most_ms = _seconds_ms(name, "debounce_max", debounce_max)
     if most_ms and not debounce_ms:
         raise ConfigurationError(
             f"task {name}: debounce_max={debounce_max!r} without a debounce: it bounds how long "
             "a debounce may put a burst off. Give debounce=<seconds> too. Nothing was stored or "
-            "sent")
+            "sent"
+        )
     if most_ms and most_ms < debounce_ms:
         raise ConfigurationError(
             f"task {name}: debounce_max={debounce_max!r} is shorter than debounce={debounce!r}; "
-            "it must be at least as long. Nothing was stored or sent")
+            "it must be at least as long. Nothing was stored or sent"
+        )
     if coalesce is None and not debounce_ms:
         return None
     return debounce_ms, most_ms
@@ -148,9 +162,15 @@ def _seconds_ms(name: str, option: str, value: Any) -> int:
     """A policy's duration in seconds (``None``: none) as whole milliseconds."""
     if value is None:
         return 0
-    if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
-            or value <= 0 or value > 365 * 86400):
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value <= 0
+        or value > 365 * 86400
+    ):
         raise ConfigurationError(
             f"task {name}: {option}={value!r}; give a number of seconds above 0 (at most a "
-            "year), or None. Nothing was stored or sent")
+            "year), or None. Nothing was stored or sent"
+        )
     return max(1, int(round(float(value) * 1000)))

@@ -4,6 +4,7 @@ An envelope is ``header_json + b"\\n" + body``: the body already serialized by t
 (so an argument it cannot encode fails before anything is stored), the header holding everything
 ``Producer.publish`` needs to send exactly that message later.
 """
+
 from __future__ import annotations
 
 import json
@@ -24,8 +25,18 @@ from .protocol import OUR_HEADERS, REPUBLISHED_HEADER, THREAD_HEADER, TOKEN_HEAD
 
 logger = logging.getLogger(__name__)
 
-_PROPERTY_KEYS = ("correlation_id", "reply_to", "priority", "delivery_mode", "expiration",
-                  "message_id", "user_id", "app_id", "type", "timestamp")
+_PROPERTY_KEYS = (
+    "correlation_id",
+    "reply_to",
+    "priority",
+    "delivery_mode",
+    "expiration",
+    "message_id",
+    "user_id",
+    "app_id",
+    "type",
+    "timestamp",
+)
 # Properties the gate's own publish copies as they are (strings and small integers).
 _DIRECT_PROPERTIES = {"correlation_id", "reply_to", "delivery_mode", "priority"}
 
@@ -87,8 +98,7 @@ def _envelope(body: Any, kwargs: dict[str, Any]) -> tuple[dict[str, Any], bytes,
     else:
         content_encoding = kwargs.get("content_encoding") or "utf-8"
         payload = body
-    payload = (payload.encode(content_encoding or "utf-8") if isinstance(payload, str)
-               else bytes(payload))
+    payload = payload.encode(content_encoding or "utf-8") if isinstance(payload, str) else bytes(payload)
     headers = dict(kwargs.get("headers") or {})
     # Set again on every release (release_message, and the gate's publish_direct).
     for key in (*OUR_HEADERS, "retries", "eta"):
@@ -133,27 +143,35 @@ def _direct_ok(headers: dict[str, Any], rest: dict[str, Any]) -> bool:
     (lua/_common.lua, publish_direct): it can build the message kombu would, without kombu's
     routing tables, priority queues, compression or expiry."""
     properties = rest["properties"]
-    return (rest["exchange"] == "" and isinstance(rest["routing_key"], str)
-            and bool(rest["routing_key"]) and rest["compression"] is None
-            and isinstance(rest["content_type"], str)
-            and isinstance(rest["content_encoding"], str)
-            and not headers.get("expires")
-            and properties.get("priority") in (None, 0)
-            and isinstance(properties.get("delivery_mode"), int)
-            and set(properties) <= _DIRECT_PROPERTIES)
+    return (
+        rest["exchange"] == ""
+        and isinstance(rest["routing_key"], str)
+        and bool(rest["routing_key"])
+        and rest["compression"] is None
+        and isinstance(rest["content_type"], str)
+        and isinstance(rest["content_encoding"], str)
+        and not headers.get("expires")
+        and properties.get("priority") in (None, 0)
+        and isinstance(properties.get("delivery_mode"), int)
+        and set(properties) <= _DIRECT_PROPERTIES
+    )
 
 
 def _dumps(body: Any, serializer: Optional[str]) -> tuple[str, str, Any]:
     """kombu's ``dumps`` (untyped): the serializer's error propagates, nothing is stored."""
     content_type, content_encoding, payload = _kombu_dumps(  # type: ignore[no-untyped-call]
-        body, serializer=serializer)
+        body, serializer=serializer
+    )
     return str(content_type), str(content_encoding), payload
 
 
-def _loads(body: bytes, content_type: str, content_encoding: str,
-           accept: Optional[set[str]]) -> Any:
-    return _kombu_loads(body, content_type, content_encoding,  # type: ignore[no-untyped-call]
-                        accept=accept)
+def _loads(body: bytes, content_type: str, content_encoding: str, accept: Optional[set[str]]) -> Any:
+    return _kombu_loads(
+        body,
+        content_type,
+        content_encoding,  # type: ignore[no-untyped-call]
+        accept=accept,
+    )
 
 
 def decode_envelope(envelope: bytes) -> tuple[dict[str, Any], bytes]:
@@ -201,10 +219,14 @@ def decode_arguments(app: Celery, envelope: bytes) -> tuple[list[Any], dict[str,
     return list(payload.get("args", [])), dict(payload.get("kwargs", {}))
 
 
-def release_message(app: Celery, release: Release, extra_headers: Optional[dict[str, Any]] = None,
-                    queue: Optional[str] = None,
-                    parts: Optional[tuple[dict[str, Any], bytes]] = None,
-                    expired_ok: bool = False) -> tuple[bytes, dict[str, Any]]:
+def release_message(
+    app: Celery,
+    release: Release,
+    extra_headers: Optional[dict[str, Any]] = None,
+    queue: Optional[str] = None,
+    parts: Optional[tuple[dict[str, Any], bytes]] = None,
+    expired_ok: bool = False,
+) -> tuple[bytes, dict[str, Any]]:
     """The ``(body, Producer.publish keyword arguments)`` of a released member: its stored message,
     plus the thread id and fencing token.  ``parts``: the envelope's header and body as captured
     (:class:`CapturingProducer`), when the release is of the message the caller has just stored:
@@ -248,9 +270,13 @@ def release_message(app: Celery, release: Release, extra_headers: Optional[dict[
     )
 
 
-def publish_release(app: Celery, release: Release, producer: Any = None,
-                    extra_headers: Optional[dict[str, Any]] = None, queue: Optional[str] = None
-                    ) -> None:
+def publish_release(
+    app: Celery,
+    release: Release,
+    producer: Any = None,
+    extra_headers: Optional[dict[str, Any]] = None,
+    queue: Optional[str] = None,
+) -> None:
     """Publish a dead member's message through ``producer`` (or one from the app's pool), expired
     or not."""
     body, options = release_message(app, release, extra_headers, queue, expired_ok=True)
@@ -278,8 +304,13 @@ class ReleasePublisher:
         self._producer: Any = None
         self._declared: set[str] = set()
 
-    def publish(self, release: Release, producer: Any = None, republish: bool = False,
-                parts: Optional[tuple[dict[str, Any], bytes]] = None) -> Optional[float]:
+    def publish(
+        self,
+        release: Release,
+        producer: Any = None,
+        republish: bool = False,
+        parts: Optional[tuple[dict[str, Any], bytes]] = None,
+    ) -> Optional[float]:
         """Publish ``release``; returns the TTL it went out with (seconds), if it has
         ``expires``.  :class:`ReleaseExpired` when that has passed: nothing is sent."""
         extra = {REPUBLISHED_HEADER: True} if republish else None
@@ -302,8 +333,7 @@ class ReleasePublisher:
         fresh = self._producer is None
         try:
             if fresh:
-                self._producer = self.app.amqp.Producer(self.app.connection_for_write(),
-                                                        auto_declare=False)
+                self._producer = self.app.amqp.Producer(self.app.connection_for_write(), auto_declare=False)
                 self._declared = set()
             declare = [q for q in options["declare"] if q.name not in self._declared]
             direct = dict(options, declare=declare)
@@ -313,11 +343,10 @@ class ReleasePublisher:
             self._declared.update(q.name for q in declare)
             return True
         except Exception:
-            logger.debug("celery-threads: the kept producer failed; publishing Celery's way",
-                         exc_info=True)
+            logger.debug("celery-threads: the kept producer failed; publishing Celery's way", exc_info=True)
             self.close()
             if fresh:
-                raise   # nothing was sent: Celery's way would fail the same way, and say why
+                raise  # nothing was sent: Celery's way would fail the same way, and say why
             return False
 
     def close(self) -> None:

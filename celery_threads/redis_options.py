@@ -15,6 +15,7 @@ The result keeps the topology keys (``master_name``, ``sentinel_kwargs``, ``clus
 that builds a Sentinel or Cluster client; :func:`client_kwargs` leaves them out of what a plain
 ``redis.Redis`` gets.
 """
+
 from __future__ import annotations
 
 import ssl
@@ -33,13 +34,20 @@ TOPOLOGY_KEYS = ("master_name", "sentinel_kwargs", "cluster")
 #: ``redis.Channel._connparams``), plus the Sentinel ones its Sentinel transport reads.  Not
 #: ``max_connections``: it sizes kombu's pool, and a gate client that reached it would fail its
 #: calls ("Too many connections") instead of waiting.
-BROKER_CONNECTION_KEYS = ("socket_timeout", "socket_connect_timeout", "socket_keepalive",
-                          "socket_keepalive_options", "health_check_interval",
-                          "retry_on_timeout", "client_name", "master_name", "sentinel_kwargs")
+BROKER_CONNECTION_KEYS = (
+    "socket_timeout",
+    "socket_connect_timeout",
+    "socket_keepalive",
+    "socket_keepalive_options",
+    "health_check_interval",
+    "retry_on_timeout",
+    "client_name",
+    "master_name",
+    "sentinel_kwargs",
+)
 #: Options that must stay bounded: every gate call times out (docs/internals.md, the lease).
 TIMEOUT_KEYS = ("socket_timeout", "socket_connect_timeout")
-_CERT_REQS = {"none": ssl.CERT_NONE, "optional": ssl.CERT_OPTIONAL,
-              "required": ssl.CERT_REQUIRED}
+_CERT_REQS = {"none": ssl.CERT_NONE, "optional": ssl.CERT_OPTIONAL, "required": ssl.CERT_REQUIRED}
 
 
 def gate_redis_options(app: Celery, gate_url: str) -> dict[str, Any]:
@@ -47,8 +55,7 @@ def gate_redis_options(app: Celery, gate_url: str) -> dict[str, Any]:
     server) under ``threads_redis_options``."""
     own = app.conf.get("threads_redis_options") or {}
     if not isinstance(own, Mapping):
-        raise ConfigurationError(
-            f"threads_redis_options must be a dict of redis-py options, not {own!r}.")
+        raise ConfigurationError(f"threads_redis_options must be a dict of redis-py options, not {own!r}.")
     options: dict[str, Any] = {}
     if _same_server(gate_url, str(app.conf.broker_url or "")):
         options.update(broker_redis_options(app))
@@ -60,7 +67,8 @@ def gate_redis_options(app: Celery, gate_url: str) -> dict[str, Any]:
             raise ConfigurationError(
                 f"{key}={options[key]!r} in threads_redis_options (or the broker's "
                 "broker_transport_options, which apply on its server): use a positive number "
-                "of seconds (a gate call must never wait forever).")
+                "of seconds (a gate call must never wait forever)."
+            )
     if any(key.startswith("ssl_") for key in options) and _scheme(gate_url) == "redis":
         options.setdefault("connection_class", redis.SSLConnection)  # as kombu does
     return options
@@ -70,10 +78,9 @@ def broker_redis_options(app: Celery) -> dict[str, Any]:
     """What kombu's Redis transport gives redis-py from ``broker_transport_options`` and
     ``broker_use_ssl`` (unset or ``None`` values left out: kombu's defaults are not options)."""
     transport = app.conf.broker_transport_options or {}
-    options = {key: transport[key] for key in BROKER_CONNECTION_KEYS
-               if transport.get(key) is not None}
+    options = {key: transport[key] for key in BROKER_CONNECTION_KEYS if transport.get(key) is not None}
     use_ssl = app.conf.broker_use_ssl
-    if isinstance(use_ssl, Mapping):    # True alone means something only to amqp transports
+    if isinstance(use_ssl, Mapping):  # True alone means something only to amqp transports
         options.update(use_ssl)
     return options
 
@@ -87,14 +94,15 @@ def checked(client: redis.Redis) -> redis.Redis:
     """``client``, once its connection class takes the options (it connects only when used, and
     an option redis-py does not know would fail there, on first use)."""
     pool = getattr(client, "connection_pool", None)
-    if type(pool) is redis.ConnectionPool:      # Sentinel and Cluster pools build their own
+    if type(pool) is redis.ConnectionPool:  # Sentinel and Cluster pools build their own
         try:
             pool.connection_class(**pool.connection_kwargs)
         except TypeError as exc:
             raise ConfigurationError(
                 f"threads_redis_options (or the broker's options, on its server): "
                 f"{pool.connection_class.__name__} does not take them ({exc}); fix or remove "
-                "that option.") from None
+                "that option."
+            ) from None
     return client
 
 
@@ -106,12 +114,13 @@ def cert_reqs(value: Any) -> Any:
         return value
     if isinstance(value, str):
         word = value.strip().lower()
-        word = word[len("cert_"):] if word.startswith("cert_") else word
+        word = word[len("cert_") :] if word.startswith("cert_") else word
         if word in _CERT_REQS:
             return _CERT_REQS[word]
     raise ConfigurationError(
         f"ssl_cert_reqs={value!r}: use ssl.CERT_REQUIRED, ssl.CERT_OPTIONAL, ssl.CERT_NONE, or "
-        "one of the strings 'required', 'optional', 'none'.")
+        "one of the strings 'required', 'optional', 'none'."
+    )
 
 
 def _positive(value: Any) -> bool:
@@ -132,9 +141,11 @@ def _same_server(gate_url: str, broker_url: str) -> bool:
         return False
     try:
         gate, broker = urlsplit(gate_url), urlsplit(broker_url)
-        return ((gate.scheme.lower(), (gate.hostname or "").lower(), gate.port, gate.username)
-                == (broker.scheme.lower(), (broker.hostname or "").lower(), broker.port,
-                    broker.username)
-                and (gate.scheme != "unix" or gate.path == broker.path))
-    except ValueError:                  # a port that is not a number: not the same as written
+        return (gate.scheme.lower(), (gate.hostname or "").lower(), gate.port, gate.username) == (
+            broker.scheme.lower(),
+            (broker.hostname or "").lower(),
+            broker.port,
+            broker.username,
+        ) and (gate.scheme != "unix" or gate.path == broker.path)
+    except ValueError:  # a port that is not a number: not the same as written
         return False

@@ -1,4 +1,5 @@
 """Per-app runtime: the gate's client, the settings, and the few actions every side shares."""
+
 from __future__ import annotations
 
 import logging
@@ -63,33 +64,46 @@ class Runtime:
         try:
             check_shards(self.client, self.keys)
         except (redis.ConnectionError, redis.TimeoutError) as exc:
-            logger.warning("celery-threads: could not check threads_shards=%s against the gate's "
-                           "Redis at %s (threads_redis_url): %s; going on unchecked",
-                           self.config.shards, sanitized_url(self.config.redis_url), exc)
+            logger.warning(
+                "celery-threads: could not check threads_shards=%s against the gate's "
+                "Redis at %s (threads_redis_url): %s; going on unchecked",
+                self.config.shards,
+                sanitized_url(self.config.redis_url),
+                exc,
+            )
         # On a Redis Cluster, releases go through kombu (the broker is not the cluster).
-        self.gate = self._gate(self.client,
-                               direct_release(app, self.client)
-                               if (self.config.direct_release and not is_cluster(self.client)
-                                   and seams.active("direct-release"))
-                               else None)
+        self.gate = self._gate(
+            self.client,
+            direct_release(app, self.client)
+            if (self.config.direct_release and not is_cluster(self.client) and seams.active("direct-release"))
+            else None,
+        )
         self.publisher = ReleasePublisher(app)
         self.pid = os.getpid()
 
     def _gate(self, client: redis.Redis, direct: Optional[ReleasePush]) -> Gate:
-        return Gate(client, self.keys, release_timeout_ms=self.config.release_timeout_ms,
-                    keepalive_ms=self.config.keepalive_ms, direct=direct,
-                    wait_replicas=self.config.wait_replicas)
+        return Gate(
+            client,
+            self.keys,
+            release_timeout_ms=self.config.release_timeout_ms,
+            keepalive_ms=self.config.keepalive_ms,
+            direct=direct,
+            wait_replicas=self.config.wait_replicas,
+        )
 
     def own_gate(self) -> Gate:
         """The gate on a client of its own, for a native thread of a gevent worker
         (:mod:`celery_threads.worker.native`): a connection gevent made on one thread's hub cannot be
         used from another thread."""
-        return self._gate(make_client(self.config.redis_url, self.config.redis_options),
-                          self.gate.direct)
+        return self._gate(make_client(self.config.redis_url, self.config.redis_options), self.gate.direct)
 
-    def publish(self, release: Optional[Release], producer: Any = None,
-                republish: bool = False,
-                parts: Optional[tuple[dict[str, Any], bytes]] = None) -> None:
+    def publish(
+        self,
+        release: Optional[Release],
+        producer: Any = None,
+        republish: bool = False,
+        parts: Optional[tuple[dict[str, Any], bytes]] = None,
+    ) -> None:
         """Publish a release.  A failure is logged, not raised: the member is safely RELEASED in
         the gate, and the dispatcher republishes it after ``threads_release_timeout``.
         ``republish`` marks a release that was published before (the receiving worker then checks
@@ -106,13 +120,23 @@ class Runtime:
                 continue
             except UndecodableEnvelope as exc:
                 # Republishing could never help: the member dies and its thread moves on.
-                self.kill(release.thread_id, release.task_id, release.token, exc=exc, retries=0,
-                          reason=f"UndecodableEnvelope: {exc}", holder=NO_HOLDER)
+                self.kill(
+                    release.thread_id,
+                    release.task_id,
+                    release.token,
+                    exc=exc,
+                    retries=0,
+                    reason=f"UndecodableEnvelope: {exc}",
+                    holder=NO_HOLDER,
+                )
             except Exception:
                 logger.exception(
                     "celery-threads: could not publish member %s of thread %s; the dispatcher "
                     "republishes it after threads_release_timeout (%ss)",
-                    release.task_id, release.thread_id, self.config.release_timeout)
+                    release.task_id,
+                    release.thread_id,
+                    self.config.release_timeout,
+                )
             else:
                 if ttl is not None:
                     self._deadline_at_ttl(release, ttl)
@@ -127,16 +151,24 @@ class Runtime:
         while it is still RELEASED (a worker that claimed it in time runs it).  Returns the
         release of the member promoted in its place, if any."""
         try:
-            outcome = self.gate.delete(release.task_id, token=release.token, only_released=True,
-                                       thread_id=release.thread_id)
+            outcome = self.gate.delete(
+                release.task_id, token=release.token, only_released=True, thread_id=release.thread_id
+            )
         except Exception:
-            logger.exception("celery-threads: could not end expired member %s of thread %s; "
-                             "the dispatcher tries again after threads_release_timeout (%ss)",
-                             release.task_id, release.thread_id, self.config.release_timeout)
+            logger.exception(
+                "celery-threads: could not end expired member %s of thread %s; "
+                "the dispatcher tries again after threads_release_timeout (%ss)",
+                release.task_id,
+                release.thread_id,
+                self.config.release_timeout,
+            )
             return None
         if outcome.done and outcome.info == "RELEASED":
-            logger.info("celery-threads: member %s of thread %s expired before it was published; "
-                        "revoked", release.task_id, release.thread_id)
+            logger.info(
+                "celery-threads: member %s of thread %s expired before it was published; revoked",
+                release.task_id,
+                release.thread_id,
+            )
             self.mark_revoked(release.task_id, "expired")
         return outcome.release
 
@@ -152,8 +184,11 @@ class Runtime:
         try:
             self.gate.renew(release.thread_id, release.task_id, release.token, for_ms=ms)
         except Exception:
-            logger.debug("celery-threads: could not bring the release deadline of %s forward",
-                         release.task_id, exc_info=True)
+            logger.debug(
+                "celery-threads: could not bring the release deadline of %s forward",
+                release.task_id,
+                exc_info=True,
+            )
 
     def publish_outcome(self, outcome: Outcome, producer: Any = None) -> Outcome:
         """Publish the release a gate transition's ``outcome`` carries (if any); returns the
@@ -194,8 +229,9 @@ class Runtime:
             self._wait_stopped(thread_id, task_id, wait)
         return outcome.info
 
-    def revoke_unstarted(self, thread_id: str, task_id: str,
-                         reason: str = "deleted from its thread", terminate: bool = False) -> None:
+    def revoke_unstarted(
+        self, thread_id: str, task_id: str, reason: str = "deleted from its thread", terminate: bool = False
+    ) -> None:
         """A member that left its thread before it ran: ``REVOKED`` in the result backend, and
         one worker (elected by a note in the gate) sends the ``task-revoked`` event, so Flower
         shows it without a phantom worker."""
@@ -217,10 +253,14 @@ class Runtime:
         pause = 0.01
         while self.gate.reads.holds(thread_id, task_id):
             if time.monotonic() >= deadline:
-                logger.info("celery-threads: deleted member %s of thread %s still runs %ss "
-                            "after its revoke; the next member starts once its worker has "
-                            "stopped it (or its body returns, or its lease lapses)",
-                            task_id, thread_id, wait)
+                logger.info(
+                    "celery-threads: deleted member %s of thread %s still runs %ss "
+                    "after its revoke; the next member starts once its worker has "
+                    "stopped it (or its body returns, or its lease lapses)",
+                    task_id,
+                    thread_id,
+                    wait,
+                )
                 return
             time.sleep(pause)
             pause = min(pause * 2, 0.1)
@@ -229,57 +269,88 @@ class Runtime:
         try:
             self.app.backend.mark_as_revoked(task_id, reason)
         except Exception:
-            logger.debug("celery-threads: no result backend to mark %s revoked", task_id,
-                         exc_info=True)
+            logger.debug("celery-threads: no result backend to mark %s revoked", task_id, exc_info=True)
 
-    def kill(self, thread_id: str, task_id: str, token: str, *, exc: BaseException,
-             retries: int, keep: bool = True, einfo: Any = None,
-             reason: Optional[str] = None, caller: Optional[str] = None,
-             fenced: bool = False, holder: Optional[str] = None) -> Outcome:
+    def kill(
+        self,
+        thread_id: str,
+        task_id: str,
+        token: str,
+        *,
+        exc: BaseException,
+        retries: int,
+        keep: bool = True,
+        einfo: Any = None,
+        reason: Optional[str] = None,
+        caller: Optional[str] = None,
+        fenced: bool = False,
+        holder: Optional[str] = None,
+    ) -> Outcome:
         """The member died: record it (unless ``keep`` is false), tell listeners, promote the next.
         ``fenced``, ``holder``: whose run it ends (see :meth:`Gate.kill`)."""
         exception = reason or f"{type(exc).__name__}: {exc}"
-        trace = (getattr(einfo, "traceback", None)
-                 or "".join(tb.format_exception(type(exc), exc, exc.__traceback__)))
+        trace = getattr(einfo, "traceback", None) or "".join(
+            tb.format_exception(type(exc), exc, exc.__traceback__)
+        )
         meta = {"retries": retries, "exception": exception, "traceback": trace}
-        outcome = self.publish_outcome(self.gate.kill(thread_id, task_id, token, meta, keep=keep,
-                                                      caller=caller, fenced=fenced,
-                                                      holder=holder))
-        if outcome.done and outcome.info != DELETED:   # DELETED: deleted while it ran, not dead
+        outcome = self.publish_outcome(
+            self.gate.kill(
+                thread_id, task_id, token, meta, keep=keep, caller=caller, fenced=fenced, holder=holder
+            )
+        )
+        if outcome.done and outcome.info != DELETED:  # DELETED: deleted while it ran, not dead
             self.announce_death(thread_id, task_id, exception, retries)
         return outcome
 
-    def announce_death(self, thread_id: str, task_id: str, exception: str, retries: int,
-                       record: Optional[DeadRecord] = None) -> None:
+    def announce_death(
+        self, thread_id: str, task_id: str, exception: str, retries: int, record: Optional[DeadRecord] = None
+    ) -> None:
         record = record or self.gate.reads.dead_record(task_id)
         name = task_name(record.envelope) if record else ""
-        logger.warning("celery-threads: member %s (%s) of thread %s died: %s",
-                       task_id, name, thread_id, exception)
+        logger.warning(
+            "celery-threads: member %s (%s) of thread %s died: %s", task_id, name, thread_id, exception
+        )
         if record is not None and name and self.config.dead_letter_queue:
             self._send_dead_letter(thread_id, task_id, exception, record.envelope)
-        member_dead.send(sender=self.app.tasks.get(name, name), task_id=task_id,
-                         thread_id=thread_id, name=name, exception=exception, retries=retries)
+        member_dead.send(
+            sender=self.app.tasks.get(name, name),
+            task_id=task_id,
+            thread_id=thread_id,
+            name=name,
+            exception=exception,
+            retries=retries,
+        )
 
-    def _send_dead_letter(self, thread_id: str, task_id: str, exception: str,
-                          envelope: bytes) -> None:
+    def _send_dead_letter(self, thread_id: str, task_id: str, exception: str, envelope: bytes) -> None:
         try:
-            publish_release(self.app, Release(thread_id, task_id, "", 0, envelope),
-                            extra_headers={THREAD_HEADER: thread_id,
-                                           "thread_dead_letter": True,
-                                           "thread_exception": exception},
-                            queue=self.config.dead_letter_queue)
+            publish_release(
+                self.app,
+                Release(thread_id, task_id, "", 0, envelope),
+                extra_headers={
+                    THREAD_HEADER: thread_id,
+                    "thread_dead_letter": True,
+                    "thread_exception": exception,
+                },
+                queue=self.config.dead_letter_queue,
+            )
         except Exception:
-            logger.exception("celery-threads: could not route dead member %s to queue %s; it "
-                             "stays in the dead-letter store", task_id,
-                             self.config.dead_letter_queue)
+            logger.exception(
+                "celery-threads: could not route dead member %s to queue %s; it "
+                "stays in the dead-letter store",
+                task_id,
+                self.config.dead_letter_queue,
+            )
 
 
 def unreachable(config: ThreadsConfig) -> Optional[BaseException]:
     """Why the gate's Redis does not answer a PING at once (``None`` when it does): one attempt,
     a few seconds at most, where the gate's own client retries for ~15 s (right for a worker's
     transitions, not for telling a person at start)."""
-    quick = {"socket_connect_timeout": 3, "socket_timeout": 5,
-             "retry": redis.retry.Retry(redis.backoff.NoBackoff(), 0)}
+    quick = {
+        "socket_connect_timeout": 3,
+        "socket_timeout": 5,
+        "retry": redis.retry.Retry(redis.backoff.NoBackoff(), 0),
+    }
     try:
         probe = make_client(config.redis_url, {**config.redis_options, **quick})
     except ValueError as exc:
@@ -301,15 +372,17 @@ def direct_release(app: Celery, client: Any) -> Optional[ReleasePush]:
         conn = app.connection_for_write()
     except Exception:  # an unusable broker_url: Celery says why where it is used
         return None
-    conn.release()   # only its parsed URL is read: it never connects
+    conn.release()  # only its parsed URL is read: it never connects
     options = client.connection_pool.connection_kwargs
-    if (conn.transport_cls not in ("redis", "rediss")
-            or unbounded_class(client.connection_pool.connection_class) not in (
-                redis.Connection, redis.SSLConnection)
-            or (conn.hostname or "localhost").lower() != str(options.get("host", "")).lower()
-            or int(conn.port or 6379) != int(options.get("port") or 6379)
-            or (conn.password or None) != (options.get("password") or None)
-            or (conn.userid or None) != (options.get("username") or None)):
+    if (
+        conn.transport_cls not in ("redis", "rediss")
+        or unbounded_class(client.connection_pool.connection_class)
+        not in (redis.Connection, redis.SSLConnection)
+        or (conn.hostname or "localhost").lower() != str(options.get("host", "")).lower()
+        or int(conn.port or 6379) != int(options.get("port") or 6379)
+        or (conn.password or None) != (options.get("password") or None)
+        or (conn.userid or None) != (options.get("username") or None)
+    ):
         return None
     vhost = conn.virtual_host
     if isinstance(vhost, int):
@@ -318,8 +391,7 @@ def direct_release(app: Celery, client: Any) -> Optional[ReleasePush]:
         vhost = str(vhost or "").strip("/")
         broker_db = int(vhost) if vhost else 0
     prefix = (app.conf.broker_transport_options or {}).get("global_keyprefix") or ""
-    return ReleasePush(gate_db=int(options.get("db") or 0), broker_db=broker_db,
-                         key_prefix=str(prefix))
+    return ReleasePush(gate_db=int(options.get("db") or 0), broker_db=broker_db, key_prefix=str(prefix))
 
 
 def get_runtime(app: Celery) -> Runtime:
@@ -347,7 +419,7 @@ def reset(app: Celery) -> None:
             runtime.publisher.close()
         delattr(app, _ATTR)
     seams.forget_app_connections(app)
-    for cached in ("queues", "default_queue", "router"):   # built from task_queues, task_routes
+    for cached in ("queues", "default_queue", "router"):  # built from task_queues, task_routes
         app.amqp.__dict__.pop(cached, None)
     app.__dict__.pop("backend", None)
     local = getattr(app, "_local", None)

@@ -40,6 +40,7 @@ The seams (docs/compatibility.md has what each buys, measured):
   processes' EVALSHA/FCALL line (gate.ScriptLine; on a cluster, one to each master:
   gate.cluster.ClusterScriptLine).  Fallback: redis-py's client (on a cluster, its cluster client).
 """
+
 from __future__ import annotations
 
 import inspect
@@ -65,8 +66,10 @@ OFF_ENV = "CELERY_THREADS_SEAMS_OFF"
 
 
 def versions() -> str:
-    return (f"celery {celery.__version__}, kombu {kombu.__version__}, "
-            f"billiard {billiard.__version__}, redis-py {redis.__version__}")
+    return (
+        f"celery {celery.__version__}, kombu {kombu.__version__}, "
+        f"billiard {billiard.__version__}, redis-py {redis.__version__}"
+    )
 
 
 @dataclass(frozen=True)
@@ -75,9 +78,9 @@ class Seam:
 
     name: str
     library: str
-    uses: str                               # the private names, as a reader looks them up
-    check: Callable[[Any], Optional[str]]   # (app or None) -> None when it holds, else what not
-    fallback: str                           # the public path taken instead; "" when none
+    uses: str  # the private names, as a reader looks them up
+    check: Callable[[Any], Optional[str]]  # (app or None) -> None when it holds, else what not
+    fallback: str  # the public path taken instead; "" when none
 
 
 _results: dict[str, Optional[str]] = {}
@@ -110,26 +113,33 @@ def problem(name: str, app: Any = None) -> Optional[str]:
         seam = SEAMS[name]
         if name in forced_off():
             why: Optional[str] = f"turned off ({OFF_ENV})"
-            logger.info("celery-threads: seam %s turned off by %s; %s", name, OFF_ENV,
-                        seam.fallback)
+            logger.info("celery-threads: seam %s turned off by %s; %s", name, OFF_ENV, seam.fallback)
         else:
             try:
                 why = seam.check(app)
-            except Exception as exc:     # a check that cannot even run: the seam does not hold
+            except Exception as exc:  # a check that cannot even run: the seam does not hold
                 why = f"{type(exc).__name__}: {exc}"
             if why is not None:
                 if not seam.fallback:
                     raise SeamRefused(_refusal(seam, why))
-                logger.warning("celery-threads: %s (%s) does not hold on %s: %s. Falling back: "
-                               "%s.", seam.name, seam.uses, versions(), why, seam.fallback)
+                logger.warning(
+                    "celery-threads: %s (%s) does not hold on %s: %s. Falling back: %s.",
+                    seam.name,
+                    seam.uses,
+                    versions(),
+                    why,
+                    seam.fallback,
+                )
         _results[name] = why
         return why
 
 
 def _refusal(seam: Seam, why: str) -> str:
-    return (f"celery-threads: {seam.name} ({seam.uses}) does not hold on {versions()}: {why}. "
-            f"Supported: celery 5.3.6+, kombu 5.3.7+ (5.4+ reads these messages natively), "
-            f"redis-py 5.0.8+, as tested by the matrix in docs/compatibility.md.")
+    return (
+        f"celery-threads: {seam.name} ({seam.uses}) does not hold on {versions()}: {why}. "
+        f"Supported: celery 5.3.6+, kombu 5.3.7+ (5.4+ reads these messages natively), "
+        f"redis-py 5.0.8+, as tested by the matrix in docs/compatibility.md."
+    )
 
 
 def report() -> dict[str, Optional[str]]:
@@ -144,7 +154,7 @@ def report() -> dict[str, Optional[str]]:
     return out
 
 
-_gate_client: Any = None    # the worker's gate client, for the direct-line check (check_worker)
+_gate_client: Any = None  # the worker's gate client, for the direct-line check (check_worker)
 
 
 def check_worker(app: Any, gate_client: Any = None) -> int:
@@ -161,9 +171,13 @@ def check_worker(app: Any, gate_client: Any = None) -> int:
     off = [f"{n} ({why})" for n, why in found.items() if why is not None]
     # A detail for maintainers while every seam holds; a warning when one fell back (the worker
     # then says so in its ready line too).
-    logger.log(logging.WARNING if off else logging.DEBUG,
-               "celery-threads: private seams on %s: active: %s; fallen back: %s", versions(),
-               ", ".join(on) or "none", "; ".join(off) or "none")
+    logger.log(
+        logging.WARNING if off else logging.DEBUG,
+        "celery-threads: private seams on %s: active: %s; fallen back: %s",
+        versions(),
+        ", ".join(on) or "none",
+        "; ".join(off) or "none",
+    )
     return len(off)
 
 
@@ -211,7 +225,7 @@ def _decodes_like_lua(utf8: bool) -> Optional[str]:
     body = '{"x": "é"}'
     raw = json.loads(lua_message(body, utf8=utf8))
 
-    class _Reader:       # the parts of a virtual Channel that reading a message touches
+    class _Reader:  # the parts of a virtual Channel that reading a message touches
         codecs = Channel.codecs
         decode_body = Channel.decode_body
 
@@ -231,12 +245,20 @@ def lua_message(body: str, utf8: bool) -> str:
     import base64
 
     encoded = json.dumps(body) if utf8 else '"' + base64.b64encode(body.encode()).decode() + '"'
-    props = {"correlation_id": "i", "reply_to": "r", "delivery_mode": 2,
-             "delivery_info": {"exchange": "", "routing_key": "q"}, "priority": 0, "delivery_tag": "seq:1:2",
-             "body_encoding": "utf-8" if utf8 else "base64"}
-    return ('{"body":' + encoded + ',"content-encoding":"utf-8","content-type":'
-            '"application/json","headers":{"task":"t","id":"i","retries":0,"eta":null,'
-            '"thread_id":"th","thread_token":"1"},"properties":' + json.dumps(props) + '}')
+    props = {
+        "correlation_id": "i",
+        "reply_to": "r",
+        "delivery_mode": 2,
+        "delivery_info": {"exchange": "", "routing_key": "q"},
+        "priority": 0,
+        "delivery_tag": "seq:1:2",
+        "body_encoding": "utf-8" if utf8 else "base64",
+    }
+    return (
+        '{"body":' + encoded + ',"content-encoding":"utf-8","content-type":'
+        '"application/json","headers":{"task":"t","id":"i","retries":0,"eta":null,'
+        '"thread_id":"th","thread_token":"1"},"properties":' + json.dumps(props) + "}"
+    )
 
 
 # -- direct-release: kombu's Redis message format, built in Lua ---------------------------------
@@ -264,7 +286,7 @@ def _check_handoff(app: Any = None) -> Optional[str]:
         if not callable(function):
             return f"celery.app.trace.{name} is missing"
         if getattr(function, "_celery_threads", False):
-            continue      # this process wrapped it already (a pool process after its start)
+            continue  # this process wrapped it already (a pool process after its start)
         # The worker's Request sends the pool this function; the pool process finds it by name.
         if getattr(worker_request, name, None) is not function:
             return f"celery.worker.request no longer sends celery.app.trace.{name} to the pool"
@@ -307,7 +329,10 @@ def _check_untracked_releases(app: Any = None) -> Optional[str]:
     Transport: Any = kombu_redis.Transport
     append = vars(QoS).get("append")
     if not callable(append) or list(inspect.signature(append).parameters) != [
-            "self", "message", "delivery_tag"]:
+        "self",
+        "message",
+        "delivery_tag",
+    ]:
         return "kombu.transport.redis.QoS.append(message, delivery_tag) is missing or changed"
     if not callable(getattr(Transport, "_reject_inbound_message", None)):
         return "kombu's virtual Transport._reject_inbound_message is missing"
@@ -323,7 +348,7 @@ class _ChannelStub:
     """What constructing a QoS reads of its channel."""
 
     connection = None
-    do_restore = False       # the QoS's restore at exit does nothing
+    do_restore = False  # the QoS's restore at exit does nothing
 
 
 def qos_delivered(qos: Any) -> Any:
@@ -333,6 +358,7 @@ def qos_delivered(qos: Any) -> Any:
 
 def reject_inbound_hook(transport: Any) -> tuple[Callable[..., Any], Callable[[Any], None]]:
     """``(kombu's _reject_inbound_message of transport, a setter for its replacement)``."""
+
     def install(replacement: Any) -> None:
         transport._reject_inbound_message = replacement
 
@@ -350,8 +376,7 @@ def _check_settle_fetch(app: Any = None) -> Optional[str]:
 
 def settle_fetch(channel: Any) -> None:
     """Read the reply of the BRPOP the Redis channel has outstanding, if any."""
-    if active("settle-fetch") and getattr(channel, "_in_poll", None) and hasattr(
-            channel, "_brpop_read"):
+    if active("settle-fetch") and getattr(channel, "_in_poll", None) and hasattr(channel, "_brpop_read"):
         channel._brpop_read()
 
 
@@ -409,17 +434,16 @@ def _check_direct_line(app: Any = None) -> Optional[str]:
     parser: Any = getattr(conn, "_parser", None)
     if not callable(getattr(parser, "parse_error", None)):
         return "redis.Connection._parser.parse_error is missing"
-    if not isinstance(parser.parse_error("NOSCRIPT No matching script."),
-                      redis.exceptions.NoScriptError):
+    if not isinstance(parser.parse_error("NOSCRIPT No matching script."), redis.exceptions.NoScriptError):
         return "redis.Connection._parser.parse_error no longer names a NOSCRIPT error"
-    if app is not None and _gate_client is not None:   # a worker: its gate's socket is plain
+    if app is not None and _gate_client is not None:  # a worker: its gate's socket is plain
         pool = _gate_pool(_gate_client)
         conn = pool.connection_class(**pool.connection_kwargs)
         try:
             conn.connect()
             sock = getattr(conn, "_sock", None)
         except redis.RedisError:
-            return None      # the gate is away: judged at first use (connection_socket)
+            return None  # the gate is away: judged at first use (connection_socket)
         finally:
             conn.disconnect()
         if not isinstance(sock, socket.socket):
@@ -442,8 +466,7 @@ def connection_socket(conn: Any) -> Optional[socket.socket]:
     if not active("direct-line"):
         return None
     if not isinstance(sock, socket.socket):
-        _fall_back("direct-line", f"redis.Connection._sock is a {type(sock).__name__}, "
-                                  "not a socket")
+        _fall_back("direct-line", f"redis.Connection._sock is a {type(sock).__name__}, not a socket")
         return None
     return sock
 
@@ -453,8 +476,14 @@ def _fall_back(name: str, why: str) -> None:
     with _lock:
         if _results.get(name) is None:
             _results[name] = why
-            logger.warning("celery-threads: %s (%s) does not hold on %s: %s. Falling back: %s.",
-                           name, SEAMS[name].uses, versions(), why, SEAMS[name].fallback)
+            logger.warning(
+                "celery-threads: %s (%s) does not hold on %s: %s. Falling back: %s.",
+                name,
+                SEAMS[name].uses,
+                versions(),
+                why,
+                SEAMS[name].fallback,
+            )
 
 
 def parse_error(conn: Any, message: str) -> Exception:
@@ -463,27 +492,68 @@ def parse_error(conn: Any, message: str) -> Exception:
     return error
 
 
-SEAMS: dict[str, Seam] = {s.name: s for s in (
-    Seam("direct-release", "kombu", "kombu's Redis message format built in lua/_common.lua",
-         _check_direct_release, "releases are published through kombu"),
-    Seam("utf8-bodies", "kombu", "kombu.transport.virtual.Channel.codecs (kombu < 5.4)",
-         _check_utf8_bodies, ""),
-    Seam("handoff", "celery", "celery.app.trace.fast_trace_task/trace_task_ret by name, "
-         "the worker Request's request dict, trace._localized",
-         _check_handoff, "the next member of a thread goes through the broker"),
-    Seam("untracked-releases", "kombu", "kombu.transport.redis.QoS.append/_delivered/"
-         "can_consume, Transport._reject_inbound_message",
-         _check_untracked_releases, "kombu tracks and acks releases (threads_track_releases)"),
-    Seam("settle-fetch", "kombu", "kombu.transport.redis.Channel._in_poll/_brpop_read",
-         _check_settle_fetch, "a fetch pending at shutdown is left to kombu"),
-    Seam("revoke-command", "celery", "celery.worker.control.Panel.data['revoke']",
-         _check_revoke_command, "a revoked waiting member is dropped when it is released"),
-    Seam("request-state", "celery", "celery.worker.request.Request._already_revoked/"
-         "_already_cancelled/_context", _check_request_state,
-         "a lost member's ending is fenced by its token alone"),
-    Seam("direct-line", "redis-py", "redis.Connection._sock/_parser",
-         _check_direct_line, "gate calls go through redis-py's client"),
-)}
+SEAMS: dict[str, Seam] = {
+    s.name: s
+    for s in (
+        Seam(
+            "direct-release",
+            "kombu",
+            "kombu's Redis message format built in lua/_common.lua",
+            _check_direct_release,
+            "releases are published through kombu",
+        ),
+        Seam(
+            "utf8-bodies",
+            "kombu",
+            "kombu.transport.virtual.Channel.codecs (kombu < 5.4)",
+            _check_utf8_bodies,
+            "",
+        ),
+        Seam(
+            "handoff",
+            "celery",
+            "celery.app.trace.fast_trace_task/trace_task_ret by name, "
+            "the worker Request's request dict, trace._localized",
+            _check_handoff,
+            "the next member of a thread goes through the broker",
+        ),
+        Seam(
+            "untracked-releases",
+            "kombu",
+            "kombu.transport.redis.QoS.append/_delivered/can_consume, Transport._reject_inbound_message",
+            _check_untracked_releases,
+            "kombu tracks and acks releases (threads_track_releases)",
+        ),
+        Seam(
+            "settle-fetch",
+            "kombu",
+            "kombu.transport.redis.Channel._in_poll/_brpop_read",
+            _check_settle_fetch,
+            "a fetch pending at shutdown is left to kombu",
+        ),
+        Seam(
+            "revoke-command",
+            "celery",
+            "celery.worker.control.Panel.data['revoke']",
+            _check_revoke_command,
+            "a revoked waiting member is dropped when it is released",
+        ),
+        Seam(
+            "request-state",
+            "celery",
+            "celery.worker.request.Request._already_revoked/_already_cancelled/_context",
+            _check_request_state,
+            "a lost member's ending is fenced by its token alone",
+        ),
+        Seam(
+            "direct-line",
+            "redis-py",
+            "redis.Connection._sock/_parser",
+            _check_direct_line,
+            "gate calls go through redis-py's client",
+        ),
+    )
+}
 
 
 def pool_process_index() -> Optional[int]:

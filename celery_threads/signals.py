@@ -1,4 +1,5 @@
 """Signals sent by celery-threads (Celery's own signal class, so ``.connect`` works as usual)."""
+
 from celery.utils.dispatch import Signal
 
 #: Sent when a member dies: retries exhausted, a final exception, a hard time limit, a lapsed lease

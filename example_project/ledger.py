@@ -4,6 +4,7 @@ A posting may fail and retry (a flaky bank link), may be scheduled for later, ma
 frozen for good) and be restarted once the account is unfrozen.  Every attempt appends an event,
 stamped with the Redis server's clock, to a timeline the demo reads afterwards.
 """
+
 from __future__ import annotations
 
 import json
@@ -68,10 +69,15 @@ def log_event(account: str, entry: str, event: str, **fields: object) -> None:
     store().rpush(key("timeline", account), json.dumps(record))
 
 
-@app.task(base=ThreadedTask, bind=True, thread_key="account", max_retries=3,
-          default_retry_delay=0.5, ignore_result=True)
-def post(self, account: str, entry: str, amount: int, fail_times: int = 0,
-         seconds: float = 0.2) -> int:
+@app.task(
+    base=ThreadedTask,
+    bind=True,
+    thread_key="account",
+    max_retries=3,
+    default_retry_delay=0.5,
+    ignore_result=True,
+)
+def post(self, account: str, entry: str, amount: int, fail_times: int = 0, seconds: float = 0.2) -> int:
     """Post `amount` to `account`: read the balance, work, write it back (a lost update if two
     postings of one account ever overlapped)."""
     log_event(account, entry, "start", attempt=self.request.retries)

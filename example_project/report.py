@@ -1,4 +1,5 @@
 """The demo's report: a timeline per account, and the checks that matter."""
+
 from __future__ import annotations
 
 import json
@@ -16,11 +17,13 @@ def timeline(ledger: Any, account: str) -> list[dict[str, Any]]:
 
 def checks(ledger: Any, story: Story) -> list[tuple[str, list[str]]]:
     """(name, problems) for each check; a check passes when its list is empty."""
-    results = [("at most one posting of an account active at once", []),
-               ("each posting released in order (earliest scheduled, then arrival)", []),
-               ("every posting ended exactly once (succeeded, died, or deleted)", []),
-               ("balances exact (no lost update)", []),
-               ("no gate keys left", [])]
+    results = [
+        ("at most one posting of an account active at once", []),
+        ("each posting released in order (earliest scheduled, then arrival)", []),
+        ("every posting ended exactly once (succeeded, died, or deleted)", []),
+        ("balances exact (no lost update)", []),
+        ("no gate keys left", []),
+    ]
     overlap, order, ended, balances, keys = (problems for _, problems in results)
     for account in story.accounts:
         events = timeline(ledger, account)
@@ -36,8 +39,9 @@ def checks(ledger: Any, story: Story) -> list[tuple[str, list[str]]]:
     return results
 
 
-def _check_overlap_and_order(account: str, events: list[dict[str, Any]], story: Story,
-                             overlap: list[str], order: list[str]) -> None:
+def _check_overlap_and_order(
+    account: str, events: list[dict[str, Any]], story: Story, overlap: list[str], order: list[str]
+) -> None:
     arrivals = [e for e in story.enqueued if e["account"] == account]
     arrival = {}
     sched = {}
@@ -74,13 +78,11 @@ def _check_overlap_and_order(account: str, events: list[dict[str, Any]], story: 
 
 def _waiting(entry: str, t: float, events: list[dict[str, Any]]) -> bool:
     """The entry had arrived (or re-entered) and was not done or dead by time t."""
-    done = [e for e in events if e["entry"] == entry and e["event"] in ("end", "died")
-            and e["at"] <= t]
+    done = [e for e in events if e["entry"] == entry and e["event"] in ("end", "died") and e["at"] <= t]
     return not done
 
 
-def _check_endings(account: str, events: list[dict[str, Any]], story: Story,
-                   ended: list[str]) -> None:
+def _check_endings(account: str, events: list[dict[str, Any]], story: Story, ended: list[str]) -> None:
     for entry in {e["entry"] for e in story.enqueued if e["account"] == account}:
         kinds = [e["event"] for e in events if e["entry"] == entry]
         ends, deaths = kinds.count("end"), kinds.count("died")
@@ -100,8 +102,11 @@ def render(ledger: Any, story: Story) -> str:
     t0 = min(everything, default=0.0)
     for account in story.accounts:
         events = timeline(ledger, account)
-        deleted = [{"entry": entry, "event": "deleted", "at": at}
-                   for entry, at in story.deleted.items() if entry.startswith(account + "/")]
+        deleted = [
+            {"entry": entry, "event": "deleted", "at": at}
+            for entry, at in story.deleted.items()
+            if entry.startswith(account + "/")
+        ]
         events = sorted(events + deleted, key=lambda e: e["at"])
         if not events:
             continue

@@ -5,6 +5,7 @@ No beat runs: the worker's celery-threads step runs a dispatch loop of its own, 
 retries and scheduled postings when they are due.  Each posting appends its events to the
 account's timeline, stamped with the Redis server's clock.
 """
+
 from __future__ import annotations
 
 import time
@@ -61,11 +62,11 @@ def test_postings_of_one_account_never_overlap_and_run_in_order(ledger, worker, 
     spans = attempts(settled(ledger, account, endings=4))
     assert_one_at_a_time(spans)
     assert [entry for entry, _, _ in spans] == ["p0", "p1", "p2", "p3"]
-    assert balance(ledger, account) == 40      # no lost update
+    assert balance(ledger, account) == 40  # no lost update
 
 
 def test_a_retry_re_enters_behind_postings_scheduled_before_it(ledger, worker, account):
-    post(ledger, account, "p0", fail_times=1, seconds=0.1)   # retries 0.5 s after failing
+    post(ledger, account, "p0", fail_times=1, seconds=0.1)  # retries 0.5 s after failing
     post(ledger, account, "p1", seconds=0.1)
     post(ledger, account, "p2", seconds=0.1)
     events = settled(ledger, account, endings=3)
@@ -80,7 +81,7 @@ def test_a_scheduled_posting_is_released_when_due(ledger, worker, account):
     posted = ledger.server_time()
     post(ledger, account, "later", countdown=1.0)
     (start,) = [e["at"] for e in settled(ledger, account, endings=1) if e["event"] == "start"]
-    assert start >= posted + 1.0 - 0.05   # the Redis server's clock, at millisecond precision
+    assert start >= posted + 1.0 - 0.05  # the Redis server's clock, at millisecond precision
 
 
 def test_a_posting_longer_than_the_keepalive_runs_once(ledger, worker, account):
@@ -91,7 +92,11 @@ def test_a_posting_longer_than_the_keepalive_runs_once(ledger, worker, account):
     events = settled(ledger, account, endings=2, timeout=seconds + 20)
     assert_one_at_a_time(attempts(events))
     assert [(e["entry"], e["event"]) for e in events] == [
-        ("long", "start"), ("long", "end"), ("after", "start"), ("after", "end")]
+        ("long", "start"),
+        ("long", "end"),
+        ("after", "start"),
+        ("after", "end"),
+    ]
 
 
 def test_a_dead_posting_is_kept_and_can_be_restarted(ledger, worker, account):
@@ -103,8 +108,8 @@ def test_a_dead_posting_is_kept_and_can_be_restarted(ledger, worker, account):
     assert "frozen" in dead[0].exception
 
     ledger.store().srem(ledger.key("frozen"), account)
-    post(ledger, account, "next")                 # the thread did not stop at the death
-    Threads(ledger.app).restart(dying.id)         # a new arrival: behind "next"
+    post(ledger, account, "next")  # the thread did not stop at the death
+    Threads(ledger.app).restart(dying.id)  # a new arrival: behind "next"
     spans = attempts(settled(ledger, account, endings=3))
     assert [entry for entry, _, _ in spans] == ["frozen", "next", "frozen"]
     assert dying.id not in [d.task_id for d in Threads(ledger.app).dead()]

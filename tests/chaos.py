@@ -34,6 +34,7 @@ run waits until the gate is empty; then :func:`tests.support.checker.check` read
 the stored results, and the report is printed (and written as JSON with ``--json``).  Exit status 0
 when the checker found no violation.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -64,17 +65,17 @@ from tests.support.checker import DeadLetter, Deletion, Enqueue, Event, GateStat
 from tests.support.netfault import Relay
 
 AMQP_URL = "amqp://guest:guest@127.0.0.1:5672//"
-RESULTS_DB = 2      # the history server's database holding Celery's results (1: redis-apart's broker)
+RESULTS_DB = 2  # the history server's database holding Celery's results (1: redis-apart's broker)
 
 
 @dataclass
 class Options:
     minutes: float = 1.0
-    broker: str = "redis"             # "redis" (on the gate's server), "redis-apart", "amqp"
+    broker: str = "redis"  # "redis" (on the gate's server), "redis-apart", "amqp"
     workers: int = 3
     concurrency: int = 2
     threads: int = 16
-    rate: float = 8.0                 # members enqueued per second
+    rate: float = 8.0  # members enqueued per second
     seed: int = 0
     keepalive: float = 8.0
     dispatch_interval: float = 0.5
@@ -84,31 +85,30 @@ class Options:
     kill_every: float = 8.0
     child_kill_every: float = 5.0
     delete_every: float = 2.5
-    operate_every: float = 2.0        # 0: no operator (pause, resume, purge, redrive)
+    operate_every: float = 2.0  # 0: no operator (pause, resume, purge, redrive)
     redis_restarts: int = 2
     outage: float = 1.5
     partitions: int = 0
-    partition: float = 0.0            # seconds; 0: 1.5 x the keepalive
+    partition: float = 0.0  # seconds; 0: 1.5 x the keepalive
     quiesce_timeout: float = 90.0
     json_path: Optional[str] = None
     workdir: Optional[str] = None
     keep: bool = False
     quiet: bool = False
     beat: bool = True
-    backend: bool = True              # a Redis result backend (on the history server), checked
-    publish_timeout: Optional[float] = None   # threads_publish_timeout (None: its default)
-    no_ack: bool = False              # the queue consumed without broker acknowledgements
-    rate_threads: int = 2             # threads (of the cold ones) whose calls set ...
-    thread_rate: str = "5/s"          # ... this thread_rate_limit
-    hold_threads: int = 1             # threads (of the hot ones) whose calls set on_death="hold"
-    operator_every: float = 1.0       # seconds between the operator's looks at held threads
+    backend: bool = True  # a Redis result backend (on the history server), checked
+    publish_timeout: Optional[float] = None  # threads_publish_timeout (None: its default)
+    no_ack: bool = False  # the queue consumed without broker acknowledgements
+    rate_threads: int = 2  # threads (of the cold ones) whose calls set ...
+    thread_rate: str = "5/s"  # ... this thread_rate_limit
+    hold_threads: int = 1  # threads (of the hot ones) whose calls set on_death="hold"
+    operator_every: float = 1.0  # seconds between the operator's looks at held threads
 
 
 class ChaosProcess(CeleryProcess):
     """A ``celery -A tests.support.chaos_tasks worker|beat`` subprocess, logging into the run's directory."""
 
-    def __init__(self, kind: str, env: dict[str, str], args: list[str], name: str,
-                 logdir: Path) -> None:
+    def __init__(self, kind: str, env: dict[str, str], args: list[str], name: str, logdir: Path) -> None:
         super().__init__(kind, env, args, name)
         shutil.rmtree(self.log.parent, ignore_errors=True)
         self.log = logdir / f"{name}.log"
@@ -116,8 +116,8 @@ class ChaosProcess(CeleryProcess):
 
     _read = 0
     is_ready = False
-    crashed = False                 # its consumer hit an unrecoverable error (it winds down)
-    relay: Optional[Relay] = None   # its own way to the gate, with --partitions
+    crashed = False  # its consumer hit an unrecoverable error (it winds down)
+    relay: Optional[Relay] = None  # its own way to the gate, with --partitions
 
     def poll_log(self) -> None:
         """Read what the log gained since the last call: ready yet?  crashed?"""
@@ -174,8 +174,11 @@ class Cluster:
         self._note(self.history_server.proc)
         self.gate_server.start()
         self._note(self.gate_server.proc)
-        broker = {"redis": self.gate_server.url(1), "redis-apart": self.history_server.url(1),
-                  "amqp": AMQP_URL}[self.opts.broker]
+        broker = {
+            "redis": self.gate_server.url(1),
+            "redis-apart": self.history_server.url(1),
+            "amqp": AMQP_URL,
+        }[self.opts.broker]
         self.env = {
             "CHAOS_RUN": self.run_id,
             "CHAOS_GATE_URL": self.gate_server.url(0),
@@ -208,8 +211,12 @@ class Cluster:
             self.add_worker()
         if self.opts.beat:
             self.beat = ChaosProcess(
-                "beat", self.env, ["--loglevel", "INFO", "-s", str(self.workdir / "beat-schedule")],
-                "beat", self.logdir)
+                "beat",
+                self.env,
+                ["--loglevel", "INFO", "-s", str(self.workdir / "beat-schedule")],
+                "beat",
+                self.logdir,
+            )
             self.beat.start()
             self._note(self.beat.proc)
         for w in self.workers:
@@ -225,9 +232,19 @@ class Cluster:
     def add_worker(self) -> ChaosProcess:
         self._count += 1
         name = f"w{self._count}"
-        args = ["--loglevel", "INFO", "-P", "prefork", "-c", str(self.opts.concurrency),
-                "-n", f"chaos-{name}-{self.run_id}@%h", "--without-gossip", "--without-mingle",
-                "--without-heartbeat"]
+        args = [
+            "--loglevel",
+            "INFO",
+            "-P",
+            "prefork",
+            "-c",
+            str(self.opts.concurrency),
+            "-n",
+            f"chaos-{name}-{self.run_id}@%h",
+            "--without-gossip",
+            "--without-mingle",
+            "--without-heartbeat",
+        ]
         env = self.env
         relay = None
         if self.opts.partitions:
@@ -245,7 +262,7 @@ class Cluster:
         """SIGKILL a worker's process group, preferring one that is running a member."""
         candidates = [w for w in self.workers if w.healthy()]
         if len(candidates) < 2:
-            return None                     # keep one worker standing
+            return None  # keep one worker standing
         busy = [w for w in candidates if set(w.children()) & busy_pids]
         victim = rng.choice(busy or candidates)
         pids = victim.group()
@@ -288,16 +305,20 @@ class Cluster:
                 pids.update(w.children())
         return pids
 
-    def kill_child(self, rng: random.Random, history: redis.Redis, key: str,
-                   deadline: float) -> Optional[int]:
+    def kill_child(
+        self, rng: random.Random, history: redis.Redis, key: str, deadline: float
+    ) -> Optional[int]:
         """SIGKILL a pool child in the middle of user code (at least 150 ms of sleep left)."""
         from tests.support.chaos_tasks import now_us, record
 
         while time.time() < deadline:
             now = now_us()
             children = self.children()
-            ready = [r for r in open_spans(history, key) if r["pid"] in children
-                     and r["t"] + r.get("sleep", 0) * 1e6 - now > 150_000]
+            ready = [
+                r
+                for r in open_spans(history, key)
+                if r["pid"] in children and r["t"] + r.get("sleep", 0) * 1e6 - now > 150_000
+            ]
             if ready:
                 pid = int(rng.choice(ready)["pid"])
                 lo = now_us()
@@ -314,10 +335,11 @@ class Cluster:
         """Silence the link between a worker (preferably one running a member) and the gate."""
         from tests.support.chaos_tasks import now_us, record
 
-        candidates = [w for w in self.workers if w.healthy() and w.relay is not None
-                      and w.relay.mode == "pass"]
+        candidates = [
+            w for w in self.workers if w.healthy() and w.relay is not None and w.relay.mode == "pass"
+        ]
         if len(candidates) < 2:
-            return None                     # keep one worker connected
+            return None  # keep one worker connected
         busy = [w for w in candidates if set(w.children()) & busy_pids]
         victim = rng.choice(busy or candidates)
         assert victim.relay is not None
@@ -345,8 +367,14 @@ class Cluster:
             for line in proc.log.read_text(errors="replace").splitlines():
                 match = _LEASE_KILL.search(line)
                 if match:
-                    found.append(Event("kill", _log_time(match) + 1000,  # the next ms, at most
-                                       pids=(int(match["pid"]),), what="lease"))
+                    found.append(
+                        Event(
+                            "kill",
+                            _log_time(match) + 1000,  # the next ms, at most
+                            pids=(int(match["pid"]),),
+                            what="lease",
+                        )
+                    )
                 match = _UNRECORDED.search(line)
                 if match:
                     found.append(Event("unrecorded", _log_time(match), task=match["task"]))
@@ -356,7 +384,7 @@ class Cluster:
         from tests.support.chaos_tasks import record
 
         record("redis_down")
-        self.gate_server.stop()             # SIGTERM: Redis flushes its append-only file
+        self.gate_server.stop()  # SIGTERM: Redis flushes its append-only file
         time.sleep(outage)
         self.gate_server.start()
         self._note(self.gate_server.proc)
@@ -373,8 +401,11 @@ class Cluster:
         client = self.gate_client()
         try:
             # A paused thread (held by a death: the operator resumes it) is in neither index.
-            return (int(client.zcard(shard.due)) + int(client.zcard(shard.leases))
-                    + int(client.hlen(shard.paused)))
+            return (
+                int(client.zcard(shard.due))
+                + int(client.zcard(shard.leases))
+                + int(client.hlen(shard.paused))
+            )
         finally:
             client.close()
 
@@ -387,48 +418,74 @@ class Cluster:
         client = self.gate_client()
         try:
             due = {k.decode(): int(v) for k, v in client.zrange(shard.due, 0, -1, withscores=True)}
-            leases = {k.decode(): int(v)
-                      for k, v in client.zrange(shard.leases, 0, -1, withscores=True)}
-            members = {record_task(k, v): parse_record(v).thread_id
-                       for k, v in client.hgetall(shard.tasks).items()}
+            leases = {k.decode(): int(v) for k, v in client.zrange(shard.leases, 0, -1, withscores=True)}
+            members = {
+                record_task(k, v): parse_record(v).thread_id for k, v in client.hgetall(shard.tasks).items()
+            }
             gate = Gate(client, keys, release_timeout_ms=1000)
-            dead = {r.task_id: DeadLetter(str(r.meta.get("thread_id", "")),
-                                          str(r.meta.get("exception", "")), r.died_at_ms,
-                                          int(r.meta.get("retries", -1)))
-                    for r in gate.reads.dead_records()}
+            dead = {
+                r.task_id: DeadLetter(
+                    str(r.meta.get("thread_id", "")),
+                    str(r.meta.get("exception", "")),
+                    r.died_at_ms,
+                    int(r.meta.get("retries", -1)),
+                )
+                for r in gate.reads.dead_records()
+            }
             thread_keys: dict[str, list[str]] = {}
             lingering: dict[str, int] = {}
             head = f"{shard.tag}:t:"
             indexed = set(due) | set(leases)
             for raw in client.scan_iter(match=f"{head}*", count=1000):
                 key = raw.decode()
-                thread = key[len(head):-2]
+                thread = key[len(head) : -2]
                 if key.endswith(":p") and thread not in indexed:
-                    lingering[thread] = int(client.pttl(raw))   # the policy hash of an ended one
+                    lingering[thread] = int(client.pttl(raw))  # the policy hash of an ended one
                 else:
                     thread_keys.setdefault(thread, []).append(key)
-            active = {t: {k.decode(): v.decode()
-                          for k, v in client.hgetall(keys.thread(t).active).items()}
-                      for t in set(due) | set(leases)}
+            active = {
+                t: {k.decode(): v.decode() for k, v in client.hgetall(keys.thread(t).active).items()}
+                for t in set(due) | set(leases)
+            }
             notes: dict[str, int] = {}
             note_head = shard.deleted_note("")
             for raw in client.scan_iter(match=f"{note_head}*", count=1000):
-                notes[raw.decode()[len(note_head):]] = int(client.ttl(raw))
-            known = {shard.seq, shard.due, shard.leases, shard.tasks, shard.dead,
-                     shard.dead_records, shard.ended, shard.paused, shard.stats,
-                     shard.dead_dropped, keys.meta}
-            other = [k for k in (raw.decode() for raw in client.scan_iter(
-                match=f"{keys.prefix}:*", count=1000))
-                     if k not in known and not k.startswith((head, note_head))]
+                notes[raw.decode()[len(note_head) :]] = int(client.ttl(raw))
+            known = {
+                shard.seq,
+                shard.due,
+                shard.leases,
+                shard.tasks,
+                shard.dead,
+                shard.dead_records,
+                shard.ended,
+                shard.paused,
+                shard.stats,
+                shard.dead_dropped,
+                keys.meta,
+            }
+            other = [
+                k
+                for k in (raw.decode() for raw in client.scan_iter(match=f"{keys.prefix}:*", count=1000))
+                if k not in known and not k.startswith((head, note_head))
+            ]
             return GateState(
-                due, leases, members, dead, thread_keys, active, lingering,
+                due,
+                leases,
+                members,
+                dead,
+                thread_keys,
+                active,
+                lingering,
                 dead_index=[k.decode() for k in client.zrange(shard.dead, 0, -1)],
                 dead_records=[k.decode() for k in client.hkeys(shard.dead_records)],
-                ended={k.decode(): v for k, v in client.zrange(shard.ended, 0, -1,
-                                                               withscores=True)},
-                notes=notes, other_keys=other,
-                paused=gate.reads.paused(shard), listed=list(gate.reads.thread_ids()),
-                stats={k.decode(): int(v) for k, v in client.hgetall(shard.stats).items()})
+                ended={k.decode(): v for k, v in client.zrange(shard.ended, 0, -1, withscores=True)},
+                notes=notes,
+                other_keys=other,
+                paused=gate.reads.paused(shard),
+                listed=list(gate.reads.thread_ids()),
+                stats={k.decode(): int(v) for k, v in client.hgetall(shard.stats).items()},
+            )
         finally:
             client.close()
 
@@ -442,9 +499,8 @@ class Cluster:
         try:
             states: dict[str, str] = {}
             for i in range(0, len(tasks), 500):
-                chunk = tasks[i:i + 500]
-                for task, raw in zip(chunk, client.mget([f"celery-task-meta-{t}"
-                                                         for t in chunk])):
+                chunk = tasks[i : i + 500]
+                for task, raw in zip(chunk, client.mget([f"celery-task-meta-{t}" for t in chunk])):
                     if raw is not None:
                         states[task] = json.loads(raw)["status"]
             return states
@@ -509,8 +565,7 @@ def partition_recoveries(rows: list[dict[str, Any]]) -> list[float]:
             elif r["k"] in ("end", "fin") and r["pid"] in pids:
                 open_at.pop(r["thread"], None)
         for thread in open_at:
-            later = [r["t"] for r in starts
-                     if r["thread"] == thread and r["t"] > at and r["pid"] not in pids]
+            later = [r["t"] for r in starts if r["thread"] == thread and r["t"] > at and r["pid"] not in pids]
             if later:
                 found.append((min(later) - at) / 1e6)
     return found
@@ -545,6 +600,7 @@ def open_spans(client: redis.Redis, key: str, n: int = 400) -> list[dict[str, An
 
 # -- the workload -----------------------------------------------------------------------------
 
+
 class Workload:
     """The producer and the deleter, each in its own thread, until :attr:`stop` is set."""
 
@@ -557,16 +613,16 @@ class Workload:
         self.weights = [4.0 if i < hot else 1.0 for i in range(opts.threads)]
         # The last threads (cold ones) are rate-limited: every call into them sets
         # thread_rate_limit, and the checker holds their releases to its interval.
-        self.rated = set(self.threads[hot:][-opts.rate_threads:]) if opts.rate_threads else set()
+        self.rated = set(self.threads[hot:][-opts.rate_threads :]) if opts.rate_threads else set()
         # The first threads (hot ones) hold on death: the operator resumes them (operator()).
-        self.holding = set(self.threads[:min(hot, opts.hold_threads)])
-        self.halt = threading.Event()     # the operator's own stop: after the gate has emptied
+        self.holding = set(self.threads[: min(hot, opts.hold_threads)])
+        self.halt = threading.Event()  # the operator's own stop: after the gate has emptied
         self.enqueued = 0
         self.failed_enqueues: list[str] = []
         self.deleted = 0
         self.errors: list[str] = []
         self.long_until = 0.0
-        self.quiet_around: list[float] = []      # when the gate's Redis restarts (time.time())
+        self.quiet_around: list[float] = []  # when the gate's Redis restarts (time.time())
         self.ops = {"pauses": 0, "purges": 0, "purged": 0, "redrives": 0, "redriven": 0}
         self.paused: set[str] = set()
 
@@ -590,8 +646,13 @@ class Workload:
             else:
                 n += 1
                 countdown_ms = 0 if rng.random() < 0.6 else rng.randint(100, 3000)
-                self._enqueue(thread, f"m{n}", self._kwargs(rng, long_until),
-                              countdown_ms=countdown_ms, policy=self._policy(rng))
+                self._enqueue(
+                    thread,
+                    f"m{n}",
+                    self._kwargs(rng, long_until),
+                    countdown_ms=countdown_ms,
+                    policy=self._policy(rng),
+                )
             self.stop.wait(period * rng.uniform(0.5, 1.5))
 
     @staticmethod
@@ -608,15 +669,22 @@ class Workload:
     def _kwargs(self, rng: random.Random, long_until: float) -> dict[str, Any]:
         roll = rng.random()
         if roll < 0.02 and time.time() < long_until:
-            sleep = round(self.opts.keepalive * 1.5, 2)         # outlives several renewals
+            sleep = round(self.opts.keepalive * 1.5, 2)  # outlives several renewals
         else:
             sleep = round(rng.uniform(0.02, 0.3), 3)
-        fails = rng.choices([0, 1, 2, 5], [65, 20, 10, 5])[0]   # 5: exhausts max_retries=3
+        fails = rng.choices([0, 1, 2, 5], [65, 20, 10, 5])[0]  # 5: exhausts max_retries=3
         die = rng.random() < 0.05
         return {"sleep": sleep, "fails": fails, "die": die, "retry_ms": rng.randint(0, 1000)}
 
-    def _enqueue(self, thread: str, label: str, kwargs: dict[str, Any], countdown_ms: int = 0,
-                 eta_ms: Optional[int] = None, policy: Optional[dict[str, Any]] = None) -> None:
+    def _enqueue(
+        self,
+        thread: str,
+        label: str,
+        kwargs: dict[str, Any],
+        countdown_ms: int = 0,
+        eta_ms: Optional[int] = None,
+        policy: Optional[dict[str, Any]] = None,
+    ) -> None:
         """``policy``: coalesce or debounce options.  Such a call that fails (the gate away) is
         sent again under its task id, as a producer should: it may have superseded a call
         before its reply was lost, and only its replay is told which."""
@@ -629,26 +697,44 @@ class Workload:
         lo = now_us()
         # Rate-limited and holding threads (each call there), besides coalesce or debounce.
         own: dict[str, Any] = (
-            {"thread_rate_limit": self.opts.thread_rate} if thread in self.rated
-            else {"on_death": "hold"} if thread in self.holding else {})
+            {"thread_rate_limit": self.opts.thread_rate}
+            if thread in self.rated
+            else {"on_death": "hold"}
+            if thread in self.holding
+            else {}
+        )
         options: dict[str, Any] = {"task_id": uuid(), **own, **(policy or {})}
         for _ in range(1 + 5 * bool(policy)):
             try:
                 if eta_ms is not None:
                     result = work.apply_async(
-                        (thread, label), kwargs,
-                        eta=datetime.fromtimestamp(eta_ms / 1000, timezone.utc), **options)
+                        (thread, label),
+                        kwargs,
+                        eta=datetime.fromtimestamp(eta_ms / 1000, timezone.utc),
+                        **options,
+                    )
                 else:
                     result = work.apply_async(
-                        (thread, label), kwargs,
-                        countdown=countdown_ms / 1000.0 if countdown_ms else None, **options)
+                        (thread, label),
+                        kwargs,
+                        countdown=countdown_ms / 1000.0 if countdown_ms else None,
+                        **options,
+                    )
             except Exception as exc:
                 self.failed_enqueues.append(f"{type(exc).__name__}: {exc}")
                 record("enq_failed", thread=thread, error=repr(exc)[:300], lo=lo)
             else:
                 exact = {} if eta_ms is None else {"at": eta_ms * 1000}
-                record("enq", task=result.id, thread=thread, n=0, cd=countdown_ms * 1000,
-                       lo=lo, **exact, **({"co": 1} if policy else {}))
+                record(
+                    "enq",
+                    task=result.id,
+                    thread=thread,
+                    n=0,
+                    cd=countdown_ms * 1000,
+                    lo=lo,
+                    **exact,
+                    **({"co": 1} if policy else {}),
+                )
                 self.enqueued += 1
                 return
 
@@ -691,7 +777,7 @@ class Workload:
                 if info is None:
                     continue
                 pool = ([info.active] if info.active else []) + list(info.waiting)
-                if not pool:        # a paused thread with no member left
+                if not pool:  # a paused thread with no member left
                     continue
                 if info.active and rng.random() < 0.5:
                     victim = info.active
@@ -703,7 +789,6 @@ class Workload:
                     self.deleted += 1
             except Exception as exc:
                 self.errors.append(f"delete: {type(exc).__name__}: {exc}")
-
 
     def operator(self, until: float) -> None:
         """Every ``--operate-every`` seconds or so: pause a thread (mostly a hot one), let it
@@ -720,7 +805,7 @@ class Workload:
         mark = threads.runtime.mark_revoked
 
         def marked(task_id: str, reason: str = "deleted from its thread") -> None:
-            if reason.startswith("purged"):      # this thread is the only one that purges
+            if reason.startswith("purged"):  # this thread is the only one that purges
                 purged.append(task_id)
             mark(task_id, reason)
 
@@ -746,8 +831,7 @@ class Workload:
                 self._until_done("resume", thread, threads.resume)
             setattr(threads.runtime, "mark_revoked", mark)
 
-    def _until_done(self, what: str, thread: str, call: Any, *args: Any,
-                    timeout: float = 60.0) -> None:
+    def _until_done(self, what: str, thread: str, call: Any, *args: Any, timeout: float = 60.0) -> None:
         """A pause or a resume (each idempotent), sent until it went through: a thread left
         paused would keep its members for good.  Recorded with the time read before the first
         try (``lo``) and the stamp after the last (``t``)."""
@@ -811,7 +895,7 @@ class Workload:
             letters = threads.gate.reads.dead_records()
             by_thread: dict[str, list[Any]] = {}
             for r in letters:
-                if str(r.meta.get("thread_id")) not in self.holding:   # a redrive lifts a hold
+                if str(r.meta.get("thread_id")) not in self.holding:  # a redrive lifts a hold
                     by_thread.setdefault(str(r.meta.get("thread_id")), []).append(r)
             if not by_thread:
                 return
@@ -823,8 +907,10 @@ class Workload:
         except Exception as exc:
             self.errors.append(f"redrive: {type(exc).__name__}: {exc}")
             return
-        back = sorted((r for r in by_thread[thread] if r.task_id not in left),
-                      key=lambda r: (r.meta.get("sched", 0), r.meta.get("seq", 0)))
+        back = sorted(
+            (r for r in by_thread[thread] if r.task_id not in left),
+            key=lambda r: (r.meta.get("sched", 0), r.meta.get("seq", 0)),
+        )
         if back:
             record("redrive", thread=thread, tasks=[r.task_id for r in back], lo=lo)
             self.ops["redrives"] += 1
@@ -846,10 +932,11 @@ def _record_superseded() -> None:
             record("sup", task=task_id, thread=thread_id)
         revoke(thread_id, task_ids)
 
-    runtime.revoke_superseded = recorded     # type: ignore[method-assign]
+    runtime.revoke_superseded = recorded  # type: ignore[method-assign]
 
 
 # -- the run ----------------------------------------------------------------------------------
+
 
 def _await_quiet(client: redis.Redis, key: str, quiet: float = 1.0, timeout: float = 30.0) -> None:
     """Until the list ``key`` has not grown for ``quiet`` seconds (at most ``timeout``): the rows
@@ -864,14 +951,15 @@ def _await_quiet(client: redis.Redis, key: str, quiet: float = 1.0, timeout: flo
         length = now
 
 
-def parse_history(rows: list[dict[str, Any]]) -> tuple[list[Event], list[Enqueue],
-                                                        list[Deletion], checker.Operations]:
+def parse_history(
+    rows: list[dict[str, Any]],
+) -> tuple[list[Event], list[Enqueue], list[Deletion], checker.Operations]:
     events: list[Event] = []
     enqueues: list[Enqueue] = []
     deletions: list[Deletion] = []
     landed: dict[tuple[str, int], int] = {}
     ops = checker.Operations()
-    paused: dict[str, int] = {}          # thread -> when its pause call returned
+    paused: dict[str, int] = {}  # thread -> when its pause call returned
     for row in rows:
         k = row["k"]
         if k == "pause":
@@ -883,15 +971,33 @@ def parse_history(rows: list[dict[str, Any]]) -> tuple[list[Event], list[Enqueue
         elif k == "redrive":
             ops.redrives.append(checker.Redrive(row["thread"], int(row["lo"]), tuple(row["tasks"])))
         if k in ("recv", "start", "end", "fin"):
-            events.append(Event(k, row["t"], row["task"], row["thread"], int(row["n"]),
-                                str(row["tok"]), int(row["pid"]), row.get("outcome", "")))
+            events.append(
+                Event(
+                    k,
+                    row["t"],
+                    row["task"],
+                    row["thread"],
+                    int(row["n"]),
+                    str(row["tok"]),
+                    int(row["pid"]),
+                    row.get("outcome", ""),
+                )
+            )
         elif k == "kill":
-            events.append(Event("kill", int(row["lo"]), pids=tuple(row["pids"]),
-                                what=row["what"]))
+            events.append(Event("kill", int(row["lo"]), pids=tuple(row["pids"]), what=row["what"]))
         elif k == "enq":
-            enqueues.append(Enqueue(row["task"], row["thread"], int(row["n"]), int(row["lo"]),
-                                    row["t"], int(row["cd"]), exact=row.get("at"),
-                                    coalesced=bool(row.get("co"))))
+            enqueues.append(
+                Enqueue(
+                    row["task"],
+                    row["thread"],
+                    int(row["n"]),
+                    int(row["lo"]),
+                    row["t"],
+                    int(row["cd"]),
+                    exact=row.get("at"),
+                    coalesced=bool(row.get("co")),
+                )
+            )
         elif k == "landed":
             landed[(row["task"], int(row["n"]))] = row["t"]
         elif k == "del":
@@ -905,8 +1011,7 @@ def parse_history(rows: list[dict[str, Any]]) -> tuple[list[Event], list[Enqueue
         elif k == "healthy":
             events.append(Event(k, row["t"], count=int(row["n"])))
     # A retry's re-entry (attempt >= 1) counts as in the gate only once the task saw it land.
-    enqueues = [dataclasses.replace(e, in_gate_by=landed.get((e.task, e.attempt)))
-                for e in enqueues]
+    enqueues = [dataclasses.replace(e, in_gate_by=landed.get((e.task, e.attempt))) for e in enqueues]
     ops.pauses += [(thread, at, checker.INF) for thread, at in paused.items()]
     return events, enqueues, deletions, ops
 
@@ -923,10 +1028,12 @@ def run(opts: Options) -> Report:
     try:
         t_setup = time.time()
         cluster.start()
-        say(f"chaos run {cluster.run_id}: {opts.broker} broker, {opts.workers} workers x "
+        say(
+            f"chaos run {cluster.run_id}: {opts.broker} broker, {opts.workers} workers x "
             f"{opts.concurrency}, {opts.threads} threads, {opts.minutes:g} min, seed {opts.seed}, "
             f"keepalive {opts.keepalive:g}s, logs in {cluster.logdir} "
-            f"(set-up {time.time() - t_setup:.1f}s)")
+            f"(set-up {time.time() - t_setup:.1f}s)"
+        )
         from tests.support.chaos_tasks import HISTORY_KEY, read_history
 
         history = redis.Redis.from_url(cluster.env["CHAOS_HISTORY_URL"])
@@ -934,15 +1041,14 @@ def run(opts: Options) -> Report:
         load = opts.minutes * 60.0
         t0 = time.time()
         workload = Workload(opts, cluster)
-        restarts = [t0 + load * (i + 1) / (opts.redis_restarts + 1.5)
-                    for i in range(opts.redis_restarts)]
+        restarts = [t0 + load * (i + 1) / (opts.redis_restarts + 1.5) for i in range(opts.redis_restarts)]
         workload.quiet_around = list(restarts)
-        pool = [threading.Thread(target=workload.producer, args=(t0 + 0.85 * load,
-                                                                 t0 + 0.6 * load), daemon=True),
-                threading.Thread(target=workload.deleter, args=(t0 + 0.9 * load,), daemon=True)]
+        pool = [
+            threading.Thread(target=workload.producer, args=(t0 + 0.85 * load, t0 + 0.6 * load), daemon=True),
+            threading.Thread(target=workload.deleter, args=(t0 + 0.9 * load,), daemon=True),
+        ]
         if opts.operate_every > 0:
-            pool.append(threading.Thread(target=workload.operator, args=(t0 + 0.7 * load,),
-                                         daemon=True))
+            pool.append(threading.Thread(target=workload.operator, args=(t0 + 0.7 * load,), daemon=True))
         holder = threading.Thread(target=workload.hold_operator, daemon=True)
         holder.start()
         for th in pool:
@@ -950,8 +1056,7 @@ def run(opts: Options) -> Report:
 
         faults = {"worker": 0, "child": 0, "redis": 0, "partition": 0}
         partition = opts.partition or 1.5 * opts.keepalive
-        partitions = [t0 + load * (i + 0.5) / (opts.partitions + 1)
-                      for i in range(opts.partitions)]
+        partitions = [t0 + load * (i + 0.5) / (opts.partitions + 1) for i in range(opts.partitions)]
         healing: list[tuple[float, ChaosProcess]] = []
         exits: list[str] = []
         next_kill = t0 + min(6.0, opts.kill_every)
@@ -960,13 +1065,14 @@ def run(opts: Options) -> Report:
         while time.time() < t0 + load:
             now = time.time()
             if opts.kill_every > 0 and now >= next_kill:
-                killed = cluster.kill_worker(
-                    rng, {int(r["pid"]) for r in open_spans(history, HISTORY_KEY)})
+                killed = cluster.kill_worker(rng, {int(r["pid"]) for r in open_spans(history, HISTORY_KEY)})
                 next_kill = now + opts.kill_every * rng.uniform(0.7, 1.3)
                 if killed:
                     faults["worker"] += 1
-                    say(f"  {now - t0:5.1f}s SIGKILL worker {killed['name']} "
-                        f"(pids {killed['pids']}); replacement started")
+                    say(
+                        f"  {now - t0:5.1f}s SIGKILL worker {killed['name']} "
+                        f"(pids {killed['pids']}); replacement started"
+                    )
             if opts.child_kill_every > 0 and now >= next_child:
                 pid = cluster.kill_child(rng, history, HISTORY_KEY, now + 2.0)
                 next_child = time.time() + opts.child_kill_every * rng.uniform(0.7, 1.3)
@@ -980,13 +1086,11 @@ def run(opts: Options) -> Report:
                 faults["redis"] += 1
             if partitions and now >= partitions[0]:
                 partitions.pop(0)
-                cut = cluster.partition_worker(
-                    rng, {int(r["pid"]) for r in open_spans(history, HISTORY_KEY)})
+                cut = cluster.partition_worker(rng, {int(r["pid"]) for r in open_spans(history, HISTORY_KEY)})
                 if cut is not None:
                     faults["partition"] += 1
                     healing.append((now + partition, cut))
-                    say(f"  {now - t0:5.1f}s worker {cut.name} cut off from the gate for "
-                        f"{partition:g}s")
+                    say(f"  {now - t0:5.1f}s worker {cut.name} cut off from the gate for {partition:g}s")
             for at, cut in [h for h in healing if now >= h[0]]:
                 healing.remove((at, cut))
                 cluster.heal(cut)
@@ -996,9 +1100,11 @@ def run(opts: Options) -> Report:
                 say(f"  {now - t0:5.1f}s worker {name}; replacement started")
             if now >= next_report:
                 next_report = now + 10
-                say(f"  {now - t0:5.1f}s enqueued {workload.enqueued}, deleted "
+                say(
+                    f"  {now - t0:5.1f}s enqueued {workload.enqueued}, deleted "
                     f"{workload.deleted}, history {history.llen(HISTORY_KEY)} rows, "
-                    f"threads in the gate {cluster.gate_busy()}")
+                    f"threads in the gate {cluster.gate_busy()}"
+                )
             time.sleep(0.1)
 
         workload.stop.set()
@@ -1006,8 +1112,10 @@ def run(opts: Options) -> Report:
             cluster.heal(cut)
         for th in pool:
             th.join(30)
-        say(f"  {time.time() - t0:5.1f}s load over: {workload.enqueued} members enqueued, "
-            f"{workload.deleted} deleted; faults {faults}; waiting for the gate to empty")
+        say(
+            f"  {time.time() - t0:5.1f}s load over: {workload.enqueued} members enqueued, "
+            f"{workload.deleted} deleted; faults {faults}; waiting for the gate to empty"
+        )
         exits += cluster.supervise()
         for w in cluster.workers:
             w.wait_ready(60)
@@ -1019,7 +1127,7 @@ def run(opts: Options) -> Report:
         holder.join(30)
         busy = cluster.gate_busy()
         say(f"  quiesced in {time.time() - t_quiet:.1f}s ({busy} threads left in the gate)")
-        _await_quiet(history, HISTORY_KEY)   # the last fin rows follow the last finishes
+        _await_quiet(history, HISTORY_KEY)  # the last fin rows follow the last finishes
         if opts.operate_every > 0:
             workload.pause_an_empty_thread()
         gate = cluster.gate_state()
@@ -1029,45 +1137,71 @@ def run(opts: Options) -> Report:
         (workdir / "gate.json").write_text(json.dumps(asdict(gate), indent=1))
         events, enqueues, deletions, operations = parse_history(rows)
         events += cluster.lease_kills()
-        results = cluster.results([e.task for e in enqueues] + [d.task for d in deletions]
-                                  + list(gate.dead))
+        results = cluster.results([e.task for e in enqueues] + [d.task for d in deletions] + list(gate.dead))
         interval_us = 1000 * (rate_interval_ms(opts.thread_rate, "chaos") or 0)
-        report = check(events, gate, deletions, enqueues,
-                       Limits(opts.keepalive, opts.dispatch_interval, opts.retry_delay,
-                              rates={t: interval_us for t in workload.rated},
-                              holding=frozenset(workload.holding)), results,
-                       operations)
-        report.info.append(f"faults: {faults['worker']} worker SIGKILLs, {faults['child']} "
-                           f"pool-child SIGKILLs, {faults['redis']} gate Redis restarts "
-                           f"({opts.outage:g}s each), acks_late"
-                           + (f", visibility timeout {opts.visibility:g}s"
-                              if opts.broker == "redis" else ""))
+        report = check(
+            events,
+            gate,
+            deletions,
+            enqueues,
+            Limits(
+                opts.keepalive,
+                opts.dispatch_interval,
+                opts.retry_delay,
+                rates={t: interval_us for t in workload.rated},
+                holding=frozenset(workload.holding),
+            ),
+            results,
+            operations,
+        )
+        report.info.append(
+            f"faults: {faults['worker']} worker SIGKILLs, {faults['child']} "
+            f"pool-child SIGKILLs, {faults['redis']} gate Redis restarts "
+            f"({opts.outage:g}s each), acks_late"
+            + (f", visibility timeout {opts.visibility:g}s" if opts.broker == "redis" else "")
+        )
         if faults["partition"]:
             moved = partition_recoveries(rows)
             report.info.append(
                 f"{faults['partition']} partition(s) of {partition:g}s between a worker and the "
                 f"gate; from a partition to its threads' next start elsewhere: "
-                + (f"worst {max(moved):.2f}s, median {sorted(moved)[len(moved) // 2]:.2f}s "
-                   f"({len(moved)} threads)" if moved else "no thread was running there"))
-            report.info.append(f"pool processes killed at a lease's end: "
-                               f"{sum(1 for e in events if e.what == 'lease')}")
+                + (
+                    f"worst {max(moved):.2f}s, median {sorted(moved)[len(moved) // 2]:.2f}s "
+                    f"({len(moved)} threads)"
+                    if moved
+                    else "no thread was running there"
+                )
+            )
+            report.info.append(
+                f"pool processes killed at a lease's end: {sum(1 for e in events if e.what == 'lease')}"
+            )
         if opts.operate_every > 0:
             report.info.append(f"operator: {workload.ops}")
         report.info.append(f"worker and beat logs: {logs or 'no errors'}")
         if exits:
-            report.info.append(f"{len(exits)} worker(s) crashed or exited on their own and were "
-                               f"replaced: {exits}")
+            report.info.append(
+                f"{len(exits)} worker(s) crashed or exited on their own and were replaced: {exits}"
+            )
         if workload.failed_enqueues:
-            report.info.append(f"{len(workload.failed_enqueues)} apply_async call(s) raised: "
-                               f"{workload.failed_enqueues[:3]}")
+            report.info.append(
+                f"{len(workload.failed_enqueues)} apply_async call(s) raised: {workload.failed_enqueues[:3]}"
+            )
         if workload.errors:
             report.info.append(f"deleter and operator errors: {workload.errors[:3]}")
         say(report.format())
         if opts.json_path:
             data = report.as_dict()
-            data.update({"faults": faults, "logs": logs, "exits": exits, "options": vars(opts),
-                         "run_id": cluster.run_id, "enqueued": workload.enqueued,
-                         "operator": workload.ops})
+            data.update(
+                {
+                    "faults": faults,
+                    "logs": logs,
+                    "exits": exits,
+                    "options": vars(opts),
+                    "run_id": cluster.run_id,
+                    "enqueued": workload.enqueued,
+                    "operator": workload.ops,
+                }
+            )
             Path(opts.json_path).write_text(json.dumps(data, indent=2))
         ok = report.ok
         return report
@@ -1087,29 +1221,64 @@ def run(opts: Options) -> Report:
 def main(argv: Optional[list[str]] = None) -> int:
     defaults = Options()
     parser = argparse.ArgumentParser(prog="python -m tests.chaos", description=__doc__.split("\n")[0])
-    parser.add_argument("--minutes", type=float, default=defaults.minutes,
-                        help="length of the load phase (the quiesce and the check come after)")
-    parser.add_argument("--broker", choices=["redis", "redis-apart", "amqp"],
-                        default=defaults.broker,
-                        help="redis: the broker is database 1 of the gate's Redis, restarted with "
-                             "it; redis-apart: on the history server, never restarted")
-    parser.add_argument("--thread-rate", default=defaults.thread_rate,
-                        help="thread_rate_limit of the calls into the rate-limited threads")
-    for name in ("workers", "concurrency", "threads", "seed", "redis_restarts", "partitions",
-                 "rate_threads", "hold_threads"):
-        parser.add_argument("--" + name.replace("_", "-"), type=int,
-                            default=getattr(defaults, name))
-    for name in ("rate", "keepalive", "dispatch_interval", "release_timeout", "visibility",
-                 "retry_delay", "kill_every", "child_kill_every", "delete_every",
-                 "operate_every", "outage", "operator_every",
-                 "partition", "quiesce_timeout"):
-        parser.add_argument("--" + name.replace("_", "-"), type=float,
-                            default=getattr(defaults, name))
-    parser.add_argument("--no-ack", action="store_true",
-                        help="declare the queue Queue(name, no_ack=True): deliveries the workers "
-                             "hold are forgotten by the broker, and only the gate recovers them")
-    parser.add_argument("--no-results", dest="backend", action="store_false",
-                        help="run without a result backend (the stored results are not checked)")
+    parser.add_argument(
+        "--minutes",
+        type=float,
+        default=defaults.minutes,
+        help="length of the load phase (the quiesce and the check come after)",
+    )
+    parser.add_argument(
+        "--broker",
+        choices=["redis", "redis-apart", "amqp"],
+        default=defaults.broker,
+        help="redis: the broker is database 1 of the gate's Redis, restarted with "
+        "it; redis-apart: on the history server, never restarted",
+    )
+    parser.add_argument(
+        "--thread-rate",
+        default=defaults.thread_rate,
+        help="thread_rate_limit of the calls into the rate-limited threads",
+    )
+    for name in (
+        "workers",
+        "concurrency",
+        "threads",
+        "seed",
+        "redis_restarts",
+        "partitions",
+        "rate_threads",
+        "hold_threads",
+    ):
+        parser.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(defaults, name))
+    for name in (
+        "rate",
+        "keepalive",
+        "dispatch_interval",
+        "release_timeout",
+        "visibility",
+        "retry_delay",
+        "kill_every",
+        "child_kill_every",
+        "delete_every",
+        "operate_every",
+        "outage",
+        "operator_every",
+        "partition",
+        "quiesce_timeout",
+    ):
+        parser.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(defaults, name))
+    parser.add_argument(
+        "--no-ack",
+        action="store_true",
+        help="declare the queue Queue(name, no_ack=True): deliveries the workers "
+        "hold are forgotten by the broker, and only the gate recovers them",
+    )
+    parser.add_argument(
+        "--no-results",
+        dest="backend",
+        action="store_false",
+        help="run without a result backend (the stored results are not checked)",
+    )
     parser.add_argument("--json", dest="json_path")
     parser.add_argument("--workdir")
     parser.add_argument("--keep", action="store_true", help="keep the logs of a clean run too")
@@ -1117,7 +1286,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     opts = Options(**vars(parser.parse_args(argv)))
 
     def terminate(signum: int, frame: Any) -> None:
-        raise SystemExit(128 + signum)       # unwinds through run()'s clean-up
+        raise SystemExit(128 + signum)  # unwinds through run()'s clean-up
 
     signal.signal(signal.SIGTERM, terminate)
     report = run(opts)

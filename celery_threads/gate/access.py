@@ -18,6 +18,7 @@ scripts), ``CLIENT SETINFO`` (Redis 7.2+; redis-py ignores a refusal), and the r
 scripts push onto the broker's queues (a refused push leaves the publish to kombu).
 docs/redis-tls-acl.md lists them.
 """
+
 from __future__ import annotations
 
 import logging
@@ -41,11 +42,45 @@ logger = logging.getLogger(__name__)
 
 #: Commands the gate needs, each on its own keys and channels (``<prefix>:*``).
 REQUIRED_COMMANDS = (
-    "ping", "select", "time", "evalsha", "script|load", "script|exists", "subscribe",
-    "unsubscribe", "publish", "del", "exists", "get", "set", "getdel", "incr", "incrby", "pexpire",
-    "persist", "pttl", "hget", "hgetall", "hmget", "hset", "hsetnx", "hincrby", "hdel", "hexists",
-    "hlen", "zadd", "zcard", "zcount", "zrange", "zrangebyscore", "zrem", "zremrangebyrank",
-    "zremrangebyscore", "zscore", "zscan")
+    "ping",
+    "select",
+    "time",
+    "evalsha",
+    "script|load",
+    "script|exists",
+    "subscribe",
+    "unsubscribe",
+    "publish",
+    "del",
+    "exists",
+    "get",
+    "set",
+    "getdel",
+    "incr",
+    "incrby",
+    "pexpire",
+    "persist",
+    "pttl",
+    "hget",
+    "hgetall",
+    "hmget",
+    "hset",
+    "hsetnx",
+    "hincrby",
+    "hdel",
+    "hexists",
+    "hlen",
+    "zadd",
+    "zcard",
+    "zcount",
+    "zrange",
+    "zrangebyscore",
+    "zrem",
+    "zremrangebyrank",
+    "zremrangebyscore",
+    "zscore",
+    "zscan",
+)
 #: Commands of the checks each process runs before its first use of the gate: ``INFO`` reads the
 #: ``maxmemory-policy`` (:mod:`celery_threads.gate.eviction`); without it the check warns.
 CHECK_COMMANDS = ("info",)
@@ -59,12 +94,12 @@ _checked: set[tuple[Any, ...]] = set()
 _lock = threading.Lock()
 
 
-def acl_rules(prefix: str, user: str = "gate", password: str = "secret",
-              optional: bool = True) -> str:
+def acl_rules(prefix: str, user: str = "gate", password: str = "secret", optional: bool = True) -> str:
     """The ``ACL SETUSER`` line for a user that may do what the gate does and nothing else."""
     commands = REQUIRED_COMMANDS + CHECK_COMMANDS + (OPTIONAL_COMMANDS if optional else ())
-    return (f"ACL SETUSER {user} reset on >{password} resetchannels ~{prefix}:* &{prefix}:* "
-            + " ".join(f"+{name}" for name in commands))
+    return f"ACL SETUSER {user} reset on >{password} resetchannels ~{prefix}:* &{prefix}:* " + " ".join(
+        f"+{name}" for name in commands
+    )
 
 
 def check_access(client: Any, keys: Keys, url: str) -> bool:
@@ -106,24 +141,30 @@ def check_access(client: Any, keys: Keys, url: str) -> bool:
 def target_of(client: Any, prefix: str, url: str) -> Optional[tuple[Any, ...]]:
     """What the once-per-process check is keyed by, ending with the user and the prefix; ``None``
     for a client of no kind known here."""
-    if is_cluster(client):          # the URL names a node, from which the others are found
+    if is_cluster(client):  # the URL names a node, from which the others are found
         return ("cluster", url, client.nodes_manager.connection_kwargs.get("username"), prefix)
     pool = getattr(client, "connection_pool", None)
-    if isinstance(pool, SentinelConnectionPool):   # the sentinels and the master's database
-        return ("sentinel", url, pool.service_name, pool.connection_kwargs.get("username"),
-                prefix)
+    if isinstance(pool, SentinelConnectionPool):  # the sentinels and the master's database
+        return ("sentinel", url, pool.service_name, pool.connection_kwargs.get("username"), prefix)
     if type(pool) is redis.ConnectionPool:
         kwargs = pool.connection_kwargs
-        return (pool.connection_class, kwargs.get("host"), kwargs.get("port"),
-                kwargs.get("path"), kwargs.get("db"), kwargs.get("username"), prefix)
+        return (
+            pool.connection_class,
+            kwargs.get("host"),
+            kwargs.get("port"),
+            kwargs.get("path"),
+            kwargs.get("db"),
+            kwargs.get("username"),
+            prefix,
+        )
     return None
 
 
 class Server(NamedTuple):
-    name: str      # how the error names it ("" for the one server of a plain URL)
-    client: Any    # a client of it alone
-    tag: str       # the hash tag of its probe keys: a slot it serves
-    own: bool      # a client made for the probe, closed after it
+    name: str  # how the error names it ("" for the one server of a plain URL)
+    client: Any  # a client of it alone
+    tag: str  # the hash tag of its probe keys: a slot it serves
+    own: bool  # a client made for the probe, closed after it
 
 
 def servers_of(client: Any, prefix: str, probe_keys: bool = True) -> list[Server]:
@@ -133,22 +174,26 @@ def servers_of(client: Any, prefix: str, probe_keys: bool = True) -> list[Server
     with no tag: for a check that reads the server, not its keys)."""
     if is_cluster(client):
         if not probe_keys:
-            return [Server(node.name, client.get_redis_connection(node), "", False)
-                    for node in client.get_primaries()]
-        return [Server(node.name, client.get_redis_connection(node), tag, False)
-                for node, tag in _cluster_tags(client, prefix)]
+            return [
+                Server(node.name, client.get_redis_connection(node), "", False)
+                for node in client.get_primaries()
+            ]
+        return [
+            Server(node.name, client.get_redis_connection(node), tag, False)
+            for node, tag in _cluster_tags(client, prefix)
+        ]
     pool = client.connection_pool
     connection_class, kwargs, name = pool.connection_class, pool.connection_kwargs, ""
     if isinstance(pool, SentinelConnectionPool):
-        host, port = client.connection_pool.get_master_address()   # asks the sentinels
-        connection_class = bounded_class(redis.SSLConnection
-                                         if issubclass(connection_class, redis.SSLConnection)
-                                         else redis.Connection)
-        kwargs = {**{k: v for k, v in kwargs.items() if k != "connection_pool"},
-                  "host": host, "port": port}
+        host, port = client.connection_pool.get_master_address()  # asks the sentinels
+        connection_class = bounded_class(
+            redis.SSLConnection if issubclass(connection_class, redis.SSLConnection) else redis.Connection
+        )
+        kwargs = {**{k: v for k, v in kwargs.items() if k != "connection_pool"}, "host": host, "port": port}
         name = f"the master {host}:{port}"
-    own = redis.ConnectionPool(connection_class=connection_class, max_connections=2,
-                               **{**kwargs, "retry": Retry(NoBackoff(), 0)})
+    own = redis.ConnectionPool(
+        connection_class=connection_class, max_connections=2, **{**kwargs, "retry": Retry(NoBackoff(), 0)}
+    )
     return [Server(name, redis.Redis(connection_pool=own), "access", True)]
 
 
@@ -156,7 +201,7 @@ def _cluster_tags(client: Any, prefix: str) -> list[tuple[Any, str]]:
     """Each master of the cluster with a hash tag (``access-<n>``) of a slot it serves."""
     masters = {node.name for node in client.get_primaries()}
     found: dict[str, tuple[Any, str]] = {}
-    for n in range(_TAG_TRIES):     # a master serving no slot is never found, and not probed
+    for n in range(_TAG_TRIES):  # a master serving no slot is never found, and not probed
         tag = f"access-{n}"
         try:
             node = client.get_node_from_key(f"{prefix}:{{{tag}}}")
@@ -180,22 +225,21 @@ def _probe(client: Any, base: str) -> Optional[list[tuple[str, str]]]:
             return client.execute_command(*args)
         except redis.exceptions.NoPermissionError as exc:
             if name == "ping" and "'select'" in str(exc):
-                name = "select"             # refused as the connection chose the database
+                name = "select"  # refused as the connection chose the database
             refused.append((name, str(exc)))
-        except redis.ResponseError:          # NOSCRIPT and the like: allowed, then
+        except redis.ResponseError:  # NOSCRIPT and the like: allowed, then
             pass
         return None
 
     try:
         if run("ping", "PING") is None:
-            return refused or None           # no connection: AUTH or SELECT refused
+            return refused or None  # no connection: AUTH or SELECT refused
         run("evalsha", "EVALSHA", "0" * 40, 0)
         run("script|exists", "SCRIPT", "EXISTS", "0" * 40)
         sha = run("script|load", "SCRIPT", "LOAD", _PROBE)
         if sha is not None:
             inner = run("evalsha", "EVALSHA", sha, 3, z, h, s, channel) or []
-            refused.extend((_text(name), _text(error))
-                           for name, error in zip(inner[::2], inner[1::2]))
+            refused.extend((_text(name), _text(error)) for name, error in zip(inner[::2], inner[1::2]))
         run("zscan", "ZSCAN", z, 0)
         run("zcount", "ZCOUNT", z, "-inf", "+inf")
         run("hlen", "HLEN", h)
@@ -221,13 +265,13 @@ def _message(refused: dict[str, list[tuple[str, str]]], prefix: str, user: str, 
     needs, grants = [], []
     for server, pairs in refused.items():
         rights = _rights(pairs, prefix)
-        needs.append(f"on {server}: {', '.join(rights.values())}" if server
-                     else "; ".join(rights.values()))
-        grants.append(f"`ACL SETUSER {user} {' '.join(rights)}`" + (f" on {server}" if server
-                                                                   else ""))
-    return (f"celery-threads: the Redis user '{user}' at {maybe_sanitize_url(url)} may not do what "
-            f"the gate needs: {'; '.join(needs)}.  Grant it, for example {', '.join(grants)}; "
-            f"docs/redis-tls-acl.md lists every rule the gate needs.")
+        needs.append(f"on {server}: {', '.join(rights.values())}" if server else "; ".join(rights.values()))
+        grants.append(f"`ACL SETUSER {user} {' '.join(rights)}`" + (f" on {server}" if server else ""))
+    return (
+        f"celery-threads: the Redis user '{user}' at {maybe_sanitize_url(url)} may not do what "
+        f"the gate needs: {'; '.join(needs)}.  Grant it, for example {', '.join(grants)}; "
+        f"docs/redis-tls-acl.md lists every rule the gate needs."
+    )
 
 
 def _rights(refused: list[tuple[str, str]], prefix: str) -> dict[str, str]:
@@ -235,8 +279,10 @@ def _rights(refused: list[tuple[str, str]], prefix: str) -> dict[str, str]:
     rights: dict[str, str] = {}
     for name, error in refused:
         if "channel" in error:
-            rights.setdefault(f"&{prefix}:*", f"channels matching '{prefix}:*' (resetchannels "
-                                              f"first when the user has allchannels)")
+            rights.setdefault(
+                f"&{prefix}:*",
+                f"channels matching '{prefix}:*' (resetchannels first when the user has allchannels)",
+            )
         elif "key" in error:
             rights.setdefault(f"~{prefix}:*", f"keys matching '{prefix}:*'")
         else:

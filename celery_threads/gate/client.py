@@ -1,6 +1,7 @@
 """The gate's Redis client: timeouts, bounded retries, and the client for each topology (a single
 Redis, Sentinel, a Redis Cluster) with the options of ``threads_redis_options``.
 """
+
 from __future__ import annotations
 
 import time
@@ -45,8 +46,8 @@ class BoundedRetry(Retry):
         self.budget = budget
 
     def call_with_retry(  # its signature varies across redis-py 5-8: the rest passes through
-            self, do: Callable[[], Any], fail: Callable[..., Any], *args: Any,
-            **kwargs: Any) -> Any:
+        self, do: Callable[[], Any], fail: Callable[..., Any], *args: Any, **kwargs: Any
+    ) -> Any:
         started: list[float] = []
         attempted: list[BaseException] = []
 

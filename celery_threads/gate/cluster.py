@@ -24,6 +24,7 @@ broken connection, goes the cluster client's way, which follows the redirect and
 What a cluster turns off: direct releases (scripts pushing into kombu's queue on the gate's
 server): kombu's broker is not a cluster, so releases are published through kombu.
 """
+
 from __future__ import annotations
 
 import threading
@@ -53,8 +54,9 @@ def not_run(error: BaseException) -> bool:
     """Whether a call's error says it never ran: its slot was moving or being served elsewhere
     (``TRYAGAIN``, ``CLUSTERDOWN``, redis-py's redirections run out), or the script was not loaded
     on the master that holds the slot now (``NOSCRIPT``)."""
-    return (isinstance(error, (_NOT_RUN, redis.exceptions.NoScriptError))
-            or (type(error) is ClusterError and "TTL exhausted" in str(error)))
+    return isinstance(error, (_NOT_RUN, redis.exceptions.NoScriptError)) or (
+        type(error) is ClusterError and "TTL exhausted" in str(error)
+    )
 
 
 def rerun_unrun(replies: Sequence[Any], rerun: Callable[[int], Any]) -> list[Any]:
@@ -81,7 +83,8 @@ class GateCluster(RedisCluster):
     def execute_command(self, *args: Any, **kwargs: Any) -> Any:
         def run() -> Any:
             return super(GateCluster, self).execute_command(  # type: ignore[no-untyped-call]
-                *args, **kwargs)
+                *args, **kwargs
+            )
 
         return _until_run(run, self.budget)
 
@@ -92,8 +95,9 @@ def _until_run(call: Callable[[], Any], budget: float) -> Any:
         try:
             return call()
         except (ClusterError, *_NOT_RUN) as exc:
-            if (not not_run(exc) or time.monotonic() - started > budget
-                    or deadline.backoff(pause) < pause):    # the caller's bound (.deadline)
+            if (
+                not not_run(exc) or time.monotonic() - started > budget or deadline.backoff(pause) < pause
+            ):  # the caller's bound (.deadline)
                 raise
         time.sleep(pause)
         pause = min(pause * 2, 0.5)
@@ -106,12 +110,11 @@ class ClusterScriptLine:
     shard's master then: the next call looks it up again in the client's slot map, which that
     way has brought up to date."""
 
-    def __init__(self, client: RedisCluster, library: Optional[Library],
-                 shards: Sequence[ShardKeys]) -> None:
+    def __init__(self, client: RedisCluster, library: Optional[Library], shards: Sequence[ShardKeys]) -> None:
         self.client, self.library = client, library
-        self._slot_keys = [shard.seq for shard in shards]      # a key of each shard: its slot
+        self._slot_keys = [shard.seq for shard in shards]  # a key of each shard: its slot
         self._shard_lines: list[Optional[ScriptLine]] = [None] * len(shards)
-        self._lines: dict[str, ScriptLine] = {}                 # by master (host:port)
+        self._lines: dict[str, ScriptLine] = {}  # by master (host:port)
         self._lock = threading.Lock()
 
     def call(self, command: Callable[[bool], bytes], shard: int = 0) -> Any:
@@ -127,7 +130,7 @@ class ClusterScriptLine:
         try:
             node = self.client.get_node_from_key(self._slot_keys[shard])  # type: ignore[no-untyped-call]
             connection = node and self.client.get_redis_connection(node)
-        except (redis.RedisError, KeyError, IndexError):     # no map yet, or the slot uncovered
+        except (redis.RedisError, KeyError, IndexError):  # no map yet, or the slot uncovered
             return None
         if not node or connection is None:
             return None
@@ -151,16 +154,14 @@ class Functions:
         self.client, self.source, self.functions = client, source, functions
         self.usable = True
 
-    def call(self, name: str, keys: list[str], args: list[Any],
-             fallback: Callable[[], Any]) -> Any:
+    def call(self, name: str, keys: list[str], args: list[Any], fallback: Callable[[], Any]) -> Any:
         if self.usable:
             for attempt in (0, 1):
                 try:
                     return self.client.fcall(self.functions[name], len(keys), *keys, *args)
                 except redis.ResponseError as exc:
                     message = str(exc).lower()
-                    if attempt or not ("function not found" in message
-                                       or "unknown command" in message):
+                    if attempt or not ("function not found" in message or "unknown command" in message):
                         raise
                 if not self._load():
                     self.usable = False
@@ -204,7 +205,8 @@ def check_shards(client: Any, keys: Keys) -> None:
             f"threads_shards={keys.shards}, but the gate under prefix {keys.prefix!r} holds "
             f"members or dead letters stored with threads_shards={stored}. Set threads_shards "
             f"back to {stored}, or let the gate drain (no members, dead letters forgotten) "
-            "before changing it; members are not moved between shards.")
+            "before changing it; members are not moved between shards."
+        )
     client.set(keys.meta, keys.shards)
 
 
@@ -214,5 +216,4 @@ def _stored_shards(client: Any, keys: Keys) -> Optional[int]:
 
 
 def _holds_members(client: Any, keys: Keys) -> bool:
-    return any(int(client.hlen(shard.tasks)) or int(client.zcard(shard.dead))
-               for shard in keys.all_shards())
+    return any(int(client.hlen(shard.tasks)) or int(client.zcard(shard.dead)) for shard in keys.all_shards())

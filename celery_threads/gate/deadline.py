@@ -16,6 +16,7 @@ A deadline also notes whether a script call was sent and its reply never read: t
 run, which the caller's error must say (each transition recognizes its own replay, so sending it
 again is safe, lua/_common.lua ``replayed``).
 """
+
 from __future__ import annotations
 
 import time
@@ -39,11 +40,10 @@ class Deadline:
 
     __slots__ = ("seconds", "stall", "at", "unanswered", "error", "bound")
 
-    def __init__(self, seconds: float, stall: bool = False,
-                 bound: str = "threads_publish_timeout") -> None:
+    def __init__(self, seconds: float, stall: bool = False, bound: str = "threads_publish_timeout") -> None:
         self.seconds = seconds
         self.stall = stall
-        self.bound = bound      # what sets it, for the error
+        self.bound = bound  # what sets it, for the error
         self.at = time.monotonic() + seconds
         #: a script call was sent and its reply was not read: it may have run
         self.unanswered = False
@@ -63,8 +63,9 @@ _current: ContextVar[Optional[Deadline]] = ContextVar("celery_threads_deadline",
 
 
 @contextmanager
-def within(seconds: float, *, stall: bool = False, bound: str = "threads_publish_timeout"
-           ) -> Iterator[Deadline]:
+def within(
+    seconds: float, *, stall: bool = False, bound: str = "threads_publish_timeout"
+) -> Iterator[Deadline]:
     """Bound every gate wait of this context (thread, greenlet, task) to ``seconds`` in all;
     ``bound`` names what sets that time, in the error when it runs out."""
     deadline = Deadline(seconds, stall, bound)
@@ -89,7 +90,8 @@ def clamp(timeout: Optional[float]) -> Optional[float]:
     if left <= 0:
         raise DeadlinePassed(
             f"the call's bound of {deadline.seconds:g}s for the gate ({deadline.bound}) "
-            "ran out" + (f"; the last attempt: {deadline.error}" if deadline.error else ""))
+            "ran out" + (f"; the last attempt: {deadline.error}" if deadline.error else "")
+        )
     left = max(left, MIN_WAIT)
     return left if timeout is None else min(timeout, left)
 
@@ -107,8 +109,11 @@ def note_sent(command: Any) -> None:
     """A command went out: when it is a script call, it may run although no reply comes."""
     deadline = _current.get()
     if deadline is not None and not deadline.unanswered:
-        first = command if isinstance(command, (bytes, bytearray, memoryview)) else (
-            command[0] if command else b"")
+        first = (
+            command
+            if isinstance(command, (bytes, bytearray, memoryview))
+            else (command[0] if command else b"")
+        )
         head = bytes(first[:32])
         deadline.unanswered = any(name in head for name in _SCRIPT_CALLS)
 
@@ -142,7 +147,7 @@ class _Bounded:
         try:
             self.socket_timeout, self.socket_connect_timeout = clamp(own[0]), clamp(own[1])
             sock = super()._connect()  # type: ignore[misc]
-            self._clamped = True    # its timeout is the caller's: set back on the next use
+            self._clamped = True  # its timeout is the caller's: set back on the next use
             return sock
         except _FAILURES as exc:
             note_failed(exc)
@@ -197,8 +202,10 @@ def bounded_class(connection_class: type) -> type:
     found = _classes.get(connection_class)
     if found is None:
         found = _classes[connection_class] = type(
-            connection_class.__name__, (_Bounded, connection_class),
-            {"__module__": __name__, "__doc__": connection_class.__doc__})
+            connection_class.__name__,
+            (_Bounded, connection_class),
+            {"__module__": __name__, "__doc__": connection_class.__doc__},
+        )
     return found
 
 

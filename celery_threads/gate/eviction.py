@@ -21,6 +21,7 @@ on a running server (``CONFIG SET``) without restarting a worker, and a fleet th
 would lose every thread's progress to keep the members that memory pressure might evict.
 ``celery threads stats`` shows the same findings and exits with a status of its own.
 """
+
 from __future__ import annotations
 
 import logging
@@ -36,9 +37,11 @@ logger = logging.getLogger(__name__)
 #: Every policy that evicts nothing.
 SAFE_POLICY = "noeviction"
 
-_FIX = ("Set it to noeviction: `CONFIG SET maxmemory-policy noeviction` on that server and "
-        "`maxmemory-policy noeviction` in its redis.conf (on a managed Redis: its parameter group "
-        "or configuration), or give the gate a Redis of its own.")
+_FIX = (
+    "Set it to noeviction: `CONFIG SET maxmemory-policy noeviction` on that server and "
+    "`maxmemory-policy noeviction` in its redis.conf (on a managed Redis: its parameter group "
+    "or configuration), or give the gate a Redis of its own."
+)
 
 _found: dict[tuple[Any, ...], list[Eviction]] = {}
 _lock = threading.Lock()
@@ -51,9 +54,9 @@ class Eviction(NamedTuple):
     policy that evicts only keys with a TTL, no ``maxmemory`` yet, or a policy that could not be
     read: ``policy`` is then ``""``).  ``message`` says what is wrong and what to set."""
 
-    server: str         # host:port (or the socket's path)
+    server: str  # host:port (or the socket's path)
     policy: str
-    maxmemory: int      # bytes; 0: no limit
+    maxmemory: int  # bytes; 0: no limit
     level: str
     message: str
 
@@ -78,8 +81,7 @@ def check_eviction(client: Any, url: str) -> list[Eviction]:
             logger.debug("celery-threads: the gate's maxmemory-policy was not checked: %s", exc)
             return []
         for risk in found:
-            logger.log(logging.ERROR if risk.level == "error" else logging.WARNING, "%s",
-                       risk.message)
+            logger.log(logging.ERROR if risk.level == "error" else logging.WARNING, "%s", risk.message)
         _found[target] = found
         return found
 
@@ -104,25 +106,49 @@ def _assess(server: Server) -> Optional[Eviction]:
     try:
         policy, maxmemory = _read(server.client)
     except _Unreadable as exc:
-        return Eviction(where, "", 0, "warning", (
-            f"celery-threads: could not read the maxmemory-policy of the gate's Redis at {where} "
-            f"({exc}). Make sure it is noeviction: a Redis that evicts keys loses the gate's "
-            "waiting members without an error. Let the gate's Redis user run INFO "
-            "(`ACL SETUSER <user> +info`) for this check to run."))
+        return Eviction(
+            where,
+            "",
+            0,
+            "warning",
+            (
+                f"celery-threads: could not read the maxmemory-policy of the gate's Redis at {where} "
+                f"({exc}). Make sure it is noeviction: a Redis that evicts keys loses the gate's "
+                "waiting members without an error. Let the gate's Redis user run INFO "
+                "(`ACL SETUSER <user> +info`) for this check to run."
+            ),
+        )
     if policy == SAFE_POLICY:
         return None
-    limit = (f"with maxmemory {_size(maxmemory)}" if maxmemory
-             else "and no maxmemory yet (it evicts once a limit is set)")
+    limit = (
+        f"with maxmemory {_size(maxmemory)}"
+        if maxmemory
+        else "and no maxmemory yet (it evicts once a limit is set)"
+    )
     head = f"celery-threads: the gate's Redis at {where} has maxmemory-policy '{policy}' {limit}"
     if policy.startswith("volatile-"):
-        return Eviction(where, policy, maxmemory, "warning", (
-            f"{head}: when full it evicts keys that have a TTL. The gate's members have none, but "
-            "its index of recently ended members does, and without it a call replayed after a "
-            f"lost reply may run a member a second time. {_FIX}"))
-    return Eviction(where, policy, maxmemory, "error" if maxmemory else "warning", (
-        f"{head}: when full it evicts any key, and the gate's waiting members with them, without "
-        f"an error (their results stay PENDING for ever). {_FIX} With noeviction a full Redis "
-        "refuses writes, and the gate's calls fail with an error instead."))
+        return Eviction(
+            where,
+            policy,
+            maxmemory,
+            "warning",
+            (
+                f"{head}: when full it evicts keys that have a TTL. The gate's members have none, but "
+                "its index of recently ended members does, and without it a call replayed after a "
+                f"lost reply may run a member a second time. {_FIX}"
+            ),
+        )
+    return Eviction(
+        where,
+        policy,
+        maxmemory,
+        "error" if maxmemory else "warning",
+        (
+            f"{head}: when full it evicts any key, and the gate's waiting members with them, without "
+            f"an error (their results stay PENDING for ever). {_FIX} With noeviction a full Redis "
+            "refuses writes, and the gate's calls fail with an error instead."
+        ),
+    )
 
 
 class _Unreadable(Exception):
@@ -134,7 +160,7 @@ def _read(client: Any) -> tuple[str, int]:
     refused = []
     try:
         info = client.info("memory")
-    except redis.ResponseError as exc:      # NOPERM is one, and so is an unknown (renamed) command
+    except redis.ResponseError as exc:  # NOPERM is one, and so is an unknown (renamed) command
         refused.append(f"INFO: {exc}")
     else:
         if "maxmemory_policy" in info:
@@ -166,4 +192,3 @@ def _size(n: int) -> str:
         if n >= size:
             return f"{n / size:.4g}{unit}"
     return f"{n}b"
-

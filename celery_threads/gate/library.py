@@ -1,6 +1,7 @@
 """The gate's Lua: the scripts (``lua/*.lua`` with ``lua/_common.lua``) and the function
 library built from them.
 """
+
 from __future__ import annotations
 
 import functools
@@ -8,9 +9,25 @@ import hashlib
 from importlib import resources
 from typing import NamedTuple
 
-SCRIPT_NAMES = ("enqueue", "release", "claim", "renew", "finish", "requeue", "kill", "delete",
-                "expire", "fail", "restart", "handback", "pause", "resume", "redrive",
-                "purge", "forget")
+SCRIPT_NAMES = (
+    "enqueue",
+    "release",
+    "claim",
+    "renew",
+    "finish",
+    "requeue",
+    "kill",
+    "delete",
+    "expire",
+    "fail",
+    "restart",
+    "handback",
+    "pause",
+    "resume",
+    "redrive",
+    "purge",
+    "forget",
+)
 
 
 def _load_lua(name: str) -> str:
@@ -25,8 +42,7 @@ def script_sources() -> dict[str, str]:
     """Each transition's full source: the clock, the shared prelude, the call's context, then its
     own body."""
     common = _prelude()
-    return {name: f"{common}\nbegin(KEYS, ARGV)\n{_load_lua(f'{name}.lua')}"
-            for name in SCRIPT_NAMES}
+    return {name: f"{common}\nbegin(KEYS, ARGV)\n{_load_lua(f'{name}.lua')}" for name in SCRIPT_NAMES}
 
 
 class Library(NamedTuple):
@@ -44,13 +60,14 @@ def function_library() -> Library:
     """The library of this version of the transitions (built once per process).  Its name
     carries a digest of its source, so processes running different versions against one Redis
     each call their own."""
-    common = _prelude().replace(
-        "if redis.replicate_commands then pcall(redis.replicate_commands) end", "")
+    common = _prelude().replace("if redis.replicate_commands then pcall(redis.replicate_commands) end", "")
     bodies = {name: _load_lua(f"{name}.lua") for name in SCRIPT_NAMES}
     digest = hashlib.sha1("\0".join([common, *bodies.values()]).encode()).hexdigest()[:12]
     lib = f"celery_threads_{digest}"
     functions = {name: f"{lib}_{name}" for name in SCRIPT_NAMES}
     registered = "".join(
         f"\nredis.register_function('{functions[name]}', function(KEYS, ARGV)\n"
-        f"begin(KEYS, ARGV)\n{body}\nend)\n" for name, body in bodies.items())
+        f"begin(KEYS, ARGV)\n{body}\nend)\n"
+        for name, body in bodies.items()
+    )
     return Library(lib, f"#!lua name={lib}\n{common}\n{registered}", functions)

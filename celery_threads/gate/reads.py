@@ -2,6 +2,7 @@
 paused threads, and the indexes' sizes and counters that health and metrics report.  Nothing here
 changes the gate (its read-only scripts included); the transitions are :mod:`.transitions`'.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
@@ -15,9 +16,9 @@ from .library import _load_lua
 from .records import _text, find_record, parse_record, pause_reason
 from .replies import DeadRecord, Scan, ThreadSnapshot
 
-DEAD_CHUNK = 500           # dead records read per HMGET
-ID_PAGE = 500              # thread ids asked of each index per round trip (ZSCAN's COUNT)
-SCAN_END = 1 << 64         # the position of a finished ZSCAN (cursor 0), past every other
+DEAD_CHUNK = 500  # dead records read per HMGET
+ID_PAGE = 500  # thread ids asked of each index per round trip (ZSCAN's COUNT)
+SCAN_END = 1 << 64  # the position of a finished ZSCAN (cursor 0), past every other
 
 
 def clock_argument(clock: Optional[Callable[[], int]]) -> str:
@@ -30,16 +31,13 @@ class GateReads:
     which holds one as ``reads``).  ``clock``: as the gate's, the time in milliseconds to use
     instead of the Redis server's ``TIME`` (only the model-based test sets it)."""
 
-    def __init__(self, client: redis.Redis, keys: Keys,
-                 clock: Optional[Callable[[], int]] = None) -> None:
+    def __init__(self, client: redis.Redis, keys: Keys, clock: Optional[Callable[[], int]] = None) -> None:
         self.client = client
         self.keys = keys
         self.clock = clock
         self._scan = client.register_script(_load_lua("_clock.lua") + "\n" + _load_lua("scan.lua"))
-        self._snapshot = client.register_script(_load_lua("_member.lua") + "\n"
-                                                + _load_lua("snapshot.lua"))
-        self._summaries = client.register_script(_load_lua("_member.lua") + "\n"
-                                                 + _load_lua("summaries.lua"))
+        self._snapshot = client.register_script(_load_lua("_member.lua") + "\n" + _load_lua("snapshot.lua"))
+        self._summaries = client.register_script(_load_lua("_member.lua") + "\n" + _load_lua("summaries.lua"))
         self._ids = client.register_script(_load_lua("ids.lua"))
 
     # -- one thread -------------------------------------------------------------------------
@@ -56,7 +54,8 @@ class GateReads:
         keys = self.keys.thread(thread_id)
         active, queue, records, due_at, paused = self._snapshot(
             keys=[keys.active, keys.queue, keys.shard.tasks, keys.shard.due, keys.shard.paused],
-            args=[thread_id])
+            args=[thread_id],
+        )
         if not active and not queue and not paused:
             return None
         return ThreadSnapshot(
@@ -73,12 +72,12 @@ class GateReads:
 
         A plain read (no script): a worker's cheap filter of stale deliveries on receipt.
         """
-        task, current, state = self.client.hmget(self.keys.thread(thread_id).active,
-                                                  ["task", "token", "state"])
+        task, current, state = self.client.hmget(
+            self.keys.thread(thread_id).active, ["task", "token", "state"]
+        )
         if task is None or _text(task) != task_id or _text(current) != token:
             return None
         return _text(state)
-
 
     def holds(self, thread_id: str, task_id: str) -> bool:
         """Whether ``task_id`` is the active member of its thread (a plain read)."""
@@ -110,7 +109,7 @@ class GateReads:
         # index returned past it may come again, from either index, until the cursor passes the
         # position it returned: ``recent`` keeps those ids (about a page or two) to skip them.
         cursor = 0
-        recent: dict[str, int] = {}     # id -> position past which it cannot come again
+        recent: dict[str, int] = {}  # id -> position past which it cannot come again
         while True:
             # One script (not MULTI, which a gate's ACL user may lack, nor a cluster pipeline):
             # both indexes from the same cursor in one atomic step.
@@ -129,7 +128,7 @@ class GateReads:
                 return
             # A smaller table resumes from the start of its bucket holding ``reached``: ids just
             # behind it may come again, so the nearest ones behind are kept too (bounded).
-            behind = sorted((p, t) for t, p in recent.items() if p <= reached)[-(page + 1024):]
+            behind = sorted((p, t) for t, p in recent.items() if p <= reached)[-(page + 1024) :]
             recent = {t: p for t, p in recent.items() if p > reached}
             recent.update((t, p) for p, t in behind)
             cursor = _reverse_bits(reached)
@@ -150,11 +149,14 @@ class GateReads:
             start = -limit if limit is not None else 0
             ids: list[Any] = self.client.zrange(shard.dead, start, -1) if limit != 0 else []
             for at in range(0, len(ids), DEAD_CHUNK):
-                chunk = ids[at:at + DEAD_CHUNK]
+                chunk = ids[at : at + DEAD_CHUNK]
                 raws: list[Any] = self.client.hmget(shard.dead_records, chunk)
-                records.extend(DeadRecord.parse(_text(task_id), raw)
-                               for task_id, raw in zip(chunk, raws) if raw is not None)
-        if self.keys.shards > 1:   # each shard is in death order; merge them by time
+                records.extend(
+                    DeadRecord.parse(_text(task_id), raw)
+                    for task_id, raw in zip(chunk, raws)
+                    if raw is not None
+                )
+        if self.keys.shards > 1:  # each shard is in death order; merge them by time
             records.sort(key=lambda r: r.died_at_ms)
             if limit is not None:
                 records = records[-limit:] if limit else []
@@ -162,8 +164,7 @@ class GateReads:
 
     def dead_dropped(self) -> int:
         """Dead letters dropped by retention, ever, over every shard."""
-        return sum(int(self.client.get(shard.dead_dropped) or 0)
-                   for shard in self.keys.all_shards())
+        return sum(int(self.client.get(shard.dead_dropped) or 0) for shard in self.keys.all_shards())
 
     def dead_ids(self, shard: ShardKeys, start: int, count: int) -> list[str]:
         """Task ids of ``shard``'s dead-letter store in death order, ``count`` from ``start``."""
@@ -196,8 +197,7 @@ class GateReads:
     def paused(self, shard: ShardKeys) -> dict[str, str]:
         """The paused threads of ``shard`` and their reasons: O(paused threads), an operator's
         handful, never a scan of the threads."""
-        return {_text(k): pause_reason(_text(v))
-                for k, v in self.client.hgetall(shard.paused).items()}
+        return {_text(k): pause_reason(_text(v)) for k, v in self.client.hgetall(shard.paused).items()}
 
     def paused_leases(self, shard: ShardKeys) -> dict[str, Optional[int]]:
         """The paused threads of ``shard``, each with its active member's deadline (ms), or
@@ -213,8 +213,7 @@ class GateReads:
         pipe = self.client.pipeline(transaction=False)
         for thread_id in thread_ids:
             pipe.hget(self.keys.thread(thread_id).shard.paused, thread_id)
-        return ([None if r is None else pause_reason(_text(r)) for r in pipe.execute()]
-                if thread_ids else [])
+        return [None if r is None else pause_reason(_text(r)) for r in pipe.execute()] if thread_ids else []
 
     # -- the dispatcher's reads -----------------------------------------------------------
     def now_ms(self) -> int:
@@ -228,10 +227,15 @@ class GateReads:
         the earliest future entry of either index, and the server's time: one read-only script,
         O(log n + limit)."""
         now, due, lapsed, next_due, next_lease = self._scan(
-            keys=[shard.due, shard.leases], args=[clock_argument(self.clock), limit])
+            keys=[shard.due, shard.leases], args=[clock_argument(self.clock), limit]
+        )
         future = [int(float(x)) for x in (next_due, next_lease) if x not in (b"", "")]
-        return Scan(now_ms=int(now), due=[_text(t) for t in due],
-                    lapsed=[_text(t) for t in lapsed], next_ms=min(future, default=None))
+        return Scan(
+            now_ms=int(now),
+            due=[_text(t) for t in due],
+            lapsed=[_text(t) for t in lapsed],
+            next_ms=min(future, default=None),
+        )
 
     # -- counts and health (for Threads' health API, the command line and the metrics) --------
     def stats_counters(self, shard: ShardKeys) -> dict[Any, Any]:
@@ -251,11 +255,14 @@ class GateReads:
 
     def waiting_total(self) -> int:
         """How many members wait (neither released nor running) in every thread: O(1) per shard."""
-        return sum(max(0, int(self.client.hlen(s.tasks)) - int(self.client.zcard(s.leases)))
-                   for s in self.keys.all_shards())
+        return sum(
+            max(0, int(self.client.hlen(s.tasks)) - int(self.client.zcard(s.leases)))
+            for s in self.keys.all_shards()
+        )
 
-    def thread_summaries(self, thread_ids: Sequence[str]
-                         ) -> list[tuple[dict[str, str], int, Optional[tuple[str, int]]]]:
+    def thread_summaries(
+        self, thread_ids: Sequence[str]
+    ) -> list[tuple[dict[str, str], int, Optional[tuple[str, int]]]]:
         """For each thread: its active hash, how many members wait, and its head as
         ``(task id, scheduled_at ms)`` (``None`` when none waits); a read-only script per shard
         (a head's task id needs its record), pipelined."""
@@ -274,16 +281,21 @@ class GateReads:
             calls.append(keys)
             self._summaries(keys=keys, args=[], client=pipe)
         rows: list[Any] = [None] * len(thread_ids)
-        results = rerun_unrun(pipe.execute(raise_on_error=False),
-                               lambda n: self._summaries(keys=calls[n], args=[]))
+        results = rerun_unrun(
+            pipe.execute(raise_on_error=False), lambda n: self._summaries(keys=calls[n], args=[])
+        )
         for indexes, replies in zip(by_shard.values(), results):
             for i, (active, waiting, head, at) in zip(indexes, replies):
-                rows[i] = ({_text(k): _text(v) for k, v in zip(active[::2], active[1::2])},
-                           int(waiting), (_text(head), int(at)) if at not in (b"", "") else None)
+                rows[i] = (
+                    {_text(k): _text(v) for k, v in zip(active[::2], active[1::2])},
+                    int(waiting),
+                    (_text(head), int(at)) if at not in (b"", "") else None,
+                )
         return rows
 
-    def overdue(self, shard: ShardKeys, before_ms: int, limit: int
-                ) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
+    def overdue(
+        self, shard: ShardKeys, before_ms: int, limit: int
+    ) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
         """Threads of ``shard`` whose active member's deadline (leases index), or whose idle head's
         scheduled_at (due index), is at or before ``before_ms``: at most ``limit`` of each, earliest
         first, as ``(thread id, ms)``.  O(log n + limit): never a scan of all threads."""
@@ -291,11 +303,9 @@ class GateReads:
         pipe.zrangebyscore(shard.leases, "-inf", before_ms, start=0, num=limit, withscores=True)
         pipe.zrangebyscore(shard.due, "-inf", before_ms, start=0, num=limit, withscores=True)
         lapsed, due = pipe.execute()
-        return ([(_text(m), int(score)) for m, score in lapsed],
-                [(_text(m), int(score)) for m, score in due])
+        return ([(_text(m), int(score)) for m, score in lapsed], [(_text(m), int(score)) for m, score in due])
 
-    def index_counts(self, shard: ShardKeys, now_ms: int, overdue_before_ms: int
-                     ) -> dict[str, Any]:
+    def index_counts(self, shard: ShardKeys, now_ms: int, overdue_before_ms: int) -> dict[str, Any]:
         """Sizes of ``shard``'s indexes, each O(1) or O(log n): ``idle`` and ``active`` threads,
         ``members``, ``dead`` tasks, ``lapsed`` deadlines and ``overdue_heads`` at or before
         ``overdue_before_ms``, and ``oldest_due``, the idle thread whose head has been due the
@@ -310,8 +320,12 @@ class GateReads:
         pipe.zrangebyscore(shard.due, "-inf", now_ms, start=0, num=1, withscores=True)
         idle, active, members, dead, lapsed, overdue_heads, oldest = pipe.execute()
         return {
-            "idle": int(idle), "active": int(active), "members": int(members), "dead": int(dead),
-            "lapsed": int(lapsed), "overdue_heads": int(overdue_heads),
+            "idle": int(idle),
+            "active": int(active),
+            "members": int(members),
+            "dead": int(dead),
+            "lapsed": int(lapsed),
+            "overdue_heads": int(overdue_heads),
             "oldest_due": (_text(oldest[0][0]), int(oldest[0][1])) if oldest else None,
         }
 
@@ -346,7 +360,6 @@ class GateReads:
         return counts
 
 
-
 def _reverse_bits(value: int) -> int:
     """``value``'s 64 bits in reverse order: a ZSCAN cursor to its position and back."""
     return int(f"{value:064b}"[::-1], 2)
@@ -356,4 +369,3 @@ def _scan_position(cursor: int) -> int:
     """Where the ZSCAN that returned ``cursor`` stopped, in the order it walks hashes (the
     bit-reversed bucket: the same order for tables of any size)."""
     return SCAN_END if cursor == 0 else _reverse_bits(cursor)
-

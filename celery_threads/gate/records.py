@@ -1,6 +1,7 @@
 """What the gate stores, as Python reads it: a member's field and record in its shard's tasks
 hash, and the small values the calls carry (a direct release's queue, a call's id).
 """
+
 from __future__ import annotations
 
 import itertools
@@ -49,19 +50,19 @@ def member_field(member: Any) -> bytes:
     """The tasks-hash field in a thread queue's member (``queue_member`` in lua/_member.lua): a
     length byte, the seq big-endian, then the field."""
     raw = member if isinstance(member, bytes) else str(member).encode()
-    return raw[raw[0] + 1:]
+    return raw[raw[0] + 1 :]
 
 
 class Record(NamedTuple):
     """A member's record: its value in the shard's tasks hash (see ``make_record`` in Lua)."""
 
-    seq: int                # arrival order (the shard counter)
+    seq: int  # arrival order (the shard counter)
     retries: int
-    max_retries: int        # -1: unlimited
+    max_retries: int  # -1: unlimited
     retry_delay_ms: int
     thread_id: str
     envelope: bytes
-    policy: str = ""        # the member's policies (policies.policy_text), "" for none
+    policy: str = ""  # the member's policies (policies.policy_text), "" for none
 
 
 def parse_record(record: bytes) -> Record:

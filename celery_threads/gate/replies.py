@@ -1,6 +1,7 @@
 """What the gate's transitions answer: each script's status as an enum, and the records the
 replies carry (a release, an outcome, a scan, a snapshot, a dead record).
 """
+
 from __future__ import annotations
 
 import json
@@ -12,6 +13,7 @@ from typing import Any, Optional
 # Each script's reply status, named (the Lua scripts' headers say when each is returned).
 class Done(IntEnum):
     """enqueue, release, finish, requeue (and replace), kill, delete: whether it happened."""
+
     NOOP = 0
     DONE = 1
 
@@ -19,6 +21,7 @@ class Done(IntEnum):
 class Enqueue(IntEnum):
     """enqueue: the task id is a member already (or ended lately), it was added, or
     ``max_waiting`` refused it (nothing stored)."""
+
     NOOP = 0
     DONE = 1
     FULL = 2
@@ -27,6 +30,7 @@ class Enqueue(IntEnum):
 class Claim(IntEnum):
     """claim: the release no longer holds its thread, or it is now the caller's, or another
     delivery's."""
+
     STALE = 0
     CLAIMED = 1
     ALREADY_CLAIMED = 2
@@ -35,6 +39,7 @@ class Claim(IntEnum):
 class Renewal(IntEnum):
     """renew: the token no longer holds the thread, or the lease (release deadline) is renewed,
     or the member is claimed by another delivery (or its claim is gone)."""
+
     STALE = 0
     RENEWED = 1
     NOT_YOURS = 2
@@ -44,6 +49,7 @@ class Lapse(IntEnum):
     """expire, fail, handback: what became of an active member whose release or lease lapsed, or
     whose attempt failed: nothing, published again under its token, re-entered for a retry,
     dead, or ended as deleted (it had been deleted while it ran: ``STOPPING``)."""
+
     NOOP = 0
     REPUBLISH = 2
     RETRIED = 3
@@ -53,6 +59,7 @@ class Lapse(IntEnum):
 
 class Restart(IntEnum):
     """restart: not in the dead-letter store, back in its thread, or a member again already."""
+
     UNKNOWN = 0
     RESTARTED = 1
     ALREADY_MEMBER = 2
@@ -60,27 +67,39 @@ class Restart(IntEnum):
 
 class Pause(IntEnum):
     """pause: the thread was paused already (its reason is replaced), or it is paused now."""
+
     ALREADY_PAUSED = 0
     PAUSED = 1
 
 
 class Resume(IntEnum):
     """resume: the thread was not paused, or its releases go on (the reply may carry one)."""
+
     NOT_PAUSED = 0
     RESUMED = 1
+
+
 class Redriven(str, Enum):
     """redrive's code per dead letter (lua/redrive.lua)."""
 
-    AT_PLACE = "r"        # back at its original place (arrival number, scheduled_at)
-    NEW_ARRIVAL = "n"     # back as a new arrival: its dead record kept no place (written before)
-    MEMBER = "a"          # a member already: it stays in the store
-    UNKNOWN = "-"         # not in the store, or of another thread
+    AT_PLACE = "r"  # back at its original place (arrival number, scheduled_at)
+    NEW_ARRIVAL = "n"  # back as a new arrival: its dead record kept no place (written before)
+    MEMBER = "a"  # a member already: it stays in the store
+    UNKNOWN = "-"  # not in the store, or of another thread
 
 
 #: The statuses each script replies with (``Done`` for the others).
-REPLIES: dict[str, type[IntEnum]] = {"enqueue": Enqueue, "claim": Claim, "renew": Renewal, "expire": Lapse,
-                                     "fail": Lapse, "handback": Lapse, "restart": Restart,
-                                     "pause": Pause, "resume": Resume}
+REPLIES: dict[str, type[IntEnum]] = {
+    "enqueue": Enqueue,
+    "claim": Claim,
+    "renew": Renewal,
+    "expire": Lapse,
+    "fail": Lapse,
+    "handback": Lapse,
+    "restart": Restart,
+    "pause": Pause,
+    "resume": Resume,
+}
 #: delete's info when a replayed call finds the member already gone (it may have been RUNNING).
 ENDED = "ENDED"
 #: delete's info when the member runs in a process its worker can stop: it is marked deleted and
@@ -101,12 +120,12 @@ class Release:
     token: str
     retries: int
     envelope: bytes
-    published: bool = False   # the gate published it itself (Gate(direct=...)); nothing to send
+    published: bool = False  # the gate published it itself (Gate(direct=...)); nothing to send
 
 
 @dataclass(frozen=True)
 class Outcome:
-    status: int         # the script's status, as its enum (:data:`REPLIES`)
+    status: int  # the script's status, as its enum (:data:`REPLIES`)
     info: str
     release: Optional[Release]
 
@@ -126,17 +145,17 @@ class Scan:
     now_ms: int
     due: list[str]
     lapsed: list[str]
-    next_ms: Optional[int]    # earliest future entry of either index; None when there is none
+    next_ms: Optional[int]  # earliest future entry of either index; None when there is none
 
 
 @dataclass(frozen=True)
 class ThreadSnapshot:
     thread_id: str
     active: dict[str, str]
-    waiting: list[tuple[str, int]]      # (task id, scheduled_at ms) in release order
+    waiting: list[tuple[str, int]]  # (task id, scheduled_at ms) in release order
     records: dict[str, bytes]
     due_at: Optional[int]
-    paused: Optional[str] = None        # the pause's reason, when the thread is paused
+    paused: Optional[str] = None  # the pause's reason, when the thread is paused
 
 
 @dataclass(frozen=True)

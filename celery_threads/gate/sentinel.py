@@ -9,6 +9,7 @@ client is redis-py's :meth:`redis.sentinel.Sentinel.master_for`: each new connec
 sentinels for the master, and a connection to a server that is no longer the master breaks
 (``READONLY`` or a closed socket), so the gate client's retries reconnect to the new one.
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -27,7 +28,7 @@ SENTINEL_KEYS = ("master_name", "sentinel_kwargs", "min_other_sentinels")
 
 
 def is_sentinel_url(url: str) -> bool:
-    return url[:len(SCHEME)].lower() == SCHEME
+    return url[: len(SCHEME)].lower() == SCHEME
 
 
 class SentinelAddress:
@@ -42,7 +43,8 @@ class SentinelAddress:
             if not is_sentinel_url(part):
                 raise ConfigurationError(
                     f"threads_redis_url: {part!r} is not a sentinel:// address; write every "
-                    "sentinel as sentinel://host:port, separated by ';'.")
+                    "sentinel as sentinel://host:port, separated by ';'."
+                )
             try:
                 parsed = urlsplit(part)
                 port = parsed.port or DEFAULT_PORT
@@ -55,15 +57,13 @@ class SentinelAddress:
             path = parsed.path.strip("/")
             if path:
                 if not path.isdigit():
-                    raise ConfigurationError(
-                        f"threads_redis_url: {part!r}: the database must be a number.")
+                    raise ConfigurationError(f"threads_redis_url: {part!r}: the database must be a number.")
                 self.db = int(path)
         if not self.sentinels:
             raise ConfigurationError("threads_redis_url names no sentinel.")
 
 
-def master_client(url: str, kwargs: Mapping[str, Any],
-                  options: Optional[Mapping[str, Any]]) -> redis.Redis:
+def master_client(url: str, kwargs: Mapping[str, Any], options: Optional[Mapping[str, Any]]) -> redis.Redis:
     """A client of the master that ``options["master_name"]`` names, found through the sentinels
     of ``url``.  ``kwargs``: the gate client's connection options (retries, timeouts) and the
     user's, for the master's connections."""
@@ -73,7 +73,8 @@ def master_client(url: str, kwargs: Mapping[str, Any],
         raise ConfigurationError(
             "threads_redis_url is a sentinel:// URL: set threads_redis_options={'master_name': "
             "...} (or broker_transport_options, when the gate is the broker's Sentinel) to the "
-            "name the sentinels monitor.")
+            "name the sentinels monitor."
+        )
     address = SentinelAddress(url)
     connection = dict(kwargs)
     for key in SENTINEL_KEYS:
@@ -83,8 +84,11 @@ def master_client(url: str, kwargs: Mapping[str, Any],
         connection.setdefault("password", address.password)
         if address.username:
             connection.setdefault("username", address.username)
-    sentinel = Sentinel(address.sentinels,
-                        min_other_sentinels=int(options.get("min_other_sentinels") or 0),
-                        sentinel_kwargs=options.get("sentinel_kwargs"), **connection)
+    sentinel = Sentinel(
+        address.sentinels,
+        min_other_sentinels=int(options.get("min_other_sentinels") or 0),
+        sentinel_kwargs=options.get("sentinel_kwargs"),
+        **connection,
+    )
     client: redis.Redis = sentinel.master_for(str(master_name), redis_class=redis.Redis)
     return client

@@ -4,6 +4,7 @@ dropped in batches), and turns their replies into Python values; its plain reads
 :class:`~.reads.GateReads`' (``Gate.reads``).  It never publishes to the broker
 (:mod:`celery_threads.publish`) and never decides policy (the task and worker modules).
 """
+
 from __future__ import annotations
 
 import functools
@@ -68,20 +69,29 @@ class Gate:
     enqueue is sent again for up to ``replicated_budget`` seconds first.
     """
 
-    def __init__(self, client: redis.Redis, keys: Keys, *, release_timeout_ms: int,
-                 keepalive_ms: int = 30_000, clock: Optional[Callable[[], int]] = None,
-                 direct: Optional[ReleasePush] = None, functions: bool = True,
-                 wait_replicas: int = 0) -> None:
+    def __init__(
+        self,
+        client: redis.Redis,
+        keys: Keys,
+        *,
+        release_timeout_ms: int,
+        keepalive_ms: int = 30_000,
+        clock: Optional[Callable[[], int]] = None,
+        direct: Optional[ReleasePush] = None,
+        functions: bool = True,
+        wait_replicas: int = 0,
+    ) -> None:
         self.client = client
         if wait_replicas > 0 and cluster.is_cluster(client):
             raise ConfigurationError(
                 "threads_wait_replicas is not supported on a Redis Cluster (each master has its "
-                "own replicas): set it to 0, or point the gate at a single Redis or Sentinel")
+                "own replicas): set it to 0, or point the gate at a single Redis or Sentinel"
+            )
         self.wait = (wait_replicas, wait_timeout_ms(keepalive_ms)) if wait_replicas > 0 else None
         self.replicated_budget = RETRY_BUDGET
         self.direct = direct
         self._direct_arg = direct.argument() if direct is not None else ""
-        self.keepalive_ms = keepalive_ms    # the lease a claim or a renewal gives
+        self.keepalive_ms = keepalive_ms  # the lease a claim or a renewal gives
         self._keepalive_text = f"{keepalive_ms / 1000:g}s"
         self.keys = keys
         self.release_timeout_ms = release_timeout_ms
@@ -92,47 +102,62 @@ class Gate:
         }
         self.library = function_library()
         # On a cluster, a line to each master, picked by the call's shard (cluster.py).
-        self._line = (cluster.ClusterScriptLine(cast(Any, client),
-                                                self.library if functions else None,
-                                                keys.all_shards())
-                      if cluster.is_cluster(client)
-                      else ScriptLine(client, self.library if functions else None,
-                                      _pack(("WAIT", *self.wait)) if self.wait else b""))
-        self._functions = (cluster.Functions(client, self.library.source, self.library.functions)
-                           if functions and cluster.is_cluster(client) else None)
-        self._packers = [_Packer(shard, release_timeout_ms, self._direct_arg)
-                         for shard in keys.all_shards()]
-        self._heads = {name: self._packers[0].head(script.sha)
-                       for name, script in self._scripts.items()}
-        self._fcall_heads = {name: self._packers[0].head(function, b"FCALL")
-                             for name, function in self.library.functions.items()}
-        self._trim_dead = client.register_script(_load_lua("_clock.lua") + "\n"
-                                                 + _load_lua("trim_dead.lua"))
+        self._line = (
+            cluster.ClusterScriptLine(
+                cast(Any, client), self.library if functions else None, keys.all_shards()
+            )
+            if cluster.is_cluster(client)
+            else ScriptLine(
+                client, self.library if functions else None, _pack(("WAIT", *self.wait)) if self.wait else b""
+            )
+        )
+        self._functions = (
+            cluster.Functions(client, self.library.source, self.library.functions)
+            if functions and cluster.is_cluster(client)
+            else None
+        )
+        self._packers = [_Packer(shard, release_timeout_ms, self._direct_arg) for shard in keys.all_shards()]
+        self._heads = {name: self._packers[0].head(script.sha) for name, script in self._scripts.items()}
+        self._fcall_heads = {
+            name: self._packers[0].head(function, b"FCALL")
+            for name, function in self.library.functions.items()
+        }
+        self._trim_dead = client.register_script(_load_lua("_clock.lua") + "\n" + _load_lua("trim_dead.lua"))
 
     # -- plumbing ---------------------------------------------------------------------------
     def _arguments(self, thread_id: str, args: Sequence[Any]) -> tuple[list[str], list[Any]]:
         keys = self.keys.thread(thread_id)
-        argv = [clock_argument(self.clock), thread_id, self.release_timeout_ms, keys.shard.wake_channel,
-                self._direct_arg, *args]
+        argv = [
+            clock_argument(self.clock),
+            thread_id,
+            self.release_timeout_ms,
+            keys.shard.wake_channel,
+            self._direct_arg,
+            *args,
+        ]
         return keys.script_keys(), argv
 
-    def _command(self, name: str, thread_id: str, args: Sequence[Any],
-                 arguments: Optional[tuple[list[str], list[Any]]] = None,
-                 functions: bool = False) -> bytes:
+    def _command(
+        self,
+        name: str,
+        thread_id: str,
+        args: Sequence[Any],
+        arguments: Optional[tuple[list[str], list[Any]]] = None,
+        functions: bool = False,
+    ) -> bytes:
         """The packed EVALSHA of a script call (the call :meth:`_run` makes through the client),
         or with ``functions`` the FCALL of the library's function.  With the model's clock,
         ``arguments`` (from :meth:`_arguments`) carry its reading."""
         if self.clock is not None:
             script_keys, argv = arguments or self._arguments(thread_id, args)
-            head = (("FCALL", self.library.functions[name]) if functions
-                    else ("EVALSHA", self._scripts[name].sha))
+            head = (
+                ("FCALL", self.library.functions[name]) if functions else ("EVALSHA", self._scripts[name].sha)
+            )
             return _pack((*head, len(script_keys), *script_keys, *argv))
         packer = self._packers[self.keys.shard_of(thread_id)]
-        return packer.pack((self._fcall_heads if functions else self._heads)[name], thread_id,
-                           args)
+        return packer.pack((self._fcall_heads if functions else self._heads)[name], thread_id, args)
 
-    def _run(self, name: str, thread_id: str, *args: Any, client: Any = None,
-             fence: bool = False) -> Any:
+    def _run(self, name: str, thread_id: str, *args: Any, client: Any = None, fence: bool = False) -> Any:
         """``fence`` (with ``wait_replicas``): a write of the call's own connection after the
         script, so that its ``WAIT`` covers every write made before it, even when the script
         wrote nothing (:meth:`_replicated`)."""
@@ -141,15 +166,20 @@ class Gate:
         if client is None and self._line is not None and not fence:
             reply = self._line.call(
                 lambda functions: self._command(name, thread_id, args, arguments, functions),
-                self.keys.shard_of(thread_id))
+                self.keys.shard_of(thread_id),
+            )
             if reply is not _MISSED:
                 return self._confirmed(*reply) if self.wait else reply
         # Loads the script when the server does not have it; rides out outages with retries.
         script_keys, argv = arguments or self._arguments(thread_id, args)
         if client is None and self._functions is not None:
-            return self._functions.call(name, script_keys, argv, functools.partial(
-                self._scripts[name], keys=script_keys, args=argv, client=self.client))
-        if client is None and self.wait:    # WAIT on the script's own connection: a pipeline
+            return self._functions.call(
+                name,
+                script_keys,
+                argv,
+                functools.partial(self._scripts[name], keys=script_keys, args=argv, client=self.client),
+            )
+        if client is None and self.wait:  # WAIT on the script's own connection: a pipeline
             pipe = self.client.pipeline(transaction=False)
             self._scripts[name](keys=script_keys, args=argv, client=pipe)
             if fence:
@@ -166,34 +196,46 @@ class Gate:
             raise NotReplicated(
                 f"{int(replicas)} of the {self.wait[0]} replicas (threads_wait_replicas) "
                 f"confirmed a gate transition within {self.wait[1]} ms; it counts as not done",
-                reply)
+                reply,
+            )
         return reply
 
-    def _outcome(self, name: str, thread_id: str, reply: Sequence[Any],
-                 own: bytes = b"") -> Outcome:
+    def _outcome(self, name: str, thread_id: str, reply: Sequence[Any], own: bytes = b"") -> Outcome:
         """``name``'s reply; ``own``: the envelope the call sent, which a reply releasing it
         leaves out."""
         status, info = REPLIES.get(name, Done)(int(reply[0])), _text(reply[1])
         release = None
         if len(reply) > 5:
             published = int(reply[5]) == 1
-            release = Release(thread_id, _text(reply[2]), _text(reply[3]), 0,
-                              b"" if published else own, published=published)
+            release = Release(
+                thread_id, _text(reply[2]), _text(reply[3]), 0, b"" if published else own, published=published
+            )
         elif len(reply) > 2:
             record = parse_record(reply[4])
-            release = Release(thread_id, _text(reply[2]), _text(reply[3]), record.retries,
-                              record.envelope)
+            release = Release(thread_id, _text(reply[2]), _text(reply[3]), record.retries, record.envelope)
         return Outcome(status, info, release)
 
     def _call(self, name: str, thread_id: str, *args: Any) -> Outcome:
         return self._outcome(name, thread_id, self._run(name, thread_id, *args))
 
     # -- transitions --------------------------------------------------------------------------
-    def enqueue(self, thread_id: str, task_id: str, envelope: bytes, *, delay_ms: int = 0,
-                at_ms: Optional[int] = None, max_retries: Optional[int] = None,
-                retry_delay_ms: int = 0, replaced: int = 0, policy: str = "",
-                max_waiting: Optional[int] = None, coalesce: Optional[str] = None,
-                debounce_ms: int = 0, debounce_max_ms: int = 0) -> Outcome:
+    def enqueue(
+        self,
+        thread_id: str,
+        task_id: str,
+        envelope: bytes,
+        *,
+        delay_ms: int = 0,
+        at_ms: Optional[int] = None,
+        max_retries: Optional[int] = None,
+        retry_delay_ms: int = 0,
+        replaced: int = 0,
+        policy: str = "",
+        max_waiting: Optional[int] = None,
+        coalesce: Optional[str] = None,
+        debounce_ms: int = 0,
+        debounce_max_ms: int = 0,
+    ) -> Outcome:
         """A new member.  ``replaced``: the ``replaced_task_nesting`` of a replacement
         (``Task.replace``), admitted once although its task id (the replaced task's) ended in the
         last 30 s (lua/enqueue.lua).  ``policy``: the member's, kept in its record
@@ -206,12 +248,31 @@ class Gate:
         mode, value = ("at", at_ms) if at_ms is not None else ("in", max(0, delay_ms))
         extra: tuple[Any, ...] = (replaced,) if replaced else ()
         if policy or max_waiting is not None or coalesce is not None:
-            extra = (replaced or "", policy, "" if max_waiting is None else int(max_waiting),
-                     "" if coalesce is None else
-                     f"{int(debounce_ms)}|{int(debounce_max_ms)}|{coalesce}")
-        return self._outcome("enqueue", thread_id, self._replicated(lambda fence: self._run(
-            "enqueue", thread_id, task_id, mode, value, _max_retries(max_retries), retry_delay_ms,
-            envelope, *extra, fence=fence)), own=envelope)
+            extra = (
+                replaced or "",
+                policy,
+                "" if max_waiting is None else int(max_waiting),
+                "" if coalesce is None else f"{int(debounce_ms)}|{int(debounce_max_ms)}|{coalesce}",
+            )
+        return self._outcome(
+            "enqueue",
+            thread_id,
+            self._replicated(
+                lambda fence: self._run(
+                    "enqueue",
+                    thread_id,
+                    task_id,
+                    mode,
+                    value,
+                    _max_retries(max_retries),
+                    retry_delay_ms,
+                    envelope,
+                    *extra,
+                    fence=fence,
+                )
+            ),
+            own=envelope,
+        )
 
     def _replicated(self, send: Callable[[bool], Any]) -> Any:
         """``send(fence)``, sent again while the replicas do not confirm it
@@ -233,8 +294,9 @@ class Gate:
             except NotReplicated as exc:
                 if first is None:
                     first = exc.reply
-                if (time.monotonic() + pause > deadline
-                        or caller_deadline.backoff(pause) < pause):   # the caller's bound
+                if (
+                    time.monotonic() + pause > deadline or caller_deadline.backoff(pause) < pause
+                ):  # the caller's bound
                     raise
                 time.sleep(pause)
                 pause = min(1.0, pause * 2)
@@ -244,14 +306,28 @@ class Gate:
     def release(self, thread_id: str) -> Outcome:
         return self._call("release", thread_id)
 
-    def claim(self, thread_id: str, task_id: str, token: str,
-              worker: str, claimant: str = "", *, stoppable: bool = False) -> Claim:
-        return self.claim_with_time(thread_id, task_id, token, worker, claimant,
-                                    stoppable=stoppable)[0]
+    def claim(
+        self,
+        thread_id: str,
+        task_id: str,
+        token: str,
+        worker: str,
+        claimant: str = "",
+        *,
+        stoppable: bool = False,
+    ) -> Claim:
+        return self.claim_with_time(thread_id, task_id, token, worker, claimant, stoppable=stoppable)[0]
 
-    def claim_with_time(self, thread_id: str, task_id: str, token: str,
-                        worker: str, claimant: str = "", *,
-                        stoppable: bool = False) -> tuple[Claim, int]:
+    def claim_with_time(
+        self,
+        thread_id: str,
+        task_id: str,
+        token: str,
+        worker: str,
+        claimant: str = "",
+        *,
+        stoppable: bool = False,
+    ) -> tuple[Claim, int]:
         """``claim``'s status, and the Redis server's time of the claim (ms; 0 unless claimed).
 
         ``claimant``: this delivery's own id; only it renews the lease (:meth:`renew`), and the
@@ -259,13 +335,15 @@ class Gate:
         ``stoppable``: the claiming process can be stopped from outside (a prefork pool
         process), so that a delete of the running member waits until it has stopped
         (:meth:`delete` with ``stop``)."""
-        reply = self._run("claim", thread_id, task_id, token, self.keepalive_ms, worker, claimant,
-                          "1" if stoppable else "")
+        reply = self._run(
+            "claim", thread_id, task_id, token, self.keepalive_ms, worker, claimant, "1" if stoppable else ""
+        )
         status = Claim(int(reply[0]))
         return status, int(_text(reply[1])) if status == Claim.CLAIMED else 0
 
-    def renew(self, thread_id: str, task_id: str, token: str, claimant: str = "", *,
-              for_ms: Optional[int] = None) -> Renewal:
+    def renew(
+        self, thread_id: str, task_id: str, token: str, claimant: str = "", *, for_ms: Optional[int] = None
+    ) -> Renewal:
         """Renew the lease of a RUNNING member for its ``claimant``, or (no claimant) the release
         deadline of a RELEASED one: ``RENEWED``, ``STALE`` (the token no longer holds the
         thread), or ``NOT_YOURS`` (claimed by another delivery, or the claim is gone).  The
@@ -277,8 +355,7 @@ class Gate:
     def renew_many(self, members: Sequence[tuple[str, str, str]]) -> list[Renewal]:
         """Renew the release deadlines of ``(thread_id, task_id, token)`` members a worker holds
         unclaimed, in one round trip; a status per member as :meth:`renew`'s."""
-        replies = self._pipeline("renew", [(t, (k, tok, self.keepalive_ms))
-                                           for t, k, tok in members])
+        replies = self._pipeline("renew", [(t, (k, tok, self.keepalive_ms)) for t, k, tok in members])
         return [Renewal(int(r[0])) for r in replies]
 
     def hand_back(self, members: Sequence[tuple[str, str, str]]) -> list[Outcome]:
@@ -298,10 +375,16 @@ class Gate:
     # tells the call sent again after its reply was lost from any other call.  A fresh one by
     # default: the client's own retries send the same arguments; a caller that sends an ending
     # again itself (a pool process keeping it through an outage) passes the same id each time.
-    def finish(self, thread_id: str, task_id: str, token: str, *,
-               keep_release: bool = False,
-               claim: Optional[tuple[str, str]] = None,
-               caller: Optional[str] = None) -> Outcome:
+    def finish(
+        self,
+        thread_id: str,
+        task_id: str,
+        token: str,
+        *,
+        keep_release: bool = False,
+        claim: Optional[tuple[str, str]] = None,
+        caller: Optional[str] = None,
+    ) -> Outcome:
         """The member ended; the next one is released.  ``keep_release``: the release comes back
         to the caller, who runs it (in-process handoff), even where the gate would publish it.
         ``claim`` (with ``keep_release``): ``(worker, claimant)``, and the released member is
@@ -313,31 +396,74 @@ class Gate:
         ``keep_release``."""
         if claim is not None and not keep_release:
             raise ValueError("finish(claim=...) needs keep_release=True")
-        handoff = (("1", *((self.keepalive_ms, *claim) if claim else ("", "", "")))
-                   if keep_release else ("", "", "", ""))
-        return self._call("finish", thread_id, task_id, token, *handoff, call_id(caller),
-                          "1" if claim is not None else "")
+        handoff = (
+            ("1", *((self.keepalive_ms, *claim) if claim else ("", "", "")))
+            if keep_release
+            else ("", "", "", "")
+        )
+        return self._call(
+            "finish", thread_id, task_id, token, *handoff, call_id(caller), "1" if claim is not None else ""
+        )
 
-    def requeue(self, thread_id: str, task_id: str, token: str, *, retries: int,
-                delay_ms: int = 0, at_ms: Optional[int] = None,
-                envelope: bytes = b"", caller: Optional[str] = None) -> Outcome:
+    def requeue(
+        self,
+        thread_id: str,
+        task_id: str,
+        token: str,
+        *,
+        retries: int,
+        delay_ms: int = 0,
+        at_ms: Optional[int] = None,
+        envelope: bytes = b"",
+        caller: Optional[str] = None,
+    ) -> Outcome:
         mode, value = ("at", at_ms) if at_ms is not None else ("in", max(0, delay_ms))
-        return self._call("requeue", thread_id, task_id, token, mode, value, retries, envelope,
-                          "", "", call_id(caller))
+        return self._call(
+            "requeue", thread_id, task_id, token, mode, value, retries, envelope, "", "", call_id(caller)
+        )
 
-    def replace(self, thread_id: str, task_id: str, token: str, envelope: bytes, *,
-                at_ms: Optional[int] = None, max_retries: Optional[int] = None,
-                retry_delay_ms: int = 0, caller: Optional[str] = None) -> Outcome:
+    def replace(
+        self,
+        thread_id: str,
+        task_id: str,
+        token: str,
+        envelope: bytes,
+        *,
+        at_ms: Optional[int] = None,
+        max_retries: Optional[int] = None,
+        retry_delay_ms: int = 0,
+        caller: Optional[str] = None,
+    ) -> Outcome:
         """The active member's replacement (``Task.replace``, same task id, same thread) takes its
         place: the member re-enters WAITING with the replacement's message and retry settings,
         retries 0, its arrival order and (unless ``at_ms`` is given) its scheduled_at kept."""
         mode, value = ("at", at_ms) if at_ms is not None else ("keep", 0)
-        return self._call("requeue", thread_id, task_id, token, mode, value, 0, envelope,
-                          _max_retries(max_retries), retry_delay_ms, call_id(caller))
+        return self._call(
+            "requeue",
+            thread_id,
+            task_id,
+            token,
+            mode,
+            value,
+            0,
+            envelope,
+            _max_retries(max_retries),
+            retry_delay_ms,
+            call_id(caller),
+        )
 
-    def kill(self, thread_id: str, task_id: str, token: str, meta: dict[str, Any], *,
-             keep: bool = True, caller: Optional[str] = None, fenced: bool = False,
-             holder: Optional[str] = None) -> Outcome:
+    def kill(
+        self,
+        thread_id: str,
+        task_id: str,
+        token: str,
+        meta: dict[str, Any],
+        *,
+        keep: bool = True,
+        caller: Optional[str] = None,
+        fenced: bool = False,
+        holder: Optional[str] = None,
+    ) -> Outcome:
         """The member died.  ``fenced``: ``caller`` is the claimant it ran under (a worker's own
         ending), and a member RUNNING for another claimant (after a lost claim) is not killed.
         ``holder``: the claimant prefix of the worker process that ran it
@@ -345,14 +471,30 @@ class Gate:
         no process started), when the worker's main process ends it: a member RUNNING under
         another process's claim is not killed."""
         meta = {"thread_id": thread_id, **meta}
-        return self._call("kill", thread_id, task_id, token, "1" if keep else "0",
-                          json.dumps(meta, default=repr), call_id(caller), "1" if fenced else "",
-                          holder or "")
+        return self._call(
+            "kill",
+            thread_id,
+            task_id,
+            token,
+            "1" if keep else "0",
+            json.dumps(meta, default=repr),
+            call_id(caller),
+            "1" if fenced else "",
+            holder or "",
+        )
 
-    def delete(self, task_id: str, *, token: str = "", only_waiting: bool = False,
-               only_released: bool = False, stop: bool = False,
-               thread_id: Optional[str] = None, caller: Optional[str] = None,
-               holder: Optional[str] = None) -> Outcome:
+    def delete(
+        self,
+        task_id: str,
+        *,
+        token: str = "",
+        only_waiting: bool = False,
+        only_released: bool = False,
+        stop: bool = False,
+        thread_id: Optional[str] = None,
+        caller: Optional[str] = None,
+        holder: Optional[str] = None,
+    ) -> Outcome:
         """Detach a member; pass ``thread_id`` when it is known, to save looking it up.
         ``only_waiting``: only a WAITING member; ``only_released``: only the active member
         RELEASED under ``token`` (not once a worker has claimed it).  ``stop``: a member RUNNING
@@ -364,25 +506,33 @@ class Gate:
         if thread_id is None:
             return Outcome(Done.NOOP, "", None)
         mode = "1" if only_waiting else "2" if only_released else "3" if stop else "0"
-        return self._call("delete", thread_id, task_id, token, mode, call_id(caller),
-                          holder or "")
+        return self._call("delete", thread_id, task_id, token, mode, call_id(caller), holder or "")
 
     def expire(self, thread_id: str) -> Outcome:
         return self._call("expire", thread_id, MAX_REPUBLISH_BACKOFF, self._keepalive_text)
 
-    def fail(self, thread_id: str, task_id: str, token: str, reason: str, *,
-             caller: Optional[str] = None, holder: Optional[str] = None) -> Outcome:
+    def fail(
+        self,
+        thread_id: str,
+        task_id: str,
+        token: str,
+        reason: str,
+        *,
+        caller: Optional[str] = None,
+        holder: Optional[str] = None,
+    ) -> Outcome:
         """A failed attempt the task itself could not report: retry if retries remain, else die.
         ``holder``: the lost pool process's claimant prefix (see :meth:`kill`)."""
-        return self._call("fail", thread_id, task_id, token, reason, call_id(caller),
-                          holder or "")
+        return self._call("fail", thread_id, task_id, token, reason, call_id(caller), holder or "")
 
     def pause(self, thread_id: str, reason: str) -> Outcome:
         """Stop releasing the thread's members until :meth:`resume` (lua/pause.lua): status
         ``PAUSED``, or ``ALREADY_PAUSED`` (the reason is replaced)."""
         if reason.startswith(HOLD_MARK):
-            raise ValueError("a pause's reason cannot start with a NUL character (it marks the "
-                             "pauses that on_death='hold' makes)")
+            raise ValueError(
+                "a pause's reason cannot start with a NUL character (it marks the "
+                "pauses that on_death='hold' makes)"
+            )
         return self._call("pause", thread_id, reason)
 
     def resume(self, thread_id: str) -> Outcome:
@@ -390,24 +540,33 @@ class Gate:
         ``NOT_PAUSED``."""
         return self._call("resume", thread_id)
 
-    def restart(self, task_id: str, *, max_retries: Optional[int] = None,
-                retry_delay_ms: int = 0, thread_id: Optional[str] = None) -> Outcome:
+    def restart(
+        self,
+        task_id: str,
+        *,
+        max_retries: Optional[int] = None,
+        retry_delay_ms: int = 0,
+        thread_id: Optional[str] = None,
+    ) -> Outcome:
         """Re-enter a dead task; pass ``thread_id`` (its dead record's) when it is known."""
         if thread_id is None:
             record = self.reads.dead_record(task_id)
             if record is None:
                 return Outcome(Done.NOOP, "", None)
             thread_id = str(record.meta["thread_id"])
-        return self._call("restart", thread_id, task_id, _max_retries(max_retries),
-                          retry_delay_ms)
+        return self._call("restart", thread_id, task_id, _max_retries(max_retries), retry_delay_ms)
 
-    def redrive(self, thread_id: str, letters: Sequence[tuple[str, Optional[int], int]], *,
-                caller: Optional[str] = None) -> tuple[list[Redriven], Optional[Release]]:
+    def redrive(
+        self,
+        thread_id: str,
+        letters: Sequence[tuple[str, Optional[int], int]],
+        *,
+        caller: Optional[str] = None,
+    ) -> tuple[list[Redriven], Optional[Release]]:
         """Put dead letters of ``thread_id``, ``(task id, max_retries, retry_delay_ms)`` each
         (at most :data:`OPERATOR_BATCH` per call), back at their original place in one script
         (lua/redrive.lua); a code per letter, and the release of the thread's head, if any."""
-        args = [a for task_id, maxr, delay in letters
-                for a in (task_id, _max_retries(maxr), delay)]
+        args = [a for task_id, maxr, delay in letters for a in (task_id, _max_retries(maxr), delay)]
         outcome = self._call("redrive", thread_id, call_id(caller), *args)
         return [Redriven(c) for c in outcome.info], outcome.release
 
@@ -417,15 +576,21 @@ class Gate:
         _, left, dropped = self._run("purge", thread_id, limit)
         return [_text(t) for t in dropped], int(left)
 
-    def trim_dead(self, shard: ShardKeys, keep: Optional[int], ttl_ms: Optional[int],
-                  limit: int = OPERATOR_BATCH) -> tuple[int, bool]:
+    def trim_dead(
+        self, shard: ShardKeys, keep: Optional[int], ttl_ms: Optional[int], limit: int = OPERATOR_BATCH
+    ) -> tuple[int, bool]:
         """Dead-letter retention on ``shard``: drop its oldest letters past ``keep`` letters or
         older than ``ttl_ms``, at most ``limit`` (lua/trim_dead.lua).  How many were dropped, and
         whether more are due."""
         dropped, more = self._trim_dead(
             keys=[shard.dead, shard.dead_records, shard.dead_dropped],
-            args=[clock_argument(self.clock), "" if keep is None else keep,
-                  "" if ttl_ms is None else ttl_ms, limit])
+            args=[
+                clock_argument(self.clock),
+                "" if keep is None else keep,
+                "" if ttl_ms is None else ttl_ms,
+                limit,
+            ],
+        )
         return int(dropped), bool(int(more))
 
     def release_many(self, thread_ids: Sequence[str]) -> list[Outcome]:
@@ -449,16 +614,18 @@ class Gate:
             pipe.wait(*self.wait)
             *replies, replicas = pipe.execute()
             return list(self._confirmed(replies, replicas))
-        return cluster.rerun_unrun(pipe.execute(raise_on_error=False),
-                            lambda i: self._run(name, calls[i][0], *calls[i][1]))
+        return cluster.rerun_unrun(
+            pipe.execute(raise_on_error=False), lambda i: self._run(name, calls[i][0], *calls[i][1])
+        )
 
     def note_deleted(self, thread_id: str, task_id: str, ttl: int = 600) -> None:
         self.client.set(self.keys.thread(thread_id).shard.deleted_note(task_id), 1, ex=ttl)
 
     def take_deleted_note(self, task_id: str) -> bool:
         """True once per note: elects the one worker that announces a deleted member."""
-        return any(self.client.getdel(shard.deleted_note(task_id)) is not None
-                   for shard in self.keys.all_shards())
+        return any(
+            self.client.getdel(shard.deleted_note(task_id)) is not None for shard in self.keys.all_shards()
+        )
 
     def forget(self, task_id: str) -> Outcome:
         """Drop a dead letter (lua/forget.lua): ``DONE`` if it was in the store, with the release
@@ -472,8 +639,7 @@ class Gate:
     def forget_batch(self, shard: ShardKeys, up_to: int, limit: int) -> list[str]:
         """Forget at most ``limit`` of ``shard``'s dead tasks, oldest first, among those whose
         score is at most ``up_to`` (:meth:`.GateReads.last_death`); the ids forgotten.  O(limit log n)."""
-        ids = [_text(t) for t in self.client.zrangebyscore(shard.dead, "-inf", up_to,
-                                                            start=0, num=limit)]
+        ids = [_text(t) for t in self.client.zrangebyscore(shard.dead, "-inf", up_to, start=0, num=limit)]
         if not ids:
             return []
         pipe = self.client.pipeline(transaction=True)

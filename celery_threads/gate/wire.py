@@ -2,6 +2,7 @@
 reply parser (redis-py's private parts behind :mod:`celery_threads.seams`); anything unusual goes
 the client's way.
 """
+
 from __future__ import annotations
 
 import logging
@@ -25,8 +26,7 @@ logger = logging.getLogger(__name__)
 
 _MISSED = object()
 #: A cluster master's refusals of a call it did not run (the client's way follows them).
-_REDIRECTED = (redis.exceptions.AskError, redis.exceptions.TryAgainError,
-               redis.exceptions.ClusterDownError)
+_REDIRECTED = (redis.exceptions.AskError, redis.exceptions.TryAgainError, redis.exceptions.ClusterDownError)
 
 
 class ScriptLine:
@@ -46,8 +46,7 @@ class ScriptLine:
     assumed, every call goes the client's way.
     """
 
-    def __init__(self, client: redis.Redis, library: Optional[Library] = None,
-                 then: bytes = b"") -> None:
+    def __init__(self, client: redis.Redis, library: Optional[Library] = None, then: bytes = b"") -> None:
         pool = client.connection_pool
         self._connect: Callable[[], Any] = lambda: pool.connection_class(**pool.connection_kwargs)
         self._local = threading.local()
@@ -55,7 +54,7 @@ class ScriptLine:
         #: a command sent after each call on the same connection (the gate's WAIT): the call
         #: then returns both replies, as a tuple
         self._then = then
-        self._usable = True         # false once the seam turned out not to hold: the client's way
+        self._usable = True  # false once the seam turned out not to hold: the client's way
 
     def call(self, command: Callable[[bool], bytes], shard: int = 0) -> Any:
         """The reply to ``command(functions)`` (a packed ``FCALL`` of the library's function when
@@ -71,14 +70,14 @@ class ScriptLine:
             if not self._usable:
                 return _MISSED
             self._open()
-            return _MISSED          # this call goes the client's way; the next ones come here
-        conn = local.conn           # kept: _drop below forgets it, its parser still names errors
+            return _MISSED  # this call goes the client's way; the next ones come here
+        conn = local.conn  # kept: _drop below forgets it, its parser still names errors
         try:
-            bound = getattr(conn, "_bound_socket", None)     # the caller's deadline (.deadline)
+            bound = getattr(conn, "_bound_socket", None)  # the caller's deadline (.deadline)
             if bound is not None:
                 bound()
         except redis.TimeoutError:
-            return _MISSED          # no time left: the client's way says so
+            return _MISSED  # no time left: the client's way says so
         try:
             packed = command(local.functions)
             sock.sendall(packed + self._then)
@@ -92,7 +91,7 @@ class ScriptLine:
                     replies.append(reply)
                 except _Incomplete:
                     more = sock.recv(65536)
-                    if not more:    # closed in the middle of a reply (or before it)
+                    if not more:  # closed in the middle of a reply (or before it)
                         raise ConnectionError("connection closed by the server") from None
                     data += more
         except OSError as exc:
@@ -100,23 +99,22 @@ class ScriptLine:
             self._drop()
             return _MISSED
         deadline.note_answered()
-        if end != len(data):        # never seen: one command at a time on this connection
+        if end != len(data):  # never seen: one command at a time on this connection
             self._drop()
         reply = replies[0]
         if self._then and isinstance(replies[1], _ErrorReply):
-            self._drop()            # WAIT refused: a replica now (the script only read)
+            self._drop()  # WAIT refused: a replica now (the script only read)
             return _MISSED
         if isinstance(reply, _ErrorReply):
             error = seams.parse_error(conn, reply.message)
             if isinstance(error, redis.exceptions.NoScriptError):
                 return _MISSED
             if reply.message.startswith("ERR Function not found"):
-                self._drop()        # FUNCTION FLUSH or DELETE: the next connection loads it
+                self._drop()  # FUNCTION FLUSH or DELETE: the next connection loads it
                 return _MISSED
             # READONLY: the server is a replica now (a Sentinel failover); the client's way
             # finds the master.
-            if isinstance(error, (redis.ConnectionError, redis.TimeoutError,
-                                  redis.exceptions.ReadOnlyError)):
+            if isinstance(error, (redis.ConnectionError, redis.TimeoutError, redis.exceptions.ReadOnlyError)):
                 self._drop()
                 return _MISSED
             # On a cluster: the slot is served elsewhere (MOVED, ASK) or moving (TRYAGAIN,
@@ -163,7 +161,7 @@ class ScriptLine:
             conn.disconnect()
 
 
-_foreign_libraries: set[str] = set()    # warned of once per process
+_foreign_libraries: set[str] = set()  # warned of once per process
 
 
 def _holds_library(conn: Any, library: Library) -> bool:
@@ -173,7 +171,7 @@ def _holds_library(conn: Any, library: Library) -> bool:
     try:
         conn.send_command("FUNCTION", "LIST", "LIBRARYNAME", library.name, "WITHCODE")
         listed = conn.read_response() or []
-    except redis.ResponseError:     # refused (ACL): the scripts, as when LOAD is refused
+    except redis.ResponseError:  # refused (ACL): the scripts, as when LOAD is refused
         return False
     for entry in listed:
         fields = entry if isinstance(entry, dict) else dict(zip(entry[::2], entry[1::2]))
@@ -184,10 +182,13 @@ def _holds_library(conn: Any, library: Library) -> bool:
             break
     if library.name not in _foreign_libraries:
         _foreign_libraries.add(library.name)
-        logger.warning("celery-threads: the Redis function library %s on the gate's server does "
-                       "not hold this version's code; calling the scripts (EVALSHA) instead. "
-                       "Remove it (FUNCTION DELETE %s) to use the library.", library.name,
-                       library.name)
+        logger.warning(
+            "celery-threads: the Redis function library %s on the gate's server does "
+            "not hold this version's code; calling the scripts (EVALSHA) instead. "
+            "Remove it (FUNCTION DELETE %s) to use the library.",
+            library.name,
+            library.name,
+        )
     return False
 
 
@@ -205,15 +206,15 @@ def _parse_reply(data: bytes, at: int) -> tuple[Any, int]:
     nl = data.find(b"\r\n", at)
     if nl < 0:
         raise _Incomplete
-    kind, line, at = data[at], data[at + 1:nl], nl + 2
-    if kind == 36:                  # $ bulk string
+    kind, line, at = data[at], data[at + 1 : nl], nl + 2
+    if kind == 36:  # $ bulk string
         n = int(line)
         if n < 0:
             return None, at
         if at + n + 2 > len(data):
             raise _Incomplete
-        return data[at:at + n], at + n + 2
-    if kind == 42:                  # * array
+        return data[at : at + n], at + n + 2
+    if kind == 42:  # * array
         n = int(line)
         if n < 0:
             return None, at
@@ -222,17 +223,17 @@ def _parse_reply(data: bytes, at: int) -> tuple[Any, int]:
             item, at = _parse_reply(data, at)
             items.append(item)
         return items, at
-    if kind == 58:                  # : integer
+    if kind == 58:  # : integer
         return int(line), at
-    if kind == 43:                  # + status
+    if kind == 43:  # + status
         return line, at
-    if kind == 45:                  # - error
+    if kind == 45:  # - error
         return _ErrorReply(line.decode("utf-8", "replace")), at
-    if kind == 95:                  # _ null (RESP3)
+    if kind == 95:  # _ null (RESP3)
         return None, at
-    if kind == 35:                  # # boolean (RESP3)
+    if kind == 35:  # # boolean (RESP3)
         return line == b"t", at
-    if kind == 44:                  # , double (RESP3)
+    if kind == 44:  # , double (RESP3)
         return float(line), at
     raise ConnectionError(f"unexpected reply type {chr(kind)!r} from Redis")
 
@@ -272,9 +273,8 @@ class _Packer:
                 run = b""
             else:
                 run += _bulk(key.encode())
-        self.parts.append(run + _bulk(b""))   # then the clock (empty: the server's)
-        self.settings = b"".join(_bulk(_arg(v)) for v in (release_timeout_ms,
-                                                            shard.wake_channel, direct_arg))
+        self.parts.append(run + _bulk(b""))  # then the clock (empty: the server's)
+        self.settings = b"".join(_bulk(_arg(v)) for v in (release_timeout_ms, shard.wake_channel, direct_arg))
         self.key_count = len(keys)
 
     def head(self, script: str, command: bytes = b"EVALSHA") -> bytes:

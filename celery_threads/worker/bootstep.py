@@ -6,6 +6,7 @@ wraps the revoke command, and runs the renewer of unstarted members' release dea
 thread of the operating system, so it works under every pool, gevent's included), the lease
 watchdog and the worker's dispatch loop.
 """
+
 from __future__ import annotations
 
 import logging
@@ -39,15 +40,18 @@ class ThreadsWorkerStep(bootsteps.StartStopStep):
         if problem is not None:
             # As Celery's own "Cannot connect to ...": at once, then the dispatch loop goes on
             # saying so while the gate does not answer.
-            logger.error("celery-threads: cannot reach the gate's Redis at %s (threads_redis_url): "
-                         "%s. Check that the server runs and accepts connections from here, and "
-                         "the URL's host, port, password and TLS options (threads_redis_options); "
-                         "the worker starts and keeps trying", sanitized_url(config.redis_url),
-                         f"{type(problem).__name__}: {problem}")
+            logger.error(
+                "celery-threads: cannot reach the gate's Redis at %s (threads_redis_url): "
+                "%s. Check that the server runs and accepts connections from here, and "
+                "the URL's host, port, password and TLS options (threads_redis_options); "
+                "the worker starts and keeps trying",
+                sanitized_url(config.redis_url),
+                f"{type(problem).__name__}: {problem}",
+            )
         # Before the consumer fetches a release; raises when a seam that cannot fall back does
         # not hold (the worker does not start), else logs which seams are in use.
         self.fallen = seams.check_worker(worker.app, get_runtime(worker.app).client)
-        shared.prepare(shared.pool_size(worker))   # before the pool forks
+        shared.prepare(shared.pool_size(worker))  # before the pool forks
         handoff.prepare(worker)
 
     def start(self, worker: Any) -> None:
@@ -65,15 +69,21 @@ class ThreadsWorkerStep(bootsteps.StartStopStep):
             self.loop.start()
         pool = type(getattr(worker, "pool", None)).__module__
         if "eventlet" in pool:
-            logger.warning("celery-threads: the eventlet pool is not covered: a member that holds "
-                           "its hub past threads_keepalive (%ss) loses its lease and may run beside "
-                           "the next one. Use prefork, threads, solo or gevent", runtime.config.keepalive)
-        logger.info("celery-threads: ready: gate %s, keepalive %ss, dispatch every %ss; %s",
-                    sanitized_url(runtime.config.redis_url), runtime.config.keepalive,
-                    runtime.config.dispatch_interval,
-                    "every fast path available" if not self.fallen else
-                    f"{self.fallen} fast path(s) fell back to Celery's public API (see the "
-                    "warning above)")
+            logger.warning(
+                "celery-threads: the eventlet pool is not covered: a member that holds "
+                "its hub past threads_keepalive (%ss) loses its lease and may run beside "
+                "the next one. Use prefork, threads, solo or gevent",
+                runtime.config.keepalive,
+            )
+        logger.info(
+            "celery-threads: ready: gate %s, keepalive %ss, dispatch every %ss; %s",
+            sanitized_url(runtime.config.redis_url),
+            runtime.config.keepalive,
+            runtime.config.dispatch_interval,
+            "every fast path available"
+            if not self.fallen
+            else f"{self.fallen} fast path(s) fell back to Celery's public API (see the warning above)",
+        )
 
     def stop(self, worker: Any) -> None:
         handoff.sync(worker, stopping=True)
@@ -82,7 +92,7 @@ class ThreadsWorkerStep(bootsteps.StartStopStep):
         if self.loop is not None:
             self.loop.stop()
         if self.renewer is not None:
-            self.renewer.stop()   # keeps renewing what is still held, then ends
+            self.renewer.stop()  # keeps renewing what is still held, then ends
         if self.watchdog is not None:
             self.watchdog.stop()
 

@@ -34,6 +34,7 @@ nothing more to it. Otherwise its release is published as before. The conditions
 * the next member's task is a threaded task registered here, its queue is one this worker
   consumes, its content type is accepted, and it carries no ``expires``.
 """
+
 from __future__ import annotations
 
 import logging
@@ -56,10 +57,10 @@ logger = logging.getLogger(__name__)
 
 #: Set in the worker's main process before its pool forks; read by every pool process.
 _app: Any = None
-_allowed: Any = None          # the shared flag (:func:`.shared.handoff_flag`): OFF, ON, EVENTS
-OFF, ON, EVENTS = 0, 1, 2      # EVENTS: on, and the pool process sends the task events
+_allowed: Any = None  # the shared flag (:func:`.shared.handoff_flag`): OFF, ON, EVENTS
+OFF, ON, EVENTS = 0, 1, 2  # EVENTS: on, and the pool process sends the task events
 _stopping = False
-_main_pid = 0                  # the worker's main process (prepare's)
+_main_pid = 0  # the worker's main process (prepare's)
 #: In the main process: the slots (index -> sequence number) whose member it has failed as lost,
 #: so that a later read does not report that member again (a slot is written by its pool process
 #: only, so the main process does not clear it).
@@ -168,8 +169,11 @@ def _active_task_id(member: Member) -> Optional[str]:
     try:
         [(active, _, _)] = get_runtime(_app).gate.reads.thread_summaries([member.thread_id])
     except Exception:
-        logger.exception("celery-threads: could not read the active member of thread %s from "
-                         "the gate; its lease will lapse", member.thread_id)
+        logger.exception(
+            "celery-threads: could not read the active member of thread %s from "
+            "the gate; its lease will lapse",
+            member.thread_id,
+        )
         return None
     task_id = active.get("task")
     if task_id is None or active.get("token") != member.token or not member.matches(task_id):
@@ -188,8 +192,10 @@ def shutting_down() -> None:
         return
     _stopping = True
     _allowed.value = OFF
-    logger.info("celery-threads: the worker is shutting down; its pool processes take no more "
-                "members by handoff (the broker delivers them)")
+    logger.info(
+        "celery-threads: the worker is shutting down; its pool processes take no more "
+        "members by handoff (the broker delivers them)"
+    )
 
 
 def sync(worker: Any, stopping: bool = False) -> None:
@@ -205,7 +211,7 @@ def sync(worker: Any, stopping: bool = False) -> None:
         groups = getattr(dispatcher, "groups", None)
         events = bool(dispatcher.enabled) and (not groups or "task" in groups)
     _allowed.value = OFF if _stopping else (EVENTS if events else ON)
-    if _stopping:     # set meanwhile by shutting_down, in the main thread: it wins
+    if _stopping:  # set meanwhile by shutting_down, in the main thread: it wins
         _allowed.value = OFF
 
 
@@ -236,7 +242,7 @@ def _wrap(original: Callable[..., Any]) -> Callable[..., Any]:
             return result
         finally:
             _job = None
-            if job.pending is not None:   # the job ended abnormally: the member goes out
+            if job.pending is not None:  # the job ended abnormally: the member goes out
                 _give_back(job.pending.release, job.pending.lease)
             if shared.index() is not None:
                 _note(None)
@@ -248,8 +254,7 @@ def _wrap(original: Callable[..., Any]) -> Callable[..., Any]:
     return run_job
 
 
-def finish(runtime: Runtime, task: Any, thread_id: str, task_id: str, token: str,
-           ending: Ending) -> bool:
+def finish(runtime: Runtime, task: Any, thread_id: str, task_id: str, token: str, ending: Ending) -> bool:
     """``finish`` of a member that ended in this process: the next member runs here when it can,
     else its release is published (or the gate has published it).  Returns whether the member
     ended as deleted (deleted while it ran): its successor then goes through the broker, since
@@ -260,28 +265,35 @@ def finish(runtime: Runtime, task: Any, thread_id: str, task_id: str, token: str
     if ending.sent is None:
         ending.sent = time.monotonic()
     if not ending.handoff or job is None:
-        return runtime.publish_outcome(runtime.gate.finish(
-            thread_id, task_id, token, caller=ending.caller)).info == DELETED
+        return (
+            runtime.publish_outcome(runtime.gate.finish(thread_id, task_id, token, caller=ending.caller)).info
+            == DELETED
+        )
     # One round trip: the next member is released and claimed for this process at once.
     outcome = runtime.gate.finish(
-        thread_id, task_id, token, keep_release=True,
+        thread_id,
+        task_id,
+        token,
+        keep_release=True,
         claim=(task.request.hostname or "", ending.claimant),
-        caller=ending.caller)
-    if outcome.info == DELETED:       # nothing was claimed for this process
+        caller=ending.caller,
+    )
+    if outcome.info == DELETED:  # nothing was claimed for this process
         runtime.publish(outcome.release)
         return True
     release = outcome.release
     if release is None:
         return False
     # Held (renewed) from now on: the rest of this member's trace may take a while.
-    lease = keeper(runtime).lease(release.thread_id, release.task_id, release.token,
-                                  ending.claimant, ending.sent)
+    lease = keeper(runtime).lease(
+        release.thread_id, release.task_id, release.token, ending.claimant, ending.sent
+    )
     taken = _runnable(runtime, release)
     if taken is None:
         _give_back(release, lease)
         return False
     job.pending = taken._replace(claimed_ms=int(outcome.info or 0), lease=lease)
-    _note(release)     # from now on, the worker fails it at once if this process is lost
+    _note(release)  # from now on, the worker fails it at once if this process is lost
     return False
 
 
@@ -303,26 +315,31 @@ def _give_back(release: Release, lease: Optional[Lease]) -> None:
     if lease is not None:
         keeper(runtime).drop(lease)
     try:
-        runtime.publish_outcome(runtime.gate.unclaim(release.thread_id, release.task_id,
-                                                     release.token))
+        runtime.publish_outcome(runtime.gate.unclaim(release.thread_id, release.task_id, release.token))
     except Exception:
-        logger.exception("celery-threads: could not give back %s of thread %s; its lease will "
-                         "lapse and the attempt will count as failed", release.task_id,
-                         release.thread_id)
+        logger.exception(
+            "celery-threads: could not give back %s of thread %s; its lease will "
+            "lapse and the attempt will count as failed",
+            release.task_id,
+            release.thread_id,
+        )
 
 
 def _may_take(runtime: Runtime, task: Any, job: _Job) -> bool:
-    return (_allowed is not None and _allowed.value != OFF
-            and time.monotonic() - job.started < runtime.config.local_handoff
-            and not _time_limited(task, task.request.timelimit))
+    return (
+        _allowed is not None
+        and _allowed.value != OFF
+        and time.monotonic() - job.started < runtime.config.local_handoff
+        and not _time_limited(task, task.request.timelimit)
+    )
 
 
 class _Facts(NamedTuple):
     """What this pool process needs to know of its worker, read once (``app.conf`` lookups cost
     microseconds each, on every member)."""
 
-    conf_time_limit: bool             # task_time_limit or task_soft_time_limit set
-    accepted: frozenset[str]          # content types the worker accepts
+    conf_time_limit: bool  # task_time_limit or task_soft_time_limit set
+    accepted: frozenset[str]  # content types the worker accepts
     routes: frozenset[tuple[str, str]]  # (exchange, routing key) reaching a consumed queue
 
 
@@ -336,12 +353,15 @@ def _worker_facts(app: Any) -> _Facts:
 
         routes = set()
         for queue in app.amqp.queues.consume_from.values():
-            routes.add(("", queue.name))     # the default exchange: the queue's own name
+            routes.add(("", queue.name))  # the default exchange: the queue's own name
             if queue.exchange is not None and queue.exchange.type == "direct":
                 routes.add((queue.exchange.name, queue.routing_key))
         accepted = prepare_accept_content(app.conf.accept_content)  # type: ignore[no-untyped-call]
-        _facts = _Facts(bool(app.conf.task_time_limit or app.conf.task_soft_time_limit),
-                        frozenset(accepted), frozenset(routes))
+        _facts = _Facts(
+            bool(app.conf.task_time_limit or app.conf.task_soft_time_limit),
+            frozenset(accepted),
+            frozenset(routes),
+        )
     return _facts
 
 
@@ -358,31 +378,44 @@ def _runnable(runtime: Runtime, release: Release) -> Optional[Taken]:
     try:
         header, body = decode_envelope(release.envelope)
     except UndecodableEnvelope:
-        return None    # published, and the publish kills it with the reason
+        return None  # published, and the publish kills it with the reason
     headers = dict(header["headers"])
     name = str(headers.get("task") or "")
     task = app.tasks.get(name)
     content_type = header.get("content_type")
-    if (not is_threaded(task) or headers.get("expires")
-            or header.get("compression") or not isinstance(content_type, str)
-            or content_type not in _worker_facts(app).accepted
-            or _time_limited(task, headers.get("timelimit"))
-            or (header.get("exchange") or "", header.get("routing_key"))
-            not in _worker_facts(app).routes):
+    if (
+        not is_threaded(task)
+        or headers.get("expires")
+        or header.get("compression")
+        or not isinstance(content_type, str)
+        or content_type not in _worker_facts(app).accepted
+        or _time_limited(task, headers.get("timelimit"))
+        or (header.get("exchange") or "", header.get("routing_key")) not in _worker_facts(app).routes
+    ):
         return None
-    headers.update({"retries": release.retries, "eta": None, THREAD_HEADER: release.thread_id,
-                    TOKEN_HEADER: release.token})
+    headers.update(
+        {
+            "retries": release.retries,
+            "eta": None,
+            THREAD_HEADER: release.thread_id,
+            TOKEN_HEADER: release.token,
+        }
+    )
     properties = dict(header.get("properties") or {})
-    headers.update({
-        "properties": properties,
-        "reply_to": properties.get("reply_to"),
-        "correlation_id": properties.get("correlation_id"),
-        "delivery_info": {"exchange": header.get("exchange") or "",
-                          "routing_key": header.get("routing_key"),
-                          "priority": properties.get("priority"), "redelivered": False},
-    })
-    return Taken(release, name, headers, body, content_type,
-                 str(header.get("content_encoding") or "utf-8"))
+    headers.update(
+        {
+            "properties": properties,
+            "reply_to": properties.get("reply_to"),
+            "correlation_id": properties.get("correlation_id"),
+            "delivery_info": {
+                "exchange": header.get("exchange") or "",
+                "routing_key": header.get("routing_key"),
+                "priority": properties.get("priority"),
+                "redelivered": False,
+            },
+        }
+    )
+    return Taken(release, name, headers, body, content_type, str(header.get("content_encoding") or "utf-8"))
 
 
 def _run(original: Callable[..., Any], taken: Taken) -> None:
@@ -390,26 +423,35 @@ def _run(original: Callable[..., Any], taken: Taken) -> None:
     release = taken.release
     lease = taken.lease
     assert lease is not None, "a handed-off member is run under the lease of its claim"
-    logger.debug("celery-threads: running %s[%s] of thread %s in this pool process", taken.name,
-                 release.task_id, release.thread_id)
+    logger.debug(
+        "celery-threads: running %s[%s] of thread %s in this pool process",
+        taken.name,
+        release.task_id,
+        release.thread_id,
+    )
     events = _events(taken)
     _claimed = (release.task_id, release.token, taken.claimed_ms, lease)
     try:
         if events is not None:
             events.received()
-        result = original(taken.name, release.task_id, taken.request, taken.body,
-                          taken.content_type, taken.content_encoding)
+        result = original(
+            taken.name, release.task_id, taken.request, taken.body, taken.content_type, taken.content_encoding
+        )
         if events is not None:
             events.ended(result)
     except Exception:
         # Celery's tracer reports the task's own errors; this is one outside it.  The member is
         # RELEASED (its release deadline lapses) or RUNNING (its lease lapses): either way the
         # gate recovers it.
-        logger.exception("celery-threads: could not run %s[%s] of thread %s in this pool process",
-                         taken.name, release.task_id, release.thread_id)
+        logger.exception(
+            "celery-threads: could not run %s[%s] of thread %s in this pool process",
+            taken.name,
+            release.task_id,
+            release.thread_id,
+        )
     finally:
         _claimed = None
-        keeper(get_runtime(_app)).drop(lease)   # when the trace never reached the task's call
+        keeper(get_runtime(_app)).drop(lease)  # when the trace never reached the task's call
 
 
 def _note(release: Optional[Release]) -> None:
@@ -417,14 +459,17 @@ def _note(release: Optional[Release]) -> None:
     index, slots = shared.index(), shared.handoff_slots()
     if index is None or slots is None:
         return
-    member = (None if release is None
-              else Member(release.thread_id, release.task_id, release.token))
+    member = None if release is None else Member(release.thread_id, release.task_id, release.token)
     try:
         slots.write(index, os.getpid(), member)
-    except ValueError as exc:      # not a valid thread id: its lease lapse recovers it
-        logger.warning("celery-threads: %s of thread %s is not named in this process's handoff "
-                       "slot (%s); if the process is lost, it waits for its lease to lapse",
-                       member and member.task_id, member and member.thread_id, exc)
+    except ValueError as exc:  # not a valid thread id: its lease lapse recovers it
+        logger.warning(
+            "celery-threads: %s of thread %s is not named in this process's handoff "
+            "slot (%s); if the process is lost, it waits for its lease to lapse",
+            member and member.task_id,
+            member and member.thread_id,
+            exc,
+        )
         slots.write(index, os.getpid(), None)
 
 
@@ -442,16 +487,22 @@ class _Events:
     def send(self, kind: str, **fields: Any) -> None:
         try:
             self.dispatcher.send(kind, uuid=self.uuid, **fields)
-        except Exception:   # best effort, as in Celery
-            logger.warning("celery-threads: could not send %s of %s", kind, self.uuid,
-                           exc_info=True)
+        except Exception:  # best effort, as in Celery
+            logger.warning("celery-threads: could not send %s of %s", kind, self.uuid, exc_info=True)
 
     def received(self) -> None:
         headers = self.taken.request
-        self.send("task-received", name=self.taken.name, args=headers.get("argsrepr", ""),
-                  kwargs=headers.get("kwargsrepr", ""), root_id=headers.get("root_id"),
-                  parent_id=headers.get("parent_id"), retries=headers.get("retries", 0),
-                  eta=None, expires=None)
+        self.send(
+            "task-received",
+            name=self.taken.name,
+            args=headers.get("argsrepr", ""),
+            kwargs=headers.get("kwargsrepr", ""),
+            root_id=headers.get("root_id"),
+            parent_id=headers.get("parent_id"),
+            retries=headers.get("retries", 0),
+            eta=None,
+            expires=None,
+        )
         self.send("task-started")
         # One message: these two, and the previous handed-off member's ending (held until now,
         # microseconds after it happened; the job's end flushes the last one).
@@ -472,13 +523,13 @@ class _Events:
         if isinstance(exc, ExceptionWithTraceback):
             exc = exc.exc
         if isinstance(exc, Retry):
-            self.send("task-retried", exception=saferepr(exc.exc),
-                      traceback=str(retval.traceback))
+            self.send("task-retried", exception=saferepr(exc.exc), traceback=str(retval.traceback))
         elif isinstance(exc, Ignore) or (isinstance(exc, Reject) and exc.requeue):
             return
         else:
-            self.send("task-failed", exception=saferepr(get_pickled_exception(exc)),
-                      traceback=retval.traceback)
+            self.send(
+                "task-failed", exception=saferepr(get_pickled_exception(exc)), traceback=retval.traceback
+            )
 
 
 _dispatchers: list[Any] = []
@@ -493,9 +544,15 @@ def _events(taken: Taken) -> Optional[_Events]:
         return None
     if not _dispatchers:
         hostname = seams.pool_hostname(taken.request.get("hostname"))
-        _dispatchers.append(_app.events.Dispatcher(
-            _app.connection_for_write(), hostname=hostname, enabled=True,
-            buffer_group=["task"], buffer_limit=1000))
+        _dispatchers.append(
+            _app.events.Dispatcher(
+                _app.connection_for_write(),
+                hostname=hostname,
+                enabled=True,
+                buffer_group=["task"],
+                buffer_limit=1000,
+            )
+        )
     return _Events(_dispatchers[0], taken)
 
 

@@ -26,6 +26,7 @@ Stopping a member whose lease is running out, or lost:
   runs out or is lost while it runs; the next member may then run beside it.  Use prefork
   where a member can outlive a lost connection to the gate.
 """
+
 from __future__ import annotations
 
 import logging
@@ -68,17 +69,17 @@ def new_claimant(hostname: str) -> str:
 class Lease:
     """A member this process holds under its claim."""
 
-    __slots__ = ("thread_id", "task_id", "token", "claimant", "sent", "expires", "lost",
-                 "running")
+    __slots__ = ("thread_id", "task_id", "token", "claimant", "sent", "expires", "lost", "running")
 
-    def __init__(self, thread_id: str, task_id: str, token: str, claimant: str, sent: float,
-                 expires: float) -> None:
+    def __init__(
+        self, thread_id: str, task_id: str, token: str, claimant: str, sent: float, expires: float
+    ) -> None:
         self.thread_id, self.task_id, self.token = thread_id, task_id, token
         self.claimant = claimant
-        self.sent = sent            # monotonic: when the claiming call was first sent
-        self.expires = expires      # monotonic: start of the last confirming call + keepalive
-        self.lost = False           # the gate said the member is no longer this claim's
-        self.running = False        # the member's code is running
+        self.sent = sent  # monotonic: when the claiming call was first sent
+        self.expires = expires  # monotonic: start of the last confirming call + keepalive
+        self.lost = False  # the gate said the member is no longer this claim's
+        self.running = False  # the member's code is running
 
     def remaining(self) -> float:
         return self.expires - time.monotonic()
@@ -96,12 +97,11 @@ class Keeper:
         self.runtime = runtime
         self.keepalive = float(runtime.config.keepalive)
         self._leases: dict[int, Lease] = {}
-        self._lock = native.allocate_lock()     # shared by greenlets and the native thread
+        self._lock = native.allocate_lock()  # shared by greenlets and the native thread
         self._thread: Optional[native.NativeThread] = None
         self._pid = os.getpid()
 
-    def lease(self, thread_id: str, task_id: str, token: str, claimant: str,
-              sent: float) -> Lease:
+    def lease(self, thread_id: str, task_id: str, token: str, claimant: str, sent: float) -> Lease:
         """A lease confirmed by a call sent at ``sent`` (monotonic), held from now on."""
         lease = Lease(thread_id, task_id, token, claimant, sent, sent + self.keepalive)
         with self._lock:
@@ -138,11 +138,17 @@ class Keeper:
         sent = time.monotonic()
         try:
             status = (gate or self.runtime.gate).renew(
-                lease.thread_id, lease.task_id, lease.token, lease.claimant)
+                lease.thread_id, lease.task_id, lease.token, lease.claimant
+            )
         except Exception as exc:
-            logger.warning("celery-threads: could not renew the lease of %s of thread %s (%s); "
-                           "it ends in %.1fs unless a renewal gets through", lease.task_id,
-                           lease.thread_id, exc, max(lease.remaining(), 0.0))
+            logger.warning(
+                "celery-threads: could not renew the lease of %s of thread %s (%s); "
+                "it ends in %.1fs unless a renewal gets through",
+                lease.task_id,
+                lease.thread_id,
+                exc,
+                max(lease.remaining(), 0.0),
+            )
             return
         if status == Renewal.RENEWED:
             lease.expires = max(lease.expires, sent + self.keepalive)
@@ -151,18 +157,26 @@ class Keeper:
             return
         lease.lost = True
         if lease.running:
-            self._stop(lease, "the gate no longer counts it as running here (deleted, or its "
-                              "lease lapsed)")
+            self._stop(lease, "the gate no longer counts it as running here (deleted, or its lease lapsed)")
 
     def _stop(self, lease: Lease, why: str) -> None:
         if stoppable():
-            logger.error("celery-threads: stopping %s of thread %s: %s; its pool process "
-                         "is killed", lease.task_id, lease.thread_id, why)
+            logger.error(
+                "celery-threads: stopping %s of thread %s: %s; its pool process is killed",
+                lease.task_id,
+                lease.thread_id,
+                why,
+            )
             shared.publish_lease_end(0.0)
             os.kill(os.getpid(), signal.SIGKILL)
-        logger.error("celery-threads: %s of thread %s keeps running although %s: this pool "
-                     "cannot stop it, and the thread's next member may run beside it (use the "
-                     "prefork pool)", lease.task_id, lease.thread_id, why)
+        logger.error(
+            "celery-threads: %s of thread %s keeps running although %s: this pool "
+            "cannot stop it, and the thread's next member may run beside it (use the "
+            "prefork pool)",
+            lease.task_id,
+            lease.thread_id,
+            why,
+        )
 
     def _start(self) -> None:
         if self._thread is not None and self._pid == os.getpid() and self._thread.is_alive():
@@ -184,8 +198,7 @@ class Keeper:
                     continue
                 if lease.remaining() <= self.keepalive - period:
                     self.renew(lease, gate)
-                if (lease.running and not stoppable() and id(lease) not in warned
-                        and lease.remaining() <= 0):
+                if lease.running and not stoppable() and id(lease) not in warned and lease.remaining() <= 0:
                     warned.add(id(lease))
                     self._stop(lease, "its lease ran out unconfirmed (the gate is unreachable)")
 
@@ -234,14 +247,17 @@ class Watchdog:
                     continue
                 pid = ends.pids[i]
                 if ends.expiries[i] != expires or pid <= 0:
-                    continue            # renewed, or ended, meanwhile
+                    continue  # renewed, or ended, meanwhile
                 ends.expiries[i] = 0.0
                 try:
                     os.kill(pid, signal.SIGKILL)
                 except OSError:
                     continue
                 # Logged once the signal is sent (tools read the kill's time off this line).
-                logger.error("celery-threads: killed pool process %s: the lease of the member "
-                             "it ran ended %.2fs later and no renewal got through (the gate is "
-                             "unreachable); the member must not run past it", pid,
-                             expires - now)
+                logger.error(
+                    "celery-threads: killed pool process %s: the lease of the member "
+                    "it ran ended %.2fs later and no renewal got through (the gate is "
+                    "unreachable); the member must not run past it",
+                    pid,
+                    expires - now,
+                )

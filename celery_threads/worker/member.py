@@ -7,6 +7,7 @@ body finds its member: ``self.retry()`` and ``self.replace(sig)`` leave their re
 hands each delivery to :func:`run`; ``ThreadedTask.apply_async`` asks :func:`current` and
 :func:`running` where a call comes from.
 """
+
 from __future__ import annotations
 
 import logging
@@ -34,7 +35,7 @@ class Replacement(NamedTuple):
     nesting: int
     max_retries: Optional[int]
     retry_delay_ms: int
-    policy: str = ""        # its task's policies (policies.policy_text); never max_waiting
+    policy: str = ""  # its task's policies (policies.policy_text); never max_waiting
 
 
 class Reentry(NamedTuple):
@@ -110,7 +111,7 @@ def run(task: Any, body: Callable[[], Any]) -> Any:
     runtime = get_runtime(task._get_app())
     keeper = lease_keeper(runtime)
     claimed = handoff.take_claim(task_id, token)
-    if claimed is None:     # else run by handoff: its predecessor's finish claimed it
+    if claimed is None:  # else run by handoff: its predecessor's finish claimed it
         claimed = _claim(task, runtime, keeper, thread_id, task_id, token, hostname)
     claimed_ms, lease = claimed
     try:
@@ -118,9 +119,13 @@ def run(task: Any, body: Callable[[], Any]) -> Any:
         key = (task_id, token)
         with keeper.running(lease) as may_run:
             if not may_run:
-                logger.warning("celery-threads: not running %s[%s] of thread %s: its lease "
-                               "could not be confirmed with the gate", task.name, task_id,
-                               thread_id)
+                logger.warning(
+                    "celery-threads: not running %s[%s] of thread %s: its lease "
+                    "could not be confirmed with the gate",
+                    task.name,
+                    task_id,
+                    thread_id,
+                )
                 raise Ignore()
             member = _running[key] = Running(claimed_ms, lease.sent)
             failure: Optional[BaseException] = None
@@ -132,8 +137,13 @@ def run(task: Any, body: Callable[[], Any]) -> Any:
                 _running.pop(key, None)
         # The member's code has returned (its lease's end is no longer watched): its ending.
         ending = handoff.Ending(lease.claimant, new_claimant(hostname))
-        deleted = _record_end(runtime, lease, lambda: _ended(
-            task, runtime, thread_id, task_id, token, retries, failure, member.reentry, ending))
+        deleted = _record_end(
+            runtime,
+            lease,
+            lambda: _ended(
+                task, runtime, thread_id, task_id, token, retries, failure, member.reentry, ending
+            ),
+        )
         if deleted is None:
             # Its ending never reached the gate while the lease held: the gate counts this
             # attempt as failed and runs the member again, whose outcome is the member's.
@@ -143,8 +153,12 @@ def run(task: Any, body: Callable[[], Any]) -> Any:
         if deleted and not isinstance(failure, (SystemExit, KeyboardInterrupt)):
             # Deleted while it ran (Threads.delete): it ends REVOKED, whatever its body did,
             # and the tracer stores nothing over that.
-            logger.info("celery-threads: %s[%s] of thread %s was deleted while it ran; "
-                        "revoked", task.name, task_id, thread_id)
+            logger.info(
+                "celery-threads: %s[%s] of thread %s was deleted while it ran; revoked",
+                task.name,
+                task_id,
+                thread_id,
+            )
             runtime.mark_revoked(task_id)
             raise Ignore()
         if failure is not None:
@@ -154,33 +168,53 @@ def run(task: Any, body: Callable[[], Any]) -> Any:
         keeper.drop(lease)
 
 
-def _claim(task: Any, runtime: Runtime, keeper: Keeper, thread_id: str, task_id: str,
-           token: str, hostname: str) -> tuple[int, Lease]:
+def _claim(
+    task: Any, runtime: Runtime, keeper: Keeper, thread_id: str, task_id: str, token: str, hostname: str
+) -> tuple[int, Lease]:
     """Claim the member for this delivery: the claim's time (the Redis server's clock, ms)
     and its lease; :class:`Ignore` when another delivery has it, or its release is stale."""
     claimant = new_claimant(hostname)
     sent = time.monotonic()
     try:
         status, claimed_ms = runtime.gate.claim_with_time(
-            thread_id, task_id, token, hostname, claimant, stoppable=stoppable())
+            thread_id, task_id, token, hostname, claimant, stoppable=stoppable()
+        )
     except redis.RedisError as exc:
-        logger.warning("celery-threads: not running %s[%s] of thread %s: the gate at %s did "
-                       "not answer its claim (%s); the gate hands it out again once its "
-                       "release or lease lapses", task.name, task_id, thread_id,
-                       runtime.config.redis_url, exc)
+        logger.warning(
+            "celery-threads: not running %s[%s] of thread %s: the gate at %s did "
+            "not answer its claim (%s); the gate hands it out again once its "
+            "release or lease lapses",
+            task.name,
+            task_id,
+            thread_id,
+            runtime.config.redis_url,
+            exc,
+        )
         raise Ignore() from exc
     if status != Claim.CLAIMED:
         # Another delivery of this release started first (or it went stale in between).
-        logger.info("celery-threads: not running %s[%s] of thread %s: %s", task.name, task_id,
-                    thread_id, "claimed by another delivery" if status == Claim.ALREADY_CLAIMED
-                    else "stale release")
+        logger.info(
+            "celery-threads: not running %s[%s] of thread %s: %s",
+            task.name,
+            task_id,
+            thread_id,
+            "claimed by another delivery" if status == Claim.ALREADY_CLAIMED else "stale release",
+        )
         raise Ignore()
     return claimed_ms, keeper.lease(thread_id, task_id, token, claimant, sent)
 
 
-def _ended(task: Any, runtime: Runtime, thread_id: str, task_id: str, token: str, retries: int,
-           exc: Optional[BaseException], reentry: Optional[Reentry],
-           ending: handoff.Ending) -> bool:
+def _ended(
+    task: Any,
+    runtime: Runtime,
+    thread_id: str,
+    task_id: str,
+    token: str,
+    retries: int,
+    exc: Optional[BaseException],
+    reentry: Optional[Reentry],
+    ending: handoff.Ending,
+) -> bool:
     """Apply the member's ending to the gate, once its body has fully unwound.  Called again
     with the same arguments when the gate did not answer (see :func:`_record_end`).  Returns
     whether the gate ended it as deleted (it was deleted while it ran: no retry, no death)."""
@@ -194,18 +228,36 @@ def _ended(task: Any, runtime: Runtime, thread_id: str, task_id: str, token: str
         return handoff.finish(runtime, task, thread_id, task_id, token, ending)
     elif isinstance(exc, Retry):
         # Retry raised by hand, without self.retry() publishing: re-enter now.
-        outcome = runtime.publish_outcome(gate.requeue(
-            thread_id, task_id, token, retries=retries + 1, caller=ending.caller))
+        outcome = runtime.publish_outcome(
+            gate.requeue(thread_id, task_id, token, retries=retries + 1, caller=ending.caller)
+        )
     elif isinstance(exc, Reject) and exc.requeue:
-        outcome = runtime.publish_outcome(gate.requeue(
-            thread_id, task_id, token, retries=retries, caller=ending.caller))
+        outcome = runtime.publish_outcome(
+            gate.requeue(thread_id, task_id, token, retries=retries, caller=ending.caller)
+        )
     elif isinstance(exc, Reject):
-        outcome = runtime.kill(thread_id, task_id, token, exc=exc, retries=retries,
-                               keep=task.dead_letter, reason=f"Rejected: {exc.reason!r}",
-                               caller=ending.caller, fenced=True)
+        outcome = runtime.kill(
+            thread_id,
+            task_id,
+            token,
+            exc=exc,
+            retries=retries,
+            keep=task.dead_letter,
+            reason=f"Rejected: {exc.reason!r}",
+            caller=ending.caller,
+            fenced=True,
+        )
     elif isinstance(exc, Exception):
-        outcome = runtime.kill(thread_id, task_id, token, exc=exc, retries=retries,
-                               keep=task.dead_letter, caller=ending.caller, fenced=True)
+        outcome = runtime.kill(
+            thread_id,
+            task_id,
+            token,
+            exc=exc,
+            retries=retries,
+            keep=task.dead_letter,
+            caller=ending.caller,
+            fenced=True,
+        )
     # Anything else (SystemExit, ...): the process is going away; the lease lapses and the
     # gate counts a failed attempt.
     return outcome is not None and outcome.info == DELETED
@@ -234,71 +286,132 @@ def _record_end(runtime: Runtime, lease: Lease, end: Callable[[], bool]) -> Opti
                 maybe_sent = maybe_sent or limit.unanswered
         remaining = lease.remaining()
         if lease.lost or remaining <= 0:
-            logger.error("celery-threads: could not record the end of %s of thread %s in the "
-                         "gate at %s (%s) while its lease held; the gate counts the attempt as "
-                         "failed%s", lease.task_id, lease.thread_id, runtime.config.redis_url,
-                         error, " (unless a call that went out reached it)" if maybe_sent else
-                         " and runs the member again while retries remain")
+            logger.error(
+                "celery-threads: could not record the end of %s of thread %s in the "
+                "gate at %s (%s) while its lease held; the gate counts the attempt as "
+                "failed%s",
+                lease.task_id,
+                lease.thread_id,
+                runtime.config.redis_url,
+                error,
+                " (unless a call that went out reached it)"
+                if maybe_sent
+                else " and runs the member again while retries remain",
+            )
             return False if maybe_sent else None
         if not warned:
             warned = True
-            logger.warning("celery-threads: the gate at %s did not answer (%s); the end of %s "
-                           "of thread %s is kept and sent again while its lease holds "
-                           "(%.1fs)", runtime.config.redis_url, error, lease.task_id,
-                           lease.thread_id, remaining)
+            logger.warning(
+                "celery-threads: the gate at %s did not answer (%s); the end of %s "
+                "of thread %s is kept and sent again while its lease holds "
+                "(%.1fs)",
+                runtime.config.redis_url,
+                error,
+                lease.task_id,
+                lease.thread_id,
+                remaining,
+            )
         time.sleep(min(0.5, remaining))
 
 
-def reenter(task: Any, runtime: Runtime, thread_id: str, task_id: str, token: str,
-            reentry: Reentry, caller: Optional[str] = None) -> Outcome:
+def reenter(
+    task: Any,
+    runtime: Runtime,
+    thread_id: str,
+    task_id: str,
+    token: str,
+    reentry: Reentry,
+    caller: Optional[str] = None,
+) -> Outcome:
     """The member (task, token) goes back to waiting with a retry's new message; returns the
     gate's outcome (its release, of the next member, for the caller to publish).  A
     replacement (``self.replace``) takes the member's place in its thread, or ends it and
     joins its own thread."""
     replacement = reentry.replacement
     if replacement is not None and replacement.thread_id != thread_id:
-        return _replace_elsewhere(task, runtime, thread_id, task_id, token, reentry, replacement,
-                                  caller)
+        return _replace_elsewhere(task, runtime, thread_id, task_id, token, reentry, replacement, caller)
     if replacement is not None:
         outcome: Outcome = runtime.gate.replace(
-            thread_id, task_id, token, reentry.envelope or b"", at_ms=reentry.at_ms,
-            max_retries=replacement.max_retries, retry_delay_ms=replacement.retry_delay_ms,
-            caller=caller)
+            thread_id,
+            task_id,
+            token,
+            reentry.envelope or b"",
+            at_ms=reentry.at_ms,
+            max_retries=replacement.max_retries,
+            retry_delay_ms=replacement.retry_delay_ms,
+            caller=caller,
+        )
         if not outcome.done:
-            logger.warning("celery-threads: replacement of %s[%s] dropped: the member no "
-                           "longer holds thread %s (deleted, or its lease lapsed)",
-                           task.name, task_id, thread_id)
+            logger.warning(
+                "celery-threads: replacement of %s[%s] dropped: the member no "
+                "longer holds thread %s (deleted, or its lease lapsed)",
+                task.name,
+                task_id,
+                thread_id,
+            )
         return outcome
     outcome = runtime.gate.requeue(
-        thread_id, task_id, token, retries=reentry.retries, delay_ms=reentry.delay_ms,
-        at_ms=reentry.at_ms, envelope=reentry.envelope or b"", caller=caller)
+        thread_id,
+        task_id,
+        token,
+        retries=reentry.retries,
+        delay_ms=reentry.delay_ms,
+        at_ms=reentry.at_ms,
+        envelope=reentry.envelope or b"",
+        caller=caller,
+    )
     if not outcome.done:
         logger.warning(
             "celery-threads: retry of %s[%s] ignored: it no longer holds thread %s "
-            "(deleted, or its lease lapsed)", task.name, task_id, thread_id)
+            "(deleted, or its lease lapsed)",
+            task.name,
+            task_id,
+            thread_id,
+        )
     return outcome
 
 
-def _replace_elsewhere(task: Any, runtime: Runtime, thread_id: str, task_id: str, token: str,
-                       reentry: Reentry, replacement: Replacement,
-                       caller: Optional[str] = None) -> Outcome:
+def _replace_elsewhere(
+    task: Any,
+    runtime: Runtime,
+    thread_id: str,
+    task_id: str,
+    token: str,
+    reentry: Reentry,
+    replacement: Replacement,
+    caller: Optional[str] = None,
+) -> Outcome:
     """The member ends, then its replacement joins the replacement's own thread as a new
     arrival under the same task id; returns that enqueue's outcome."""
     finished: Outcome = runtime.gate.finish(thread_id, task_id, token, caller=caller)
-    if finished.info == DELETED:    # deleted while it ran: no replacement joins
-        return finished             # (the caller publishes its successor's release)
+    if finished.info == DELETED:  # deleted while it ran: no replacement joins
+        return finished  # (the caller publishes its successor's release)
     if not finished.done:
-        logger.warning("celery-threads: replacement of %s[%s] dropped: the member no longer "
-                       "holds thread %s (deleted, or its lease lapsed)", task.name, task_id,
-                       thread_id)
+        logger.warning(
+            "celery-threads: replacement of %s[%s] dropped: the member no longer "
+            "holds thread %s (deleted, or its lease lapsed)",
+            task.name,
+            task_id,
+            thread_id,
+        )
         return finished
     runtime.publish(finished.release)
     outcome: Outcome = runtime.gate.enqueue(
-        replacement.thread_id, task_id, reentry.envelope or b"", at_ms=reentry.at_ms,
-        max_retries=replacement.max_retries, retry_delay_ms=replacement.retry_delay_ms,
-        replaced=replacement.nesting, policy=replacement.policy)
+        replacement.thread_id,
+        task_id,
+        reentry.envelope or b"",
+        at_ms=reentry.at_ms,
+        max_retries=replacement.max_retries,
+        retry_delay_ms=replacement.retry_delay_ms,
+        replaced=replacement.nesting,
+        policy=replacement.policy,
+    )
     if not outcome.done:
-        logger.warning("celery-threads: replacement %s of %s could not join thread %s: that "
-                       "task id is a member there already", task_id, task.name,
-                       replacement.thread_id)
+        logger.warning(
+            "celery-threads: replacement %s of %s could not join thread %s: that "
+            "task id is a member there already",
+            task_id,
+            task.name,
+            replacement.thread_id,
+        )
     return outcome

@@ -11,6 +11,7 @@ gate client (:meth:`celery_threads.runtime.Runtime.own_gate`), never shares one 
 
 Eventlet's monkey-patching is not covered: there these threads are green ones.
 """
+
 from __future__ import annotations
 
 import sys
@@ -48,7 +49,7 @@ class Flag:
 
     def __init__(self) -> None:
         self._lock = allocate_lock()
-        self._lock.acquire()        # held until set
+        self._lock.acquire()  # held until set
         self._set = False
         self._guard = allocate_lock()
 

@@ -27,6 +27,7 @@ What the worker needs for such deliveries, installed by :class:`NoAckQueues`:
 * the same no-op ack and reject for a message Celery refuses before any strategy sees it (an
   unknown task name, an invalid or undecodable message).
 """
+
 from __future__ import annotations
 
 import logging
@@ -95,34 +96,40 @@ class NoAckQueues(bootsteps.StartStopStep):
     def start(self, c: Any) -> None:
         channel = c.task_consumer.channel
         queues = sorted(q.name for q in c.task_consumer.queues if q.no_ack)
-        untracked = (not get_runtime(c.app).config.track_releases
-                     and untrack_releases(channel))
+        untracked = not get_runtime(c.app).config.track_releases and untrack_releases(channel)
         setattr(c, CONSUMER_FLAG, bool(queues) or untracked)
         if not (queues or untracked):
             return
         bounded = bound_prefetch(channel)
         mark_before_refusing(c)
         if untracked:
-            logger.info("celery-threads: threaded tasks' deliveries stay out of the Redis "
-                        "transport's unacked index (the gate recovers them); this worker holds "
-                        "at most its prefetch count of unstarted tasks (%s) and hands back the "
-                        "threaded ones it holds when it shuts down",
-                        c.qos.value if c.qos else "unbounded")
+            logger.info(
+                "celery-threads: threaded tasks' deliveries stay out of the Redis "
+                "transport's unacked index (the gate recovers them); this worker holds "
+                "at most its prefetch count of unstarted tasks (%s) and hands back the "
+                "threaded ones it holds when it shuts down",
+                c.qos.value if c.qos else "unbounded",
+            )
         if not queues:
             return
         names = ", ".join(queues)
         if bounded:
-            logger.info("celery-threads: consuming %s without broker acknowledgements; this "
-                        "worker holds at most its prefetch count of unstarted tasks (%s) and "
-                        "hands back the threaded ones it holds when it shuts down", names,
-                        c.qos.value if c.qos else "unbounded")
+            logger.info(
+                "celery-threads: consuming %s without broker acknowledgements; this "
+                "worker holds at most its prefetch count of unstarted tasks (%s) and "
+                "hands back the threaded ones it holds when it shuts down",
+                names,
+                c.qos.value if c.qos else "unbounded",
+            )
         else:
             logger.warning(
                 "celery-threads: consuming %s without broker acknowledgements over %s, which "
                 "applies no prefetch limit to such a consumer: this worker may take every "
                 "release on the queue while other workers wait. Prefer the Redis transport for "
-                "a no_ack queue, or declare it with acknowledgements.", names,
-                c.connection.transport.driver_type)
+                "a no_ack queue, or declare it with acknowledgements.",
+                names,
+                c.connection.transport.driver_type,
+            )
         guard_plain_tasks(c, set(queues))
 
 
@@ -216,8 +223,12 @@ def hand_back(worker: Any, done: set[tuple[str, str]]) -> None:
     for request in list(worker_state.reserved_requests):
         thread_id, token = request_member(request)
         key = (request.id, token)
-        if (not token or request in worker_state.active_requests or key in done
-                or not is_no_ack_delivery(request.message)):
+        if (
+            not token
+            or request in worker_state.active_requests
+            or key in done
+            or not is_no_ack_delivery(request.message)
+        ):
             continue
         done.add(key)
         held.append((thread_id, request.id, token))
@@ -228,15 +239,20 @@ def hand_back(worker: Any, done: set[tuple[str, str]]) -> None:
     try:
         outcomes = runtime.gate.hand_back(held)
     except Exception:
-        logger.exception("celery-threads: could not hand back %d released members; the "
-                         "dispatcher republishes them when their release deadline lapses",
-                         len(held))
+        logger.exception(
+            "celery-threads: could not hand back %d released members; the "
+            "dispatcher republishes them when their release deadline lapses",
+            len(held),
+        )
         return
     returned = [o.release for o in outcomes if o.release is not None]
     for release in returned:
         runtime.publish(release, republish=True)
-    logger.info("celery-threads: handed back %d released member(s) this worker held "
-                "unstarted; they were published again", len(returned))
+    logger.info(
+        "celery-threads: handed back %d released member(s) this worker held "
+        "unstarted; they were published again",
+        len(returned),
+    )
 
 
 def stop_fetching(consumer: Any) -> None:
@@ -250,7 +266,7 @@ def stop_fetching(consumer: Any) -> None:
     try:
         task_consumer.cancel()
         seams.settle_fetch(task_consumer.channel)
-    except Exception:   # Empty (the fetch timed out), or a connection already gone
+    except Exception:  # Empty (the fetch timed out), or a connection already gone
         logger.debug("celery-threads: settling the pending fetch at shutdown", exc_info=True)
 
 
@@ -281,8 +297,12 @@ def mark_before_refusing(c: Any) -> None:
     """Celery acks or rejects a message it cannot hand to any strategy (an unknown task name, an
     invalid or undecodable message) itself: mark a no-ack delivery first, so that its reject
     does not reach RabbitMQ (which would close the channel over the unknown delivery tag)."""
-    for name, at in (("on_unknown_task", 1), ("on_unknown_message", 1), ("on_invalid_task", 1),
-                     ("on_decode_error", 0)):
+    for name, at in (
+        ("on_unknown_task", 1),
+        ("on_unknown_message", 1),
+        ("on_invalid_task", 1),
+        ("on_decode_error", 0),
+    ):
         refuse = getattr(c, name, None)
         if refuse is None or getattr(refuse, "_celery_threads", False):
             continue
@@ -305,8 +325,7 @@ def guard_plain_tasks(c: Any, queues: set[str]) -> None:
     if not c.__dict__.get("_celery_threads_routes_checked"):
         c._celery_threads_routes_checked = True
         for name, task in sorted(app.tasks.items()):
-            if (is_threaded(task) or name.startswith("celery.")
-                    or name == DISPATCH_TASK):
+            if is_threaded(task) or name.startswith("celery.") or name == DISPATCH_TASK:
                 continue
             try:
                 queue = app.amqp.router.route({}, name).get("queue")
@@ -319,13 +338,13 @@ def guard_plain_tasks(c: Any, queues: set[str]) -> None:
     def wrap() -> None:
         for name, strategy in list(c.strategies.items()):
             task = app.tasks.get(name)
-            if (task is not None and not is_threaded(task)
-                    and not getattr(strategy, "_celery_threads", False)):
+            if task is not None and not is_threaded(task) and not getattr(strategy, "_celery_threads", False):
                 c.strategies[name] = _guarded(name, strategy, warned)
 
     wrap()
     rebuild = c.update_strategies
     if not getattr(rebuild, "_celery_threads", False):
+
         def update_strategies(*args: Any, **kwargs: Any) -> Any:
             result = rebuild(*args, **kwargs)
             if getattr(c, CONSUMER_FLAG, False):
@@ -336,19 +355,27 @@ def guard_plain_tasks(c: Any, queues: set[str]) -> None:
         c.update_strategies = update_strategies
 
 
-_PLAIN_WARNING = ("celery-threads: plain task %s is routed to %s, a queue consumed without broker "
-                  "acknowledgements: its message is lost if the worker dies before the task "
-                  "ends. Only threaded tasks are safe there (the gate keeps them); route plain "
-                  "tasks to a queue with acknowledgements.")
+_PLAIN_WARNING = (
+    "celery-threads: plain task %s is routed to %s, a queue consumed without broker "
+    "acknowledgements: its message is lost if the worker dies before the task "
+    "ends. Only threaded tasks are safe there (the gate keeps them); route plain "
+    "tasks to a queue with acknowledgements."
+)
 
 
 def _guarded(name: str, strategy: Callable[..., Any], warned: set[str]) -> Callable[..., Any]:
-    def task_message_handler(message: Any, body: Any, ack: Any, reject: Any, callbacks: Any,
-                             **kw: Any) -> Any:
+    def task_message_handler(
+        message: Any, body: Any, ack: Any, reject: Any, callbacks: Any, **kw: Any
+    ) -> Any:
         if mark_delivery(message) and name not in warned and name != DISPATCH_TASK:
             warned.add(name)
-            logger.warning(_PLAIN_WARNING, name, "a queue" if not message.delivery_info.get(
-                "routing_key") else f"{message.delivery_info['routing_key']!r}")
+            logger.warning(
+                _PLAIN_WARNING,
+                name,
+                "a queue"
+                if not message.delivery_info.get("routing_key")
+                else f"{message.delivery_info['routing_key']!r}",
+            )
         return strategy(message, body, ack, reject, callbacks, **kw)
 
     task_message_handler._celery_threads = True  # type: ignore[attr-defined]

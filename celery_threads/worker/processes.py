@@ -7,6 +7,7 @@ included, from running beside the next member of its thread: the hard time limit
 (:mod:`celery_threads.worker.request`) and a terminating revoke
 (:mod:`celery_threads.worker.revoke`) end their members this way.
 """
+
 from __future__ import annotations
 
 import logging
@@ -29,8 +30,9 @@ def pool_holder(request: Any) -> Optional[str]:
     return claimant_prefix(request.hostname or "", pid) if pid else None
 
 
-def when_gone(pid: Optional[int], action: Callable[[], Any], timeout: float,
-              what: str = "", anyway: bool = True) -> None:
+def when_gone(
+    pid: Optional[int], action: Callable[[], Any], timeout: float, what: str = "", anyway: bool = True
+) -> None:
     """Run ``action`` once the process ``pid`` has exited (in a thread of its own), or at once
     when ``pid`` is this process (a pool without processes) or no longer exists.  Past
     ``timeout`` seconds it runs anyway, with a warning: as when a lease lapses; not
@@ -44,19 +46,29 @@ def when_gone(pid: Optional[int], action: Callable[[], Any], timeout: float,
     except ProcessLookupError:
         _run_logged(action, what)
         return
-    except (AttributeError, OSError):   # no pidfd (Linux before 5.3, another system): poll
+    except (AttributeError, OSError):  # no pidfd (Linux before 5.3, another system): poll
         fd = None
 
     def wait() -> None:
         if _wait_exit(pid, fd, timeout):
             logger.debug("celery-threads: pool process %s exited; ending %s", pid, what)
         elif anyway:
-            logger.warning("celery-threads: pool process %s still runs %ss after %s timed out; "
-                           "ending it in its thread all the same", pid, timeout, what)
+            logger.warning(
+                "celery-threads: pool process %s still runs %ss after %s timed out; "
+                "ending it in its thread all the same",
+                pid,
+                timeout,
+                what,
+            )
         else:
-            logger.warning("celery-threads: pool process %s still runs %ss after deleted member "
-                           "%s was signalled (its code ignores the signal?); it leaves its thread "
-                           "when its body returns or its lease lapses", pid, timeout, what)
+            logger.warning(
+                "celery-threads: pool process %s still runs %ss after deleted member "
+                "%s was signalled (its code ignores the signal?); it leaves its thread "
+                "when its body returns or its lease lapses",
+                pid,
+                timeout,
+                what,
+            )
             return
         _run_logged(action, what)
 
@@ -68,14 +80,14 @@ def _wait_exit(pid: int, fd: Optional[int], timeout: float) -> bool:
     if fd is not None:
         try:
             poll = select.poll()
-            poll.register(fd, select.POLLIN)     # readable once the process has exited
+            poll.register(fd, select.POLLIN)  # readable once the process has exited
             return bool(poll.poll(timeout * 1000))
         finally:
             os.close(fd)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
-            os.kill(pid, 0)     # succeeds until the pool reaps its exited process
+            os.kill(pid, 0)  # succeeds until the pool reaps its exited process
         except ProcessLookupError:
             return True
         except OSError:
@@ -88,8 +100,7 @@ def _run_logged(action: Callable[[], Any], what: str) -> None:
     try:
         action()
     except Exception:
-        logger.exception("celery-threads: could not end %s in its thread; its lease will lapse",
-                         what)
+        logger.exception("celery-threads: could not end %s in its thread; its lease will lapse", what)
 
 
 def open_pidfd(pid: int) -> Optional[int]:

@@ -3,6 +3,7 @@ renewed by the worker's main process; a claimed member's lease is its pool proce
 (:mod:`celery_threads.worker.lease`).  The renewer's thread also runs the worker's tick every
 second: the bootstep's, which keeps the handoff's flag in step with the worker.
 """
+
 from __future__ import annotations
 
 import logging
@@ -59,8 +60,7 @@ class LeaseRenewer:
                     renewed = gate.renew_many(members)
                     for (thread_id, task_id, _), status in zip(members, renewed):
                         if status == Renewal.STALE:
-                            logger.debug("celery-threads: %s no longer holds thread %s", task_id,
-                                         thread_id)
+                            logger.debug("celery-threads: %s no longer holds thread %s", task_id, thread_id)
                 except Exception:
                     logger.exception("celery-threads: could not renew leases; retrying")
             if self._stop.is_set():

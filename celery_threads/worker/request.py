@@ -4,6 +4,7 @@ tasks.
 :class:`ThreadedRequest` ends members whose pool process could not: a killed process
 (``WorkerLostError``), including the member it ran by in-process handoff, and a hard time limit.
 """
+
 from __future__ import annotations
 
 import functools
@@ -49,17 +50,23 @@ class ThreadedRequest(Request):
             # only once that process, still running the body, has exited.
             runtime = get_runtime(self.task.app)
             kill = functools.partial(
-                runtime.kill, thread_id, self.id, token, exc=TimeLimitExceeded(timeout),
-                retries=int(self.request_dict.get("retries") or 0), keep=self.task.dead_letter,
-                reason=f"TimeLimitExceeded: hard time limit ({timeout}s)", holder=pool_holder(self))
+                runtime.kill,
+                thread_id,
+                self.id,
+                token,
+                exc=TimeLimitExceeded(timeout),
+                retries=int(self.request_dict.get("retries") or 0),
+                keep=self.task.dead_letter,
+                reason=f"TimeLimitExceeded: hard time limit ({timeout}s)",
+                holder=pool_holder(self),
+            )
             when_gone(self.worker_pid, kill, runtime.config.keepalive, what=self.id)
         super().on_timeout(soft, timeout)
 
-    def on_failure(self, exc_info: Any, send_failed_event: bool = True,
-                   return_ok: bool = False) -> None:
+    def on_failure(self, exc_info: Any, send_failed_event: bool = True, return_ok: bool = False) -> None:
         thread_id, token = request_member(self)
         exc = get_pickled_exception(exc_info.exception)
-        if isinstance(exc, ExceptionWithTraceback):   # as Celery unwraps it (not Retry.exc)
+        if isinstance(exc, ExceptionWithTraceback):  # as Celery unwraps it (not Retry.exc)
             exc = exc.exc
         lost = isinstance(exc, (WorkerLostError, SystemExit, KeyboardInterrupt))
         if token and lost and not seams.request_revoked(self):
@@ -69,18 +76,15 @@ class ThreadedRequest(Request):
                 return
         elif lost:
             _fail_handed_off(self, exc)
-        elif token and not isinstance(exc, (Retry, Ignore, Reject, Terminated,
-                                            TimeLimitExceeded)):
+        elif token and not isinstance(exc, (Retry, Ignore, Reject, Terminated, TimeLimitExceeded)):
             # The pool child reports every failure of a task body it ran; one it never reported
             # (the message could not be decoded, the task never started) would hold the thread.
             # Fenced by the token: a no-op when the child did report it.  A hard time limit
             # (billiard reports it here, then calls on_timeout) is on_timeout's to end.
-            kill_unrunnable(get_runtime(self.task.app), self.request_dict, exc,
-                            pool_holder(self))
+            kill_unrunnable(get_runtime(self.task.app), self.request_dict, exc, pool_holder(self))
         super().on_failure(exc_info, send_failed_event=send_failed_event, return_ok=return_ok)
 
-    def _end_lost_attempt(self, thread_id: str, token: str, exc: BaseException,
-                          exc_info: Any) -> bool:
+    def _end_lost_attempt(self, thread_id: str, token: str, exc: BaseException, exc_info: Any) -> bool:
         """The pool process running this member was lost: a failed attempt, which the gate turns
         into a retry or a death.  Returns ``True`` when the attempt is ended here, ``False`` when
         the member died by this report and Celery's own handling stores the failure.
@@ -95,14 +99,26 @@ class ThreadedRequest(Request):
         runtime = get_runtime(self.task.app)
         retries = int(self.request_dict.get("retries") or 0)
         try:
-            outcome: Optional[Outcome] = runtime.publish_outcome(runtime.gate.fail(
-                thread_id, self.id, token, f"WorkerLostError: {exc}; no retries were left",
-                holder=pool_holder(self)))
+            outcome: Optional[Outcome] = runtime.publish_outcome(
+                runtime.gate.fail(
+                    thread_id,
+                    self.id,
+                    token,
+                    f"WorkerLostError: {exc}; no retries were left",
+                    holder=pool_holder(self),
+                )
+            )
         except redis.RedisError as error:
-            logger.warning("celery-threads: could not report the lost attempt of %s[%s] of "
-                           "thread %s to the gate at %s (%s); the gate counts it when its "
-                           "lease lapses (it runs again while retries remain)", self.task.name,
-                           self.id, thread_id, runtime.config.redis_url, error)
+            logger.warning(
+                "celery-threads: could not report the lost attempt of %s[%s] of "
+                "thread %s to the gate at %s (%s); the gate counts it when its "
+                "lease lapses (it runs again while retries remain)",
+                self.task.name,
+                self.id,
+                thread_id,
+                runtime.config.redis_url,
+                error,
+            )
             outcome = None
         if outcome is not None and outcome.status == Lapse.DIED:
             runtime.announce_death(thread_id, self.id, f"WorkerLostError: {exc}", retries)
@@ -118,9 +134,13 @@ class ThreadedRequest(Request):
                 self.acknowledge()
             return True
         if outcome is not None:
-            logger.info("celery-threads: the lost attempt of %s[%s] of thread %s was reported "
-                        "after the gate had moved on (its lease lapsed, or it ended)",
-                        self.task.name, self.id, thread_id)
+            logger.info(
+                "celery-threads: the lost attempt of %s[%s] of thread %s was reported "
+                "after the gate had moved on (its lease lapsed, or it ended)",
+                self.task.name,
+                self.id,
+                thread_id,
+            )
             self._store_death_left_unstored(runtime, exc)
         if self.task.acks_late:
             self.acknowledge()
@@ -141,19 +161,22 @@ class ThreadedRequest(Request):
             if backend.get_task_meta(self.id, cache=False)["status"] in states.READY_STATES:
                 return
             reason = record.meta.get("exception", "")
-            backend.mark_as_failure(self.id, WorkerLostError(f"{exc}, after it died: {reason}"),
-                                    request=seams.request_context(self))
+            backend.mark_as_failure(
+                self.id,
+                WorkerLostError(f"{exc}, after it died: {reason}"),
+                request=seams.request_context(self),
+            )
         except Exception:
-            logger.debug("celery-threads: could not store the death of %s", self.id,
-                         exc_info=True)
+            logger.debug("celery-threads: could not store the death of %s", self.id, exc_info=True)
 
     def _announce_lost_retry(self, exc: BaseException, exc_info: Any) -> None:
         """What Celery does for a retried task: RETRY state, ``task-retried`` event, ack."""
         from celery.utils.saferepr import saferepr
 
         if self.store_errors:
-            self.task.backend.mark_as_retry(self.id, exc, exc_info.traceback,
-                                            request=seams.request_context(self))
+            self.task.backend.mark_as_retry(
+                self.id, exc, exc_info.traceback, request=seams.request_context(self)
+            )
         if self.task.acks_late:
             self.acknowledge()
         self.send_event("task-retried", exception=saferepr(exc), traceback=exc_info.traceback)
@@ -169,11 +192,21 @@ def _fail_handed_off(request: Any, exc: BaseException) -> None:
     thread_id, task_id, token = member
     runtime = get_runtime(request.task.app)
     try:
-        outcome = runtime.publish_outcome(runtime.gate.fail(thread_id, task_id, token,
-                                                  f"WorkerLostError: {exc}; no retries were left",
-                                                  holder=pool_holder(request)))
-        logger.warning("celery-threads: the pool process running %s of thread %s by handoff was "
-                       "lost (%s)", task_id, thread_id, exc)
+        outcome = runtime.publish_outcome(
+            runtime.gate.fail(
+                thread_id,
+                task_id,
+                token,
+                f"WorkerLostError: {exc}; no retries were left",
+                holder=pool_holder(request),
+            )
+        )
+        logger.warning(
+            "celery-threads: the pool process running %s of thread %s by handoff was lost (%s)",
+            task_id,
+            thread_id,
+            exc,
+        )
         # No request of it reaches Celery's handling in this process: its state is stored here,
         # final only when it died.
         if outcome.status == Lapse.DIED:
@@ -182,5 +215,6 @@ def _fail_handed_off(request: Any, exc: BaseException) -> None:
         elif outcome.status == Lapse.RETRIED:
             request.task.backend.mark_as_retry(task_id, exc)
     except Exception:
-        logger.exception("celery-threads: could not fail %s of thread %s; its lease will lapse",
-                         task_id, thread_id)
+        logger.exception(
+            "celery-threads: could not fail %s of thread %s; its lease will lapse", task_id, thread_id
+        )

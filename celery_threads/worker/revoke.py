@@ -8,6 +8,7 @@
 * ``revoke(terminate=True)`` also reaches a member a pool process runs by in-process handoff,
   which Celery's own revoke does not know of.
 """
+
 from __future__ import annotations
 
 import logging
@@ -27,13 +28,14 @@ from .processes import open_pidfd, pool_holder, when_gone
 logger = logging.getLogger(__name__)
 
 
-def on_task_revoked(sender: Any = None, request: Any = None, terminated: bool = False,
-                    expired: bool = False, **kwargs: Any) -> None:
+def on_task_revoked(
+    sender: Any = None, request: Any = None, terminated: bool = False, expired: bool = False, **kwargs: Any
+) -> None:
     """A revoked member (revoke on receipt, terminate while running, expired) leaves its thread:
     at once, or, terminated in a pool process (prefork), once that process has exited."""
     if not is_threaded(sender) or request is None:
         return
-    headers = request.headers or {}      # the request's context (Celery sends no Request)
+    headers = request.headers or {}  # the request's context (Celery sends no Request)
     token = headers.get(TOKEN_HEADER)
     if not token:
         return
@@ -41,8 +43,9 @@ def on_task_revoked(sender: Any = None, request: Any = None, terminated: bool = 
     running = _terminating.pop(request.id, None) if terminated else None
     if running is not None:
         pid, holder = running
-        _delete_once_stopped(runtime, str(headers.get(THREAD_HEADER) or ""), request.id,
-                             str(token), pid, holder)
+        _delete_once_stopped(
+            runtime, str(headers.get(THREAD_HEADER) or ""), request.id, str(token), pid, holder
+        )
         return
     runtime.publish_outcome(runtime.gate.delete(request.id, token=token))
 
@@ -65,19 +68,28 @@ def _note_terminating(task_ids: Any) -> None:
             _terminating[task_id] = (pid, pool_holder(request))
 
 
-def _mark_deleted(runtime: Runtime, thread_id: Optional[str], task_id: str, token: str,
-                  holder: Optional[str] = None) -> bool:
+def _mark_deleted(
+    runtime: Runtime, thread_id: Optional[str], task_id: str, token: str, holder: Optional[str] = None
+) -> bool:
     """Mark a member this worker is about to stop as deleted in the gate; whether it was marked
     (``False``: it is gone, or was detached at once, since its claim did not say that its process
     can be stopped).  From then on, however else it ends (its own finish, a kill or fail, a
     retry, its lease's lapse), it ends as deleted, and its finish hands nothing to its process."""
-    outcome = runtime.publish_outcome(runtime.gate.delete(task_id, token=token, stop=True,
-                                                thread_id=thread_id or None, holder=holder))
+    outcome = runtime.publish_outcome(
+        runtime.gate.delete(task_id, token=token, stop=True, thread_id=thread_id or None, holder=holder)
+    )
     return outcome.info == STOPPING
 
 
-def _delete_once_stopped(runtime: Runtime, thread_id: Optional[str], task_id: str, token: str,
-                         pid: int, holder: Optional[str] = None, marked: bool = False) -> None:
+def _delete_once_stopped(
+    runtime: Runtime,
+    thread_id: Optional[str],
+    task_id: str,
+    token: str,
+    pid: int,
+    holder: Optional[str] = None,
+    marked: bool = False,
+) -> None:
     """A member terminated in pool process ``pid``: marked deleted at once (unless ``marked``
     already), and ended, which releases the next member, once that process has exited (a pidfd
     wait, as for the hard time limit): nothing of its code, ``finally`` blocks included, runs
@@ -88,8 +100,9 @@ def _delete_once_stopped(runtime: Runtime, thread_id: Optional[str], task_id: st
         return
 
     def end() -> None:
-        runtime.publish_outcome(runtime.gate.delete(task_id, token=token, thread_id=thread_id or None,
-                                          holder=holder))
+        runtime.publish_outcome(
+            runtime.gate.delete(task_id, token=token, thread_id=thread_id or None, holder=holder)
+        )
 
     when_gone(pid, end, runtime.config.keepalive, what=task_id, anyway=False)
 
@@ -103,8 +116,7 @@ def _end_revoked_member(runtime: Runtime, consumer: Any, task_id: str) -> None:
     if deleted or runtime.gate.take_deleted_note(task_id):
         dispatcher = consumer.event_dispatcher
         if dispatcher is not None and dispatcher.enabled:
-            dispatcher.send("task-revoked", uuid=task_id, terminated=False, signum=None,
-                            expired=False)
+            dispatcher.send("task-revoked", uuid=task_id, terminated=False, signum=None, expired=False)
 
 
 def _terminate_handed_off(runtime: Runtime, task_id: str, signal: Any) -> None:
@@ -132,23 +144,31 @@ def _terminate_handed_off(runtime: Runtime, task_id: str, signal: Any) -> None:
     if found is None:
         return
     pid, (thread_id, _, token) = found
-    pidfd = open_pidfd(pid)      # from here on, the signal reaches that process or none
+    pidfd = open_pidfd(pid)  # from here on, the signal reaches that process or none
     try:
         marked = _mark_deleted(runtime, thread_id, task_id, token)
         if handoff.running(task_id) != found:
-            logger.info("celery-threads: not terminating %s: pool process %s no longer runs it "
-                        "by handoff (token %s)", task_id, pid, token)
+            logger.info(
+                "celery-threads: not terminating %s: pool process %s no longer runs it by handoff (token %s)",
+                task_id,
+                pid,
+                token,
+            )
             return
         signum = platform_signals.signum(signal or TERM_SIGNAME)
-        logger.info("celery-threads: terminating %s, run by handoff in pool process %s (%s)",
-                    task_id, pid, signal or TERM_SIGNAME)
+        logger.info(
+            "celery-threads: terminating %s, run by handoff in pool process %s (%s)",
+            task_id,
+            pid,
+            signal or TERM_SIGNAME,
+        )
         try:
             if pidfd is not None:
                 _signal.pidfd_send_signal(pidfd, signum)
             else:
                 os.kill(pid, signum)
         except ProcessLookupError:
-            pass    # it has just exited: the main process fails its member as lost
+            pass  # it has just exited: the main process fails its member as lost
         if marked:
             _delete_once_stopped(runtime, thread_id, task_id, token, pid, marked=True)
     finally:
@@ -169,8 +189,7 @@ def wrap_revoke_command() -> None:
     if getattr(original, "_celery_threads", False):
         return
 
-    def revoke(state: Any, task_id: Any, terminate: bool = False, signal: Any = None,
-               **kwargs: Any) -> Any:
+    def revoke(state: Any, task_id: Any, terminate: bool = False, signal: Any = None, **kwargs: Any) -> Any:
         if terminate:
             _note_terminating(maybe_list(task_id) or [])
         try:

@@ -35,6 +35,7 @@ stores visible out of order.  Layout of a slot (little-endian)::
 pid 0: the process runs no member by handoff.  Texts are UTF-8 with surrogates passed through,
 so any ``str`` comes back as it went in.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -54,8 +55,8 @@ from ..errors import ThreadsError
 #: bytes fit in full; a longer task id is kept as its digest.
 SIZE = 4096
 _SEQ = struct.Struct("<Q")
-_HEAD = struct.Struct("<QIHHIB")     # pid, crc, thread id, token and task id lengths, digest
-_BODY = _SEQ.size + _HEAD.size       # where the texts start
+_HEAD = struct.Struct("<QIHHIB")  # pid, crc, thread id, token and task id lengths, digest
+_BODY = _SEQ.size + _HEAD.size  # where the texts start
 ROOM = SIZE - _BODY
 _DIGEST = hashlib.sha256().digest_size
 
@@ -101,8 +102,10 @@ def pack(pid: int, member: Optional[Member]) -> bytes:
         return _sealed(0, b"", b"", b"", False)
     thread, token, task = encode(member.thread_id), encode(member.token), encode(member.task_id)
     if len(thread) + len(token) + _DIGEST > ROOM:
-        raise ValueError(f"a thread id of {len(thread)} bytes and a token of {len(token)} do "
-                         f"not fit a handoff slot ({ROOM} bytes)")
+        raise ValueError(
+            f"a thread id of {len(thread)} bytes and a token of {len(token)} do "
+            f"not fit a handoff slot ({ROOM} bytes)"
+        )
     if len(thread) + len(token) + len(task) > ROOM:
         return _sealed(pid, thread, token, digest(member.task_id), True)
     return _sealed(pid, thread, token, task, False)
@@ -124,13 +127,13 @@ def unpack(contents: bytes) -> Optional[tuple[int, Optional[Member]]]:
     end = _HEAD.size + thread_n + token_n + task_n
     if end > len(contents) or hashed > 1:
         return None
-    texts = contents[_HEAD.size:end]
+    texts = contents[_HEAD.size : end]
     if zlib.crc32(_HEAD.pack(pid, 0, thread_n, token_n, task_n, hashed) + texts) != crc:
         return None
     if not pid:
         return 0, None
-    thread, token = texts[:thread_n], texts[thread_n:thread_n + token_n]
-    task = texts[thread_n + token_n:]
+    thread, token = texts[:thread_n], texts[thread_n : thread_n + token_n]
+    task = texts[thread_n + token_n :]
     try:
         if hashed:
             return pid, Member(decode(thread), "", decode(token), task)
@@ -154,11 +157,11 @@ class Slots:
         """Name ``member`` (or none) in slot ``index``: only that slot's pool process writes it."""
         at = index * SIZE
         contents = pack(pid, member)
-        seq = _SEQ.unpack(self.memory[at:at + _SEQ.size])[0]
-        odd = seq | 1      # already odd when a dead predecessor stopped in mid-write
-        self.memory[at:at + _SEQ.size] = _SEQ.pack(odd)
-        self.memory[at + _SEQ.size:at + _SEQ.size + len(contents)] = contents
-        self.memory[at:at + _SEQ.size] = _SEQ.pack(odd + 1)
+        seq = _SEQ.unpack(self.memory[at : at + _SEQ.size])[0]
+        odd = seq | 1  # already odd when a dead predecessor stopped in mid-write
+        self.memory[at : at + _SEQ.size] = _SEQ.pack(odd)
+        self.memory[at + _SEQ.size : at + _SEQ.size + len(contents)] = contents
+        self.memory[at : at + _SEQ.size] = _SEQ.pack(odd + 1)
 
     def read(self, index: int, patience: float) -> tuple[int, int, Optional[Member]]:
         """``(seq, pid, member or None)`` of slot ``index``, as one write left it; retries for up
@@ -167,14 +170,14 @@ class Slots:
         deadline = time.monotonic() + patience
         tries = 0
         while True:
-            seq = _SEQ.unpack(self.memory[at:at + _SEQ.size])[0]
+            seq = _SEQ.unpack(self.memory[at : at + _SEQ.size])[0]
             if not seq % 2:
-                head = self.memory[at + _SEQ.size:at + _BODY]
+                head = self.memory[at + _SEQ.size : at + _BODY]
                 _, _, thread_n, token_n, task_n, _ = _HEAD.unpack(head)
                 end = min(at + _BODY + thread_n + token_n + task_n, at + SIZE)
-                contents = head + self.memory[at + _BODY:end]
+                contents = head + self.memory[at + _BODY : end]
                 read = unpack(contents)
-                if read is not None and _SEQ.unpack(self.memory[at:at + _SEQ.size])[0] == seq:
+                if read is not None and _SEQ.unpack(self.memory[at : at + _SEQ.size])[0] == seq:
                     return seq, read[0], read[1]
             tries += 1
             if time.monotonic() >= deadline:
@@ -189,9 +192,12 @@ class Slots:
             try:
                 seq, pid, member = self.read(index, patience)
             except Unreadable as exc:
-                logger.warning("celery-threads: %s; the member its pool process runs by handoff "
-                               "is not seen this time (a lost process's member then waits for "
-                               "its lease to lapse)", exc)
+                logger.warning(
+                    "celery-threads: %s; the member its pool process runs by handoff "
+                    "is not seen this time (a lost process's member then waits for "
+                    "its lease to lapse)",
+                    exc,
+                )
                 continue
             if pid and member is not None:
                 yield index, seq, pid, member
@@ -213,14 +219,15 @@ class LeaseEnds:
 # -- made by the main process before the fork; inherited by every pool process -----------------
 _lease_ends: Optional[LeaseEnds] = None
 _slots: Optional[Slots] = None
-_flag: Any = None              # multiprocessing.RawValue('b'): the handoff's flag
-_index: Optional[int] = None   # this pool process's index into all of them
+_flag: Any = None  # multiprocessing.RawValue('b'): the handoff's flag
+_index: Optional[int] = None  # this pool process's index into all of them
 
 
 def pool_size(worker: Any) -> int:
     """How many pool processes the worker may run at once (autoscale included)."""
-    return max(int(getattr(worker, "concurrency", 0) or 0),
-               int(getattr(worker, "max_concurrency", 0) or 0), 1)
+    return max(
+        int(getattr(worker, "concurrency", 0) or 0), int(getattr(worker, "max_concurrency", 0) or 0), 1
+    )
 
 
 def prepare(processes: int) -> None:

@@ -12,6 +12,7 @@ strategy), before any pool process runs it.
   also when Celery refuses it before any strategy runs (:func:`on_unrunnable_message`).
 * Deliveries the broker does not track are handled in :mod:`celery_threads.worker.noack`.
 """
+
 from __future__ import annotations
 
 import logging
@@ -40,47 +41,72 @@ def threaded_strategy(task: Any, app: Any, consumer: Any, **kwargs: Any) -> Any:
     def drop(ack: Any) -> None:
         ack(logger, connection_errors)
 
-    def task_message_handler(message: Any, body: Any, ack: Any, reject: Any, callbacks: Any,
-                             **kw: Any) -> Any:
+    def task_message_handler(
+        message: Any, body: Any, ack: Any, reject: Any, callbacks: Any, **kw: Any
+    ) -> Any:
         if getattr(consumer, CONSUMER_FLAG, False):
-            mark_delivery(message)      # untracked by the broker: no ack, no reject
+            mark_delivery(message)  # untracked by the broker: no ack, no reject
         headers = message.headers or {}
         token = headers.get(TOKEN_HEADER)
         if not token:
             try:
-                return _enter_gate_from_worker(task, runtime, message,
-                                               lambda: drop(ack),
-                                               lambda: reject(logger, connection_errors, False))
+                return _enter_gate_from_worker(
+                    task,
+                    runtime,
+                    message,
+                    lambda: drop(ack),
+                    lambda: reject(logger, connection_errors, False),
+                )
             except redis.RedisError as exc:
                 # The gate is unreachable: the message goes back to the broker, for a worker
                 # that reaches it (or this one, later).
-                logger.warning("celery-threads: %s[%s] could not enter its thread: the gate at "
-                               "%s did not answer (%s); requeued", task.name, headers.get("id"),
-                               runtime.config.redis_url, exc)
+                logger.warning(
+                    "celery-threads: %s[%s] could not enter its thread: the gate at "
+                    "%s did not answer (%s); requeued",
+                    task.name,
+                    headers.get("id"),
+                    runtime.config.redis_url,
+                    exc,
+                )
                 reject(logger, connection_errors, True)
                 return None
         thread_id, task_id = str(headers.get(THREAD_HEADER)), str(headers.get("id"))
         try:
-            state = (runtime.gate.reads.peek(thread_id, task_id, token) if may_be_duplicate(message)
-                     else "RELEASED")
+            state = (
+                runtime.gate.reads.peek(thread_id, task_id, token)
+                if may_be_duplicate(message)
+                else "RELEASED"
+            )
         except redis.RedisError as exc:
             # Unchecked, it goes on: its claim, when it starts, lets one delivery run.
-            logger.warning("celery-threads: could not check %s[%s] of thread %s against the "
-                           "gate (%s); its claim decides", task.name, task_id, thread_id, exc)
+            logger.warning(
+                "celery-threads: could not check %s[%s] of thread %s against the "
+                "gate (%s); its claim decides",
+                task.name,
+                task_id,
+                thread_id,
+                exc,
+            )
             state = "RELEASED"
         if state != "RELEASED":
             # RUNNING under this token: a redelivery of a member another attempt has started;
             # anything else: a stale release.  Either way the live task is not touched.
             why = "a duplicate delivery" if state == "RUNNING" else "a stale release"
-            logger.info("celery-threads: dropped %s[%s] of thread %s: %s (token %s)",
-                        task.name, task_id, thread_id, why, token)
+            logger.info(
+                "celery-threads: dropped %s[%s] of thread %s: %s (token %s)",
+                task.name,
+                task_id,
+                thread_id,
+                why,
+                token,
+            )
             drop(ack)
             return None
         try:
             return handle(message, body, ack, reject, callbacks, **kw)
-        except Exception as exc:   # undecodable body, refused content type, invalid message
+        except Exception as exc:  # undecodable body, refused content type, invalid message
             kill_unrunnable(runtime, headers, exc)
-            raise                   # Celery rejects and logs the message as usual
+            raise  # Celery rejects and logs the message as usual
 
     return task_message_handler
 
@@ -101,8 +127,9 @@ def may_be_duplicate(message: Any) -> bool:
     return bool((message.delivery_info or {}).get("redelivered"))
 
 
-def kill_unrunnable(runtime: Runtime, headers: dict[str, Any], exc: BaseException,
-                    holder: Optional[str] = NO_HOLDER) -> None:
+def kill_unrunnable(
+    runtime: Runtime, headers: dict[str, Any], exc: BaseException, holder: Optional[str] = NO_HOLDER
+) -> None:
     """A released member whose message no worker can run dies now, instead of being republished
     forever: it goes to the dead letters with the reason, and its thread moves on.  ``holder``:
     the claimant prefix of the pool process that had the message (see :meth:`Gate.kill`); by
@@ -111,16 +138,20 @@ def kill_unrunnable(runtime: Runtime, headers: dict[str, Any], exc: BaseExceptio
     if not token:
         return
     try:
-        runtime.kill(str(headers.get(THREAD_HEADER)), str(headers.get("id")), str(token), exc=exc,
-                     retries=int(headers.get("retries") or 0), holder=holder,
-                     reason=f"{type(exc).__name__}: the worker cannot run this message: {exc}")
+        runtime.kill(
+            str(headers.get(THREAD_HEADER)),
+            str(headers.get("id")),
+            str(token),
+            exc=exc,
+            retries=int(headers.get("retries") or 0),
+            holder=holder,
+            reason=f"{type(exc).__name__}: the worker cannot run this message: {exc}",
+        )
     except Exception:
-        logger.exception("celery-threads: could not dead-letter unrunnable member %s",
-                         headers.get("id"))
+        logger.exception("celery-threads: could not dead-letter unrunnable member %s", headers.get("id"))
 
 
-def on_unrunnable_message(sender: Any = None, message: Any = None, exc: Any = None,
-                          **kwargs: Any) -> None:
+def on_unrunnable_message(sender: Any = None, message: Any = None, exc: Any = None, **kwargs: Any) -> None:
     """``task_unknown`` / ``task_rejected``: a released member Celery refused before any strategy
     ran (a task name this worker does not know, an invalid message)."""
     headers = getattr(message, "headers", None) or {}
@@ -134,14 +165,13 @@ def on_unrunnable_message(sender: Any = None, message: Any = None, exc: Any = No
     kill_unrunnable(get_runtime(app), headers, exc or RuntimeError("message refused"))
 
 
-def _enter_gate_from_worker(task: Any, runtime: Runtime, message: Any, ack: Any,
-                            reject: Any) -> None:
+def _enter_gate_from_worker(task: Any, runtime: Runtime, message: Any, ack: Any, reject: Any) -> None:
     """A threaded task's message that did not come through the gate (``send_task`` by name from
     another program, a dead letter sent back): the worker enqueues it into its thread."""
     headers = dict(message.headers or {})
     try:
         max_retries, retry_delay_ms = retry_settings(task)
-        policy = policies.resolve(task, {})     # the task's own: a call's options are not known
+        policy = policies.resolve(task, {})  # the task's own: a call's options are not known
     except ConfigurationError as exc:
         logger.error("celery-threads: rejected %s[%s]: %s", task.name, headers.get("id"), exc)
         reject()
@@ -150,29 +180,47 @@ def _enter_gate_from_worker(task: Any, runtime: Runtime, message: Any, ack: Any,
         args, kwargs, _ = message.decode()
         thread_id = task.resolve_thread_id(args, kwargs, headers.get(THREAD_HEADER))
     except Exception as exc:
-        logger.error("celery-threads: rejected %s[%s]: it came without a thread id (%s). Publish "
-                     "it with apply_async(thread_id=...) or give the task a thread_key.",
-                     task.name, headers.get("id"), exc)
+        logger.error(
+            "celery-threads: rejected %s[%s]: it came without a thread id (%s). Publish "
+            "it with apply_async(thread_id=...) or give the task a thread_key.",
+            task.name,
+            headers.get("id"),
+            exc,
+        )
         reject()
         return
     delivery = message.delivery_info or {}
     props = message.properties or {}
-    envelope = encode_envelope(message.body, {
-        "exchange": delivery.get("exchange") or "",
-        "routing_key": delivery.get("routing_key"),
-        "content_type": message.content_type,
-        "content_encoding": message.content_encoding,
-        "headers": {**headers, "eta": None},
-        **{k: props.get(k) for k in ("correlation_id", "reply_to", "priority")},
-    })
+    envelope = encode_envelope(
+        message.body,
+        {
+            "exchange": delivery.get("exchange") or "",
+            "routing_key": delivery.get("routing_key"),
+            "content_type": message.content_type,
+            "content_encoding": message.content_encoding,
+            "headers": {**headers, "eta": None},
+            **{k: props.get(k) for k in ("correlation_id", "reply_to", "priority")},
+        },
+    )
     eta = headers.get("eta")
     outcome = runtime.gate.enqueue(
-        thread_id, headers["id"], envelope, at_ms=eta_ms(eta) if eta else None,
-        max_retries=max_retries, retry_delay_ms=retry_delay_ms, policy=policy.text,
-        max_waiting=policy.max_waiting)
+        thread_id,
+        headers["id"],
+        envelope,
+        at_ms=eta_ms(eta) if eta else None,
+        max_retries=max_retries,
+        retry_delay_ms=retry_delay_ms,
+        policy=policy.text,
+        max_waiting=policy.max_waiting,
+    )
     if outcome.status == Enqueue.FULL:
-        logger.error("celery-threads: rejected %s[%s]: thread %s already has %s waiting members "
-                     "(max_waiting)", task.name, headers["id"], thread_id, policy.max_waiting)
+        logger.error(
+            "celery-threads: rejected %s[%s]: thread %s already has %s waiting members (max_waiting)",
+            task.name,
+            headers["id"],
+            thread_id,
+            policy.max_waiting,
+        )
         reject()
         return
     runtime.publish(outcome.release)

@@ -3,6 +3,7 @@ Cluster the suite starts, with real workers.  The broker, result backend and the
 stay on the suite's plain redis-server; the heartbeats' clock is that server's ``TIME``, one clock
 for every node's members.
 """
+
 from __future__ import annotations
 
 import json
@@ -42,14 +43,24 @@ def sharded(proj, redis_server: RedisServer) -> Iterator[Any]:
 
     def make(gate_url: str, shards: int, cluster: bool, **overrides: str) -> Deployment:
         name = uuid.uuid4().hex[:8]
-        env = deployment_env(redis_server, **{
-            "CT_KEY_PREFIX": f"ct-{name}", "CT_QUEUE": f"q-{name}", "CT_REDIS_URL": gate_url,
-            "CT_HISTORY_URL": redis_server.url(0), "CT_SHARDS": str(shards),
-            "CT_CLUSTER": "1" if cluster else "0", **overrides})
+        env = deployment_env(
+            redis_server,
+            **{
+                "CT_KEY_PREFIX": f"ct-{name}",
+                "CT_QUEUE": f"q-{name}",
+                "CT_REDIS_URL": gate_url,
+                "CT_HISTORY_URL": redis_server.url(0),
+                "CT_SHARDS": str(shards),
+                "CT_CLUSTER": "1" if cluster else "0",
+                **overrides,
+            },
+        )
         d = Deployment(env)
         configure_client(proj.app, **env)
-        point_app(proj.app, {"threads_shards": shards,
-                             "threads_redis_options": {"cluster": True} if cluster else {}})
+        point_app(
+            proj.app,
+            {"threads_shards": shards, "threads_redis_options": {"cluster": True} if cluster else {}},
+        )
         made.append(d)
         return d
 
@@ -62,8 +73,9 @@ def sharded(proj, redis_server: RedisServer) -> Iterator[Any]:
 
 def _threads_cli(env: dict[str, str], *args: str) -> Any:
     cli_env = {**env, "COLUMNS": "200"}
-    result = CliRunner().invoke(celery_command, ["-A", "tests.support.proj", "threads", *args, "--json"],
-                                env=cli_env)
+    result = CliRunner().invoke(
+        celery_command, ["-A", "tests.support.proj", "threads", *args, "--json"], env=cli_env
+    )
     assert result.exit_code == 0, result.output
     return json.loads(result.stdout)
 
@@ -91,7 +103,7 @@ def test_changing_the_shard_count_is_refused_while_the_gate_holds_members(redis_
         check_shards(client, Keys(prefix, 2))
     assert outcome.release is not None
     gate.delete(outcome.release.task_id, thread_id="acct-1")
-    check_shards(client, Keys(prefix, 2))     # an empty gate takes the new count
+    check_shards(client, Keys(prefix, 2))  # an empty gate takes the new count
     assert int(client.get(Keys(prefix).meta)) == 2
     # A gate from before the count was recorded holds its members under the one-shard tag.
     legacy = f"sc-{uuid.uuid4().hex[:6]}"
@@ -117,15 +129,17 @@ def test_waiting_for_replicas_is_refused_on_a_cluster(redis_cluster):
 
     client = make_client(redis_cluster.url(), {"cluster": True})
     with pytest.raises(ConfigurationError, match="threads_wait_replicas"):
-        Gate(client, Keys(f"wr-{uuid.uuid4().hex[:6]}", 3), release_timeout_ms=60_000,
-             wait_replicas=1)
+        Gate(client, Keys(f"wr-{uuid.uuid4().hex[:6]}", 3), release_timeout_ms=60_000, wait_replicas=1)
 
 
 def test_cluster_gate_reloads_what_a_master_lost(redis_cluster):
     """A master without the library or the scripts (restarted, or new) gets them again: calls on
     their own (FCALL, then EVALSHA where FUNCTION is refused) and pipelined ones (EVALSHA)."""
-    gate = Gate(make_client(redis_cluster.url(), {"cluster": True}),
-                Keys(f"rl-{uuid.uuid4().hex[:6]}", 3), release_timeout_ms=60_000)
+    gate = Gate(
+        make_client(redis_cluster.url(), {"cluster": True}),
+        Keys(f"rl-{uuid.uuid4().hex[:6]}", 3),
+        release_timeout_ms=60_000,
+    )
     threads = spread(gate.keys, 2, "rl")
 
     def forget_everything() -> None:
@@ -138,15 +152,14 @@ def test_cluster_gate_reloads_what_a_master_lost(redis_cluster):
         outcome = gate.enqueue(thread, str(uuid.uuid4()), b"first")
         assert outcome.release is not None
         forget_everything()
-        assert gate.claim(thread, outcome.release.task_id, outcome.release.token,
-                          "w", "c") == 1
+        assert gate.claim(thread, outcome.release.task_id, outcome.release.token, "w", "c") == 1
         gate.enqueue(thread, str(uuid.uuid4()), b"second")
         forget_everything()
         ended = gate.finish(thread, outcome.release.task_id, outcome.release.token, caller="c")
         assert ended.done and ended.release is not None
         released.append((thread, ended.release.task_id, ended.release.token))
     forget_everything()
-    assert gate.renew_many(released) == [1] * len(released)    # pipelined: Renewal.RENEWED
+    assert gate.renew_many(released) == [1] * len(released)  # pipelined: Renewal.RENEWED
     assert all(gate.reads.snapshot(t).active["state"] == "RELEASED" for t in threads)
 
 
@@ -174,17 +187,15 @@ def _client_calls(gate: Gate, monkeypatch: Any) -> list[Any]:
     return seen
 
 
-def test_cluster_hot_path_has_its_own_line_per_master_and_follows_a_moved_slot(
-        redis_cluster, monkeypatch):
+def test_cluster_hot_path_has_its_own_line_per_master_and_follows_a_moved_slot(redis_cluster, monkeypatch):
     """A cluster gate's transitions go over its own line to each shard's master (not the cluster
     client), one line per master; when a shard's slot moves to another master, the call the old
     master refuses (MOVED) goes the client's way, and the next ones take the line to the new
     master."""
     keys = Keys(f"cl-{uuid.uuid4().hex[:6]}", 6)
-    gate = Gate(make_client(redis_cluster.url(), {"cluster": True}), keys,
-                release_timeout_ms=60_000)
+    gate = Gate(make_client(redis_cluster.url(), {"cluster": True}), keys, release_timeout_ms=60_000)
     threads = spread(keys, 2, "cl")
-    _lives(gate, threads)                    # connections opened, the library loaded
+    _lives(gate, threads)  # connections opened, the library loaded
     through_client = _client_calls(gate, monkeypatch)
     _lives(gate, threads)
     assert through_client == []
@@ -202,7 +213,7 @@ def test_cluster_hot_path_has_its_own_line_per_master_and_follows_a_moved_slot(
         _lives(gate, moved)
         assert through_client == []
         assert line._shard_lines[0] is line._lines[f"127.0.0.1:{new}"]
-    finally:    # the module's other tests expect the cluster's first layout
+    finally:  # the module's other tests expect the cluster's first layout
         redis_cluster.migrate_slot(slot, old, batch=100, pace=0)
 
 
@@ -216,8 +227,7 @@ def fresh_seams() -> Iterator[None]:
     seams._results.clear()
 
 
-def test_a_cluster_workers_direct_line_check_probes_a_master(redis_cluster, monkeypatch,
-                                                             fresh_seams):
+def test_a_cluster_workers_direct_line_check_probes_a_master(redis_cluster, monkeypatch, fresh_seams):
     """At worker start the direct-line seam is probed on a connection to the gate's server; on a
     cluster, to a master (the cluster client has no pool of its own): the seam holds, and the
     worker's pool processes take the line."""
@@ -228,7 +238,8 @@ def test_a_cluster_workers_direct_line_check_probes_a_master(redis_cluster, monk
 
 
 def test_cluster_gate_goes_through_the_client_when_the_direct_line_does_not_hold(
-        proj, redis_cluster, monkeypatch, fresh_seams):
+    proj, redis_cluster, monkeypatch, fresh_seams
+):
     """The direct-line seam broken (a connection whose socket is not a plain socket): every
     transition on a cluster takes the cluster client's way, and works."""
     import redis
@@ -238,8 +249,7 @@ def test_cluster_gate_goes_through_the_client_when_the_direct_line_does_not_hold
     original = redis.Connection._connect
     monkeypatch.setattr(redis.Connection, "_connect", lambda self: _Socket(original(self)))
     keys = Keys(f"cf-{uuid.uuid4().hex[:6]}", 3)
-    gate = Gate(make_client(redis_cluster.url(), {"cluster": True}), keys,
-                release_timeout_ms=60_000)
+    gate = Gate(make_client(redis_cluster.url(), {"cluster": True}), keys, release_timeout_ms=60_000)
     threads = spread(keys, 1, "cf")
     _lives(gate, threads)
     through_client = _client_calls(gate, monkeypatch)
@@ -261,8 +271,8 @@ def test_four_shards_on_one_redis(proj, sharded, redis_server, r):
 def test_cluster_semantics_spread_and_listing(proj, sharded, redis_cluster, r):
     d = sharded(redis_cluster.url(), 3, True)
     d.worker("w1", concurrency=2)
-    threads = spread(Keys(d.env["CT_KEY_PREFIX"], 3), 3, "cl")   # the first 3: one per shard
-    for thread in threads[:3]:   # still waiting while the listing is read
+    threads = spread(Keys(d.env["CT_KEY_PREFIX"], 3), 3, "cl")  # the first 3: one per shard
+    for thread in threads[:3]:  # still waiting while the listing is read
         proj.record.apply_async((thread, "later"), countdown=120)
     prefix = d.env["CT_KEY_PREFIX"]
     per_node = redis_cluster.keys_per_node(prefix)
@@ -298,8 +308,9 @@ def test_cluster_wake_reaches_the_dispatch_loop(proj, sharded, redis_cluster, r)
 
 
 def test_cluster_crash_recovery(proj, sharded, redis_cluster, r):
-    crash_recovery(sharded(redis_cluster.url(), 3, True, CT_KEEPALIVE="2",
-                           CT_DISPATCH_INTERVAL="0.2"), proj, r)
+    crash_recovery(
+        sharded(redis_cluster.url(), 3, True, CT_KEEPALIVE="2", CT_DISPATCH_INTERVAL="0.2"), proj, r
+    )
 
 
 def test_cluster_slot_migration_during_a_run(proj, sharded, redis_cluster, r):
@@ -317,15 +328,18 @@ def test_cluster_slot_migration_during_a_run(proj, sharded, redis_cluster, r):
 
     def migrate() -> None:
         try:
-            wait_for(lambda: sum(len(starts(r, t)) for t in threads) >= 10, timeout=60,
-                     what="the run to be under way")
+            wait_for(
+                lambda: sum(len(starts(r, t)) for t in threads) >= 10,
+                timeout=60,
+                what="the run to be under way",
+            )
             for i in range(3):
                 slot = key_slot(keys.shard(i).seq.encode())
                 owner = redis_cluster.owner(slot)
                 others = [p for p in redis_cluster.ports if p != owner]
-                if i == 0:    # redis-cli's own reshard (it refuses while a slot is half moved)
+                if i == 0:  # redis-cli's own reshard (it refuses while a slot is half moved)
                     redis_cluster.reshard(slot, others[0])
-                else:         # key by key, paced: calls meet the slot half moved
+                else:  # key by key, paced: calls meet the slot half moved
                     redis_cluster.migrate_slot(slot, others[0])
         finally:
             moved.set()
@@ -341,14 +355,18 @@ def test_cluster_slot_migration_during_a_run(proj, sharded, redis_cluster, r):
         for thread in threads:
             results.append(proj.record.delay(thread, f"m{rounds}", sleep=0.1))
         rounds += 1
-        wait_for(lambda n=rounds - 1: all(len(starts(r, t)) >= n for t in threads),
-                 timeout=60, what=f"round {rounds - 1} to start")
+        wait_for(
+            lambda n=rounds - 1: all(len(starts(r, t)) >= n for t in threads),
+            timeout=60,
+            what=f"round {rounds - 1} to start",
+        )
         assert rounds < 2000, "the slots did not move"
     mover.join(30)
     after = {i: redis_cluster.owner(key_slot(keys.shard(i).seq.encode())) for i in range(3)}
     assert all(before[i] != after[i] for i in range(3)), (before, after)
     assert sorted(x.get(timeout=90) for x in results) == sorted(
-        f"m{n}" for n in range(rounds) for _ in threads)
+        f"m{n}" for n in range(rounds) for _ in threads
+    )
     redirected = {k: v - redirected[k] for k, v in redis_cluster.redirections().items()}
     print(f"{rounds} rounds; redirections during the run:", redirected)
     assert redirected["MOVED"] > 0, redirected
@@ -356,4 +374,5 @@ def test_cluster_slot_migration_during_a_run(proj, sharded, redis_cluster, r):
         assert starts(r, thread) == [f"m{n}" for n in range(rounds)]
         assert_serial(r, thread)
     assert r.llen("overlaps") == 0 or not any(
-        x.decode().split("|")[0] in threads for x in r.lrange("overlaps", 0, -1))
+        x.decode().split("|")[0] in threads for x in r.lrange("overlaps", 0, -1)
+    )

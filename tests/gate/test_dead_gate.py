@@ -7,6 +7,7 @@ The bound is set to 1 s to keep the tests short; each call must end within twice
 machine), the only timing asserted.  Workers riding out a longer outage: test_bad_input.py
 (``test_gate_down_while_workers_finish_members_loses_nothing``, with this bound at 1 s).
 """
+
 from __future__ import annotations
 
 import signal
@@ -64,8 +65,7 @@ def _unavailable(proj: Any, thread: str, task_id: str) -> tuple[float, str]:
 def _broker_holds(redis_server: Any, task_id: str) -> bool:
     broker = redis.Redis(port=redis_server.port, db=BROKER_DB)
     for key in broker.scan_iter(count=1000):
-        if broker.type(key) == b"list" and any(task_id.encode() in v
-                                               for v in broker.lrange(key, 0, -1)):
+        if broker.type(key) == b"list" and any(task_id.encode() in v for v in broker.lrange(key, 0, -1)):
             return True
     return False
 
@@ -79,8 +79,7 @@ def _stores(server: RedisServer, text: str) -> bool:
     return False
 
 
-def _fails_fast(proj: Any, redis_server: Any, url: str, *, calls: int = 1,
-                **settings: Any) -> list[str]:
+def _fails_fast(proj: Any, redis_server: Any, url: str, *, calls: int = 1, **settings: Any) -> list[str]:
     """Each of ``calls`` calls raises GateUnavailable naming the URL, within twice the bound, and
     nothing reaches the broker; their messages."""
     messages = []
@@ -102,8 +101,9 @@ def test_a_gate_never_reachable(proj: Any, isolated_app: Any, redis_server: Any)
     assert "Connection refused" in message, message
 
 
-def test_a_gate_killed_after_use(proj: Any, isolated_app: Any, redis_server: Any,
-                                 gate_server: RedisServer) -> None:
+def test_a_gate_killed_after_use(
+    proj: Any, isolated_app: Any, redis_server: Any, gate_server: RedisServer
+) -> None:
     """The first call after (its connections were good) and the later ones (they reconnect)."""
     with pointed_at(proj.app, threads_redis_url=gate_server.url(), threads_publish_timeout=BOUND):
         proj.record.apply_async((f"dead-gate-{uuid.uuid4().hex[:8]}", "warm-up"))
@@ -111,8 +111,9 @@ def test_a_gate_killed_after_use(proj: Any, isolated_app: Any, redis_server: Any
         _fails_fast(proj, redis_server, gate_server.url(), calls=3)
 
 
-def test_rediss_against_a_plain_server(proj: Any, isolated_app: Any, redis_server: Any,
-                                       gate_server: RedisServer) -> None:
+def test_rediss_against_a_plain_server(
+    proj: Any, isolated_app: Any, redis_server: Any, gate_server: RedisServer
+) -> None:
     url = f"rediss://127.0.0.1:{gate_server.port}/0"
     thread = f"dead-gate-{uuid.uuid4().hex[:8]}"
     with pointed_at(proj.app, threads_redis_options={"ssl_cert_reqs": "none"}):
@@ -120,8 +121,9 @@ def test_rediss_against_a_plain_server(proj: Any, isolated_app: Any, redis_serve
     assert not _stores(gate_server, thread) and not _stores(gate_server, "dead-gate")
 
 
-def test_a_server_that_never_answers(proj: Any, isolated_app: Any, redis_server: Any,
-                                     black_hole: int) -> None:
+def test_a_server_that_never_answers(
+    proj: Any, isolated_app: Any, redis_server: Any, black_hole: int
+) -> None:
     """Also each step of an admin call (Threads: its set-up, then each call) gives up within the
     bound, raising the client's error."""
     url = f"redis://127.0.0.1:{black_hole}/0"
@@ -137,7 +139,8 @@ def test_a_server_that_never_answers(proj: Any, isolated_app: Any, redis_server:
 
 
 def test_a_stopped_server_may_hold_the_call_and_says_so(
-        proj: Any, isolated_app: Any, redis_server: Any, gate_server: RedisServer) -> None:
+    proj: Any, isolated_app: Any, redis_server: Any, gate_server: RedisServer
+) -> None:
     """A server that stops answering after the call was sent (SIGSTOP) runs it once it goes on:
     the error says the member may be stored, and calling again with the same task id stores
     nothing twice."""
@@ -155,9 +158,9 @@ def test_a_stopped_server_may_hold_the_call_and_says_so(
         assert not _broker_holds(redis_server, task_id)
         threads = Threads(proj.app)
         info = threads.get(thread)
-        assert info is not None and info.active is not None, info   # the call ran, whole
+        assert info is not None and info.active is not None, info  # the call ran, whole
         assert info.active.task_id == task_id and info.waiting == []
-        proj.record.apply_async((thread, "x"), task_id=task_id)     # the caller calls again
+        proj.record.apply_async((thread, "x"), task_id=task_id)  # the caller calls again
         info = threads.get(thread)
         assert info is not None and info.active is not None
         assert info.active.task_id == task_id and info.waiting == []

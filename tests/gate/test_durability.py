@@ -8,6 +8,7 @@ each ends exactly once.  Lost writes (a crash with ``appendfsync everysec`` of t
 just the process, or a failover without WAIT) are written straight into Redis: a snapshot of the
 gate's keys taken before some transitions is restored after them.
 """
+
 from __future__ import annotations
 
 import collections
@@ -34,14 +35,23 @@ def load_env(gate_url: str, history: RedisServer, **overrides: str) -> dict[str,
     """A deployment's environment: the gate at ``gate_url``; broker, results and the history on
     the session's Redis, which no fault touches."""
     name = uuid.uuid4().hex[:8]
-    return {"CT_REDIS_URL": gate_url, "CT_BROKER_URL": history.url(1),
-            "CT_BACKEND_URL": history.url(2), "CT_HISTORY_URL": history.url(0),
-            "CT_KEEPALIVE": "10", "CT_DISPATCH_INTERVAL": "0.2", "CT_RELEASE_TIMEOUT": "3",
-            "CT_KEY_PREFIX": f"ct-{name}", "CT_QUEUE": f"q-{name}", **overrides}
+    return {
+        "CT_REDIS_URL": gate_url,
+        "CT_BROKER_URL": history.url(1),
+        "CT_BACKEND_URL": history.url(2),
+        "CT_HISTORY_URL": history.url(0),
+        "CT_KEEPALIVE": "10",
+        "CT_DISPATCH_INTERVAL": "0.2",
+        "CT_RELEASE_TIMEOUT": "3",
+        "CT_KEY_PREFIX": f"ct-{name}",
+        "CT_QUEUE": f"q-{name}",
+        **overrides,
+    }
 
 
-def run_through_fault(proj: Any, env: dict[str, str], history: RedisServer,
-                      fault: Callable[[], None], settings: dict[str, Any]) -> dict[str, Any]:
+def run_through_fault(
+    proj: Any, env: dict[str, str], history: RedisServer, fault: Callable[[], None], settings: dict[str, Any]
+) -> dict[str, Any]:
     """Two prefork workers run ``THREADS`` x ``MEMBERS`` members; ``fault()`` strikes once a
     quarter of them ended.  Every member must end exactly once, none while another member of its
     thread runs (by the bodies' own count, and by their start/end stamps)."""
@@ -65,8 +75,7 @@ def run_through_fault(proj: Any, env: dict[str, str], history: RedisServer,
         at_fault = ended()
         fault()
         try:
-            wait_for(lambda: ended() >= total, timeout=90, interval=0.2,
-                     what="every member to end")
+            wait_for(lambda: ended() >= total, timeout=90, interval=0.2, what="every member to end")
         except AssertionError:
             logs = "\n".join(f"--- {p.name}\n{p.output()[-6000:]}" for p in d.processes)
             raise AssertionError(f"{ended()} of {total} members ended:\n{logs}") from None
@@ -77,7 +86,7 @@ def run_through_fault(proj: Any, env: dict[str, str], history: RedisServer,
             ends = collections.Counter(e.label for e in evs if e.kind == "end")
             assert sorted(ends) == sorted(f"m{i}" for i in range(MEMBERS)), (thread, evs)
             assert set(ends.values()) == {1}, f"a member of {thread} ran twice: {evs}"
-            for before, after in zip(evs, evs[1:]):    # start, end, start, end... in order
+            for before, after in zip(evs, evs[1:]):  # start, end, start, end... in order
                 assert before.kind != after.kind and before.at_us <= after.at_us, evs
         return {"ended_before_fault": at_fault, "total": total}
     finally:
@@ -100,8 +109,7 @@ def test_a_gate_sigkilled_under_load_restarts_from_its_append_only_file(proj, re
             gate.start()
             assert client.dbsize() > 0, "the restarted gate read nothing from its file"
 
-        run_through_fault(proj, load_env(gate.url(0), redis_server), redis_server,
-                          kill_and_restart, {})
+        run_through_fault(proj, load_env(gate.url(0), redis_server), redis_server, kill_and_restart, {})
     finally:
         gate.stop(kill=True)
 
@@ -113,8 +121,7 @@ def test_a_gate_sigkilled_under_load_restarts_from_its_append_only_file(proj, re
 def gate(redis_server) -> Iterator[Gate]:
     client = redis.Redis(port=redis_server.port, db=12)
     client.flushdb()
-    yield Gate(client, Keys(f"ctdur-{uuid.uuid4().hex[:6]}"), release_timeout_ms=5000,
-               keepalive_ms=10_000)
+    yield Gate(client, Keys(f"ctdur-{uuid.uuid4().hex[:6]}"), release_timeout_ms=5000, keepalive_ms=10_000)
     client.flushdb()
 
 
@@ -143,7 +150,7 @@ def test_tokens_never_repeat_across_lost_writes_and_the_first_holder_loses_its_m
     assert a is not None and int(a.token) >= int(time.time() * 1_000_000) - 60_000_000
     before = snapshot(client)
     assert gate.claim("t", "a", a.token, "w1", "c1") == 1
-    lost = gate.finish("t", "a", a.token, caller="c1").release     # a worker's ending: its claim's
+    lost = gate.finish("t", "a", a.token, caller="c1").release  # a worker's ending: its claim's
     assert lost is not None and lost.task_id == "b"
 
     lose_writes_since(client, before)
@@ -177,10 +184,8 @@ def test_after_a_lost_claim_the_first_workers_main_process_ends_nothing_of_the_s
     assert gate.claim("t", "a", a.token, "w2@h", second + "beef00") == 1
     lost = "WorkerLostError: gone; no retries were left"
     assert gate.fail("t", "a", a.token, lost, holder=first).status == Lapse.NOOP
-    assert gate.kill("t", "a", a.token, {"exception": "TimeLimitExceeded"},
-                     holder=first).status == Done.NOOP
-    assert gate.kill("t", "a", a.token, {"exception": "NotRegistered"},
-                     holder=NO_HOLDER).status == Done.NOOP
+    assert gate.kill("t", "a", a.token, {"exception": "TimeLimitExceeded"}, holder=first).status == Done.NOOP
+    assert gate.kill("t", "a", a.token, {"exception": "NotRegistered"}, holder=NO_HOLDER).status == Done.NOOP
     assert gate.reads.snapshot("t").active["by"] == second + "beef00"
     assert gate.fail("t", "a", a.token, lost, holder=second).status == Lapse.RETRIED
     assert gate.reads.snapshot("t").active["task"] == "b"
@@ -210,18 +215,17 @@ def test_a_transition_no_replica_confirmed_counts_as_not_done(redis_server):
     first, once confirmed."""
     client = redis.Redis(port=redis_server.port, db=12)
     client.flushdb()
-    gate = Gate(client, Keys("ctwait"), release_timeout_ms=5000, keepalive_ms=1000,
-                wait_replicas=1)
-    gate.replicated_budget = 0          # an enqueue is not sent again (see the next test)
+    gate = Gate(client, Keys("ctwait"), release_timeout_ms=5000, keepalive_ms=1000, wait_replicas=1)
+    gate.replicated_budget = 0  # an enqueue is not sent again (see the next test)
     try:
         assert gate.wait == (1, 100)
         started = time.monotonic()
-        for _ in range(2):     # the first goes the client's way, the second the direct line's
+        for _ in range(2):  # the first goes the client's way, the second the direct line's
             with pytest.raises(NotReplicated):
                 gate.enqueue("t", "a", b"A")
         with pytest.raises(NotReplicated):
             gate.release_many(["t"])
-        assert time.monotonic() - started >= 0.3           # each waited its 100 ms
+        assert time.monotonic() - started >= 0.3  # each waited its 100 ms
         plain = Gate(client, Keys("ctwait"), release_timeout_ms=5000)
         assert plain.reads.snapshot("t").active["task"] == "a"  # the master holds it all the same
     finally:
@@ -234,8 +238,7 @@ def test_an_enqueue_is_sent_again_until_a_replica_confirms_it(redis_server):
     again, so the member is stored once."""
     client = redis.Redis(port=redis_server.port, db=12)
     client.flushdb()
-    gate = Gate(client, Keys("ctwait"), release_timeout_ms=5000, keepalive_ms=1000,
-                wait_replicas=1)
+    gate = Gate(client, Keys("ctwait"), release_timeout_ms=5000, keepalive_ms=1000, wait_replicas=1)
     gate.replicated_budget = 0.5
     replica = RedisServer()
     delay = client.config_get("repl-diskless-sync-delay")["repl-diskless-sync-delay"]
@@ -247,12 +250,13 @@ def test_an_enqueue_is_sent_again_until_a_replica_confirms_it(redis_server):
         gate.replicated_budget = 30
         client.config_set("repl-diskless-sync-delay", 0)
         replica.start()
-        attach = threading.Timer(0.3, lambda: redis.Redis(port=replica.port).replicaof(
-            "127.0.0.1", redis_server.port))
+        attach = threading.Timer(
+            0.3, lambda: redis.Redis(port=replica.port).replicaof("127.0.0.1", redis_server.port)
+        )
         attach.start()
-        assert gate.enqueue("t", "b", b"B").done       # confirmed once the replica is in sync
+        assert gate.enqueue("t", "b", b"B").done  # confirmed once the replica is in sync
         attach.join()
-        again = gate.enqueue("t", "a", b"A")           # the first one's member, stored then
+        again = gate.enqueue("t", "a", b"A")  # the first one's member, stored then
         assert not again.done and again.release is not None and again.release.task_id == "a"
         plain = Gate(client, Keys("ctwait"), release_timeout_ms=5000)
         assert [task for task, _ in plain.reads.snapshot("t").waiting] == ["b"]
@@ -268,14 +272,14 @@ def test_a_connection_closed_while_wait_blocks_is_left_not_spun_on(redis_server)
     instead of reading a closed socket forever."""
     client = redis.Redis(port=redis_server.port, db=12)
     client.flushdb()
-    gate = Gate(client, Keys("ctwait"), release_timeout_ms=5000, keepalive_ms=10_000,
-                wait_replicas=1)
-    gate.replicated_budget = 0          # each enqueue is sent once
+    gate = Gate(client, Keys("ctwait"), release_timeout_ms=5000, keepalive_ms=10_000, wait_replicas=1)
+    gate.replicated_budget = 0  # each enqueue is sent once
     outcome: list[Any] = []
     line_open = threading.Event()
     try:
+
         def call() -> None:
-            for task in ("opens-the-line", "a"):    # the client's way; then the thread's line
+            for task in ("opens-the-line", "a"):  # the client's way; then the thread's line
                 try:
                     gate.enqueue("t", task, b"x")
                 except NotReplicated as exc:
@@ -285,9 +289,12 @@ def test_a_connection_closed_while_wait_blocks_is_left_not_spun_on(redis_server)
         caller = threading.Thread(target=call, daemon=True)
         caller.start()
         assert line_open.wait(10)
-        blocked = wait_for(lambda: [c for c in client.client_list()
-                                         if c["cmd"] == "wait" and "b" in c["flags"]],
-                           timeout=10, interval=0.01, what="the line's WAIT")
+        blocked = wait_for(
+            lambda: [c for c in client.client_list() if c["cmd"] == "wait" and "b" in c["flags"]],
+            timeout=10,
+            interval=0.01,
+            what="the line's WAIT",
+        )
         client.client_kill_filter(_id=blocked[0]["id"])
         caller.join(15)
         assert not caller.is_alive(), "the call spun on a closed connection"

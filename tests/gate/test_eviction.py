@@ -5,6 +5,7 @@ Real redis-servers started with ``--maxmemory-policy allkeys-lru`` (and ``noevic
 quiet control), a ``volatile-lru`` one (a warning), one that will not say (an ACL user without
 ``+info``, ``CONFIG`` renamed away), and the masters of a Sentinel and of a Cluster.
 """
+
 from __future__ import annotations
 
 import json
@@ -66,20 +67,27 @@ def fresh_check() -> Iterator[None]:
 
 def _deployment(server: RedisServer, redis_server: RedisServer, proj: Any) -> Deployment:
     name = uuid.uuid4().hex[:8]
-    d = Deployment(deployment_env(server, CT_KEY_PREFIX=f"ct-{name}", CT_QUEUE=f"q-{name}",
-                                  CT_HISTORY_URL=redis_server.url(0)))
+    d = Deployment(
+        deployment_env(
+            server, CT_KEY_PREFIX=f"ct-{name}", CT_QUEUE=f"q-{name}", CT_HISTORY_URL=redis_server.url(0)
+        )
+    )
     configure_client(proj.app, **d.env)
     return d
 
 
 def _said(output: str, server: RedisServer) -> list[str]:
-    return [line for line in output.splitlines()
-            if f"gate's Redis at 127.0.0.1:{server.port} has maxmemory-policy" in line]
+    return [
+        line
+        for line in output.splitlines()
+        if f"gate's Redis at 127.0.0.1:{server.port} has maxmemory-policy" in line
+    ]
 
 
 @pytest.mark.parametrize("pool", ["prefork", "threads"])
 def test_a_worker_and_beat_on_an_evicting_redis_log_an_error_and_keep_running(
-        evicting: RedisServer, redis_server: RedisServer, proj: Any, pool: str) -> None:
+    evicting: RedisServer, redis_server: RedisServer, proj: Any, pool: str
+) -> None:
     """The worker logs one ERROR (its pool processes inherit the check) naming the server, the
     policy and the fix, and runs members as before; beat logs the same at its start."""
     d = _deployment(evicting, redis_server, proj)
@@ -99,7 +107,8 @@ def test_a_worker_and_beat_on_an_evicting_redis_log_an_error_and_keep_running(
 
 
 def test_a_worker_and_beat_on_a_noeviction_redis_say_nothing_of_it(
-        quiet: RedisServer, redis_server: RedisServer, proj: Any) -> None:
+    quiet: RedisServer, redis_server: RedisServer, proj: Any
+) -> None:
     d = _deployment(quiet, redis_server, proj)
     try:
         worker = d.worker()
@@ -113,20 +122,22 @@ def test_a_worker_and_beat_on_a_noeviction_redis_say_nothing_of_it(
 
 
 def _point(app: Any, server: RedisServer) -> Any:
-    return pointed_at(app, threads_redis_url=server.url(0), broker_url=server.url(1),
-                      result_backend=server.url(2))
+    return pointed_at(
+        app, threads_redis_url=server.url(0), broker_url=server.url(1), result_backend=server.url(2)
+    )
 
 
 def test_a_producer_logs_it_once_at_its_first_call(
-        evicting: RedisServer, quiet: RedisServer, proj: Any, fresh_check: None,
-        caplog: pytest.LogCaptureFixture) -> None:
+    evicting: RedisServer, quiet: RedisServer, proj: Any, fresh_check: None, caplog: pytest.LogCaptureFixture
+) -> None:
     caplog.set_level(logging.INFO, logger="celery_threads")
     thread = tid("producer")
     with _point(proj.app, evicting):
         results = [proj.record.delay(thread, f"m{n}") for n in range(3)]
         info = Threads(proj.app).get(thread)
     assert info is not None and [info.active.task_id, *(m.task_id for m in info.waiting)] == [
-        r.id for r in results]                 # stored as before: the check only says
+        r.id for r in results
+    ]  # stored as before: the check only says
     said = [r for r in caplog.records if "maxmemory-policy" in r.getMessage()]
     assert [r.levelno for r in said] == [logging.ERROR], said
     assert f"127.0.0.1:{evicting.port}" in said[0].getMessage()
@@ -139,20 +150,33 @@ def test_a_producer_logs_it_once_at_its_first_call(
 
 
 def _celery(server: RedisServer, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "CT_REDIS_URL": server.url(0), "CT_BROKER_URL": server.url(1),
-           "CT_BACKEND_URL": server.url(2), "PYTHONPATH": str(ROOT), "COLUMNS": "100"}
-    return subprocess.run([sys.executable, "-m", "celery", "-A", "tests.support.proj", "threads", *args],
-                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    env = {
+        **os.environ,
+        "CT_REDIS_URL": server.url(0),
+        "CT_BROKER_URL": server.url(1),
+        "CT_BACKEND_URL": server.url(2),
+        "PYTHONPATH": str(ROOT),
+        "COLUMNS": "100",
+    }
+    return subprocess.run(
+        [sys.executable, "-m", "celery", "-A", "tests.support.proj", "threads", *args],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
-def test_stats_shows_an_evicting_redis_and_exits_4(evicting: RedisServer,
-                                                   quiet: RedisServer) -> None:
+def test_stats_shows_an_evicting_redis_and_exits_4(evicting: RedisServer, quiet: RedisServer) -> None:
     done = _celery(evicting, "stats")
     assert done.returncode == 4, done.stdout + done.stderr
     shown = " ".join(done.stdout.split())
-    assert (f"ERROR: the gate's Redis at 127.0.0.1:{evicting.port} has maxmemory-policy "
-            "'allkeys-lru' with maxmemory 64mb") in shown and FIX in shown
-    assert "allkeys-lru" in done.stderr          # the log line every command prints too
+    assert (
+        f"ERROR: the gate's Redis at 127.0.0.1:{evicting.port} has maxmemory-policy "
+        "'allkeys-lru' with maxmemory 64mb"
+    ) in shown and FIX in shown
+    assert "allkeys-lru" in done.stderr  # the log line every command prints too
     assert "allkeys-lru" in _celery(evicting, "ls").stderr
 
     done = _celery(evicting, "stats", "--json")
@@ -160,7 +184,11 @@ def test_stats_shows_an_evicting_redis_and_exits_4(evicting: RedisServer,
     data = json.loads(done.stdout)
     [risk] = data["eviction"]
     assert (risk["server"], risk["policy"], risk["maxmemory"], risk["level"]) == (
-        f"127.0.0.1:{evicting.port}", "allkeys-lru", 64 << 20, "error")
+        f"127.0.0.1:{evicting.port}",
+        "allkeys-lru",
+        64 << 20,
+        "error",
+    )
     assert data["healthy"] is False and data["stuck_threads"] == []
 
     for args in (("stats",), ("stats", "--json")):
@@ -171,16 +199,16 @@ def test_stats_shows_an_evicting_redis_and_exits_4(evicting: RedisServer,
     assert data["eviction"] == [] and data["healthy"] is True
 
 
-def test_volatile_policies_are_a_warning_not_an_error(proj: Any, fresh_check: None,
-                                                      caplog: pytest.LogCaptureFixture) -> None:
+def test_volatile_policies_are_a_warning_not_an_error(
+    proj: Any, fresh_check: None, caplog: pytest.LogCaptureFixture
+) -> None:
     """volatile-* evicts only keys with a TTL: of the gate's, only the ended index has one."""
     for server in _server(*LIMIT, "--maxmemory-policy", "volatile-lru"):
         done = _celery(server, "stats", "--json")
         assert done.returncode == 0, done.stderr
         data = json.loads(done.stdout)
         [risk] = data["eviction"]
-        assert (risk["policy"], risk["level"], data["healthy"]) == ("volatile-lru", "warning",
-                                                                    True)
+        assert (risk["policy"], risk["level"], data["healthy"]) == ("volatile-lru", "warning", True)
         assert "recently ended members" in risk["message"] and FIX in risk["message"]
         caplog.set_level(logging.INFO, logger="celery_threads")
         with _point(proj.app, server):
@@ -197,20 +225,25 @@ def test_volatile_policies_are_a_warning_not_an_error(proj: Any, fresh_check: No
 
 
 def test_a_server_that_will_not_say_is_a_warning_and_the_gate_works(
-        proj: Any, fresh_check: None, caplog: pytest.LogCaptureFixture) -> None:
+    proj: Any, fresh_check: None, caplog: pytest.LogCaptureFixture
+) -> None:
     """CONFIG renamed away (as managed services do) and an ACL user without +info: the check
     warns that it could not read the policy, says how to let it, and the gate works; with +info
     back, INFO alone reads it."""
-    for server in _server(*LIMIT, "--maxmemory-policy", "allkeys-lru",
-                          "--rename-command", "CONFIG", ""):
+    for server in _server(*LIMIT, "--maxmemory-policy", "allkeys-lru", "--rename-command", "CONFIG", ""):
         prefix, user = f"ct-{uuid.uuid4().hex[:6]}", f"gate-{uuid.uuid4().hex[:6]}"
         admin = redis.Redis(port=server.port)
         admin.execute_command(*acl_rules(prefix, user, "pw").split())
         admin.execute_command("ACL", "SETUSER", user, "-info")
         url = f"redis://{user}:pw@127.0.0.1:{server.port}/0"
         caplog.set_level(logging.INFO, logger="celery_threads")
-        with pointed_at(proj.app, threads_redis_url=url, threads_key_prefix=prefix,
-                        broker_url=server.url(1), result_backend=server.url(2)):
+        with pointed_at(
+            proj.app,
+            threads_redis_url=url,
+            threads_key_prefix=prefix,
+            broker_url=server.url(1),
+            result_backend=server.url(2),
+        ):
             thread = tid("unread")
             result = proj.record.delay(thread, "m0")
             info = Threads(proj.app).get(thread)
@@ -238,9 +271,8 @@ def test_every_master_of_a_cluster_is_checked(redis_cluster: Any, fresh_check: N
     node.config_set("maxmemory-policy", "allkeys-lfu")
     try:
         [risk] = check_eviction(client, url)
-        assert (risk.server, risk.policy, risk.level) == (f"127.0.0.1:{port}", "allkeys-lfu",
-                                                          "error")
-        assert check_eviction(client, url) == [risk]      # once per process
+        assert (risk.server, risk.policy, risk.level) == (f"127.0.0.1:{port}", "allkeys-lfu", "error")
+        assert check_eviction(client, url) == [risk]  # once per process
     finally:
         node.config_set("maxmemory-policy", before["maxmemory-policy"])
         node.config_set("maxmemory", before["maxmemory"])
@@ -253,4 +285,7 @@ def test_a_sentinel_gate_is_checked_on_its_master(sentinel_setup: Any) -> None:
     client = make_client(sentinel_setup.url(0), {"master_name": MASTER})
     [risk] = eviction_risks(client)
     assert (risk.server, risk.policy, risk.level) == (
-        f"127.0.0.1:{sentinel_setup.master_port}", "allkeys-random", "error")
+        f"127.0.0.1:{sentinel_setup.master_port}",
+        "allkeys-random",
+        "error",
+    )

@@ -1,6 +1,7 @@
 """Members with ``expires``: one that expires while it waits in its thread, or before a lost
 release is published again, ends as Celery reports an expired task (REVOKED), and its thread moves
 on at once.  One shared body per broker."""
+
 from __future__ import annotations
 
 from datetime import datetime, timedelta, timezone
@@ -42,11 +43,11 @@ def test_the_ttl_is_counted_from_each_publish_not_from_the_capture(proj):
     """The captured message's ``expiration`` (its TTL when it was captured) is never replayed:
     every publish sends what is left until ``expires``."""
     expires = datetime.now(timezone.utc) + timedelta(seconds=30)
-    release = _release_of(proj, 3600)       # captured with a TTL of an hour ...
+    release = _release_of(proj, 3600)  # captured with a TTL of an hour ...
     stored = release.envelope.decode()
     later = stored.replace(stored.split('"expires":"')[1].split('"')[0], expires.isoformat())
     _, options = release_message(proj.app, Release("t", release.task_id, "7", 0, later.encode()))
-    assert options["expiration"] == pytest.approx(30, abs=5)   # ... sent with what is left
+    assert options["expiration"] == pytest.approx(30, abs=5)  # ... sent with what is left
 
 
 def test_an_expired_release_is_not_published(proj):
@@ -65,14 +66,19 @@ class ExpiryContract:
         raise NotImplementedError
 
     def test_a_member_that_expired_while_waiting_ends_and_the_next_runs(
-            self, proj, make_deployment, redis_server, r):
+        self, proj, make_deployment, redis_server, r
+    ):
         """The second member's expires passes while the first runs: when the first ends, the
         second is not published at all (RabbitMQ would drop it for its TTL before the worker
         could take it, here where the first member's late ack holds the only prefetch slot, and
         the gate would republish it forever); it ends REVOKED, and the third runs right after
         the first."""
-        d = make_deployment(broker=self.broker_url(redis_server), CT_DISPATCH_INTERVAL="0.2",
-                            CT_ACKS_LATE="1", CT_PREFETCH="1")
+        d = make_deployment(
+            broker=self.broker_url(redis_server),
+            CT_DISPATCH_INTERVAL="0.2",
+            CT_ACKS_LATE="1",
+            CT_PREFETCH="1",
+        )
         w = d.worker("w", concurrency=1)
         thread = tid(f"exp-{self.broker}")
         first = proj.record.delay(thread, "first", sleep=3)
@@ -89,19 +95,20 @@ class ExpiryContract:
         wait_for(lambda: Threads(proj.app).get(thread) is None, what="the thread to vanish")
 
     def test_a_lost_release_that_expired_is_ended_instead_of_republished(
-            self, proj, make_deployment, redis_server, r):
+        self, proj, make_deployment, redis_server, r
+    ):
         """A release that never reached the broker, whose expires passes before its release
         deadline: the dispatcher's republish ends it instead (no worker ever receives it), and
         the member behind it runs."""
-        d = make_deployment(broker=self.broker_url(redis_server), CT_RELEASE_TIMEOUT="1.5",
-                            CT_DISPATCH_INTERVAL="0.2")
+        d = make_deployment(
+            broker=self.broker_url(redis_server), CT_RELEASE_TIMEOUT="1.5", CT_DISPATCH_INTERVAL="0.2"
+        )
         w = d.worker("w", concurrency=1)
         thread = tid(f"lost-exp-{self.broker}")
         runtime = get_runtime(proj.app)
         # Released by a gate that publishes nothing itself, and then never published: a producer
         # that died between the gate and the broker.
-        gate = Gate(runtime.client, runtime.keys,
-                    release_timeout_ms=runtime.config.release_timeout_ms)
+        gate = Gate(runtime.client, runtime.keys, release_timeout_ms=runtime.config.release_timeout_ms)
         with proj.app.producer_or_acquire() as real:
             capture = CapturingProducer(real)
             lost = Task.apply_async(proj.record, (thread, "lost"), expires=0.3, producer=capture)
@@ -128,15 +135,17 @@ class TestRabbitMQBroker(ExpiryContract):
         return rabbitmq_url()
 
     def test_a_member_that_expires_in_the_broker_ends_at_its_ttl(
-            self, proj, make_deployment, redis_server, r):
+        self, proj, make_deployment, redis_server, r
+    ):
         """Published with a TTL of one second behind a busy worker (a plain task's late ack
         holds its only prefetch slot): RabbitMQ drops it when the TTL ends, so no delivery will
         ever claim it.  Its release deadline was brought forward to the TTL's end: it ends
         REVOKED then, not after the 60 s release timeout, and the member behind it runs.  (Only
         here: kombu's Redis transport keeps no TTL, and a worker revokes the member on
         receipt.)"""
-        d = make_deployment(broker=rabbitmq_url(), CT_DISPATCH_INTERVAL="0.2", CT_ACKS_LATE="1",
-                            CT_PREFETCH="1")
+        d = make_deployment(
+            broker=rabbitmq_url(), CT_DISPATCH_INTERVAL="0.2", CT_ACKS_LATE="1", CT_PREFETCH="1"
+        )
         d.worker("w", concurrency=1)
         thread = tid("ttl")
         busy_thread = tid("busy")

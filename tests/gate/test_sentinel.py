@@ -5,6 +5,7 @@ form.  The failover test SIGKILLs the master while real workers run members with
 ``threads_wait_replicas=1``; the sentinel promotes the replica, and every client (workers, their
 pool processes' direct lines, the dispatcher, the producer, ``Threads``, the CLI) follows it.
 """
+
 from __future__ import annotations
 
 import time
@@ -44,8 +45,11 @@ def test_the_gate_follows_the_master_through_sentinel(proj, redis_server, sentin
     (the broker is elsewhere here, and a Sentinel gate never pushes into the broker: see
     docs/durability.md); the broker's own Sentinel options serve as the gate's when the gate's
     URL is the broker's."""
-    settings = {"threads_redis_url": sentinel_setup.url(3),
-                "threads_redis_options": {"master_name": MASTER}, "threads_wait_replicas": 1}
+    settings = {
+        "threads_redis_url": sentinel_setup.url(3),
+        "threads_redis_options": {"master_name": MASTER},
+        "threads_wait_replicas": 1,
+    }
     with pointed_at(proj.app, **settings):
         master, _ = sentinel_setup.roles()
         client = make_client(sentinel_setup.url(3), {"master_name": MASTER})
@@ -55,18 +59,24 @@ def test_the_gate_follows_the_master_through_sentinel(proj, redis_server, sentin
         proj.record.apply_async((thread, "a"), countdown=3600)
         assert Threads(proj.app).get(thread).waiting[0].task_id
         assert redis.Redis(port=master, db=3).dbsize() > 0
-        listed = CliRunner().invoke(celery_command, ["-A", "tests.support.proj", "threads", "show",
-                                                     thread], catch_exceptions=False)
+        listed = CliRunner().invoke(
+            celery_command, ["-A", "tests.support.proj", "threads", "show", thread], catch_exceptions=False
+        )
         assert listed.exit_code == 0 and thread in listed.output, listed.output
-    with pointed_at(proj.app, threads_redis_url=None, broker_url=sentinel_setup.url(3),
-                    broker_transport_options={"master_name": MASTER}):
+    with pointed_at(
+        proj.app,
+        threads_redis_url=None,
+        broker_url=sentinel_setup.url(3),
+        broker_transport_options={"master_name": MASTER},
+    ):
         config = read_config(proj.app)
         assert config.redis_url == sentinel_setup.url(3)
         assert config.redis_options["master_name"] == MASTER
 
 
 def test_a_master_sigkilled_under_load_fails_over_and_loses_or_doubles_nothing(
-        proj, redis_server, sentinel_setup):
+    proj, redis_server, sentinel_setup
+):
     """``threads_wait_replicas=1``: every transition a caller acted on is on the replica when
     the master dies; the sentinel promotes the replica, the old master comes back as its replica
     (the new master has none before: no transition counts as done meanwhile), and the run ends
@@ -76,8 +86,9 @@ def test_a_master_sigkilled_under_load_fails_over_and_loses_or_doubles_nothing(
     # The default keepalive: an ending is kept and sent again while the lease holds, and the
     # stall (the master's silence noticed, the replica promoted, a replica attached to it again)
     # took 3 to 19 s on this busy machine.
-    env = load_env(sentinel_setup.url(0), redis_server, CT_REDIS_OPTIONS=options,
-                   CT_WAIT_REPLICAS="1", CT_KEEPALIVE="30")
+    env = load_env(
+        sentinel_setup.url(0), redis_server, CT_REDIS_OPTIONS=options, CT_WAIT_REPLICAS="1", CT_KEEPALIVE="30"
+    )
     failover: dict[str, Any] = {}
 
     def kill_master() -> None:
@@ -90,8 +101,12 @@ def test_a_master_sigkilled_under_load_fails_over_and_loses_or_doubles_nothing(
         sentinel_setup.kill(name)
         # A sentinel whose own timer a busy machine delayed by 2 s stays passive for 30 s (its
         # TILT mode), and a failover that timed out is tried again 20 s later.
-        wait_for(lambda: sentinel_setup.master() == survivor, timeout=90,
-                 interval=0.1, what="the sentinel to promote the replica")
+        wait_for(
+            lambda: sentinel_setup.master() == survivor,
+            timeout=90,
+            interval=0.1,
+            what="the sentinel to promote the replica",
+        )
         failover["seconds"] = time.monotonic() - killed
         print(f"the replica was promoted {failover['seconds']:.1f}s after the kill")
         sentinel_setup.restart_as_replica(name)
@@ -108,12 +123,16 @@ def test_semantics_on_a_sentinel_gate(proj, redis_server, sentinel_setup):
     replica (``threads_wait_replicas=1``)."""
     # A keepalive of 6 s: WAIT waits up to 0.6 s for the replica on this busy machine, and a
     # crashed worker's lease lapses soon.
-    env = load_env(sentinel_setup.url(0), redis_server, CT_REDIS_OPTIONS=f'{{"master_name": '
-                   f'"{MASTER}"}}', CT_WAIT_REPLICAS="1", CT_KEEPALIVE="6")
+    env = load_env(
+        sentinel_setup.url(0),
+        redis_server,
+        CT_REDIS_OPTIONS=f'{{"master_name": "{MASTER}"}}',
+        CT_WAIT_REPLICAS="1",
+        CT_KEEPALIVE="6",
+    )
     d = Deployment(env)
     configure_client(proj.app, **env)
-    point_app(proj.app, {"threads_redis_options": {"master_name": MASTER},
-                         "threads_wait_replicas": 1})
+    point_app(proj.app, {"threads_redis_options": {"master_name": MASTER}, "threads_wait_replicas": 1})
     r = proj.history()
     try:
         d.worker("w1", concurrency=2)

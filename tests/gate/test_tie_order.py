@@ -1,6 +1,7 @@
 """Hundreds of members tied on scheduled_at run in arrival order on real workers, with arrival
 numbers crossing a byte boundary of the queue member's encoding (lua/_member.lua: a length byte,
 then the seq big-endian), which is what orders members with equal scores."""
+
 from __future__ import annotations
 
 from datetime import datetime, timedelta, timezone
@@ -32,8 +33,9 @@ def test_hundreds_of_tied_members_run_in_arrival_order(proj, make_deployment, co
     assert int(gate.get(seq_key)) > counter + MEMBERS
     d.worker("w", concurrency=2)
     r = proj.history()
-    wait_for(lambda: len(starts(r, thread)) >= MEMBERS, timeout=45, interval=0.2,
-             what=f"{MEMBERS} members to run")
+    wait_for(
+        lambda: len(starts(r, thread)) >= MEMBERS, timeout=45, interval=0.2, what=f"{MEMBERS} members to run"
+    )
     ran = starts(r, thread)
     out_of_order = [(i, want, got) for i, (want, got) in enumerate(zip(labels, ran)) if want != got]
     assert ran == labels, f"first out of order (position, expected, ran): {out_of_order[:5]}"

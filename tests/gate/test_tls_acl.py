@@ -5,6 +5,7 @@ plain TCP on another; a CA, a server and a client certificate are made with open
 workers run threaded tasks end to end through it; their bodies record the Redis server's clock on
 the session's plain Redis (tests/support/proj.py), which judges that members of a thread never overlap.
 """
+
 from __future__ import annotations
 
 import json
@@ -53,8 +54,9 @@ from tests.support.topologies import MASTER, RedisClusterServers, SentinelSetup
 
 ROOT = Path(__file__).resolve().parents[2]
 #: What kombu's Redis transport and a Celery worker need as an ACL user (broker database 1).
-BROKER_RULES = ("~{queue}* ~_kombu.* ~unacked* ~*.celery.pidbox* &/{db}.* &/{db}.celery.pidbox "
-                "+@all -@dangerous +info")
+BROKER_RULES = (
+    "~{queue}* ~_kombu.* ~unacked* ~*.celery.pidbox* &/{db}.* &/{db}.celery.pidbox +@all -@dangerous +info"
+)
 
 
 def _openssl(cwd: Path, *args: str) -> None:
@@ -67,16 +69,58 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
     if not shutil.which("openssl"):
         _missing("openssl")
     d = tmp_path_factory.mktemp("pki")
-    _openssl(d, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key",
-             "-out", "ca.pem", "-days", "2", "-subj", "/CN=celery-threads test CA")
-    for name, ext in (("server", "subjectAltName=IP:127.0.0.1,DNS:localhost"),
-                      ("client", "extendedKeyUsage=clientAuth")):
+    _openssl(
+        d,
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.pem",
+        "-days",
+        "2",
+        "-subj",
+        "/CN=celery-threads test CA",
+    )
+    for name, ext in (
+        ("server", "subjectAltName=IP:127.0.0.1,DNS:localhost"),
+        ("client", "extendedKeyUsage=clientAuth"),
+    ):
         (d / f"{name}.ext").write_text(ext + "\n")
-        _openssl(d, "req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key",
-                 "-out", f"{name}.csr", "-subj", f"/CN={name}")
-        _openssl(d, "x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
-                 "-CAcreateserial", "-out", f"{name}.pem", "-days", "2",
-                 "-extfile", f"{name}.ext")
+        _openssl(
+            d,
+            "req",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            f"{name}.key",
+            "-out",
+            f"{name}.csr",
+            "-subj",
+            f"/CN={name}",
+        )
+        _openssl(
+            d,
+            "x509",
+            "-req",
+            "-in",
+            f"{name}.csr",
+            "-CA",
+            "ca.pem",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-out",
+            f"{name}.pem",
+            "-days",
+            "2",
+            "-extfile",
+            f"{name}.ext",
+        )
     return d
 
 
@@ -91,20 +135,43 @@ class TlsRedis:
         if binary is None:
             _missing("redis-server")
         self.proc = subprocess.Popen(
-            [str(binary), "--port", str(self.port), "--tls-port", str(self.tls_port),
-             "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", self.dir,
-             "--logfile", os.path.join(self.dir, "redis.log"),
-             "--tls-cert-file", str(pki / "server.pem"), "--tls-key-file", str(pki / "server.key"),
-             "--tls-ca-cert-file", str(pki / "ca.pem"), "--tls-auth-clients", "yes"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            [
+                str(binary),
+                "--port",
+                str(self.port),
+                "--tls-port",
+                str(self.tls_port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                self.dir,
+                "--logfile",
+                os.path.join(self.dir, "redis.log"),
+                "--tls-cert-file",
+                str(pki / "server.pem"),
+                "--tls-key-file",
+                str(pki / "server.key"),
+                "--tls-ca-cert-file",
+                str(pki / "ca.pem"),
+                "--tls-auth-clients",
+                "yes",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         self.admin = redis.Redis(port=self.port)
         wait_for(self._up, timeout=20, what="the TLS redis-server")
 
     def _up(self) -> bool:
         if self.proc.poll() is not None:
             log = Path(self.dir, "redis.log")
-            raise RuntimeError("redis-server with TLS did not start: "
-                               + (log.read_text()[-2000:] if log.exists() else ""))
+            raise RuntimeError(
+                "redis-server with TLS did not start: " + (log.read_text()[-2000:] if log.exists() else "")
+            )
         try:
             return bool(self.admin.ping())
         except redis.ConnectionError:
@@ -128,21 +195,38 @@ def tls_redis(pki: Path) -> Iterator[TlsRedis]:
 
 
 def ssl_options(pki: Path, reqs: Any = "required") -> dict[str, Any]:
-    return {"ssl_cert_reqs": reqs, "ssl_ca_certs": str(pki / "ca.pem"),
-            "ssl_certfile": str(pki / "client.pem"), "ssl_keyfile": str(pki / "client.key")}
+    return {
+        "ssl_cert_reqs": reqs,
+        "ssl_ca_certs": str(pki / "ca.pem"),
+        "ssl_certfile": str(pki / "client.pem"),
+        "ssl_keyfile": str(pki / "client.key"),
+    }
 
 
 @contextmanager
-def deployed(redis_server: Any, proj: Any, gate_url: str, broker_url: str,
-             conf: dict[str, Any], prefix: str = "", queue: str = "", **overrides: str
-             ) -> Iterator[Deployment]:
+def deployed(
+    redis_server: Any,
+    proj: Any,
+    gate_url: str,
+    broker_url: str,
+    conf: dict[str, Any],
+    prefix: str = "",
+    queue: str = "",
+    **overrides: str,
+) -> Iterator[Deployment]:
     """Workers (``celery -A tests.support.conf_proj``) and the in-test app pointed at this gate and
     broker, with ``conf`` over tests/support/proj.py's settings on both sides."""
     name = uuid.uuid4().hex[:8]
-    env = deployment_env(redis_server, broker_url, CT_REDIS_URL=gate_url,
-                         CT_HISTORY_URL=redis_server.url(0), CT_KEY_PREFIX=prefix or f"ct-{name}",
-                         CT_QUEUE=queue or f"q-{name}", CT_CONF_JSON=json.dumps(conf),
-                         **overrides)
+    env = deployment_env(
+        redis_server,
+        broker_url,
+        CT_REDIS_URL=gate_url,
+        CT_HISTORY_URL=redis_server.url(0),
+        CT_KEY_PREFIX=prefix or f"ct-{name}",
+        CT_QUEUE=queue or f"q-{name}",
+        CT_CONF_JSON=json.dumps(conf),
+        **overrides,
+    )
     d = Deployment(env)
     configure_client(proj.app, **env)
     point_app(proj.app, conf)
@@ -157,9 +241,12 @@ def deployed(redis_server: Any, proj: Any, gate_url: str, broker_url: str,
 def start_worker(d: Deployment, wait: bool = True, pool: str = "prefork") -> CeleryProcess:
     """A worker of ``celery -A tests.support.conf_proj`` (CT_CONF_JSON applied)."""
     nodename = f"tls-{uuid.uuid4().hex[:6]}@{socket.gethostname()}"
-    proc = CeleryProcess("worker", d.env, ["--loglevel", "INFO", "-P", pool, "-c", "2",
-                                           "-n", nodename, "--without-gossip", "--without-mingle"],
-                         "tls")
+    proc = CeleryProcess(
+        "worker",
+        d.env,
+        ["--loglevel", "INFO", "-P", pool, "-c", "2", "-n", nodename, "--without-gossip", "--without-mingle"],
+        "tls",
+    )
     proc.cmd[proc.cmd.index("tests.support.proj")] = "tests.support.conf_proj"
     d.processes.append(proc.start())
     return proc.wait_ready() if wait else proc
@@ -173,8 +260,11 @@ def cli(*args: str) -> Result:
 def run_threads(proj: Any, history: redis.Redis, threads: int = 2, members: int = 3) -> None:
     """Members of a few threads run end to end, each thread one member at a time, in order."""
     names = [tid("tls") for _ in range(threads)]
-    results = [proj.record.apply_async((thread, f"m{n}"), {"sleep": 0.05})
-               for n in range(members) for thread in names]
+    results = [
+        proj.record.apply_async((thread, f"m{n}"), {"sleep": 0.05})
+        for n in range(members)
+        for thread in names
+    ]
     for result in results:
         result.get(timeout=60)
     for thread in names:
@@ -184,6 +274,7 @@ def run_threads(proj: Any, history: redis.Redis, threads: int = 2, members: int 
 
 # -- threads_redis_options: what the gate's client gets -------------------------------------
 
+
 def _config(**conf: Any) -> Any:
     app = Celery("opts", set_as_current=False)
     app.conf.update(conf)
@@ -192,40 +283,60 @@ def _config(**conf: Any) -> Any:
 
 def test_the_broker_options_apply_to_a_gate_on_the_brokers_server() -> None:
     config = _config(
-        broker_url="rediss://h:6380/1", threads_redis_url="rediss://h:6380/0",
+        broker_url="rediss://h:6380/1",
+        threads_redis_url="rediss://h:6380/0",
         broker_use_ssl={"ssl_cert_reqs": "CERT_REQUIRED", "ssl_ca_certs": "/ca.pem"},
-        broker_transport_options={"visibility_timeout": 10, "socket_timeout": 7,
-                                  "global_keyprefix": "x", "master_name": "m",
-                                  "max_connections": 10},
-        threads_redis_options={"socket_connect_timeout": 2})
+        broker_transport_options={
+            "visibility_timeout": 10,
+            "socket_timeout": 7,
+            "global_keyprefix": "x",
+            "master_name": "m",
+            "max_connections": 10,
+        },
+        threads_redis_options={"socket_connect_timeout": 2},
+    )
     assert config.redis_options == {
-        "ssl_cert_reqs": ssl.CERT_REQUIRED, "ssl_ca_certs": "/ca.pem", "socket_timeout": 7,
-        "master_name": "m", "socket_connect_timeout": 2}
-    client = make_client(config.redis_url, config.redis_options)   # master_name: not redis-py's
+        "ssl_cert_reqs": ssl.CERT_REQUIRED,
+        "ssl_ca_certs": "/ca.pem",
+        "socket_timeout": 7,
+        "master_name": "m",
+        "socket_connect_timeout": 2,
+    }
+    client = make_client(config.redis_url, config.redis_options)  # master_name: not redis-py's
     assert client.connection_pool.connection_kwargs["ssl_ca_certs"] == "/ca.pem"
     assert client.connection_pool.connection_kwargs["socket_timeout"] == 7
     # The gate's URL taken from broker_url: the same.
-    assert _config(broker_url="rediss://h:6380/1",
-                   broker_use_ssl={"ssl_cert_reqs": ssl.CERT_REQUIRED}).redis_options == {
-        "ssl_cert_reqs": ssl.CERT_REQUIRED}
+    assert _config(
+        broker_url="rediss://h:6380/1", broker_use_ssl={"ssl_cert_reqs": ssl.CERT_REQUIRED}
+    ).redis_options == {"ssl_cert_reqs": ssl.CERT_REQUIRED}
     # Another server: the broker's options are its own; threads_redis_options only.
-    assert _config(broker_url="rediss://h:6380/1", threads_redis_url="rediss://other:6380/0",
-                   broker_use_ssl={"ssl_ca_certs": "/ca.pem"},
-                   threads_redis_options={"ssl_cert_reqs": "none"}).redis_options == {
-        "ssl_cert_reqs": ssl.CERT_NONE}
+    assert _config(
+        broker_url="rediss://h:6380/1",
+        threads_redis_url="rediss://other:6380/0",
+        broker_use_ssl={"ssl_ca_certs": "/ca.pem"},
+        threads_redis_options={"ssl_cert_reqs": "none"},
+    ).redis_options == {"ssl_cert_reqs": ssl.CERT_NONE}
     # kombu turns broker_use_ssl on a redis:// URL into TLS: so does the gate.
-    plain = _config(broker_url="redis://h:6379/1", threads_redis_url="redis://h:6379/0",
-                    broker_use_ssl={"ssl_ca_certs": "/ca.pem"})
-    assert issubclass(make_client(plain.redis_url, plain.redis_options)
-                      .connection_pool.connection_class, redis.SSLConnection)
+    plain = _config(
+        broker_url="redis://h:6379/1",
+        threads_redis_url="redis://h:6379/0",
+        broker_use_ssl={"ssl_ca_certs": "/ca.pem"},
+    )
+    assert issubclass(
+        make_client(plain.redis_url, plain.redis_options).connection_pool.connection_class,
+        redis.SSLConnection,
+    )
 
 
-@pytest.mark.parametrize("options, named", [
-    ({"ssl_cert_reqs": "sometimes"}, "ssl_cert_reqs"),
-    ({"socket_timeout": None}, "socket_timeout"),
-    ({"socket_connect_timeout": 0}, "socket_connect_timeout"),
-    ({"ssl_ca_cert": "/ca.pem"}, "ssl_ca_cert"),
-])
+@pytest.mark.parametrize(
+    "options, named",
+    [
+        ({"ssl_cert_reqs": "sometimes"}, "ssl_cert_reqs"),
+        ({"socket_timeout": None}, "socket_timeout"),
+        ({"socket_connect_timeout": 0}, "socket_connect_timeout"),
+        ({"ssl_ca_cert": "/ca.pem"}, "ssl_ca_cert"),
+    ],
+)
 def test_options_the_gate_cannot_use_are_refused(options: dict[str, Any], named: str) -> None:
     with pytest.raises(ConfigurationError, match=named):
         config = _config(broker_url="redis://h/0", threads_redis_options=options)
@@ -234,10 +345,12 @@ def test_options_the_gate_cannot_use_are_refused(options: dict[str, Any], named:
 
 # -- TLS ---------------------------------------------------------------------------------------
 
-def test_a_tls_gate_verifies_with_the_ca_given_in_the_url_or_the_options(tls_redis: TlsRedis,
-                                                                        pki: Path) -> None:
+
+def test_a_tls_gate_verifies_with_the_ca_given_in_the_url_or_the_options(
+    tls_redis: TlsRedis, pki: Path
+) -> None:
     with pytest.raises(redis.ConnectionError, match="certificate verify failed"):
-        make_client(tls_redis.tls_url(), {"retry": None}).ping()   # no CA: refused, not trusted
+        make_client(tls_redis.tls_url(), {"retry": None}).ping()  # no CA: refused, not trusted
     query = "&".join(f"{k}={v}" for k, v in ssl_options(pki).items())
     assert make_client(f"{tls_redis.tls_url()}?{query}").ping()
     assert make_client(tls_redis.tls_url(), ssl_options(pki, ssl.CERT_REQUIRED)).ping()
@@ -247,28 +360,33 @@ def test_a_tls_gate_verifies_with_the_ca_given_in_the_url_or_the_options(tls_red
 
 
 def test_a_client_certificate_is_optional_where_the_server_does_not_ask_for_one(
-        tls_redis: TlsRedis, pki: Path) -> None:
+    tls_redis: TlsRedis, pki: Path
+) -> None:
     """``tls-auth-clients optional``: the gate connects with the CA alone, or with a client
     certificate as well, and runs a member's whole life either way."""
     tls_redis.admin.config_set("tls-auth-clients", "optional")
     try:
         ca_only = {"ssl_cert_reqs": "required", "ssl_ca_certs": str(pki / "ca.pem")}
         for options in (ca_only, ssl_options(pki)):
-            gate = Gate(make_client(tls_redis.tls_url(3), options),
-                        Keys(f"ct-tls-{uuid.uuid4().hex[:6]}"), release_timeout_ms=5000,
-                        keepalive_ms=10_000)
+            gate = Gate(
+                make_client(tls_redis.tls_url(3), options),
+                Keys(f"ct-tls-{uuid.uuid4().hex[:6]}"),
+                release_timeout_ms=5000,
+                keepalive_ms=10_000,
+            )
             release = gate.enqueue("t", "a", b"A").release
             assert release is not None
             assert gate.claim("t", "a", release.token, "w", "c") == 1
             assert gate.finish("t", "a", release.token, caller="c").done
-            assert gate.reads.snapshot("t") is None      # its keys vanish with its last member
+            assert gate.reads.snapshot("t") is None  # its keys vanish with its last member
     finally:
         tls_redis.admin.config_set("tls-auth-clients", "yes")
 
 
 @pytest.mark.parametrize("pool", ["prefork", "gevent"])
 def test_threaded_tasks_run_on_a_tls_broker_and_gate_with_a_private_ca(
-        tls_redis: TlsRedis, pki: Path, redis_server: Any, proj: Any, pool: str) -> None:
+    tls_redis: TlsRedis, pki: Path, redis_server: Any, proj: Any, pool: str
+) -> None:
     """The issue's case: a ``rediss://`` broker with a private CA and client certificates in
     ``broker_use_ssl``; the gate on the same server verifies with the broker's settings (and
     pushes releases onto the broker's queue itself).  Under gevent the lease keeper's native
@@ -278,8 +396,7 @@ def test_threaded_tasks_run_on_a_tls_broker_and_gate_with_a_private_ca(
     conf = {"broker_use_ssl": ssl_options(pki)}
     with deployed(redis_server, proj, tls_redis.tls_url(0), tls_redis.tls_url(1), conf) as d:
         runtime = get_runtime(proj.app)
-        assert unbounded_class(runtime.client.connection_pool.connection_class) \
-            is redis.SSLConnection
+        assert unbounded_class(runtime.client.connection_pool.connection_class) is redis.SSLConnection
         assert runtime.gate.direct is not None
         own = runtime.own_gate().client.connection_pool
         assert unbounded_class(own.connection_class) is redis.SSLConnection
@@ -291,6 +408,7 @@ def test_threaded_tasks_run_on_a_tls_broker_and_gate_with_a_private_ca(
 
 
 # -- ACL -----------------------------------------------------------------------------------------
+
 
 def _acl_user(tls_redis: TlsRedis, prefix: str, *remove: str, optional: bool = True) -> str:
     """An ACL user with exactly the documented rights (less ``remove``; ``optional``: with the
@@ -306,13 +424,17 @@ def _refused(tls_redis: TlsRedis, url: str) -> set[str]:
     """What the server's ACL LOG says it refused the URL's user (redis-py's CLIENT SETINFO,
     which a Redis from 7.2 on would log, aside)."""
     user = url.split("//")[1].split(":")[0]
-    return {str(entry.get("object")) for entry in tls_redis.admin.acl_log()
-            if entry.get("username") == user and entry.get("object") != "client|setinfo"}
+    return {
+        str(entry.get("object"))
+        for entry in tls_redis.admin.acl_log()
+        if entry.get("username") == user and entry.get("object") != "client|setinfo"
+    }
 
 
 @pytest.mark.parametrize("optional", [True, False], ids=["functions", "scripts"])
 def test_an_acl_user_with_the_documented_rights_runs_threaded_tasks(
-        tls_redis: TlsRedis, redis_server: Any, proj: Any, optional: bool) -> None:
+    tls_redis: TlsRedis, redis_server: Any, proj: Any, optional: bool
+) -> None:
     """With the optional rights the gate loads its function library; without them (a user that
     may not load code) it runs the same Lua as scripts, and only FUNCTION LOAD was refused."""
     prefix = f"ct-acl-{uuid.uuid4().hex[:6]}"
@@ -325,10 +447,11 @@ def test_an_acl_user_with_the_documented_rights_runs_threaded_tasks(
     assert _refused(tls_redis, url) == (set() if optional else {"function|load"})
 
 
-def test_a_user_missing_a_right_is_told_which_at_start(tls_redis: TlsRedis, redis_server: Any,
-                                                       proj: Any) -> None:
+def test_a_user_missing_a_right_is_told_which_at_start(
+    tls_redis: TlsRedis, redis_server: Any, proj: Any
+) -> None:
     prefix = f"ct-acl-{uuid.uuid4().hex[:6]}"
-    url = _acl_user(tls_redis, prefix, "-hset")     # run only inside the gate's scripts
+    url = _acl_user(tls_redis, prefix, "-hset")  # run only inside the gate's scripts
     with deployed(redis_server, proj, url, redis_server.url(1), {}, prefix) as d:
         named = r"command 'hset'.*ACL SETUSER gate-\w+ \+hset"
         with pytest.raises(ConfigurationError, match=named):
@@ -347,14 +470,14 @@ def test_a_user_missing_a_right_is_told_which_at_start(tls_redis: TlsRedis, redi
 
 
 def test_one_acl_user_for_the_broker_and_the_gate_pushes_releases_itself(
-        tls_redis: TlsRedis, redis_server: Any, proj: Any) -> None:
+    tls_redis: TlsRedis, redis_server: Any, proj: Any
+) -> None:
     """Broker and gate on one server as one ACL user: the gate's rules plus the broker's
     (docs/redis-tls-acl.md), and the releases the scripts push onto the broker's queue."""
     prefix, queue = f"ct-acl-{uuid.uuid4().hex[:6]}", f"q-acl-{uuid.uuid4().hex[:6]}"
     url = _acl_user(tls_redis, prefix)
     user = url.split("//")[1].split(":")[0]
-    tls_redis.admin.execute_command("ACL", "SETUSER", user, *BROKER_RULES.format(queue=queue,
-                                                                                db=1).split())
+    tls_redis.admin.execute_command("ACL", "SETUSER", user, *BROKER_RULES.format(queue=queue, db=1).split())
     with deployed(redis_server, proj, url, url[:-1] + "1", {}, prefix, queue=queue) as d:
         assert get_runtime(proj.app).gate.direct is not None
         start_worker(d)
@@ -362,18 +485,30 @@ def test_one_acl_user_for_the_broker_and_the_gate_pushes_releases_itself(
     assert _refused(tls_redis, url) == set()
 
 
-def test_semantics_on_a_tls_gate_as_an_acl_user(tls_redis: TlsRedis, pki: Path,
-                                                 redis_server: Any, proj: Any) -> None:
+def test_semantics_on_a_tls_gate_as_an_acl_user(
+    tls_redis: TlsRedis, pki: Path, redis_server: Any, proj: Any
+) -> None:
     """Order, a retry, a death, a delete while waiting, and a crashed worker's recovery, on a
     ``rediss://`` gate with a private CA and a client certificate, as an ACL user with exactly
     the documented rights."""
     prefix = f"ct-acl-{uuid.uuid4().hex[:6]}"
-    url = _acl_user(tls_redis, prefix).replace("redis://", "rediss://").replace(
-        f":{tls_redis.port}/", f":{tls_redis.tls_port}/")
+    url = (
+        _acl_user(tls_redis, prefix)
+        .replace("redis://", "rediss://")
+        .replace(f":{tls_redis.port}/", f":{tls_redis.tls_port}/")
+    )
     options = ssl_options(pki)
-    with deployed(redis_server, proj, url, redis_server.url(1),
-                  {"threads_redis_options": options}, prefix, CT_REDIS_OPTIONS=json.dumps(options),
-                  CT_KEEPALIVE="2", CT_DISPATCH_INTERVAL="0.2") as d:
+    with deployed(
+        redis_server,
+        proj,
+        url,
+        redis_server.url(1),
+        {"threads_redis_options": options},
+        prefix,
+        CT_REDIS_OPTIONS=json.dumps(options),
+        CT_KEEPALIVE="2",
+        CT_DISPATCH_INTERVAL="0.2",
+    ) as d:
         r = redis.Redis(port=redis_server.port)
         d.worker("w1", concurrency=2)
         threads = [tid("tlss") for _ in range(3)]
@@ -407,11 +542,13 @@ def test_each_missing_right_is_named(version: str) -> None:
             check_access(make_client(url), Keys("ct"), url)
 
         check()
-        for remove, named in (("-zadd", r"command 'zadd'.*\+zadd"),
-                              ("-select", r"command 'select'.*\+select"),
-                              ("-subscribe", r"command 'subscribe'.*\+subscribe"),
-                              ("resetkeys", r"keys matching 'ct:\*'.*~ct:\*"),
-                              ("resetchannels", r"channels matching 'ct:\*'.*&ct:\*")):
+        for remove, named in (
+            ("-zadd", r"command 'zadd'.*\+zadd"),
+            ("-select", r"command 'select'.*\+select"),
+            ("-subscribe", r"command 'subscribe'.*\+subscribe"),
+            ("resetkeys", r"keys matching 'ct:\*'.*~ct:\*"),
+            ("resetchannels", r"channels matching 'ct:\*'.*&ct:\*"),
+        ):
             with pytest.raises(ConfigurationError, match=named):
                 check(remove)
         assert admin.keys("*") == []
@@ -421,7 +558,8 @@ def test_each_missing_right_is_named(version: str) -> None:
 
 
 def test_a_sentinel_gate_has_the_rights_of_its_user_checked_on_the_master(
-        sentinel_setup: SentinelSetup) -> None:
+    sentinel_setup: SentinelSetup,
+) -> None:
     """The probe runs on the master the sentinel names (the user exists there only: ACLs are not
     replicated), the scripts' inner commands included."""
     prefix, user = f"ct-acl-{uuid.uuid4().hex[:6]}", f"gate-{uuid.uuid4().hex[:6]}"
@@ -437,19 +575,22 @@ def test_a_sentinel_gate_has_the_rights_of_its_user_checked_on_the_master(
         check_access(make_client(url, {"master_name": MASTER}), Keys(prefix), url)
 
     check()
-    named = (rf"user '{user}'.* on the master 127\.0\.0\.1:{master_port}: "
-             rf"command 'hsetnx'.*ACL SETUSER {user} \+hsetnx")
+    named = (
+        rf"user '{user}'.* on the master 127\.0\.0\.1:{master_port}: "
+        rf"command 'hsetnx'.*ACL SETUSER {user} \+hsetnx"
+    )
     with pytest.raises(ConfigurationError, match=named):
-        check("-hsetnx")                # run only inside the gate's scripts
+        check("-hsetnx")  # run only inside the gate's scripts
     assert master.keys(f"{prefix}:*") == []
-    nobody = f"sentinel://127.0.0.1:{free_port()}/0"    # no sentinel there: not checked now
+    nobody = f"sentinel://127.0.0.1:{free_port()}/0"  # no sentinel there: not checked now
     access._checked.clear()
     check_access(make_client(nobody, {"master_name": MASTER}), Keys(prefix), nobody)
     assert not access._checked
 
 
 def test_a_cluster_gate_has_the_rights_of_its_user_checked_on_every_master(
-        redis_cluster: RedisClusterServers) -> None:
+    redis_cluster: RedisClusterServers,
+) -> None:
     """ACLs are per node: a right missing on one master is named with that master, found by
     probe keys of a slot it serves (the scripts' inner commands run there)."""
     prefix, user = f"ct-acl-{uuid.uuid4().hex[:6]}", f"gate-{uuid.uuid4().hex[:6]}"
@@ -467,11 +608,13 @@ def test_a_cluster_gate_has_the_rights_of_its_user_checked_on_every_master(
 
     check()
     for port in redis_cluster.ports:
-        for remove in ("-hsetnx", "-zscan"):    # inside the scripts, and called directly
+        for remove in ("-hsetnx", "-zscan"):  # inside the scripts, and called directly
             right = remove[1:]
-            named = (rf"user '{user}'.*: on 127\.0\.0\.1:{port}: command '{right}'\.  "
-                     rf"Grant it, for example `ACL SETUSER {user} \+{right}` on "
-                     rf"127\.0\.0\.1:{port};")
+            named = (
+                rf"user '{user}'.*: on 127\.0\.0\.1:{port}: command '{right}'\.  "
+                rf"Grant it, for example `ACL SETUSER {user} \+{right}` on "
+                rf"127\.0\.0\.1:{port};"
+            )
             with pytest.raises(ConfigurationError, match=named):
                 check(port, remove)
     assert redis_cluster.keys_per_node(prefix) == {port: 0 for port in redis_cluster.ports}
@@ -482,7 +625,11 @@ def test_every_command_the_scripts_call_is_a_documented_right() -> None:
     every ``redis.call``/``redis.pcall`` of the gate's Lua is among the required commands (the
     broker's ``lpush`` of a direct release is the broker user's right, and refused quietly)."""
     lua = ROOT / "celery_threads" / "gate" / "lua"
-    called = {m.lower() for path in lua.glob("*.lua")
-              for m in re.findall(r"redis\.p?call\('([A-Z]+)'", path.read_text())}
+    called = {
+        m.lower()
+        for path in lua.glob("*.lua")
+        for m in re.findall(r"redis\.p?call\('([A-Z]+)'", path.read_text())
+    }
     assert called - {"lpush"} <= set(access.REQUIRED_COMMANDS), (
-        called - {"lpush"} - set(access.REQUIRED_COMMANDS))
+        called - {"lpush"} - set(access.REQUIRED_COMMANDS)
+    )

@@ -1,5 +1,6 @@
 """The hot path's script calls, packed by the gate itself (gate._Packer), are byte for byte what
 redis-py would send for the same call."""
+
 from __future__ import annotations
 
 import pytest
@@ -15,12 +16,15 @@ def test_packed_calls_are_redis_pys():
         for shards in (1, 4):
             gate = Gate(redis.Redis(), Keys("P", shards), release_timeout_ms=1234, direct=direct)
             for thread in ("t1", "é-ü:{x}", "a" * 300, ""):
-                for name, args in (("claim", ("task", "7", 30_000, "w@h")),
-                                   ("finish", ("task", "7")),
-                                   ("enqueue", ("x", b"\x00\xff\n", 1.5, -1, "in", 0))):
+                for name, args in (
+                    ("claim", ("task", "7", 30_000, "w@h")),
+                    ("finish", ("task", "7")),
+                    ("enqueue", ("x", b"\x00\xff\n", 1.5, -1, "in", 0)),
+                ):
                     keys, argv = gate._arguments(thread, args)
-                    expected = b"".join(conn.pack_command(
-                        "EVALSHA", gate._scripts[name].sha, len(keys), *keys, *argv))
+                    expected = b"".join(
+                        conn.pack_command("EVALSHA", gate._scripts[name].sha, len(keys), *keys, *argv)
+                    )
                     assert gate._command(name, thread, args) == expected, (name, thread)
 
 
@@ -30,7 +34,8 @@ def test_the_model_clock_goes_the_generic_way():
     keys, argv = gate._arguments("t", ("task", "1"))
     assert argv[0] == "42"
     assert gate._command("finish", "t", ("task", "1")) == b"".join(
-        conn.pack_command("EVALSHA", gate._scripts["finish"].sha, len(keys), *keys, *argv))
+        conn.pack_command("EVALSHA", gate._scripts["finish"].sha, len(keys), *keys, *argv)
+    )
 
 
 def test_fields_and_queue_members(redis_server):
@@ -41,7 +46,9 @@ def test_fields_and_queue_members(redis_server):
     from celery_threads.gate.library import _load_lua
 
     client = redis.Redis(port=redis_server.port)
-    encode = client.register_script(_load_lua("_member.lua") + """
+    encode = client.register_script(
+        _load_lua("_member.lua")
+        + """
         local out = {}
         for i = 1, #ARGV, 2 do
           local f, tail = task_field(ARGV[i + 1])
@@ -53,11 +60,25 @@ def test_fields_and_queue_members(redis_server):
           out[#out + 1] = rec
           out[#out + 1] = field_task(member_field(m), rec)
         end
-        return out""")
-    ids = ["0b6f3c1e-9a2d-4c57-8e1f-2a3b4c5d6e7f", "0B6F3C1E-9A2D-4C57-8E1F-2A3B4C5D6E7F",
-           "not-a-uuid", "", "u", "x" * 13, "x" * 14, "x" * 16, "\x01" * 14, "é" * 7, "é\x00x",
-           "0b6f3c1e9a2d4c578e1f2a3b4c5d6e7f", "00000000-0000-0000-0000-000000000000",
-           "ffffffff-ffff-ffff-ffff-ffffffffffff", "0b6f3c1e-9a2d-4c57-8e1f-2a3b4c5d0000"]
+        return out"""
+    )
+    ids = [
+        "0b6f3c1e-9a2d-4c57-8e1f-2a3b4c5d6e7f",
+        "0B6F3C1E-9A2D-4C57-8E1F-2A3B4C5D6E7F",
+        "not-a-uuid",
+        "",
+        "u",
+        "x" * 13,
+        "x" * 14,
+        "x" * 16,
+        "\x01" * 14,
+        "é" * 7,
+        "é\x00x",
+        "0b6f3c1e9a2d4c578e1f2a3b4c5d6e7f",
+        "00000000-0000-0000-0000-000000000000",
+        "ffffffff-ffff-ffff-ffff-ffffffffffff",
+        "0b6f3c1e-9a2d-4c57-8e1f-2a3b4c5d0000",
+    ]
     seqs = [1, 255, 256, 65_535, 65_536, 2**24, 2**40 + 7, 2**53 - 1, 9, 10, 11, 12, 13, 14, 15]
     key = "test-wire:members"
     client.delete(key)
@@ -66,7 +87,7 @@ def test_fields_and_queue_members(redis_server):
     fields, members, records, decoded = out[::4], out[1::4], out[2::4], out[3::4]
     print(out)
     assert [d.decode() for d in decoded] == ids
-    assert fields == [task_field(t)[0] for t in ids]              # Lua and Python agree
+    assert fields == [task_field(t)[0] for t in ids]  # Lua and Python agree
     assert [r[1:3] if r[:1] == b"\x02" else None for r in records] == [task_field(t)[1] for t in ids]
     assert [record_task(f, r) for f, r in zip(fields, records)] == ids
     assert [member_field(m) for m in members] == fields
@@ -74,7 +95,7 @@ def test_fields_and_queue_members(redis_server):
     # keys the second one to arrive by its long form, see test_uuid_prefix_collisions).
     assert [len(f) for f in fields][:2] == [14, 37]
     assert fields[0] == fields[-1] and len(set(fields)) == len(ids) - 1
-    assert len(members[0]) == 1 + 1 + 14                          # a one-byte seq and a UUID
+    assert len(members[0]) == 1 + 1 + 14  # a one-byte seq and a UUID
     by_seq = [m for _, m in sorted(zip(seqs, members))]
     assert client.zrange(key, 0, -1) == by_seq
     client.delete(key)
@@ -97,7 +118,7 @@ def test_the_direct_line_reads_what_the_server_replies(redis_server):
     def call(*argv):
         return line.call(lambda functions: _pack(("EVALSHA", sha, 0, *argv)))
 
-    assert call(big) is _MISSED                 # the first call opens the line
+    assert call(big) is _MISSED  # the first call opens the line
     assert call(big) == [1, b"", big.encode(), 7, [2, None]]
     assert _parse_reply(b"*2\r\n$3\r\nabc\r\n:5\r\n", 0) == ([b"abc", 5], 17)
     failing = client.script_load("return redis.call('INCR', KEYS[1])")
@@ -105,11 +126,11 @@ def test_the_direct_line_reads_what_the_server_replies(redis_server):
     with pytest.raises(redis.ResponseError, match="not an integer"):
         line.call(lambda functions: _pack(("EVALSHA", failing, 1, "W:text")))
     client.script_flush()
-    assert call("a") is _MISSED                 # NOSCRIPT: the client's way loads it
+    assert call("a") is _MISSED  # NOSCRIPT: the client's way loads it
     client.script_load("return {1, '', ARGV[1], 7, {2, false}}")
     assert call("a") == [1, b"", b"a", 7, [2, None]]
     client.client_kill_filter(_type="normal", skipme=True)
-    assert call("a") is _MISSED                 # closed by the server: the line reopens
+    assert call("a") is _MISSED  # closed by the server: the line reopens
     assert call("a") is _MISSED
     assert call("b") == [1, b"", b"b", 7, [2, None]]
     # the gate's own calls through the line, end to end
@@ -147,7 +168,8 @@ def test_the_hot_path_calls_the_library_and_recovers_it(own_redis):
     conn = redis.Connection()
     keys, argv = gate._arguments("t", ("task", "7"))
     assert gate._command("finish", "t", ("task", "7"), functions=True) == b"".join(
-        conn.pack_command("FCALL", gate.library.functions["finish"], len(keys), *keys, *argv))
+        conn.pack_command("FCALL", gate.library.functions["finish"], len(keys), *keys, *argv)
+    )
 
     def life(task: str) -> None:
         released = gate.enqueue("t", task, b"envelope").release
@@ -158,7 +180,7 @@ def test_the_hot_path_calls_the_library_and_recovers_it(own_redis):
         stats = client.info("commandstats")
         return {k: stats.get(f"cmdstat_{k}", {}).get("calls", 0) for k in ("fcall", "evalsha")}
 
-    life("a")                    # opens the line, loading the library
+    life("a")  # opens the line, loading the library
     before = calls()
     life("b")
     assert calls() == {"fcall": before["fcall"] + 3, "evalsha": before["evalsha"]}
@@ -168,7 +190,7 @@ def test_the_hot_path_calls_the_library_and_recovers_it(own_redis):
     life("c")
     life("d")
     after = calls()
-    assert after["fcall"] >= before["fcall"] + 5, after      # back on the library
+    assert after["fcall"] >= before["fcall"] + 5, after  # back on the library
     assert client.function_list()
 
 
@@ -181,11 +203,15 @@ def test_a_library_of_our_name_with_other_code_is_not_called(own_redis, caplog):
 
     library = function_library()
     client = make_client(own_redis.url())
-    client.function_load(f"#!lua name={library.name}\n" + "".join(
-        f"redis.register_function('{name}', function() return {{1, '0'}} end)\n"
-        for name in library.functions.values()))
+    client.function_load(
+        f"#!lua name={library.name}\n"
+        + "".join(
+            f"redis.register_function('{name}', function() return {{1, '0'}} end)\n"
+            for name in library.functions.values()
+        )
+    )
     caplog.set_level("WARNING", logger="celery_threads.gate")
-    for n in range(2):          # two gates: two lines, each checks the library, one warning
+    for n in range(2):  # two gates: two lines, each checks the library, one warning
         gate = Gate(client, Keys("L"), release_timeout_ms=1000, keepalive_ms=1000)
         for task in (f"a{n}", f"b{n}", f"c{n}"):
             released = gate.enqueue("t", task, b"envelope").release

@@ -4,6 +4,7 @@ No worker runs: the first member of each thread is released to the broker and st
 others wait.  Dead letters and stuck threads are written through the Gate.  Everything runs on
 private databases (see tests/support/isolated.py).
 """
+
 from __future__ import annotations
 
 import json
@@ -42,8 +43,9 @@ def cli(app, env):
     """Run ``celery -A tests.support.proj threads ARGS`` in this process."""
 
     def run(*args: str, input: str | None = None) -> Result:
-        result = CliRunner().invoke(celery_command, ["-A", "tests.support.proj", "threads", *args],
-                                    env=env, input=input)
+        result = CliRunner().invoke(
+            celery_command, ["-A", "tests.support.proj", "threads", *args], env=env, input=input
+        )
         if result.exception is not None and not isinstance(result.exception, SystemExit):
             raise result.exception
         assert "Traceback" not in result.output
@@ -76,6 +78,7 @@ def running(app, thread: str, worker: str = "w1@box") -> str:
 
 # -- ls -------------------------------------------------------------------------------------
 
+
 def test_ls_lists_threads_with_members_active_member_and_next_head(proj, cli):
     busy, idle = tid("cli-busy"), tid("cli-idle")
     first = proj.record.delay(busy, "m0").id
@@ -84,18 +87,30 @@ def test_ls_lists_threads_with_members_active_member_and_next_head(proj, cli):
 
     out = ok(cli("ls"))
     lines = out.splitlines()
-    assert lines[0].split() == ["MEMBERS", "STATE", "ACTIVE", "FOR", "NEXT", "ELIGIBLE",
-                                "ACTIVE", "TASK", "THREAD"]
+    assert lines[0].split() == [
+        "MEMBERS",
+        "STATE",
+        "ACTIVE",
+        "FOR",
+        "NEXT",
+        "ELIGIBLE",
+        "ACTIVE",
+        "TASK",
+        "THREAD",
+    ]
     rows = {line.split()[-1]: line.split() for line in lines[1:-1]}
     assert rows[busy][:2] == ["2", "RELEASED"]
-    assert rows[busy][-2] == first           # whole, to be pasted into `show` or `delete`
+    assert rows[busy][-2] == first  # whole, to be pasted into `show` or `delete`
     assert rows[idle][:3] == ["1", "-", "-"] and rows[idle][3] == "in"
     assert rows[idle][-2] == "-"
     assert lines[-1] == "2 threads"
 
     data = {row["thread_id"]: row for row in as_json(cli("ls", "--json"))}
     assert (data[busy]["members"], data[busy]["active_task"], data[busy]["active_state"]) == (
-        2, first, "RELEASED")
+        2,
+        first,
+        "RELEASED",
+    )
     assert data[idle]["active_task"] is None and 55 < -data[idle]["head_age"] <= 60
     datetime.fromisoformat(data[idle]["next_eligible_at"])
 
@@ -132,6 +147,7 @@ def test_ls_without_threads(cli):
 
 # -- show -----------------------------------------------------------------------------------
 
+
 def test_show_lists_the_active_member_then_waiting_ones_in_release_order(proj, cli):
     thread = tid("cli-show")
     now = datetime.now(timezone.utc)
@@ -143,7 +159,7 @@ def test_show_lists_the_active_member_then_waiting_ones_in_release_order(proj, c
     assert out.startswith(f"Thread {thread}: 3 members")
     assert f"task id           {first}" in out
     assert "tests.support.proj.record" in out and "RELEASED" in out and "release deadline" in out
-    table = out[out.index("Waiting members"):].splitlines()
+    table = out[out.index("Waiting members") :].splitlines()
     assert table[1].split() == ["#", "SCHEDULED", "AT", "ARRIVAL", "RETRIES", "TASK", "ID"]
     rows = [line.split() for line in table[2::2]]
     assert [(row[0], row[-1]) for row in rows] == [("1", early), ("2", late)]
@@ -152,15 +168,18 @@ def test_show_lists_the_active_member_then_waiting_ones_in_release_order(proj, c
     calls = table[3::2]
     assert calls[0].startswith("    tests.support.proj.record (") and "'early'" in calls[0]
     assert "'late'" in calls[1]
-    assert "'first'" in out[:out.index("Waiting members")]
+    assert "'first'" in out[: out.index("Waiting members")]
 
     data = as_json(cli("show", thread, "--json"))
     assert (data["thread_id"], data["members"]) == (thread, 3)
     assert data["active"]["task_id"] == first and data["active"]["state"] == "RELEASED"
     assert [(m["task_id"], m["arrival"], m["retries"]) for m in data["waiting"]] == [
-        (early, 3, 0), (late, 2, 0)]
+        (early, 3, 0),
+        (late, 2, 0),
+    ]
     assert datetime.fromisoformat(data["waiting"][0]["scheduled_at"]) < datetime.fromisoformat(
-        data["waiting"][1]["scheduled_at"])
+        data["waiting"][1]["scheduled_at"]
+    )
 
 
 def test_show_a_running_member_names_its_worker_and_lease_expiry(proj, app, cli):
@@ -194,6 +213,7 @@ def test_show_an_unknown_thread_says_what_to_do(cli):
 
 # -- delete ---------------------------------------------------------------------------------
 
+
 def test_delete_a_waiting_member(proj, app, cli):
     thread = tid("cli-del")
     proj.record.delay(thread, "a")
@@ -208,8 +228,7 @@ def test_delete_the_active_member_promotes_the_next(proj, app, cli):
     thread = tid("cli-del")
     first = proj.record.delay(thread, "a").id
     second = proj.record.delay(thread, "b").id
-    assert as_json(cli("delete", first, "--json")) == {
-        "task_id": first, "thread_id": thread, "deleted": True}
+    assert as_json(cli("delete", first, "--json")) == {"task_id": first, "thread_id": thread, "deleted": True}
     info = Threads(app).get(thread)
     assert (info.active.task_id, info.active.state) == (second, "RELEASED")
 
@@ -224,6 +243,7 @@ def test_delete_an_unknown_task_says_what_to_do(cli, app):
 
 
 # -- dead, restart, forget ------------------------------------------------------------------
+
 
 def test_dead_lists_the_store_newest_last_with_exceptions(app, cli):
     gate = Threads(app).gate
@@ -244,9 +264,15 @@ def test_dead_lists_the_store_newest_last_with_exceptions(app, cli):
     data = as_json(cli("dead", "--json"))
     assert [d["task_id"] for d in data] == ["dead-older", "dead-newer"]
     assert data[0] | {"died_at": None} == {
-        "task_id": "dead-older", "thread_id": first, "name": "tests.support.proj.record",
-        "args": [first, "x"], "kwargs": {}, "retries": 2,
-        "exception": "ValueError: older exploded", "died_at": None}
+        "task_id": "dead-older",
+        "thread_id": first,
+        "name": "tests.support.proj.record",
+        "args": [first, "x"],
+        "kwargs": {},
+        "retries": 2,
+        "exception": "ValueError: older exploded",
+        "died_at": None,
+    }
 
 
 def test_dead_lists_the_latest_deaths_up_to_a_limit(app, cli):
@@ -254,10 +280,10 @@ def test_dead_lists_the_latest_deaths_up_to_a_limit(app, cli):
     thread = tid("cli-dead-limit")
     for i in range(5):
         kill_member(threads.gate, thread, f"dead-{i}", f"ValueError: {i}")
-        time.sleep(0.002)   # distinct died_at milliseconds
+        time.sleep(0.002)  # distinct died_at milliseconds
     everything = [f"dead-{i}" for i in range(5)]
     assert [d.task_id for d in threads.dead()] == everything
-    assert [d.task_id for d in threads.dead(limit=2)] == ["dead-3", "dead-4"]   # oldest first
+    assert [d.task_id for d in threads.dead(limit=2)] == ["dead-3", "dead-4"]  # oldest first
     assert [d.task_id for d in threads.dead(limit=9)] == everything
     assert threads.dead(limit=0) == [] and threads.gate.reads.dead_count() == 5
     with pytest.raises(ValueError):
@@ -303,19 +329,31 @@ def test_dead_never_decodes_a_content_type_the_app_does_not_accept(app, cli):
     r = redis.Redis.from_url(url)
     assert list(app.conf.accept_content) == ["json"]
     gate, thread = Threads(app).gate, tid("cli-pickle")
-    body = [[thread, _Unpickled(url, marker)], {}, {"callbacks": None, "errbacks": None,
-                                                   "chain": None, "chord": None}]
-    stored = encode_envelope(body, {"headers": {"task": "tests.support.proj.record", "id": "pickled",
-                                                "lang": "py"},
-                                    "serializer": "pickle", "exchange": "",
-                                    "routing_key": "celery"})
+    body = [
+        [thread, _Unpickled(url, marker)],
+        {},
+        {"callbacks": None, "errbacks": None, "chain": None, "chord": None},
+    ]
+    stored = encode_envelope(
+        body,
+        {
+            "headers": {"task": "tests.support.proj.record", "id": "pickled", "lang": "py"},
+            "serializer": "pickle",
+            "exchange": "",
+            "routing_key": "celery",
+        },
+    )
     released = gate.enqueue(thread, "pickled", stored).release
     assert released is not None and gate.claim(thread, "pickled", released.token, "w")
     assert gate.kill(thread, "pickled", released.token, {"exception": "E: x"}).done
 
     [dead] = Threads(app).dead()
     assert (dead.task_id, dead.name, dead.args, dead.kwargs) == (
-        "pickled", "tests.support.proj.record", [], {})
+        "pickled",
+        "tests.support.proj.record",
+        [],
+        {},
+    )
     [listed] = as_json(cli("dead", "--json"))
     assert (listed["args"], listed["kwargs"]) == ([], {})
     assert r.exists(marker) == 0, "a content type the app does not accept was deserialized"
@@ -329,10 +367,10 @@ def test_restart_a_dead_task_as_a_new_arrival(proj, app, cli):
     thread = tid("cli-restart")
     kill_member(Threads(app).gate, thread, "to-restart")
     assert ok(cli("restart", "to-restart")) == (
-        f"Restarted to-restart in thread {thread} as a new arrival.\n")
+        f"Restarted to-restart in thread {thread} as a new arrival.\n"
+    )
     info = Threads(app).get(thread)
-    assert (info.active.task_id, info.active.state, info.active.retries) == (
-        "to-restart", "RELEASED", 0)
+    assert (info.active.task_id, info.active.state, info.active.retries) == ("to-restart", "RELEASED", 0)
     assert as_json(cli("dead", "--json")) == []
     result = cli("restart", "to-restart")
     assert result.exit_code == 1
@@ -343,7 +381,10 @@ def test_restart_json(app, cli):
     thread = tid("cli-restart")
     kill_member(Threads(app).gate, thread, "to-restart-json")
     assert as_json(cli("restart", "to-restart-json", "--json")) == {
-        "task_id": "to-restart-json", "thread_id": thread, "restarted": True}
+        "task_id": "to-restart-json",
+        "thread_id": thread,
+        "restarted": True,
+    }
 
 
 def test_forget_one_dead_task(app, cli):
@@ -389,6 +430,7 @@ def test_forget_needs_a_task_id_or_all(cli):
 
 # -- stats ----------------------------------------------------------------------------------
 
+
 def test_stats_of_a_healthy_gate(proj, app, cli):
     busy, other = tid("cli-stats"), tid("cli-stats")
     for i in range(3):
@@ -404,14 +446,25 @@ def test_stats_of_a_healthy_gate(proj, app, cli):
     assert "none (the 2 waiting wait behind an active member" in oldest
     pairs = dict(line.rsplit(None, 1) for line in lines if line.strip() and line != oldest)
     assert {k.strip(): v for k, v in pairs.items()} == {
-        "threads": "2", "members": "4", "waiting": "2", "released": "1", "running": "1",
-        "paused threads": "0", "dead letters": "1", "retention drops": "0", "stuck": "0"}
+        "threads": "2",
+        "members": "4",
+        "waiting": "2",
+        "released": "1",
+        "running": "1",
+        "paused threads": "0",
+        "dead letters": "1",
+        "retention drops": "0",
+        "stuck": "0",
+    }
 
     data = as_json(cli("stats", "--json"))
     assert (data["threads"], data["members"], data["dead"], data["stuck"]) == (
-        2, {"WAITING": 2, "RELEASED": 1, "RUNNING": 1}, 1, 0)
-    assert (data["healthy"], data["stuck_threads"], data["oldest_waiting_head"]) == (
-        True, [], None)
+        2,
+        {"WAITING": 2, "RELEASED": 1, "RUNNING": 1},
+        1,
+        0,
+    )
+    assert (data["healthy"], data["stuck_threads"], data["oldest_waiting_head"]) == (True, [], None)
 
 
 def test_stats_exits_3_and_lists_what_is_stuck(app, cli):
@@ -421,14 +474,13 @@ def test_stats_exits_3_and_lists_what_is_stuck(app, cli):
     past.claim(lease, "lost-lease", token, "gone@box")
     # 121 s: "due 2m.." even when the stats below read the server's millisecond clock within
     # the enqueue's millisecond (119.999 s would print 1m59s).
-    gate_in_the_past(app, 121).enqueue(head, "late-head", envelope("late-head", head),
-                                       delay_ms=1)
+    gate_in_the_past(app, 121).enqueue(head, "late-head", envelope("late-head", head), delay_ms=1)
 
     result = cli("stats")
     assert result.exit_code == 3
     out = result.stdout
     assert "oldest due idle head  due 2m" in out and "late-head of thread" in out
-    stuck_rows = out[out.index("Stuck threads"):].splitlines()[2:4]
+    stuck_rows = out[out.index("Stuck threads") :].splitlines()[2:4]
     assert [row.split()[-1] for row in stuck_rows] == [lease, head]
     assert "lease lapsed" in stuck_rows[0] and "gone@box" in stuck_rows[0]
     assert "head not released" in stuck_rows[1]
@@ -439,7 +491,9 @@ def test_stats_exits_3_and_lists_what_is_stuck(app, cli):
     data = json.loads(result.stdout)
     assert (data["healthy"], data["stuck"]) == (False, 2)
     assert [(s["thread_id"], s["kind"], s["task_id"]) for s in data["stuck_threads"]] == [
-        (lease, "lease", "lost-lease"), (head, "head", "late-head")]
+        (lease, "lease", "lost-lease"),
+        (head, "head", "late-head"),
+    ]
     assert data["oldest_waiting_head"]["task_id"] == "late-head"
 
     assert cli("stats", "--stuck-after", str(2 * HOUR)).exit_code == 0
@@ -448,6 +502,7 @@ def test_stats_exits_3_and_lists_what_is_stuck(app, cli):
 # -- presentation and errors ----------------------------------------------------------------
 
 # -- pause and resume ---------------------------------------------------------------------------
+
 
 def test_pause_shows_in_show_ls_and_stats_until_resume(proj, app, cli):
     held, other, empty = tid("cli-held"), tid("cli-other"), tid("cli-empty")
@@ -458,15 +513,19 @@ def test_pause_shows_in_show_ls_and_stats_until_resume(proj, app, cli):
     out = ok(cli("pause", held, "--reason", "fixing bug 12"))
     assert f"Paused thread {held}: fixing bug 12." in out and f"resume {held}" in out
     assert as_json(cli("pause", empty, "--json")) == {
-        "thread_id": empty, "paused": True, "reason": "paused", "was_paused": False}
+        "thread_id": empty,
+        "paused": True,
+        "reason": "paused",
+        "was_paused": False,
+    }
     assert as_json(cli("pause", held, "--reason", "fixing bug 13", "--json"))["was_paused"]
 
     out = ok(cli("show", held))
     assert "PAUSED: fixing bug 13." in out and f"`celery threads resume {held}`" in out
-    assert first in out and second in out        # the released member goes on; m1 waits
+    assert first in out and second in out  # the released member goes on; m1 waits
     data = as_json(cli("show", held, "--json"))
     assert (data["paused"], data["active"]["task_id"]) == ("fixing bug 13", first)
-    shown = ok(cli("show", empty))              # a pause with no member is operator state
+    shown = ok(cli("show", empty))  # a pause with no member is operator state
     assert "0 members" in shown and "PAUSED: paused." in shown
     assert as_json(cli("show", empty, "--json"))["paused"] == "paused"
 
@@ -474,19 +533,19 @@ def test_pause_shows_in_show_ls_and_stats_until_resume(proj, app, cli):
     assert lines[0].split()[-2:] == ["PAUSED", "THREAD"]
     rows = {line.split()[-1]: line for line in lines[1:-1]}
     assert set(rows) == {held, other, empty} and lines[-1] == "3 threads"
-    assert "fixing" in rows[held] and "paused" in rows[empty]     # cut to fit 80 columns
+    assert "fixing" in rows[held] and "paused" in rows[empty]  # cut to fit 80 columns
     lines = ok(cli("ls", "--paused")).splitlines()
     assert sorted(line.split()[-1] for line in lines[1:-1]) == sorted([held, empty])
     assert lines[-1] == "2 paused threads"
     paused = {row["thread_id"]: row for row in as_json(cli("ls", "--paused", "--json"))}
-    assert {t: row["paused"] for t, row in paused.items()} == {held: "fixing bug 13",
-                                                               empty: "paused"}
+    assert {t: row["paused"] for t, row in paused.items()} == {held: "fixing bug 13", empty: "paused"}
     assert (paused[held]["members"], paused[empty]["members"]) == (2, 0)
 
     stats = as_json(cli("stats", "--json"))
     assert (stats["threads"], stats["paused"], stats["stuck"]) == (3, 2, 0)
-    assert [line.split()[-1] for line in ok(cli("stats")).splitlines()
-            if line.startswith("paused threads")] == ["2"]
+    assert [
+        line.split()[-1] for line in ok(cli("stats")).splitlines() if line.startswith("paused threads")
+    ] == ["2"]
 
     assert ok(cli("resume", held)) == f"Resumed thread {held}.\n"
     assert as_json(cli("resume", empty, "--json")) == {"thread_id": empty, "resumed": True}
@@ -495,7 +554,7 @@ def test_pause_shows_in_show_ls_and_stats_until_resume(proj, app, cli):
     assert "ls --paused" in result.stderr
     assert ok(cli("ls", "--paused")) == "No paused threads.\n"
     assert as_json(cli("show", held, "--json"))["paused"] is None
-    assert cli("show", empty).exit_code == 1     # no member and no pause: gone
+    assert cli("show", empty).exit_code == 1  # no member and no pause: gone
     assert as_json(cli("stats", "--json"))["paused"] == 0
 
 
@@ -504,16 +563,14 @@ def test_a_paused_thread_is_never_stuck(app, cli):
     past = gate_in_the_past(app, HOUR)
     token = past.enqueue(lease, "lost-lease", envelope("lost-lease", lease)).release.token
     past.claim(lease, "lost-lease", token, "gone@box")
-    gate_in_the_past(app, 121).enqueue(head, "late-head", envelope("late-head", head),
-                                       delay_ms=1)
+    gate_in_the_past(app, 121).enqueue(head, "late-head", envelope("late-head", head), delay_ms=1)
     assert cli("stats").exit_code == 3
     for thread in (lease, head):
         ok(cli("pause", thread))
     result = cli("stats", "--json")
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
-    assert (data["stuck"], data["stuck_threads"], data["paused"], data["threads"]) == (
-        0, [], 2, 2)
+    assert (data["stuck"], data["stuck_threads"], data["paused"], data["threads"]) == (0, [], 2, 2)
 
 
 def test_tables_fit_in_80_columns(proj, app, cli):
@@ -521,8 +578,12 @@ def test_tables_fit_in_80_columns(proj, app, cli):
     for i in range(3):
         proj.record.delay(long_id, f"m{i}")
     gate = Threads(app).gate
-    kill_member(gate, "dead-" + "y" * 120, "a-dead-task-with-a-long-id-" + "z" * 20,
-                "RuntimeError: " + "a long message " * 20)
+    kill_member(
+        gate,
+        "dead-" + "y" * 120,
+        "a-dead-task-with-a-long-id-" + "z" * 20,
+        "RuntimeError: " + "a long message " * 20,
+    )
     past = gate_in_the_past(app, HOUR)
     stuck = "stuck-" + "s" * 120
     past.enqueue(stuck, "stuck-task", envelope("stuck-task", stuck), delay_ms=1)
@@ -546,9 +607,19 @@ def test_every_command_takes_json(proj, app, cli):
     waiting = proj.record.delay(thread, "b").id
     kill_member(Threads(app).gate, tid("cli-json"), "json-dead")
     kill_member(Threads(app).gate, tid("cli-json"), "json-dead-2")
-    for args in (("ls",), ("show", thread), ("dead",), ("stats",), ("delete", waiting),
-                 ("restart", "json-dead"), ("forget", "json-dead-2"), ("forget", "--all", "-y"),
-                 ("pause", thread), ("ls", "--paused"), ("resume", thread)):
+    for args in (
+        ("ls",),
+        ("show", thread),
+        ("dead",),
+        ("stats",),
+        ("delete", waiting),
+        ("restart", "json-dead"),
+        ("forget", "json-dead-2"),
+        ("forget", "--all", "-y"),
+        ("pause", thread),
+        ("ls", "--paused"),
+        ("resume", thread),
+    ):
         result = cli(*args, "--json")
         assert result.exit_code == 0, (args, result.output)
         json.loads(result.stdout)
@@ -556,8 +627,7 @@ def test_every_command_takes_json(proj, app, cli):
 
 def test_unreachable_redis_names_the_url_and_the_setting(app, env, free_redis_url):
     with pointed_at(app, threads_redis_url=free_redis_url):
-        result = CliRunner().invoke(celery_command, ["-A", "tests.support.proj", "threads", "ls"],
-                                    env=env)
+        result = CliRunner().invoke(celery_command, ["-A", "tests.support.proj", "threads", "ls"], env=env)
     assert result.exit_code == 69
     assert free_redis_url in result.stderr and "threads_redis_url" in result.stderr
     assert "Traceback" not in result.output
@@ -565,13 +635,13 @@ def test_unreachable_redis_names_the_url_and_the_setting(app, env, free_redis_ur
 
 def test_missing_gate_setting_says_which_to_set(app, env):
     with pointed_at(app, threads_redis_url=None, broker_url="amqp://guest@127.0.0.1:1//"):
-        result = CliRunner().invoke(celery_command, ["-A", "tests.support.proj", "threads", "stats"],
-                                    env=env)
+        result = CliRunner().invoke(celery_command, ["-A", "tests.support.proj", "threads", "stats"], env=env)
     assert result.exit_code == 78
     assert "threads_redis_url" in result.stderr and "Traceback" not in result.output
 
 
 # -- a real `celery` process ------------------------------------------------------------------
+
 
 @pytest.fixture
 def free_redis_url():
@@ -584,16 +654,20 @@ def free_redis_url():
 def celery_process(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
     script = Path(sys.executable).with_name("celery")
     command = [str(script)] if script.exists() else [sys.executable, "-m", "celery"]
-    return subprocess.run([*command, "-A", "tests.support.proj", "threads", *args],
-                          env={**os.environ, **env, "PYTHONPATH": str(ROOT)}, cwd=ROOT,
-                          capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [*command, "-A", "tests.support.proj", "threads", *args],
+        env={**os.environ, **env, "PYTHONPATH": str(ROOT)},
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 def test_the_celery_command_has_threads_subcommands(env):
     done = celery_process(env, "--help")
     assert done.returncode == 0, done.stderr
-    for command in ("ls", "show", "delete", "dead", "restart", "forget", "stats", "pause",
-                    "resume"):
+    for command in ("ls", "show", "delete", "dead", "restart", "forget", "stats", "pause", "resume"):
         assert f"  {command} " in done.stdout
 
 
@@ -605,7 +679,8 @@ def test_a_celery_process_lists_and_shows_threads(proj, app, env):
     done = celery_process(env, "ls", "--json")
     assert done.returncode == 0, done.stderr
     assert [(r["thread_id"], r["members"], r["active_task"]) for r in json.loads(done.stdout)] == [
-        (thread, 2, first)]
+        (thread, 2, first)
+    ]
     done = celery_process(env, "show", thread)
     assert done.returncode == 0, done.stderr
     assert first in done.stdout
@@ -635,8 +710,14 @@ def test_a_celery_process_reports_errors_without_tracebacks(app, env, free_redis
 def test_without_an_app_it_says_to_name_one(tmp_path):
     # Run where no celery config module is found, as a user who forgot -A.
     env = {k: v for k, v in os.environ.items() if not k.startswith(("CELERY_", "CT_"))}
-    done = subprocess.run([sys.executable, "-m", "celery", "threads", "ls"], cwd=tmp_path,
-                          env=env, capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-m", "celery", "threads", "ls"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 2
     assert "name your Celery app" in done.stderr and "celery -A proj threads" in done.stderr
     assert "threads_redis_url" not in done.stderr

@@ -1,4 +1,5 @@
 """What Flower shows, through its HTTP API, of members waiting in, released from and deleted from the gate."""
+
 from __future__ import annotations
 
 import os
@@ -23,9 +24,22 @@ def flower(make_deployment, proj):
     port = free_port()
     env = {**os.environ, **d.env, "PYTHONPATH": str(ROOT), "FLOWER_UNAUTHENTICATED_API": "true"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "celery", "-A", "tests.support.proj", "flower", f"--port={port}",
-         "--address=127.0.0.1"], env=env, cwd=ROOT, stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL, start_new_session=True)
+        [
+            sys.executable,
+            "-m",
+            "celery",
+            "-A",
+            "tests.support.proj",
+            "flower",
+            f"--port={port}",
+            "--address=127.0.0.1",
+        ],
+        env=env,
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     base = f"http://127.0.0.1:{port}"
     try:
         wait_for(lambda: _up(base), timeout=30, what="flower to listen")
@@ -74,8 +88,9 @@ def test_flower_shows_waiting_running_and_deleted_members(flower, proj):
     assert starts(r, thread) == ["first", "waiting"]
     # No phantom worker: the client's events (its node name is gen<pid>@host) never made one.
     workers = requests.get(f"{base}/api/workers", timeout=10).json()
-    known = set(workers) | {t.get("worker") for t in
-                            requests.get(f"{base}/api/tasks", timeout=5).json().values()}
+    known = set(workers) | {
+        t.get("worker") for t in requests.get(f"{base}/api/tasks", timeout=5).json().values()
+    }
     known.discard(None)
     assert any(name.startswith("w-") for name in known), known
     assert not any(name.startswith("gen") for name in known), known

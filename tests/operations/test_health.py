@@ -4,6 +4,7 @@ No worker runs: the first member of each thread is released to the broker and st
 others wait.  Stale states are written with a Gate whose clock runs in the past, or straight into
 Redis.  Everything runs on private databases (see tests/support/isolated.py).
 """
+
 from __future__ import annotations
 
 from datetime import datetime, timedelta, timezone
@@ -39,14 +40,21 @@ def test_status_of_a_released_member_and_its_waiting_siblings(proj, app, threads
     assert status.members == 3
     a = status.active
     assert (a.task_id, a.name, a.state, a.worker, a.claimed_at) == (
-        ids[0], "tests.support.proj.record", "RELEASED", None, None)
+        ids[0],
+        "tests.support.proj.record",
+        "RELEASED",
+        None,
+        None,
+    )
     assert before <= a.since.timestamp() * 1000 <= after
     release_timeout = app.conf.threads_release_timeout
     assert a.deadline - a.since == timedelta(seconds=release_timeout)
     assert 0 <= a.active_for <= (after - before) / 1000 + 0.01
     assert release_timeout - 2 < a.expires_in <= release_timeout
     assert [(m.task_id, m.arrival, m.retries, m.name) for m in status.waiting] == [
-        (ids[1], 2, 0, "tests.support.proj.record"), (ids[2], 3, 0, "tests.support.proj.record")]
+        (ids[1], 2, 0, "tests.support.proj.record"),
+        (ids[2], 3, 0, "tests.support.proj.record"),
+    ]
     assert status.next_eligible_at == status.waiting[0].scheduled_at
     assert status.head_age >= 0
     assert threads.status(tid("hs-none")) is None
@@ -99,7 +107,12 @@ def test_lapsed_lease_of_a_running_member_is_stuck(app, threads):
 
     [stuck] = threads.stuck()
     assert (stuck.thread_id, stuck.kind, stuck.task_id, stuck.state, stuck.worker) == (
-        thread, "lease", task, "RUNNING", "lost@box")
+        thread,
+        "lease",
+        task,
+        "RUNNING",
+        "lost@box",
+    )
     assert HOUR - 30 - 5 < stuck.overdue_for < HOUR - 30 + 5
     assert "dispatcher" in stuck.reason and "lost@box" in stuck.reason
 
@@ -116,7 +129,12 @@ def test_lapsed_release_written_into_redis_is_stuck(proj, app, threads):
 
     [stuck] = threads.stuck()
     assert (stuck.thread_id, stuck.kind, stuck.task_id, stuck.state, stuck.worker) == (
-        thread, "release", task, "RELEASED", None)
+        thread,
+        "release",
+        task,
+        "RELEASED",
+        None,
+    )
     assert 600 <= stuck.overdue_for < 605
     assert stuck.overdue_since == datetime.fromtimestamp(lapsed / 1000, tz=timezone.utc)
 
@@ -129,8 +147,7 @@ def test_due_head_not_released_is_stuck(app, threads):
     assert outcome.release is None
 
     [stuck] = threads.stuck()
-    assert (stuck.thread_id, stuck.kind, stuck.task_id, stuck.state) == (
-        thread, "head", task, "WAITING")
+    assert (stuck.thread_id, stuck.kind, stuck.task_id, stuck.state) == (thread, "head", task, "WAITING")
     assert HOUR - 15 < stuck.overdue_for < HOUR - 5
     assert "not released" in stuck.reason
 
@@ -157,8 +174,7 @@ def test_stuck_waits_a_few_dispatcher_ticks(app, threads):
 def test_stuck_lists_the_most_overdue_first(app, threads):
     for hours, name in ((1, "one"), (3, "three"), (2, "two")):
         thread = tid(f"hs-{name}")
-        gate_in_the_past(app, hours * HOUR).enqueue(thread, name, envelope(name, thread),
-                                                    delay_ms=1_000)
+        gate_in_the_past(app, hours * HOUR).enqueue(thread, name, envelope(name, thread), delay_ms=1_000)
     assert [s.task_id for s in threads.stuck()] == ["three", "two", "one"]
 
 
@@ -175,11 +191,14 @@ def test_stuck_reads_the_indexes_by_score_never_every_thread(proj, app, threads,
         def record(self, *args, **kwargs):
             sent.append(str(args[0]).upper())
             return original(self, *args, **kwargs)
+
         return record
 
-    for cls, name in ((redis.Redis, "execute_command"),
-                      (redis.client.Pipeline, "pipeline_execute_command"),
-                      (redis.client.Pipeline, "immediate_execute_command")):
+    for cls, name in (
+        (redis.Redis, "execute_command"),
+        (redis.client.Pipeline, "pipeline_execute_command"),
+        (redis.client.Pipeline, "immediate_execute_command"),
+    ):
         monkeypatch.setattr(cls, name, recording(getattr(cls, name)))
     assert [s.task_id for s in threads.stuck()] == ["only"]
     monkeypatch.undo()

@@ -4,6 +4,7 @@ Prometheus endpoint served by a real ``celery threads metrics`` process.
 Counters are judged against what the members did (AsyncResult states, the bodies' start records);
 each deployment has its own key prefix, so its counters start at zero.
 """
+
 from __future__ import annotations
 
 import os
@@ -35,8 +36,11 @@ def cli(*args: str) -> Result:
 
 def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     """Every sample of a Prometheus text page, by (name, sorted labels)."""
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
 
 
 def value(page: dict, name: str, **labels: str) -> float:
@@ -79,8 +83,7 @@ def test_counters_after_real_runs(proj, make_deployment):
     holder = get_runtime(proj.app).gate.reads.snapshot(held).active["worker"].split("-")[0]
     victim = next(p for p in d.processes if p.kind == "worker" and p.name == holder)
     victim.kill(signal.SIGKILL)
-    wait_for(lambda: state(proj, blocker) == "FAILURE", what="the blocker's lapsed lease",
-             timeout=60)
+    wait_for(lambda: state(proj, blocker) == "FAILURE", what="the blocker's lapsed lease", timeout=60)
 
     page = scrape()
     assert value(page, "celery_threads_endings_total", outcome="succeeded") == 4
@@ -96,8 +99,7 @@ def test_counters_after_real_runs(proj, make_deployment):
         assert value(page, "celery_threads_members", state=s) == 0
 
 
-def test_wait_is_measured_from_the_due_time_and_oldest_due_ignores_future_members(
-        proj, make_deployment):
+def test_wait_is_measured_from_the_due_time_and_oldest_due_ignores_future_members(proj, make_deployment):
     """A member with a 3 s countdown is not late: its wait (due -> start) stays far below 3 s,
     and while it is not due the oldest-due gauge stays 0 (pgbus#390's false alarm)."""
     d = make_deployment(CT_EVENTS="0", CT_DISPATCH_INTERVAL="0.2")
@@ -121,8 +123,7 @@ def test_oldest_due_counts_a_due_head_no_dispatcher_released(proj, isolated_app)
     gate = get_runtime(isolated_app).gate
     gate.enqueue("m-due", "m-due-1", b"x", delay_ms=1000)
     assert threads.metrics().oldest_due_seconds == 0
-    wait_for(lambda: threads.metrics().oldest_due_seconds > 0.2, what="the head to be due",
-             timeout=60)
+    wait_for(lambda: threads.metrics().oldest_due_seconds > 0.2, what="the head to be due", timeout=60)
     m = threads.metrics(grace=0)
     assert m.members == {"waiting": 1, "released": 0, "running": 0}
     assert m.threads == 1
@@ -133,15 +134,14 @@ def test_top_threads_by_waiting_members(proj, isolated_app):
     """--top N: the N threads with the most waiting members, as labelled gauges; none without."""
     gate = get_runtime(isolated_app).gate
     for thread, n in (("top-a", 3), ("top-b", 5), ("top-c", 1)):
-        for i in range(n + 1):      # the first is released (active), the rest wait
+        for i in range(n + 1):  # the first is released (active), the rest wait
             gate.enqueue(thread, f"{thread}-{i}", b"x")
     page = scrape()
     assert not [k for k in page if k[0] == "celery_threads_thread_waiting"]
     result = cli("metrics", "--once", "--top", "2")
     assert result.exit_code == 0, result.output
     page = samples(result.stdout)
-    top = {dict(k[1])["thread_id"]: v for k, v in page.items()
-           if k[0] == "celery_threads_thread_waiting"}
+    top = {dict(k[1])["thread_id"]: v for k, v in page.items() if k[0] == "celery_threads_thread_waiting"}
     assert top == {"top-b": 5, "top-a": 3}
     assert value(page, "celery_threads_members", state="waiting") == 9
     assert value(page, "celery_threads_members", state="released") == 3
@@ -165,18 +165,26 @@ def test_the_endpoint_serves_prometheus_text_over_http(proj, make_deployment):
     assert response.status_code == 200
     assert response.headers["Content-Type"].startswith("text/plain")
     names = {f.name for f in text_string_to_metric_families(response.text)}
-    assert names >= {"celery_threads_threads", "celery_threads_members",
-                     "celery_threads_paused_threads", "celery_threads_stuck_threads",
-                     "celery_threads_oldest_due_seconds", "celery_threads_dead_letters",
-                     "celery_threads_endings", "celery_threads_retries",
-                     "celery_threads_lease_lapses", "celery_threads_wait_seconds"}, names
-    assert "python_gc" not in response.text      # the gate's metrics only
+    assert names >= {
+        "celery_threads_threads",
+        "celery_threads_members",
+        "celery_threads_paused_threads",
+        "celery_threads_stuck_threads",
+        "celery_threads_oldest_due_seconds",
+        "celery_threads_dead_letters",
+        "celery_threads_endings",
+        "celery_threads_retries",
+        "celery_threads_lease_lapses",
+        "celery_threads_wait_seconds",
+    }, names
+    assert "python_gc" not in response.text  # the gate's metrics only
     assert requests.get(f"http://127.0.0.1:{port}/metrics", timeout=10).status_code == 200
 
 
 def test_missing_prometheus_client_says_what_to_install(proj, tmp_path: Path):
     """Without prometheus_client the command exits 1 with the pip command to run."""
-    (tmp_path / "sitecustomize.py").write_text(textwrap.dedent("""
+    (tmp_path / "sitecustomize.py").write_text(
+        textwrap.dedent("""
         import sys
 
         class _Block:
@@ -186,11 +194,17 @@ def test_missing_prometheus_client_says_what_to_install(proj, tmp_path: Path):
                 return None
 
         sys.meta_path.insert(0, _Block())
-    """))
+    """)
+    )
     env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}"}
-    done = subprocess.run([sys.executable, "-m", "celery", "-A", "tests.support.proj", "threads",
-                           "metrics", "--once"], env=env, cwd=ROOT, capture_output=True,
-                          text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "celery", "-A", "tests.support.proj", "threads", "metrics", "--once"],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 1, done
     assert "pip install 'celery-threads[metrics]'" in done.stderr, done.stderr
 
@@ -204,7 +218,7 @@ def test_every_value_is_summed_over_the_shards(proj, isolated_app):
         assert len({gate.keys.shard_of(t) for t in ids}) > 1
         released = {}
         for n, thread in enumerate(ids):
-            for i in range(n + 2):       # the first is released, the rest wait
+            for i in range(n + 2):  # the first is released, the rest wait
                 outcome = gate.enqueue(thread, f"{thread}-{i}", b"x")
                 if outcome.release is not None:
                     released[thread] = outcome.release

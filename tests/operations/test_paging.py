@@ -4,6 +4,7 @@
 Each test runs on a redis-server of this module's own, so that ``INFO commandstats`` counts only
 the commands the read under test issued (no worker, beat or other test uses that server).
 """
+
 from __future__ import annotations
 
 import json
@@ -55,17 +56,23 @@ def server() -> Iterator[RedisServer]:
 def app(proj, server):
     for db in (GATE_DB, BROKER_DB, BACKEND_DB):
         redis.Redis(port=server.port, db=db).flushdb()
-    with pointed_at(proj.app, threads_redis_url=server.url(GATE_DB),
-                    broker_url=server.url(BROKER_DB),
-                    result_backend=server.url(BACKEND_DB)) as app:
+    with pointed_at(
+        proj.app,
+        threads_redis_url=server.url(GATE_DB),
+        broker_url=server.url(BROKER_DB),
+        result_backend=server.url(BACKEND_DB),
+    ) as app:
         yield app
 
 
 @pytest.fixture
 def cli(app, server):
     def run(*args: str) -> Any:
-        result = CliRunner().invoke(celery_command, ["-A", "tests.support.proj", "threads", *args],
-                                    env={**isolated_env(server), "COLUMNS": "100"})
+        result = CliRunner().invoke(
+            celery_command,
+            ["-A", "tests.support.proj", "threads", *args],
+            env={**isolated_env(server), "COLUMNS": "100"},
+        )
         if result.exception is not None and not isinstance(result.exception, SystemExit):
             raise result.exception
         return result
@@ -76,8 +83,7 @@ def cli(app, server):
 def gate_on(server: RedisServer, shards: int) -> Gate:
     client = make_client(server.url(GATE_DB))
     client.flushdb()
-    return Gate(client, Keys("ct-paging", shards=shards), release_timeout_ms=DAY_MS,
-                keepalive_ms=DAY_MS)
+    return Gate(client, Keys("ct-paging", shards=shards), release_timeout_ms=DAY_MS, keepalive_ms=DAY_MS)
 
 
 def fill(gate: Gate, threads: list[str]) -> None:
@@ -102,13 +108,13 @@ def calls_of(server: RedisServer, command: str) -> int:
 
 # -- the cursor -------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("threads", [40, 1500])   # small indexes are listpacks, large hash tables
+
+@pytest.mark.parametrize("threads", [40, 1500])  # small indexes are listpacks, large hash tables
 def test_ids_lists_every_thread_once_across_shards_and_pages(server, threads):
     gate = gate_on(server, shards=3)
     names = [f"th-{i}" for i in range(threads)]
     fill(gate, names)
-    indexes = [(gate.client.zcard(s.due), gate.client.zcard(s.leases))
-               for s in gate.keys.all_shards()]
+    indexes = [(gate.client.zcard(s.due), gate.client.zcard(s.leases)) for s in gate.keys.all_shards()]
     assert all(due and leases for due, leases in indexes), indexes
     for page in (1, 7, 500):
         listed = list(gate.reads.thread_ids(page))
@@ -150,7 +156,7 @@ def test_threads_ids_and_summaries_stop_reading_once_the_caller_stops(app, serve
     t = Threads(app)
     before = commands(server)
     first = [next(iter(t.ids(page=5))) for _ in range(3)]
-    assert len(first) == 3 and commands(server) - before <= 3 * 4 + 3   # MULTI, 2 ZSCAN, EXEC
+    assert len(first) == 3 and commands(server) - before <= 3 * 4 + 3  # MULTI, 2 ZSCAN, EXEC
     summaries = t.summaries(limit=5)
     before = commands(server)
     taken = [next(summaries) for _ in range(5)]
@@ -160,10 +166,11 @@ def test_threads_ids_and_summaries_stop_reading_once_the_caller_stops(app, serve
 
 # -- ls --limit -------------------------------------------------------------------------------
 
+
 def test_ls_limit_reads_n_threads_whatever_the_gates_size(app, server, cli):
     gate = Threads(app).gate
     fill(gate, [f"ls-{i:05d}" for i in range(200)])
-    ok(cli("ls", "--limit", "5"))                    # connects, loads the scripts
+    ok(cli("ls", "--limit", "5"))  # connects, loads the scripts
 
     def cost(*args: str) -> tuple[int, str]:
         before = commands(server)
@@ -177,7 +184,7 @@ def test_ls_limit_reads_n_threads_whatever_the_gates_size(app, server, cli):
     large_json, data = cost("ls", "--limit", "5", "--json")
     everything, _ = cost("ls", "--json")
 
-    assert everything > 5000                          # the count sees a full read
+    assert everything > 5000  # the count sees a full read
     assert large_text <= small_text + 10 and large_json <= small_json + 10
     assert large_text < 100
 
@@ -194,8 +201,7 @@ def test_ls_limit_footer_counts_when_all_were_shown(app, cli):
     assert ok(cli("ls", "--limit", "3")).splitlines()[-1] == "3 threads"
     assert ok(cli("ls", "--limit", "10")).splitlines()[-1] == "3 threads"
     assert len(as_json(cli("ls", "--limit", "2", "--json"))) == 2
-    assert ok(cli("ls", "--limit", "2", "--sort", "id")).splitlines()[-1] == (
-        "3 threads (first 2 shown)")
+    assert ok(cli("ls", "--limit", "2", "--sort", "id")).splitlines()[-1] == ("3 threads (first 2 shown)")
 
 
 def test_ls_help_says_sorting_reads_every_thread(cli):
@@ -203,6 +209,7 @@ def test_ls_help_says_sorting_reads_every_thread(cli):
 
 
 # -- forget --all -----------------------------------------------------------------------------
+
 
 def kill_many(gate: Gate, n: int, prefix: str = "dead") -> list[str]:
     ids = [f"{prefix}-{i}" for i in range(n)]
@@ -217,7 +224,7 @@ def test_forget_all_works_in_batches(app, server, cli):
     zrem = calls_of(server, "zrem")
     data = as_json(cli("forget", "--all", "--yes", "--json"))
     assert sorted(data["forgotten"]) == sorted(ids)
-    assert calls_of(server, "zrem") - zrem == 3      # 500 + 500 + 100
+    assert calls_of(server, "zrem") - zrem == 3  # 500 + 500 + 100
     assert gate.reads.dead_count() == 0 and gate.client.hlen(gate.keys.shard(0).dead_records) == 0
 
 
@@ -240,9 +247,14 @@ def test_forget_all_shows_a_progress_bar_on_a_terminal_only(app, server):
     main, child = pty.openpty()
     script = shutil.which("celery") or ""
     command = [script] if script else [sys.executable, "-m", "celery"]
-    proc = subprocess.Popen([*command, "-A", "tests.support.proj", "threads", "forget", "--all", "-y"],
-                            env={**os.environ, **env, "PYTHONPATH": str(ROOT)}, cwd=ROOT,
-                            stdin=subprocess.DEVNULL, stdout=child, stderr=child)
+    proc = subprocess.Popen(
+        [*command, "-A", "tests.support.proj", "threads", "forget", "--all", "-y"],
+        env={**os.environ, **env, "PYTHONPATH": str(ROOT)},
+        cwd=ROOT,
+        stdin=subprocess.DEVNULL,
+        stdout=child,
+        stderr=child,
+    )
     os.close(child)
     out = b""
     while True:
@@ -251,7 +263,7 @@ def test_forget_all_shows_a_progress_bar_on_a_terminal_only(app, server):
             break
         try:
             chunk = os.read(main, 4096)
-        except OSError:             # the child closed its end
+        except OSError:  # the child closed its end
             break
         if not chunk:
             break

@@ -3,6 +3,7 @@ bodies' own start records) while other threads run; the running member finishes;
 ``resume`` releases the head at once and the order is kept; the pause survives a worker restart and
 a restart of the gate's Redis (append-only file).
 """
+
 from __future__ import annotations
 
 import uuid
@@ -16,8 +17,7 @@ def ended(r, thread: str) -> list[str]:
     return [e.label for e in events(r, thread) if e.kind == "end"]
 
 
-def test_a_paused_thread_holds_its_waiting_members_while_other_threads_run(proj,
-                                                                          make_deployment):
+def test_a_paused_thread_holds_its_waiting_members_while_other_threads_run(proj, make_deployment):
     d = make_deployment()
     d.worker("w1", concurrency=2)
     r = proj.history()
@@ -28,8 +28,8 @@ def test_a_paused_thread_holds_its_waiting_members_while_other_threads_run(proj,
     second = proj.record.delay(held, "m1", sleep=1.0).id
     wait_for(lambda: starts(r, held) == ["m0"], what="m0 to start")
     assert threads.pause(held, "fixing a bug") is True
-    assert threads.pause(held, "fixing bug 12") is False       # paused already: a new reason
-    late = proj.record.delay(held, "m2").id                     # a new call still joins
+    assert threads.pause(held, "fixing bug 12") is False  # paused already: a new reason
+    late = proj.record.delay(held, "m2").id  # a new call still joins
 
     # The running member goes on to its end; the others of its thread do not start, while
     # another thread's members run on the same workers after that end.
@@ -54,7 +54,7 @@ def test_a_paused_thread_holds_its_waiting_members_while_other_threads_run(proj,
     assert starts(r, held) == ["m0", "m1", "m2"]
     assert_serial(r, held)
     assert threads.resume(held) is False
-    assert threads.get(held) is None                            # no member, no pause: gone
+    assert threads.get(held) is None  # no member, no pause: gone
 
 
 def test_a_pause_survives_a_worker_restart_and_a_gate_restart(proj, redis_server):
@@ -63,9 +63,14 @@ def test_a_pause_survives_a_worker_restart_and_a_gate_restart(proj, redis_server
     gate = RedisServer(appendonly=True)
     gate.start()
     name = uuid.uuid4().hex[:8]
-    env = {**deployment_env(redis_server), "CT_REDIS_URL": gate.url(0),
-           "CT_HISTORY_URL": redis_server.url(0), "CT_DISPATCH_INTERVAL": "0.2",
-           "CT_KEY_PREFIX": f"ct-{name}", "CT_QUEUE": f"q-{name}"}
+    env = {
+        **deployment_env(redis_server),
+        "CT_REDIS_URL": gate.url(0),
+        "CT_HISTORY_URL": redis_server.url(0),
+        "CT_DISPATCH_INTERVAL": "0.2",
+        "CT_KEY_PREFIX": f"ct-{name}",
+        "CT_QUEUE": f"q-{name}",
+    }
     d = Deployment(env)
     configure_client(proj.app, **env)
     r = proj.history()
@@ -85,7 +90,7 @@ def test_a_pause_survives_a_worker_restart_and_a_gate_restart(proj, redis_server
         assert starts(r, held) == []
 
         first.stop()
-        gate.stop()                       # SIGTERM: redis-server flushes its append-only file
+        gate.stop()  # SIGTERM: redis-server flushes its append-only file
         gate.start()
         threads = Threads(proj.app)
         info = threads.get(held)

@@ -4,6 +4,7 @@ dead-letter store's retention, on real prefork workers.
 Judged by what the bodies wrote (start records stamped with the Redis server's clock,
 tests/support/proj.py ``_Span``), by the result backend (``AsyncResult``), and by the gate's keys.
 """
+
 from __future__ import annotations
 
 import json
@@ -24,8 +25,7 @@ def r(proj):
 def cli(*args: str, input: str | None = None) -> Result:
     """``celery -A tests.support.proj threads ARGS`` in this process (the app points at the test's
     deployment)."""
-    result = CliRunner().invoke(celery_command, ["-A", "tests.support.proj", "threads", *args],
-                                input=input)
+    result = CliRunner().invoke(celery_command, ["-A", "tests.support.proj", "threads", *args], input=input)
     if result.exception is not None and not isinstance(result.exception, SystemExit):
         raise result.exception
     return result
@@ -74,7 +74,7 @@ def test_redriven_letters_run_first_in_their_original_order(proj, make_deploymen
     info = Threads(proj.app).get(thread)
     assert [m.task_id for m in info.waiting] == [x.id for x in dying + later]
     assert all(m.retries == 0 for m in info.waiting)
-    assert [state(proj, x) for x in dying] == ["PENDING"] * 3   # waiting in the gate again
+    assert [state(proj, x) for x in dying] == ["PENDING"] * 3  # waiting in the gate again
     r.set(f"go:{thread}", 1)
     for member in dying + later + [hold]:
         wait_for(lambda m=member: state(proj, m) == "SUCCESS", what=f"{member.id} SUCCESS", timeout=60)
@@ -101,7 +101,7 @@ def test_redrive_dry_run_and_limit_on_the_command_line(proj, make_deployment, r)
     wait_for(lambda: state(proj, dying[0]) == "SUCCESS", what="the redriven letter to succeed", timeout=60)
     assert dead_of(proj, thread) == [x.id for x in dying[1:]]
     assert [state(proj, x) for x in dying[1:]] == ["FAILURE", "FAILURE"]
-    assert as_json(cli("redrive", "--json")) == {"redriven": 2}      # every thread's
+    assert as_json(cli("redrive", "--json")) == {"redriven": 2}  # every thread's
     for x in dying[1:]:
         wait_for(lambda x=x: state(proj, x) == "SUCCESS", what=f"{x.id} SUCCESS", timeout=60)
     assert starts(r, thread) == ["d1", "d2", "d3", "d1", "d2", "d3"]
@@ -153,8 +153,7 @@ def test_retention_drops_letters_past_the_bound_and_the_ttl(proj, make_deploymen
     wait_for(lambda: threads.stats().dead_dropped == 2, what="two letters dropped by the max", timeout=60)
     assert [t.task_id for t in threads.dead()] == [x.id for x in dying[2:]]
     assert as_json(cli("stats", "--json"))["dead_dropped"] == 2
-    wait_for(lambda: threads.stats().dead_dropped == 4, timeout=30,
-             what="the other two dropped by the TTL")
+    wait_for(lambda: threads.stats().dead_dropped == 4, timeout=30, what="the other two dropped by the TTL")
     assert threads.dead() == []
     [line] = [x for x in cli("stats").stdout.splitlines() if "retention drops" in x]
     assert line.split()[-1] == "4", line

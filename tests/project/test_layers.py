@@ -2,6 +2,7 @@
 and no imports form a cycle.  Every import counts, those inside functions too; only imports under
 ``if TYPE_CHECKING:`` (types for annotations) are exempt.  A new module must be given a layer here.
 """
+
 from __future__ import annotations
 
 import ast
@@ -11,23 +12,54 @@ PACKAGE = Path(__file__).resolve().parents[2] / "celery_threads"
 
 #: Bottom to top.  A module is named by its path under the package, without ``.py``.
 LAYERS: list[tuple[str, set[str]]] = [
-    ("base: errors, signals, names, settings, adapters of other libraries",
-     {"errors", "signals", "keys", "protocol", "config", "redis_options", "seams", "metrics",
-      "policies"}),
-    ("the gate: its Lua, loader, records and client",
-     {"gate", "gate.records", "gate.replies", "gate.library", "gate.client", "gate.wire",
-      "gate.reads", "gate.transitions", "gate.access", "gate.eviction", "gate.cluster", "gate.sentinel",
-      "gate.deadline"}),
+    (
+        "base: errors, signals, names, settings, adapters of other libraries",
+        {"errors", "signals", "keys", "protocol", "config", "redis_options", "seams", "metrics", "policies"},
+    ),
+    (
+        "the gate: its Lua, loader, records and client",
+        {
+            "gate",
+            "gate.records",
+            "gate.replies",
+            "gate.library",
+            "gate.client",
+            "gate.wire",
+            "gate.reads",
+            "gate.transitions",
+            "gate.access",
+            "gate.eviction",
+            "gate.cluster",
+            "gate.sentinel",
+            "gate.deadline",
+        },
+    ),
     ("publishing", {"publish"}),
     ("the per-process runtime and the dispatcher", {"runtime", "dispatcher"}),
-    ("the worker side", {"worker", "worker.bootstep", "worker.strategy", "worker.request",
-                         "worker.revoke", "worker.processes", "worker.renewer", "worker.lease",
-                         "worker.shared", "worker.native", "worker.handoff", "worker.noack",
-                         "worker.member"}),
+    (
+        "the worker side",
+        {
+            "worker",
+            "worker.bootstep",
+            "worker.strategy",
+            "worker.request",
+            "worker.revoke",
+            "worker.processes",
+            "worker.renewer",
+            "worker.lease",
+            "worker.shared",
+            "worker.native",
+            "worker.handoff",
+            "worker.noack",
+            "worker.member",
+        },
+    ),
     ("the wiring", {"install"}),
     ("the task class", {"task"}),
-    ("the admin API, the CLI, the exporter and the package's public names",
-     {"admin", "cli", "exporter", "__init__"}),
+    (
+        "the admin API, the CLI, the exporter and the package's public names",
+        {"admin", "cli", "exporter", "__init__"},
+    ),
 ]
 
 
@@ -44,7 +76,8 @@ def modules() -> dict[str, Path]:
 def _type_checking(node: ast.If) -> bool:
     test = node.test
     return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
 
 
 def imports(name: str, path: Path, known: set[str]) -> set[str]:
@@ -64,12 +97,13 @@ def imports(name: str, path: Path, known: set[str]) -> set[str]:
                 base = package[: len(package) - (node.level - 1)]
             elif node.module and node.module.split(".")[0] == "celery_threads":
                 base = []
-                node = ast.ImportFrom(module=".".join(node.module.split(".")[1:]) or None,
-                                      names=node.names, level=1)
+                node = ast.ImportFrom(
+                    module=".".join(node.module.split(".")[1:]) or None, names=node.names, level=1
+                )
             else:
                 return
             target = base + (node.module.split(".") if node.module else [])
-            for alias in node.names:   # ``from . import x`` names a module when x is one
+            for alias in node.names:  # ``from . import x`` names a module when x is one
                 candidate = ".".join(target + [alias.name])
                 found.add(candidate if candidate in known else ".".join(target) or "__init__")
         elif isinstance(node, ast.Import):
@@ -103,10 +137,12 @@ def test_every_module_has_a_layer():
 
 
 def test_no_module_imports_a_layer_above_its_own():
-    upward = [f"{name} ({LAYERS[layer_of(name)][0]}) imports {target} "
-              f"({LAYERS[layer_of(target)][0]})"
-              for name, targets in graph().items() for target in sorted(targets)
-              if layer_of(target) > layer_of(name)]
+    upward = [
+        f"{name} ({LAYERS[layer_of(name)][0]}) imports {target} ({LAYERS[layer_of(target)][0]})"
+        for name, targets in graph().items()
+        for target in sorted(targets)
+        if layer_of(target) > layer_of(name)
+    ]
     assert not upward, "\n".join(upward)
 
 
@@ -119,7 +155,7 @@ def test_no_import_cycle():
         state[node] = 1
         for target in sorted(edges[node]):
             if state.get(target) == 1:
-                cycles.append(path[path.index(target):] + [target])
+                cycles.append(path[path.index(target) :] + [target])
             elif target not in state:
                 walk(target, path + [target])
         state[node] = 2

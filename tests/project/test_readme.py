@@ -1,6 +1,7 @@
 """Every snippet of README.md runs as written: its quick start on a real worker and beat, its calls,
 its CLI lines and its ``Threads`` block, against a redis-server of the test's own (the snippets'
 ``localhost:6379`` is pointed there, nothing else changes)."""
+
 from __future__ import annotations
 
 import os
@@ -48,15 +49,15 @@ def shop(tmp_path: Path) -> Iterator[tuple[Path, dict[str, str], RedisServer]]:
         shutil.rmtree(server.dir, ignore_errors=True)
 
 
-def _start(cmd: str, cwd: Path, env: dict[str, str], log: Path, port: int
-           ) -> subprocess.Popen[bytes]:
+def _start(cmd: str, cwd: Path, env: dict[str, str], log: Path, port: int) -> subprocess.Popen[bytes]:
     args = _local(cmd, port).split()
     if args[:3] == ["celery", "-A", "shop"]:
         args = [sys.executable, "-m", *args]
     if "beat" in args:
         args += ["-s", str(Path(tempfile.mkdtemp()) / "schedule")]
-    return subprocess.Popen(args, cwd=cwd, env=env, stdout=open(log, "wb"),
-                            stderr=subprocess.STDOUT, start_new_session=True)
+    return subprocess.Popen(
+        args, cwd=cwd, env=env, stdout=open(log, "wb"), stderr=subprocess.STDOUT, start_new_session=True
+    )
 
 
 def _wait_for(log: Path, needle: str, timeout: float = 60) -> None:
@@ -69,8 +70,9 @@ def _wait_for(log: Path, needle: str, timeout: float = 60) -> None:
 
 
 def _run_python(code: str, cwd: Path, env: dict[str, str]) -> str:
-    done = subprocess.run([sys.executable, "-c", code], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=cwd, env=env, capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, f"snippet failed:\n{code}\n{done.stdout}\n{done.stderr}"
     return done.stdout
 
@@ -91,14 +93,20 @@ def test_the_quick_start_runs_as_written(shop) -> None:
         _wait_for(logs["worker"], "settling 10 on acct-1")
         # The CLI lines, each command of them, and the Threads block.
         for line in blocks("bash")[2].strip().splitlines():
-            for command in re.sub(r"\[.*?\]", "", line).split("|"):   # options left out
+            for command in re.sub(r"\[.*?\]", "", line).split("|"):  # options left out
                 words = command.split()
                 if words[:4] != ["celery", "-A", "shop", "threads"]:
                     words = ["celery", "-A", "shop", "threads", *words]
                 if any(w.isupper() for w in words[4:]):
-                    continue   # a placeholder (THREAD_ID, TASK_ID)
-                done = subprocess.run([sys.executable, "-m", *words], cwd=cwd, env=env,
-                                      capture_output=True, text=True, timeout=60)
+                    continue  # a placeholder (THREAD_ID, TASK_ID)
+                done = subprocess.run(
+                    [sys.executable, "-m", *words],
+                    cwd=cwd,
+                    env=env,
+                    capture_output=True,
+                    text=True,
+                    timeout=60,
+                )
                 assert done.returncode in (0, 3), f"{command}:\n{done.stdout}\n{done.stderr}"
         out = _run_python(blocks("python")[2], cwd, env)
         assert "ThreadInfo" in out or "None" in out
@@ -133,5 +141,7 @@ def test_the_policy_snippet_declares_and_supersedes_as_written(shop) -> None:
         "members = ([info.active] if info.active else []) + list(info.waiting)\n"
         "print([m.task_id for m in members] == [calls[-1].id],\n"
         "      [c.state for c in calls[:-1]], Threads(app).get('acct-9') is not None)\n",
-        cwd, env)
+        cwd,
+        env,
+    )
     assert out.split() == ["True", "['REVOKED',", "'REVOKED']", "True"], out

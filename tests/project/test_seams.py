@@ -5,6 +5,7 @@ In this process a seam is broken with ``monkeypatch`` on the real library classe
 workers through ``celery -A tests.support.seam_faults`` (``CT_BREAK_SEAMS``).  tests/matrix.py runs this
 file on the oldest declared versions too.
 """
+
 from __future__ import annotations
 
 import json
@@ -47,7 +48,8 @@ def test_the_probe_message_is_laid_out_as_the_gate_builds_it(proj, isolated_app,
     thread = tid("probe")
     proj.record.apply_async((thread, "x"), thread_id=thread)
     [raw] = redis.Redis(port=redis_server.port, db=BROKER_DB).lrange(
-        isolated_app.conf.task_default_queue, 0, -1)
+        isolated_app.conf.task_default_queue, 0, -1
+    )
     built = json.loads(raw)
     probe = json.loads(seams.lua_message("{}", utf8=True))
     assert list(built) == list(probe)
@@ -94,15 +96,17 @@ def _break_request_state(mp: pytest.MonkeyPatch) -> None:
 
 def _break_direct_line(mp: pytest.MonkeyPatch) -> None:
     parser = type(redis.Connection()._parser)
-    mp.setattr(parser, "parse_error", lambda self, message: redis.ResponseError(message),
-               raising=False)
+    mp.setattr(parser, "parse_error", lambda self, message: redis.ResponseError(message), raising=False)
 
 
 BREAK: dict[str, Callable[[pytest.MonkeyPatch], None]] = {
-    "direct-release": _break_direct_release, "handoff": _break_handoff,
-    "untracked-releases": _break_untracked_releases, "settle-fetch": _break_settle_fetch,
+    "direct-release": _break_direct_release,
+    "handoff": _break_handoff,
+    "untracked-releases": _break_untracked_releases,
+    "settle-fetch": _break_settle_fetch,
     "revoke-command": _break_revoke_command,
-    "request-state": _break_request_state, "direct-line": _break_direct_line,
+    "request-state": _break_request_state,
+    "direct-line": _break_direct_line,
 }
 
 
@@ -134,7 +138,7 @@ def test_kombu_that_cannot_read_utf8_bodies_refuses(monkeypatch):
     import kombu
     from kombu.transport.virtual.base import Channel
 
-    def decode_body(self: Any, body: Any, encoding: Any = None) -> Any:   # kombu 5.3's
+    def decode_body(self: Any, body: Any, encoding: Any = None) -> Any:  # kombu 5.3's
         return self.codecs.get(encoding).decode(body) if encoding else body
 
     monkeypatch.setattr(Channel, "decode_body", decode_body)
@@ -152,8 +156,7 @@ class _RedisBrokerApp:
         return Connection("redis://127.0.0.1:1/0")
 
 
-def test_the_gate_goes_through_the_client_when_the_direct_line_does_not_hold(proj, redis_server,
-                                                                             monkeypatch):
+def test_the_gate_goes_through_the_client_when_the_direct_line_does_not_hold(proj, redis_server, monkeypatch):
     """A connection whose socket is not a plain socket (what a changed redis-py would give):
     every transition takes the client's way, and works."""
     from tests.support.seam_faults import _Socket  # after proj (the fixture): it imports tests.support.proj
@@ -174,9 +177,23 @@ def test_the_gate_goes_through_the_client_when_the_direct_line_does_not_hold(pro
 def _faulted_worker(d: Any, faults: str, wait: bool = True) -> CeleryProcess:
     """A worker of deployment ``d`` on libraries with the seams ``faults`` broken."""
     nodename = f"faults-{uuid.uuid4().hex[:6]}@localhost"
-    proc = CeleryProcess("worker", {**d.env, "CT_BREAK_SEAMS": faults},
-                         ["--loglevel", "INFO", "-P", "prefork", "-c", "2", "-n", nodename,
-                          "--without-gossip", "--without-mingle"], "faults")
+    proc = CeleryProcess(
+        "worker",
+        {**d.env, "CT_BREAK_SEAMS": faults},
+        [
+            "--loglevel",
+            "INFO",
+            "-P",
+            "prefork",
+            "-c",
+            "2",
+            "-n",
+            nodename,
+            "--without-gossip",
+            "--without-mingle",
+        ],
+        "faults",
+    )
     proc.cmd[proc.cmd.index("tests.support.proj")] = "tests.support.seam_faults"
     proc.nodename = nodename
     d.processes.append(proc.start())
@@ -186,8 +203,9 @@ def _faulted_worker(d: Any, faults: str, wait: bool = True) -> CeleryProcess:
 FALLBACKS = ("handoff", "untracked-releases", "revoke-command", "request-state", "direct-line")
 
 
-def test_a_worker_on_changed_libraries_falls_back_and_keeps_threads_serial(proj, make_deployment,
-                                                                          redis_server):
+def test_a_worker_on_changed_libraries_falls_back_and_keeps_threads_serial(
+    proj, make_deployment, redis_server
+):
     from tests.support.seam_faults import FAULTS  # after proj: it imports tests.support.proj
 
     assert set(FALLBACKS) | {"utf8-bodies"} == set(FAULTS)
@@ -200,7 +218,7 @@ def test_a_worker_on_changed_libraries_falls_back_and_keeps_threads_serial(proj,
     r = proj.history()
     threads = [tid("faults") for _ in range(3)]
     ends = []
-    go = f"go:{threads[0]}"     # each m0 held until every call was sent, however slowly
+    go = f"go:{threads[0]}"  # each m0 held until every call was sent, however slowly
     for t in threads:
         ends.append(proj.record.delay(t, "m0", sleep=0.05, fail_times=1, countdown=0.2, until=go))
         ends.append(proj.record.delay(t, "m1", sleep=0.05))
@@ -225,8 +243,7 @@ def test_a_worker_on_changed_libraries_falls_back_and_keeps_threads_serial(proj,
     assert doomed.get(timeout=30, propagate=False) is not None
 
 
-def test_a_worker_whose_kombu_cannot_read_the_gates_messages_refuses_to_start(make_deployment,
-                                                                              redis_server):
+def test_a_worker_whose_kombu_cannot_read_the_gates_messages_refuses_to_start(make_deployment, redis_server):
     d = make_deployment(broker=redis_server.url(3))
     worker = _faulted_worker(d, "utf8-bodies", wait=False)
     assert worker.proc is not None
@@ -235,7 +252,7 @@ def test_a_worker_whose_kombu_cannot_read_the_gates_messages_refuses_to_start(ma
     output = worker.output()
     assert "utf8-bodies" in output and "Supported: celery 5.3.6+, kombu 5.3.7+" in output
     assert "ready." not in output
-    d.processes.remove(worker)    # its traceback is the expected outcome
+    d.processes.remove(worker)  # its traceback is the expected outcome
 
 
 def _pool_index(_: int) -> object:
@@ -254,7 +271,7 @@ def test_billiard_numbers_its_pool_processes():
         pool.terminate()
         pool.join()
     assert found <= {0, 1} and found, found
-    assert seams.pool_process_index() is None     # not a pool process
+    assert seams.pool_process_index() is None  # not a pool process
 
 
 def test_forgetting_an_apps_connections_makes_it_build_them_again():
@@ -266,7 +283,7 @@ def test_forgetting_an_apps_connections_makes_it_build_them_again():
     app = Celery("forget", broker="redis://127.0.0.1:1/0")
     first = app.pool
     app.conf.broker_url = "redis://127.0.0.1:2/0"
-    assert app.pool is first                  # cached: Celery does not look at the new URL
+    assert app.pool is first  # cached: Celery does not look at the new URL
     seams.forget_app_connections(app)
     assert app.pool is not first
     assert ":2/" in app.pool.connection.as_uri()

@@ -10,6 +10,7 @@ Every event goes to one Redis list through one Lua script that reads the history
 and appends in the same step, so the list is in time order.  Rows are ``<µs> <json>``; see
 :mod:`tests.support.checker` for what each kind means.
 """
+
 from __future__ import annotations
 
 import json
@@ -25,7 +26,7 @@ from kombu import Queue
 from celery_threads import ThreadedTask
 from celery_threads.runtime import reset
 
-UNREACHABLE = "redis://127.0.0.1:1/0"     # never the shared Redis: a run must say where to go
+UNREACHABLE = "redis://127.0.0.1:1/0"  # never the shared Redis: a run must say where to go
 
 app = Celery("chaos")
 
@@ -52,8 +53,9 @@ def settings(env: Any = os.environ) -> dict[str, Any]:
             "unacked_restore_throttle": 1,
         },
         "control_exchange": env.get("CHAOS_CONTROL_EXCHANGE", "chaos-control"),
-        "task_queues": ([Queue(env.get("CHAOS_QUEUE", "chaos"), no_ack=True)]
-                        if env.get("CHAOS_NOACK") == "1" else None),
+        "task_queues": (
+            [Queue(env.get("CHAOS_QUEUE", "chaos"), no_ack=True)] if env.get("CHAOS_NOACK") == "1" else None
+        ),
         "broker_connection_retry_on_startup": True,
         "worker_cancel_long_running_tasks_on_connection_loss": False,
     }
@@ -124,8 +126,9 @@ class ChaosTask(ThreadedTask):
     body has unwound, and a process killed before (or a gate unreachable until then) leaves the
     member to its lapsing lease instead, scheduled at the lapse plus the retry delay."""
 
-    def _reenter(self, runtime: Any, thread_id: str, task_id: str, token: str,
-                 reentry: Any, *rest: Any, **kwargs: Any) -> Any:
+    def _reenter(
+        self, runtime: Any, thread_id: str, task_id: str, token: str, reentry: Any, *rest: Any, **kwargs: Any
+    ) -> Any:
         outcome = super()._reenter(runtime, thread_id, task_id, token, reentry, *rest, **kwargs)
         if outcome.done:
             record("landed", task=task_id, thread=thread_id, n=int(reentry.retries))
@@ -142,15 +145,25 @@ class ChaosTask(ThreadedTask):
 def _ids(task: Any) -> dict[str, Any]:
     request = task.request
     headers = request.headers or {}
-    return {"task": request.id, "thread": headers.get("thread_id", ""),
-            "n": int(request.retries or 0), "tok": str(headers.get("thread_token", "")),
-            "pid": os.getpid()}
+    return {
+        "task": request.id,
+        "thread": headers.get("thread_id", ""),
+        "n": int(request.retries or 0),
+        "tok": str(headers.get("thread_token", "")),
+        "pid": os.getpid(),
+    }
 
 
-@app.task(base=ChaosTask, bind=True, thread_key="thread", max_retries=3,
-          default_retry_delay=RETRY_DELAY)
-def work(self: Any, thread: str, label: str, sleep: float = 0.0, fails: int = 0,
-         die: bool = False, retry_ms: int = 0) -> str:
+@app.task(base=ChaosTask, bind=True, thread_key="thread", max_retries=3, default_retry_delay=RETRY_DELAY)
+def work(
+    self: Any,
+    thread: str,
+    label: str,
+    sleep: float = 0.0,
+    fails: int = 0,
+    die: bool = False,
+    retry_ms: int = 0,
+) -> str:
     """Sleeps; retries (``self.retry(countdown=retry_ms)``) while ``retries < fails``; raises for
     good when ``die`` or when retries are exhausted.  ``end`` is recorded before the gate hears of
     the outcome, and each retry's new attempt is logged with the time around ``self.retry``."""
@@ -182,6 +195,11 @@ def _on_received(sender: Any = None, request: Any = None, **kwargs: Any) -> None
     if request is None or request.name != work.name:
         return
     headers = request.request_dict or {}
-    record("recv", task=request.id, thread=headers.get("thread_id", ""),
-           n=int(headers.get("retries") or 0), tok=str(headers.get("thread_token", "")),
-           pid=os.getpid())
+    record(
+        "recv",
+        task=request.id,
+        thread=headers.get("thread_id", ""),
+        n=int(headers.get("retries") or 0),
+        tok=str(headers.get("thread_token", "")),
+        pid=os.getpid(),
+    )

@@ -109,6 +109,7 @@ What is checked, and the approximations it rests on:
   (the next member may have been lost with that one, and its recovery started over), is kept
   apart as *confounded*: it measures the outage or the second fault, not the gate.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -118,24 +119,24 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
 INF = float("inf")
-SLACK_US = 2_000        # the gate's clock is in ms, and countdowns are truncated to ms
+SLACK_US = 2_000  # the gate's clock is in ms, and countdowns are truncated to ms
 ENDED_WINDOW_MS = 30_000  # ENDED_WINDOW in lua/_common.lua: how long the ended index keeps an entry
 
 
 @dataclass(frozen=True)
 class Event:
-    kind: str                       # "recv", "start", "end", "fin", "kill", "redis_down",
-                                    # "redis_up", "healthy"
-    t: int                          # µs; a kill's time is the one read just before the signal
+    kind: str  # "recv", "start", "end", "fin", "kill", "redis_down",
+    # "redis_up", "healthy"
+    t: int  # µs; a kill's time is the one read just before the signal
     task: str = ""
     thread: str = ""
-    attempt: int = 0                # request.retries
+    attempt: int = 0  # request.retries
     token: str = ""
     pid: int = 0
-    outcome: str = ""               # end: "success", "retry" or "die"
-    pids: tuple[int, ...] = ()      # kill: every process that was killed
-    what: str = ""                  # kill: "worker" or "child"
-    count: int = 0                  # healthy: how many workers could take work from then on
+    outcome: str = ""  # end: "success", "retry" or "die"
+    pids: tuple[int, ...] = ()  # kill: every process that was killed
+    what: str = ""  # kill: "worker" or "child"
+    count: int = 0  # healthy: how many workers could take work from then on
 
 
 @dataclass(frozen=True)
@@ -143,9 +144,9 @@ class Enqueue:
     task: str
     thread: str
     attempt: int
-    at_lo: int                      # µs, read before the call
-    at_hi: int                      # µs, read after it returned
-    countdown: int = 0              # µs
+    at_lo: int  # µs, read before the call
+    at_hi: int  # µs, read after it returned
+    countdown: int = 0  # µs
     # A self.retry's re-entry (attempt >= 1) reaches the gate when the body has unwound:
     # ``in_gate_by`` is when the task saw the gate take it, None when it never did (a process
     # killed, the gate unreachable: the member was left to its lapsing lease, scheduled at the
@@ -194,8 +195,8 @@ class Deletion:
 @dataclass(frozen=True)
 class Redrive:
     thread: str
-    lo: int                         # µs, read before the call
-    tasks: tuple[str, ...]          # the letters it put back, in their places' order
+    lo: int  # µs, read before the call
+    tasks: tuple[str, ...]  # the letters it put back, in their places' order
 
 
 @dataclass
@@ -203,6 +204,7 @@ class Operations:
     """What the operator did: pauses (thread, when the pause call returned, when its resume's
     call began: INF while still paused), purged members (each with the purge call's times), and
     redrives."""
+
     pauses: list[tuple[str, int, float]] = field(default_factory=list)
     purged: list[Deletion] = field(default_factory=list)
     redrives: list[Redrive] = field(default_factory=list)
@@ -213,36 +215,36 @@ class DeadLetter:
     thread: str
     reason: str
     died_at_ms: int
-    retries: int = -1               # the gate's count of failed attempts (-1: not read)
+    retries: int = -1  # the gate's count of failed attempts (-1: not read)
 
 
 @dataclass(frozen=True)
 class GateState:
-    due: dict[str, int] = field(default_factory=dict)          # thread -> head scheduled_at (ms)
-    leases: dict[str, int] = field(default_factory=dict)       # thread -> deadline (ms)
-    members: dict[str, str] = field(default_factory=dict)      # the tasks hash: task -> thread
+    due: dict[str, int] = field(default_factory=dict)  # thread -> head scheduled_at (ms)
+    leases: dict[str, int] = field(default_factory=dict)  # thread -> deadline (ms)
+    members: dict[str, str] = field(default_factory=dict)  # the tasks hash: task -> thread
     dead: dict[str, DeadLetter] = field(default_factory=dict)  # the dead-letter store
     thread_keys: dict[str, list[str]] = field(default_factory=dict)  # thread -> its key names
     # Policy hashes of threads that ended (not in thread_keys): thread -> ms to live (-1: none).
     lingering: dict[str, int] = field(default_factory=dict)
     active: dict[str, dict[str, str]] = field(default_factory=dict)  # thread -> its active hash
     # The shard's other keys, as read (None: not read, not checked).
-    dead_index: Optional[list[str]] = None       # the dead zset's members
-    dead_records: Optional[list[str]] = None     # the dead:records hash's fields
-    ended: Optional[dict[str, float]] = None     # the ended index: task -> ended_at (ms)
-    notes: Optional[dict[str, int]] = None       # deleted notes: task -> seconds to live (-1: none)
-    other_keys: Optional[list[str]] = None       # keys under the prefix of no known shape
-    paused: Optional[dict[str, str]] = None      # the shard's paused hash: thread -> reason
-    listed: Optional[list[str]] = None           # Threads.ids() after the run
-    stats: Optional[dict[str, int]] = None       # the shard's metrics counters (its stats hash)
+    dead_index: Optional[list[str]] = None  # the dead zset's members
+    dead_records: Optional[list[str]] = None  # the dead:records hash's fields
+    ended: Optional[dict[str, float]] = None  # the ended index: task -> ended_at (ms)
+    notes: Optional[dict[str, int]] = None  # deleted notes: task -> seconds to live (-1: none)
+    other_keys: Optional[list[str]] = None  # keys under the prefix of no known shape
+    paused: Optional[dict[str, str]] = None  # the shard's paused hash: thread -> reason
+    listed: Optional[list[str]] = None  # Threads.ids() after the run
+    stats: Optional[dict[str, int]] = None  # the shard's metrics counters (its stats hash)
 
 
 @dataclass(frozen=True)
 class Limits:
-    keepalive: float                # s
-    dispatch_interval: float        # s
-    retry_delay: float              # s: default_retry_delay, used by the gate's own re-entries
-    max_retries: int = 3            # the task's max_retries: a failed attempt past it dies
+    keepalive: float  # s
+    dispatch_interval: float  # s
+    retry_delay: float  # s: default_retry_delay, used by the gate's own re-entries
+    max_retries: int = 3  # the task's max_retries: a failed attempt past it dies
     # Threads whose members had a thread_rate_limit: thread -> the interval (µs) between two
     # releases.
     rates: dict[str, int] = field(default_factory=dict)
@@ -265,9 +267,9 @@ class Attempt:
     outcome: str = ""
     fin: Optional[int] = None
     killed: Optional[int] = None
-    exempt: bool = False            # deleted while it ran: its part after the delete is exempt
-    unrecorded: bool = False        # its worker could not record its end in the gate in time
-    cut: Optional[int] = None       # when the delete of its member began (exempt attempts)
+    exempt: bool = False  # deleted while it ran: its part after the delete is exempt
+    unrecorded: bool = False  # its worker could not record its end in the gate in time
+    cut: Optional[int] = None  # when the delete of its member began (exempt attempts)
 
     @property
     def lo(self) -> int:
@@ -298,8 +300,10 @@ class Attempt:
     def describe(self) -> str:
         hi = "open" if self.hi == INF else _s(self.hi)
         how = self.outcome or ("killed" if self.killed is not None else "no end")
-        return (f"{self.task}#{self.attempt} token {self.token} pid {self.pid or self.recv_pid} "
-                f"[{_s(self.lo)} .. {hi}] {how}")
+        return (
+            f"{self.task}#{self.attempt} token {self.token} pid {self.pid or self.recv_pid} "
+            f"[{_s(self.lo)} .. {hi}] {how}"
+        )
 
 
 @dataclass
@@ -325,34 +329,48 @@ class Report:
     schedules_checked: int = 0
     stuck: list[str] = field(default_factory=list)
     orphans: list[str] = field(default_factory=list)
-    recoveries: dict[str, list[float]] = field(default_factory=dict)   # kind -> seconds
-    worst_recovery: dict[str, float] = field(default_factory=dict)     # kind -> seconds
-    confounded: dict[str, list[float]] = field(default_factory=dict)   # kind -> seconds
+    recoveries: dict[str, list[float]] = field(default_factory=dict)  # kind -> seconds
+    worst_recovery: dict[str, float] = field(default_factory=dict)  # kind -> seconds
+    confounded: dict[str, list[float]] = field(default_factory=dict)  # kind -> seconds
     result_mismatches: list[str] = field(default_factory=list)
     results_checked: int = 0
     operator_violations: list[str] = field(default_factory=list)
-    paused_checked: int = 0         # attempts compared with a pause of their thread
-    redriven_checked: int = 0       # redriven letters whose order was checked
+    paused_checked: int = 0  # attempts compared with a pause of their thread
+    redriven_checked: int = 0  # redriven letters whose order was checked
     keepalive: float = 0.0
     dispatch_interval: float = 0.0
     info: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
-        return not (self.overlaps or self.bad_endings or self.order_violations
-                    or self.superseded_started or self.early_starts or self.rate_violations
-                    or self.hold_violations or self.stuck or self.orphans
-                    or self.result_mismatches or self.operator_violations)
+        return not (
+            self.overlaps
+            or self.bad_endings
+            or self.order_violations
+            or self.superseded_started
+            or self.early_starts
+            or self.rate_violations
+            or self.hold_violations
+            or self.stuck
+            or self.orphans
+            or self.result_mismatches
+            or self.operator_violations
+        )
 
     def counts(self) -> dict[str, int]:
-        return {"overlaps": len(self.overlaps), "bad_endings": len(self.bad_endings),
-                "order_violations": len(self.order_violations),
-                "superseded_started": len(self.superseded_started),
-                "early_starts": len(self.early_starts),
-                "rate_violations": len(self.rate_violations),
-                "hold_violations": len(self.hold_violations), "stuck": len(self.stuck),
-                "orphans": len(self.orphans), "result_mismatches": len(self.result_mismatches),
-                "operator_violations": len(self.operator_violations)}
+        return {
+            "overlaps": len(self.overlaps),
+            "bad_endings": len(self.bad_endings),
+            "order_violations": len(self.order_violations),
+            "superseded_started": len(self.superseded_started),
+            "early_starts": len(self.early_starts),
+            "rate_violations": len(self.rate_violations),
+            "hold_violations": len(self.hold_violations),
+            "stuck": len(self.stuck),
+            "orphans": len(self.orphans),
+            "result_mismatches": len(self.result_mismatches),
+            "operator_violations": len(self.operator_violations),
+        }
 
     def as_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -400,17 +418,21 @@ class Report:
         for kind in ("worker", "child"):
             values = self.recoveries.get(kind, [])
             if values:
-                lines.append(f"recovery after a {kind} kill: worst {max(values):.2f}s, median "
-                             f"{sorted(values)[len(values) // 2]:.2f}s over {len(values)} held "
-                             f"members (keepalive {self.keepalive:g}s + tick "
-                             f"{self.dispatch_interval:g}s = {bound:g}s)")
+                lines.append(
+                    f"recovery after a {kind} kill: worst {max(values):.2f}s, median "
+                    f"{sorted(values)[len(values) // 2]:.2f}s over {len(values)} held "
+                    f"members (keepalive {self.keepalive:g}s + tick "
+                    f"{self.dispatch_interval:g}s = {bound:g}s)"
+                )
             else:
                 lines.append(f"recovery after a {kind} kill: nothing measured")
             apart = self.confounded.get(kind, [])
             if apart:
-                lines.append(f"  and {len(apart)} more whose window overlapped an outage (gate "
-                             f"Redis down, or no healthy worker) or another worker's kill: worst "
-                             f"{max(apart):.2f}s")
+                lines.append(
+                    f"  and {len(apart)} more whose window overlapped an outage (gate "
+                    f"Redis down, or no healthy worker) or another worker's kill: worst "
+                    f"{max(apart):.2f}s"
+                )
         lines += [f"info: {x}" for x in self.info]
         lines.append("RESULT: " + ("OK" if self.ok else "VIOLATIONS"))
         return "\n".join(lines)
@@ -429,12 +451,13 @@ def _s(us: float) -> str:
 
 # -- building attempts ------------------------------------------------------------------------
 
+
 def build_attempts(history: Sequence[Event]) -> tuple[list[Attempt], list[Event]]:
     """Attempts (one per release seen by a worker, or per start) and the kill events."""
     attempts: list[Attempt] = []
     by_release: dict[tuple[str, str], list[Attempt]] = defaultdict(list)
     kills: list[Event] = []
-    latest: dict[int, Attempt] = {}             # pid -> the attempt it started last
+    latest: dict[int, Attempt] = {}  # pid -> the attempt it started last
     for e in sorted(history, key=lambda e: e.t):
         key = (e.task, e.token)
         if e.kind == "recv":
@@ -452,8 +475,13 @@ def build_attempts(history: Sequence[Event]) -> tuple[list[Attempt], list[Event]
             a.start, a.pid = e.t, e.pid
             latest[e.pid] = a
         elif e.kind in ("end", "fin"):
-            mine = [a for a in by_release[key] if a.start is not None and a.pid == e.pid
-                    and (a.end is None if e.kind == "end" else a.end is not None and a.fin is None)]
+            mine = [
+                a
+                for a in by_release[key]
+                if a.start is not None
+                and a.pid == e.pid
+                and (a.end is None if e.kind == "end" else a.end is not None and a.fin is None)
+            ]
             if mine:
                 if e.kind == "end":
                     mine[0].end, mine[0].outcome = e.t, e.outcome
@@ -472,30 +500,43 @@ def build_attempts(history: Sequence[Event]) -> tuple[list[Attempt], list[Event]
                 # A pool child runs one attempt at a time: its latest one was cut short if it had
                 # not ended, or had ended in success without reaching ``fin``.
                 cut = latest.pop(pid) if pid in latest else None
-                if cut is not None and cut.killed is None and (
-                        cut.end is None or (cut.outcome == "success" and cut.fin is None)):
+                if (
+                    cut is not None
+                    and cut.killed is None
+                    and (cut.end is None or (cut.outcome == "success" and cut.fin is None))
+                ):
                     cut.killed = e.t
             for held in attempts:
-                if held.killed is None and held.start is None and held.recv_pid in pids \
-                        and held.recv is not None and held.recv <= e.t:
-                    held.killed = e.t       # received by a killed main process, never started
+                if (
+                    held.killed is None
+                    and held.start is None
+                    and held.recv_pid in pids
+                    and held.recv is not None
+                    and held.recv <= e.t
+                ):
+                    held.killed = e.t  # received by a killed main process, never started
     return attempts, kills
 
 
 # -- the check --------------------------------------------------------------------------------
 
-def check(history: Sequence[Event], gate: GateState, deleted: Sequence[Deletion],
-          enqueues: Sequence[Enqueue], limits: Limits,
-          results: Optional[dict[str, str]] = None,
-          operations: Optional[Operations] = None) -> Report:
+
+def check(
+    history: Sequence[Event],
+    gate: GateState,
+    deleted: Sequence[Deletion],
+    enqueues: Sequence[Enqueue],
+    limits: Limits,
+    results: Optional[dict[str, str]] = None,
+    operations: Optional[Operations] = None,
+) -> Report:
     report = Report(keepalive=limits.keepalive, dispatch_interval=limits.dispatch_interval)
     attempts, kills = build_attempts(history)
     ops = operations or Operations()
     # A purged member ends as a deleted one does (REVOKED), by the purge.
     deletions = {d.task: d for d in (*deleted, *ops.purged)}
     known = {(e.task, e.attempt): e for e in enqueues if e.landed and not e.coalesced}
-    unlanded = {(e.task, e.attempt): e for e in enqueues
-                if not e.landed and not e.coalesced}
+    unlanded = {(e.task, e.attempt): e for e in enqueues if not e.landed and not e.coalesced}
 
     thread_of: dict[str, str] = {}
     for e in enqueues:
@@ -518,8 +559,10 @@ def check(history: Sequence[Event], gate: GateState, deleted: Sequence[Deletion]
     report.attempts = sum(1 for a in attempts if a.start is not None)
     unended = [a for a in attempts if a.start is not None and a.hi == INF and not a.exempt]
     if unended:
-        report.info.append(f"{len(unended)} attempt(s) started and neither ended nor were killed: "
-                           + "; ".join(a.describe() for a in unended[:5]))
+        report.info.append(
+            f"{len(unended)} attempt(s) started and neither ended nor were killed: "
+            + "; ".join(a.describe() for a in unended[:5])
+        )
     first = {e.task: e for e in enqueues if e.attempt == 0}
     _check_overlaps(attempts, report)
     _check_superseded(attempts, deletions, report)
@@ -530,12 +573,17 @@ def check(history: Sequence[Event], gate: GateState, deleted: Sequence[Deletion]
         life = _lives(ops)
         lived = [dataclasses.replace(a, task=life(a.task, a.lo)) for a in attempts]
         again = [dataclasses.replace(e, task=life(e.task, e.at_lo)) for e in enqueues]
-        _check_order(lived, {(e.task, e.attempt): e for e in again
-                             if e.landed and not e.coalesced},
-                     {(e.task, e.attempt): e for e in again if not e.landed and not e.coalesced},
-                     {e.task: e for e in again if e.attempt == 0}, limits, report)
-        _check_schedules(lived, {(e.task, e.attempt): e for e in again
-                                 if e.landed and not e.coalesced}, report)
+        _check_order(
+            lived,
+            {(e.task, e.attempt): e for e in again if e.landed and not e.coalesced},
+            {(e.task, e.attempt): e for e in again if not e.landed and not e.coalesced},
+            {e.task: e for e in again if e.attempt == 0},
+            limits,
+            report,
+        )
+        _check_schedules(
+            lived, {(e.task, e.attempt): e for e in again if e.landed and not e.coalesced}, report
+        )
     else:
         _check_order(attempts, known, unlanded, first, limits, report)
         _check_schedules(attempts, known, report)
@@ -561,6 +609,7 @@ def _lives(ops: Operations) -> Any:
     def life(task: str, t: int) -> str:
         n = sum(1 for lo in redriven.get(task, ()) if lo < t)
         return f"{task}~{n}" if n else task
+
     return life
 
 
@@ -578,16 +627,16 @@ def _check_overlaps(attempts: list[Attempt], report: Report) -> None:
     for thread, spans in sorted(_by_thread(started).items()):
         spans.sort(key=lambda a: a.lo)
         for i, a in enumerate(spans):
-            for b in spans[i + 1:]:
+            for b in spans[i + 1 :]:
                 if b.lo >= a.until:
                     break
-                report.overlaps.append(f"thread {thread}: {a.describe()} overlaps "
-                                       f"{b.describe()}" + (" before its delete" if a.cut or b.cut
-                                                           else ""))
+                report.overlaps.append(
+                    f"thread {thread}: {a.describe()} overlaps "
+                    f"{b.describe()}" + (" before its delete" if a.cut or b.cut else "")
+                )
 
 
-def _check_superseded(attempts: list[Attempt], deletions: dict[str, Deletion],
-                      report: Report) -> None:
+def _check_superseded(attempts: list[Attempt], deletions: dict[str, Deletion], report: Report) -> None:
     """A superseded member was never released: no worker received or started it."""
     report.superseded = sum(1 for d in deletions.values() if d.superseded)
     for a in attempts:
@@ -595,11 +644,13 @@ def _check_superseded(attempts: list[Attempt], deletions: dict[str, Deletion],
         if d is not None and d.superseded:
             report.superseded_started.append(
                 f"thread {a.thread}: {a.describe()} ran, but a later call of its task "
-                f"superseded it at {_s(d.lo)}")
+                f"superseded it at {_s(d.lo)}"
+            )
 
 
-def _dead_letter_unexplained(dead: DeadLetter, rows: list[Attempt],
-                             kills: list[Event], limits: Limits) -> Optional[str]:
+def _dead_letter_unexplained(
+    dead: DeadLetter, rows: list[Attempt], kills: list[Event], limits: Limits
+) -> Optional[str]:
     """Why the history does not explain a dead letter, or None when it does: an attempt's user
     code failed for good (``end`` with ``die``), or an attempt that was the last one its retries
     allowed failed without an ending (its process killed, or no end at all) and the gate counted
@@ -609,8 +660,10 @@ def _dead_letter_unexplained(dead: DeadLetter, rows: list[Attempt],
     if any(a.outcome == "die" for a in rows):
         return None
     if 0 <= dead.retries < limits.max_retries:
-        return (f"its retries were not exhausted ({dead.retries} of {limits.max_retries}) and "
-                f"no attempt failed for good: {dead.reason[:80]}")
+        return (
+            f"its retries were not exhausted ({dead.retries} of {limits.max_retries}) and "
+            f"no attempt failed for good: {dead.reason[:80]}"
+        )
     started = [a for a in rows if a.start is not None]
     if any(a.attempt >= limits.max_retries and a.end is None for a in started):
         return None
@@ -618,14 +671,22 @@ def _dead_letter_unexplained(dead: DeadLetter, rows: list[Attempt],
     seen = max((t for a in rows for t in (a.recv, a.start, a.end) if t is not None), default=0)
     if last == limits.max_retries - 1 and any(k.t > seen for k in kills):
         return None
-    return (f"no attempt failed for good and none at its last retry ({limits.max_retries}) was "
-            f"cut short (attempts seen: {sorted({a.attempt for a in rows})}): "
-            f"{dead.reason[:80]}")
+    return (
+        f"no attempt failed for good and none at its last retry ({limits.max_retries}) was "
+        f"cut short (attempts seen: {sorted({a.attempt for a in rows})}): "
+        f"{dead.reason[:80]}"
+    )
 
 
-def _check_endings(thread_of: dict[str, str], attempts: list[Attempt], kills: list[Event],
-                   gate: GateState, deletions: dict[str, Deletion], limits: Limits,
-                   report: Report) -> None:
+def _check_endings(
+    thread_of: dict[str, str],
+    attempts: list[Attempt],
+    kills: list[Event],
+    gate: GateState,
+    deletions: dict[str, Deletion],
+    limits: Limits,
+    report: Report,
+) -> None:
     by_task: dict[str, list[Attempt]] = defaultdict(list)
     for a in attempts:
         by_task[a.task].append(a)
@@ -655,10 +716,11 @@ def _check_endings(thread_of: dict[str, str], attempts: list[Attempt], kills: li
             continue
         if c + (1 if dead else 0) == 0:
             if i:
-                report.succeeded += 1      # killed after user code returned; the gate had it
+                report.succeeded += 1  # killed after user code returned; the gate had it
                 continue
-            report.bad_endings.append(f"{where} was lost: it never succeeded, is not "
-                                      "dead-lettered and was not deleted")
+            report.bad_endings.append(
+                f"{where} was lost: it never succeeded, is not dead-lettered and was not deleted"
+            )
         elif c + (1 if dead else 0) > 1:
             what = f"succeeded {c} times" + (" and is dead-lettered" if dead else "")
             report.bad_endings.append(f"{where} {what}")
@@ -672,19 +734,27 @@ def _check_endings(thread_of: dict[str, str], attempts: list[Attempt], kills: li
                 report.succeeded += 1
             reruns += 1 if i else 0
     if reruns:
-        report.info.append(f"{reruns} member(s) ran again after their process was killed, or "
-                           "their ending could not reach the gate while their lease held, between "
-                           "the end of user code and the gate's finish (at-least-once window)")
+        report.info.append(
+            f"{reruns} member(s) ran again after their process was killed, or "
+            "their ending could not reach the gate while their lease held, between "
+            "the end of user code and the gate's finish (at-least-once window)"
+        )
 
 
 FINAL_STATES = ("SUCCESS", "FAILURE", "REVOKED")
 
 
-def _check_results(thread_of: dict[str, str], attempts: list[Attempt], kills: list[Event],
-                   gate: GateState, deletions: dict[str, Deletion], results: dict[str, str],
-                   report: Report) -> None:
+def _check_results(
+    thread_of: dict[str, str],
+    attempts: list[Attempt],
+    kills: list[Event],
+    gate: GateState,
+    deletions: dict[str, Deletion],
+    results: dict[str, str],
+    report: Report,
+) -> None:
     by_task: dict[str, list[Attempt]] = defaultdict(list)
-    starts: dict[int, list[int]] = defaultdict(list)      # pid -> its attempts' starts
+    starts: dict[int, list[int]] = defaultdict(list)  # pid -> its attempts' starts
     for a in attempts:
         by_task[a.task].append(a)
         if a.start is not None:
@@ -697,6 +767,7 @@ def _check_results(thread_of: dict[str, str], attempts: list[Attempt], kills: li
             return False
         after = min((t for t in starts[a.pid] if t > a.start), default=INF)
         return any(a.pid in k.pids and a.end <= k.t < after for k in kills)
+
     unstored: list[str] = []
     for task, thread in sorted(thread_of.items()):
         if task in gate.members:
@@ -710,7 +781,7 @@ def _check_results(thread_of: dict[str, str], attempts: list[Attempt], kills: li
         elif succeeded:
             how, expected = "succeeded", {"SUCCESS"}
         else:
-            continue                # not ended exactly once: the endings' check says so
+            continue  # not ended exactly once: the endings' check says so
         report.results_checked += 1
         stored = results.get(task, "PENDING")
         if stored in expected:
@@ -718,17 +789,24 @@ def _check_results(thread_of: dict[str, str], attempts: list[Attempt], kills: li
         if any(cut_short(a) for a in rows) and stored not in FINAL_STATES:
             unstored.append(f"{task} ({how}, reads {stored})")
             continue
-        report.result_mismatches.append(f"member {task} of thread {thread} {how} but its "
-                                        f"stored result reads {stored}")
+        report.result_mismatches.append(
+            f"member {task} of thread {thread} {how} but its stored result reads {stored}"
+        )
     if unstored:
-        report.info.append(f"{len(unstored)} member(s) whose ending attempt was killed between "
-                           "its ending and Celery's store hold no final state: "
-                           + ", ".join(unstored[:5]))
+        report.info.append(
+            f"{len(unstored)} member(s) whose ending attempt was killed between "
+            "its ending and Celery's store hold no final state: " + ", ".join(unstored[:5])
+        )
 
 
-def _check_order(attempts: list[Attempt], known: dict[tuple[str, int], Enqueue],
-                 unlanded: dict[tuple[str, int], Enqueue], first: dict[str, Enqueue],
-                 limits: Limits, report: Report) -> None:
+def _check_order(
+    attempts: list[Attempt],
+    known: dict[tuple[str, int], Enqueue],
+    unlanded: dict[tuple[str, int], Enqueue],
+    first: dict[str, Enqueue],
+    limits: Limits,
+    report: Report,
+) -> None:
     retry_delay_us = int(limits.retry_delay * 1e6)
     for thread, rows in sorted(_by_thread(attempts).items()):
         released = sorted((a for a in rows if a.tok >= 0), key=lambda a: a.tok)
@@ -755,7 +833,8 @@ def _check_order(attempts: list[Attempt], known: dict[tuple[str, int], Enqueue],
                 before = [t for n, t in last_seen[x.task] if n < x.attempt]
                 tried = unlanded.get((x.task, x.attempt))
                 lows = ([max(before) + retry_delay_us - SLACK_US] if before else []) + (
-                    [tried.sched_lo] if tried is not None else [])
+                    [tried.sched_lo] if tried is not None else []
+                )
                 if not lows:
                     continue
                 # Re-entered by the gate (a lapse), or by a retry whose landing went unrecorded.
@@ -771,20 +850,22 @@ def _check_order(attempts: list[Attempt], known: dict[tuple[str, int], Enqueue],
             for y, y_tok in witnesses:
                 if y.task == x.task or y_tok <= x.tok or y.in_gate >= floor:
                     continue
-                report.waiting_compared += 1      # y certainly waited while x was released
+                report.waiting_compared += 1  # y certainly waited while x was released
                 if y.sched_hi < sched_lo:
                     report.order_violations.append(
                         f"thread {thread}: {x.task}#{x.attempt} (token {x.tok}, scheduled at or "
                         f"after {_s(sched_lo)}, released after {_s(floor)}) went before "
                         f"{y.task}#{y.attempt} (token {y_tok}, enqueued by {_s(y.in_gate)}, "
-                        f"scheduled by {_s(y.sched_hi)})")
+                        f"scheduled by {_s(y.sched_hi)})"
+                    )
                     break
                 if _tied_and_first(y, enq, first, report):
                     report.order_violations.append(
                         f"thread {thread}: {x.task}#{x.attempt} (token {x.tok}) went before "
                         f"{y.task}#{y.attempt} (token {y_tok}), both scheduled at exactly "
                         f"{_s(sched_lo)}, although {y.task} arrived first (by "
-                        f"{_s(first[y.task].at_hi)}, {x.task} after {_s(first[x.task].at_lo)})")
+                        f"{_s(first[y.task].at_hi)}, {x.task} after {_s(first[x.task].at_lo)})"
+                    )
                     break
 
 
@@ -801,11 +882,13 @@ def _check_rates(attempts: list[Attempt], limits: Limits, report: Report) -> Non
             if t2 - t1 < interval - SLACK_US:
                 report.rate_violations.append(
                     f"thread {thread}: releases {t1} and {t2} came {_s(t2 - t1)} apart, under "
-                    f"its thread_rate_limit's interval {_s(interval)}")
+                    f"its thread_rate_limit's interval {_s(interval)}"
+                )
 
 
-def _check_holds(history: Sequence[Event], attempts: list[Attempt], gate: GateState,
-                 limits: Limits, report: Report) -> None:
+def _check_holds(
+    history: Sequence[Event], attempts: list[Attempt], gate: GateState, limits: Limits, report: Report
+) -> None:
     """on_death="hold": after a member of a holding thread died (its body recorded the death,
     and it is in the dead-letter store), no attempt of the thread starts until the operator's
     next act on it (the time read before its resume)."""
@@ -825,11 +908,11 @@ def _check_holds(history: Sequence[Event], attempts: list[Attempt], gate: GateSt
             if early:
                 report.hold_violations.append(
                     f"thread {thread}: {early[0].describe()} started after {a.describe()} died "
-                    f"and before the operator acted ({'never' if until == INF else _s(until)})")
+                    f"and before the operator acted ({'never' if until == INF else _s(until)})"
+                )
 
 
-def _tied_and_first(y: Enqueue, x: Optional[Enqueue], first: dict[str, Enqueue],
-                    report: Report) -> bool:
+def _tied_and_first(y: Enqueue, x: Optional[Enqueue], first: dict[str, Enqueue], report: Report) -> bool:
     """Whether ``y`` is certainly scheduled at the same time as ``x`` (both exact) and arrived
     before it (its first enqueue returned before ``x``'s began): equal schedules go by arrival
     order, which a retry keeps."""
@@ -840,8 +923,7 @@ def _tied_and_first(y: Enqueue, x: Optional[Enqueue], first: dict[str, Enqueue],
     return fy is not None and fx is not None and fy.at_hi < fx.at_lo
 
 
-def _check_schedules(attempts: list[Attempt], known: dict[tuple[str, int], Enqueue],
-                     report: Report) -> None:
+def _check_schedules(attempts: list[Attempt], known: dict[tuple[str, int], Enqueue], report: Report) -> None:
     """No attempt is received or started before its scheduled_at.  The producer's enqueue has a
     schedule the gate computes on its own clock during the call (or takes exactly from an eta):
     at least ``sched_lo``.  A retry's re-entry is scheduled from its claim's time (read on the
@@ -863,19 +945,23 @@ def _check_schedules(attempts: list[Attempt], known: dict[tuple[str, int], Enque
         if a.lo < bound:
             report.early_starts.append(
                 f"thread {a.thread}: {a.describe()} began {(bound - a.lo) / 1e3:.1f} ms before "
-                f"its scheduled_at (at or after {_s(bound)})")
+                f"its scheduled_at (at or after {_s(bound)})"
+            )
 
 
-def _check_gate(gate: GateState, thread_of: dict[str, str], deletions: dict[str, Deletion],
-                report: Report) -> None:
+def _check_gate(
+    gate: GateState, thread_of: dict[str, str], deletions: dict[str, Deletion], report: Report
+) -> None:
     indexed = set(gate.due) | set(gate.leases)
     for thread in sorted(set(gate.due) & set(gate.leases)):
         report.orphans.append(f"thread {thread} is in both the due and the leases index")
     for thread in sorted(indexed):
         active = gate.active.get(thread) or {}
         if active:
-            what = (f"active member {active.get('task')} {active.get('state')} "
-                    f"(worker {active.get('worker') or '-'}), deadline {active.get('deadline')}")
+            what = (
+                f"active member {active.get('task')} {active.get('state')} "
+                f"(worker {active.get('worker') or '-'}), deadline {active.get('deadline')}"
+            )
         else:
             what = f"idle, head due at {gate.due.get(thread)}"
         waiting = sum(1 for t in gate.members.values() if t == thread) - (1 if active else 0)
@@ -888,16 +974,19 @@ def _check_gate(gate: GateState, thread_of: dict[str, str], deletions: dict[str,
     # A thread's policy hash outlives its last member by the ended window, no more.
     for thread, ttl in sorted(gate.lingering.items()):
         if not 0 < ttl <= ENDED_WINDOW_MS:
-            report.orphans.append(f"policy hash of ended thread {thread} with {ttl} ms to live "
-                                  f"(not within the {ENDED_WINDOW_MS} ms window)")
+            report.orphans.append(
+                f"policy hash of ended thread {thread} with {ttl} ms to live "
+                f"(not within the {ENDED_WINDOW_MS} ms window)"
+            )
     for task, thread in sorted(gate.members.items()):
         if thread not in indexed:
             report.orphans.append(f"tasks entry {task} -> {thread}, a thread in no index")
     _check_shard_keys(gate, thread_of, deletions, report)
 
 
-def _check_shard_keys(gate: GateState, thread_of: dict[str, str],
-                      deletions: dict[str, Deletion], report: Report) -> None:
+def _check_shard_keys(
+    gate: GateState, thread_of: dict[str, str], deletions: dict[str, Deletion], report: Report
+) -> None:
     """The shard's keys besides the threads' once the run quiesced: the dead store's two keys
     name the same tasks; the ended index holds only members that ended, none at +inf (a member
     keyed by its long form, which would still be a member) and none older than the window before
@@ -917,14 +1006,17 @@ def _check_shard_keys(gate: GateState, thread_of: dict[str, str],
             # as "\0redriven:<call>:<task id>" or "\0replaced:<nesting>:<task id>".
             task = entry.rsplit(":", 1)[-1] if entry.startswith("\0") else entry
             if at == INF:
-                report.orphans.append(f"ended index entry {task} at +inf (a long-form member "
-                                      "that never ended)")
+                report.orphans.append(
+                    f"ended index entry {task} at +inf (a long-form member that never ended)"
+                )
             elif task not in thread_of:
                 report.orphans.append(f"ended index entry {task}: not a member of this run")
             elif at < newest - ENDED_WINDOW_MS:
-                report.orphans.append(f"ended index entry {task} at {at:.0f} ms, more than "
-                                      f"{ENDED_WINDOW_MS} ms before the newest ({newest:.0f}): "
-                                      "not trimmed")
+                report.orphans.append(
+                    f"ended index entry {task} at {at:.0f} ms, more than "
+                    f"{ENDED_WINDOW_MS} ms before the newest ({newest:.0f}): "
+                    "not trimmed"
+                )
     if gate.notes is not None:
         pending = 0
         for task, ttl in sorted(gate.notes.items()):
@@ -935,8 +1027,10 @@ def _check_shard_keys(gate: GateState, thread_of: dict[str, str],
             else:
                 pending += 1
         if pending:
-            report.info.append(f"{pending} deleted note(s) not taken by a worker (no "
-                               "task-revoked sent; they expire with their TTL)")
+            report.info.append(
+                f"{pending} deleted note(s) not taken by a worker (no "
+                "task-revoked sent; they expire with their TTL)"
+            )
     for key in sorted(gate.other_keys or ()):
         report.orphans.append(f"gate key {key} of no known shape")
 
@@ -963,8 +1057,9 @@ def _impaired(history: Sequence[Event]) -> list[tuple[float, float]]:
     return spans
 
 
-def _check_operations(attempts: list[Attempt], ops: Operations, gate: GateState,
-                      thread_of: dict[str, str], report: Report) -> None:
+def _check_operations(
+    attempts: list[Attempt], ops: Operations, gate: GateState, thread_of: dict[str, str], report: Report
+) -> None:
     """What each operator action allows (see the module's notes)."""
     pauses: dict[str, list[tuple[int, float]]] = defaultdict(list)
     for thread, paused, resumed in ops.pauses:
@@ -977,7 +1072,8 @@ def _check_operations(attempts: list[Attempt], ops: Operations, gate: GateState,
             if paused + SLACK_US < a.tok < resumed - SLACK_US:
                 report.operator_violations.append(
                     f"thread {a.thread}: {a.describe()} was released while the thread was "
-                    f"paused ({_s(paused)} .. {_s(resumed) if resumed != INF else 'the end'})")
+                    f"paused ({_s(paused)} .. {_s(resumed) if resumed != INF else 'the end'})"
+                )
     started: dict[str, list[Attempt]] = defaultdict(list)
     for a in attempts:
         if a.start is not None:
@@ -986,8 +1082,8 @@ def _check_operations(attempts: list[Attempt], ops: Operations, gate: GateState,
         for a in started.get(d.task, ()):
             if a.start is not None and a.start > d.hi:
                 report.operator_violations.append(
-                    f"purged member {d.task}: {a.describe()} started after its purge "
-                    f"(by {_s(d.hi)})")
+                    f"purged member {d.task}: {a.describe()} started after its purge (by {_s(d.hi)})"
+                )
     for r in ops.redrives:
         first: dict[str, int] = {}
         for a in attempts:
@@ -1000,7 +1096,8 @@ def _check_operations(attempts: list[Attempt], ops: Operations, gate: GateState,
                 report.operator_violations.append(
                     f"thread {r.thread}: redriven {after} (token {first[after]}) was released "
                     f"before {before} (token {first[before]}), which died before it in place "
-                    "order")
+                    "order"
+                )
     known = set(thread_of.values()) | {t for t, _, _ in ops.pauses}
     for thread in sorted(gate.paused or {}):
         if thread not in known:
@@ -1009,10 +1106,16 @@ def _check_operations(attempts: list[Attempt], ops: Operations, gate: GateState,
             report.operator_violations.append(f"paused thread {thread} is not listed")
 
 
-def _measure_recovery(history: Sequence[Event], attempts: list[Attempt], kills: list[Event],
-                      gate: GateState, deletions: dict[str, Deletion],
-                      known: dict[tuple[str, int], Enqueue], limits: Limits,
-                      report: Report) -> None:
+def _measure_recovery(
+    history: Sequence[Event],
+    attempts: list[Attempt],
+    kills: list[Event],
+    gate: GateState,
+    deletions: dict[str, Deletion],
+    known: dict[tuple[str, int], Enqueue],
+    limits: Limits,
+    report: Report,
+) -> None:
     retry_delay_us = int(limits.retry_delay * 1e6)
     impaired = _impaired(history)
     threads = _by_thread(a for a in attempts if a.tok >= 0)
@@ -1022,16 +1125,25 @@ def _measure_recovery(history: Sequence[Event], attempts: list[Attempt], kills: 
         held = [a for a in attempts if a.killed == first.t and a.task not in deletions]
         for a in held:
             rows = threads.get(a.thread, [])
-            if any(b is not a and b.tok >= a.tok and b.lo <= first.t for b in rows
-                   if b.start is not None or b.tok > a.tok):
-                continue            # the thread had moved on already (a dropped prefetch)
+            if any(
+                b is not a and b.tok >= a.tok and b.lo <= first.t
+                for b in rows
+                if b.start is not None or b.tok > a.tok
+            ):
+                continue  # the thread had moved on already (a dropped prefetch)
             nxt = next((b for b in rows if b.lo > first.t), None)
             kill = first
             if first.what == "child" and a.recv_pid:
                 # The worker whose child it was died too before the thread moved on: the worker's
                 # death is the one the gate had to notice.
-                kill = next((k for k in kills if k.t > first.t and a.recv_pid in k.pids
-                             and (nxt is None or k.t < nxt.lo)), first)
+                kill = next(
+                    (
+                        k
+                        for k in kills
+                        if k.t > first.t and a.recv_pid in k.pids and (nxt is None or k.t < nxt.lo)
+                    ),
+                    first,
+                )
             candidates: list[float] = []
             if nxt is not None:
                 enq = known.get((nxt.task, nxt.attempt))
@@ -1047,10 +1159,12 @@ def _measure_recovery(history: Sequence[Event], attempts: list[Attempt], kills: 
             if candidates:
                 took = max(0.0, min(candidates))
                 end = kill.t + took
-                apart = (any(lo <= end and kill.t <= hi for lo, hi in impaired)
-                         or any(k.what == "worker" and kill.t < k.t < end for k in kills))
-                (report.confounded if apart else report.recoveries).setdefault(
-                    kill.what, []).append(round(took / 1e6, 3))
+                apart = any(lo <= end and kill.t <= hi for lo, hi in impaired) or any(
+                    k.what == "worker" and kill.t < k.t < end for k in kills
+                )
+                (report.confounded if apart else report.recoveries).setdefault(kill.what, []).append(
+                    round(took / 1e6, 3)
+                )
     report.worst_recovery = {k: max(v) for k, v in report.recoveries.items() if v}
 
 
@@ -1061,14 +1175,17 @@ def _check_counters(gate: GateState, ops: Operations, report: Report) -> None:
     if gate.stats is None:
         return
     ended = {k: v for k, v in gate.stats.items() if k.startswith("ended:")}
-    lives = (report.succeeded + report.dead_lettered + report.deleted
-             + sum(len(r.tasks) for r in ops.redrives))
-    report.info.append(f"metrics counters: {ended}, running {gate.stats.get('running', 0)}, "
-                       f"retries {gate.stats.get('retries', 0)}, lapses "
-                       f"{gate.stats.get('lapses', 0)}; {lives} lives ended")
+    lives = report.succeeded + report.dead_lettered + report.deleted + sum(len(r.tasks) for r in ops.redrives)
+    report.info.append(
+        f"metrics counters: {ended}, running {gate.stats.get('running', 0)}, "
+        f"retries {gate.stats.get('retries', 0)}, lapses "
+        f"{gate.stats.get('lapses', 0)}; {lives} lives ended"
+    )
     if gate.stats.get("running", 0) != 0:
-        report.bad_endings.append(f"metrics: {gate.stats.get('running')} members counted as "
-                                  "running after the run quiesced")
+        report.bad_endings.append(
+            f"metrics: {gate.stats.get('running')} members counted as running after the run quiesced"
+        )
     if sum(ended.values()) != lives:
-        report.bad_endings.append(f"metrics: {sum(ended.values())} endings counted {ended}, but "
-                                  f"{lives} lives ended")
+        report.bad_endings.append(
+            f"metrics: {sum(ended.values())} endings counted {ended}, but {lives} lives ended"
+        )

@@ -1,4 +1,5 @@
 """Reading the history the test tasks write, and waiting for things."""
+
 from __future__ import annotations
 
 import time
@@ -13,8 +14,12 @@ def tid(prefix: str = "t") -> str:
     return f"{prefix}-{uuid.uuid4().hex[:10]}"
 
 
-def wait_for(condition: Callable[[], T], timeout: float = 20.0, interval: float = 0.05,
-             what: str | Callable[[], str] = "condition") -> T:
+def wait_for(
+    condition: Callable[[], T],
+    timeout: float = 20.0,
+    interval: float = 0.05,
+    what: str | Callable[[], str] = "condition",
+) -> T:
     """``condition()`` once it is true; ``what`` (or what it returns, then) names it in the
     error when it stays false for ``timeout`` seconds."""
     end = time.time() + timeout
@@ -23,8 +28,9 @@ def wait_for(condition: Callable[[], T], timeout: float = 20.0, interval: float 
         if value:
             return value
         if time.time() > end:
-            raise AssertionError(f"timed out after {timeout}s waiting for "
-                                 f"{what() if callable(what) else what}")
+            raise AssertionError(
+                f"timed out after {timeout}s waiting for {what() if callable(what) else what}"
+            )
         time.sleep(interval)
 
 
@@ -40,10 +46,10 @@ def within(condition: Callable[[], object], timeout: float) -> bool:
 
 @dataclass(frozen=True)
 class Event:
-    kind: str       # "start" or "end"
+    kind: str  # "start" or "end"
     label: str
     task_id: str
-    at_us: int      # Redis server clock
+    at_us: int  # Redis server clock
 
 
 def events(r, thread: str) -> list[Event]:

@@ -5,6 +5,7 @@ members exactly.  The session's shared worker dispatches on database 0, so it wo
 state, and other tests' threads would skew the counts; these tests use databases of their own,
 flushed for each test, with no worker and no beat running on them.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -55,8 +56,12 @@ def isolated(app: Any, server: Any) -> Iterator[Any]:
     for db in (GATE_DB, BROKER_DB, BACKEND_DB):
         redis.Redis(port=server.port, db=db).flushdb()
     env = isolated_env(server)
-    with pointed_at(app, threads_redis_url=env["CT_REDIS_URL"], broker_url=env["CT_BROKER_URL"],
-                    result_backend=env["CT_BACKEND_URL"]):
+    with pointed_at(
+        app,
+        threads_redis_url=env["CT_REDIS_URL"],
+        broker_url=env["CT_BROKER_URL"],
+        result_backend=env["CT_BACKEND_URL"],
+    ):
         yield app
 
 
@@ -66,27 +71,44 @@ def gate_in_the_past(app: Any, seconds: float) -> Gate:
     runtime = get_runtime(app)
     behind_ms = int(seconds * 1000)
     clock: Callable[[], int] = lambda: runtime.gate.reads.now_ms() - behind_ms  # noqa: E731
-    return Gate(runtime.client, runtime.keys, release_timeout_ms=runtime.config.release_timeout_ms,
-                keepalive_ms=runtime.config.keepalive_ms, clock=clock)
+    return Gate(
+        runtime.client,
+        runtime.keys,
+        release_timeout_ms=runtime.config.release_timeout_ms,
+        keepalive_ms=runtime.config.keepalive_ms,
+        clock=clock,
+    )
 
 
-def envelope(task_id: str, thread: str, label: str = "x",
-             name: str = "tests.support.proj.record") -> bytes:
+def envelope(task_id: str, thread: str, label: str = "x", name: str = "tests.support.proj.record") -> bytes:
     """A stored task message, as ``apply_async`` would have captured it."""
-    body = [[thread, label], {}, {"callbacks": None, "errbacks": None, "chain": None,
-                                  "chord": None}]
-    return encode_envelope(body, {"headers": {"task": name, "id": task_id, "lang": "py"},
-                                  "serializer": "json", "exchange": "", "routing_key": "celery"})
+    body = [[thread, label], {}, {"callbacks": None, "errbacks": None, "chain": None, "chord": None}]
+    return encode_envelope(
+        body,
+        {
+            "headers": {"task": name, "id": task_id, "lang": "py"},
+            "serializer": "json",
+            "exchange": "",
+            "routing_key": "celery",
+        },
+    )
 
 
-def kill_member(gate: Gate, thread: str, task_id: str, exception: str = "ValueError: boom",
-                retries: int = 0, worker: str = "w-test@host") -> None:
+def kill_member(
+    gate: Gate,
+    thread: str,
+    task_id: str,
+    exception: str = "ValueError: boom",
+    retries: int = 0,
+    worker: str = "w-test@host",
+) -> None:
     """Put ``task_id`` in the dead-letter store the way a worker would: enqueue, claim, kill."""
     outcome = gate.enqueue(thread, task_id, envelope(task_id, thread))
     assert outcome.release is not None, f"thread {thread} was not idle"
     assert gate.claim(thread, task_id, outcome.release.token, worker) == 1
-    died = gate.kill(thread, task_id, outcome.release.token,
-                     {"retries": retries, "exception": exception, "traceback": ""})
+    died = gate.kill(
+        thread, task_id, outcome.release.token, {"retries": retries, "exception": exception, "traceback": ""}
+    )
     assert died.done
 
 

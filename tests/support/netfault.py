@@ -12,6 +12,7 @@ Faults, each until ``heal()``:
   that ran and whose reply was lost.  An error reply (``NOSCRIPT``: the call did not run) passes,
   and the next such request is the one.  :func:`script_call` gives a gate transition's markers.
 """
+
 from __future__ import annotations
 
 import socket
@@ -23,11 +24,11 @@ class Relay:
         self.target = (target_host, target_port)
         self.server = socket.create_server(("127.0.0.1", 0))
         self.port = self.server.getsockname()[1]
-        self.mode = "pass"                  # pass, silent, refuse
+        self.mode = "pass"  # pass, silent, refuse
         self.markers: tuple[bytes, ...] = ()
-        self.then = "pass"                  # the mode after a reply is lost
-        self.lost = 0                       # replies lost so far
-        self._swallow: dict[int, tuple[bytes, ...]] = {}   # connection -> markers it matched
+        self.then = "pass"  # the mode after a reply is lost
+        self.lost = 0  # replies lost so far
+        self._swallow: dict[int, tuple[bytes, ...]] = {}  # connection -> markers it matched
         self._pairs: list[tuple[socket.socket, socket.socket]] = []
         self._lock = threading.Lock()
         threading.Thread(target=self._accept, daemon=True).start()
@@ -83,15 +84,14 @@ class Relay:
                 continue
             with self._lock:
                 self._pairs.append((client, upstream))
-            threading.Thread(target=self._requests, args=(client, upstream),
-                             daemon=True).start()
+            threading.Thread(target=self._requests, args=(client, upstream), daemon=True).start()
             threading.Thread(target=self._replies, args=(upstream, client), daemon=True).start()
 
     def _requests(self, client: socket.socket, upstream: socket.socket) -> None:
         try:
             while data := client.recv(65536):
                 if self.mode == "silent":
-                    continue            # dropped
+                    continue  # dropped
                 markers = self.markers
                 if markers and any(marker in data for marker in markers):
                     self.markers = ()
@@ -107,11 +107,11 @@ class Relay:
                     continue
                 markers = self._swallow.pop(id(upstream), None)
                 if markers is not None and data.startswith(b"-"):
-                    self.markers = markers      # it did not run: the next one
+                    self.markers = markers  # it did not run: the next one
                 elif markers is not None:
                     self.lost += 1
                     self.mode = self.then
-                    self.cut()          # the request ran; its reply is gone with the connection
+                    self.cut()  # the request ran; its reply is gone with the connection
                     return
                 client.sendall(data)
         except OSError:

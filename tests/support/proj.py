@@ -3,6 +3,7 @@
 Configured from the environment so that each test can point workers at its own Redis server and
 broker: CT_REDIS_URL (gate and results), CT_BROKER_URL, and CT_* overrides of settings.
 """
+
 from __future__ import annotations
 
 import faulthandler
@@ -28,8 +29,11 @@ if f"{os.sep}celery{os.sep}" in sys.argv[0]:
 REDIS_URL = os.environ.get("CT_REDIS_URL", "redis://127.0.0.1:6379/15")
 # Where the tasks write their history: the gate's Redis unless a test cuts the gate off.
 HISTORY_URL = os.environ.get("CT_HISTORY_URL") or REDIS_URL
-app = Celery("ctproj", broker=os.environ.get("CT_BROKER_URL", REDIS_URL),
-             backend=os.environ.get("CT_BACKEND_URL", REDIS_URL))
+app = Celery(
+    "ctproj",
+    broker=os.environ.get("CT_BROKER_URL", REDIS_URL),
+    backend=os.environ.get("CT_BACKEND_URL", REDIS_URL),
+)
 app.conf.update(
     threads_redis_url=REDIS_URL,
     threads_keepalive=float(os.environ.get("CT_KEEPALIVE", "30")),
@@ -41,8 +45,10 @@ app.conf.update(
     threads_direct_release=os.environ.get("CT_DIRECT_RELEASE", "1") == "1",
     threads_local_handoff=float(os.environ.get("CT_LOCAL_HANDOFF", "1.0")),
     threads_shards=int(os.environ.get("CT_SHARDS", "1")),
-    threads_redis_options=dict(json.loads(os.environ.get("CT_REDIS_OPTIONS") or "{}"),
-                               **({"cluster": True} if os.environ.get("CT_CLUSTER") == "1" else {})),
+    threads_redis_options=dict(
+        json.loads(os.environ.get("CT_REDIS_OPTIONS") or "{}"),
+        **({"cluster": True} if os.environ.get("CT_CLUSTER") == "1" else {}),
+    ),
     threads_wait_replicas=int(os.environ.get("CT_WAIT_REPLICAS", "0")),
     threads_dead_letter_max=os.environ.get("CT_DEAD_LETTER_MAX") or None,
     threads_dead_letter_ttl=os.environ.get("CT_DEAD_LETTER_TTL") or None,
@@ -73,8 +79,10 @@ def routing(env: dict[str, str] | os._Environ[str]) -> dict:
             return {"queue": noack}
         return None
 
-    return {"task_queues": [Queue(env.get("CT_QUEUE", "celery")), Queue(noack, no_ack=True)],
-            "task_routes": (route,)}
+    return {
+        "task_queues": [Queue(env.get("CT_QUEUE", "celery")), Queue(noack, no_ack=True)],
+        "task_routes": (route,),
+    }
 
 
 app.conf.update(routing(os.environ))
@@ -128,8 +136,7 @@ class _Span:
         _record(self.args[0], "end", *self.args[1:])
 
 
-@app.task(base=ThreadedTask, bind=True, thread_key="thread", max_retries=3,
-          default_retry_delay=0.2)
+@app.task(base=ThreadedTask, bind=True, thread_key="thread", max_retries=3, default_retry_delay=0.2)
 def record(self, thread, label, sleep=0.0, fail_times=0, countdown=0.2, bare=False, until=None):
     """Waits until the key `until` exists (when given; at most 30 s), runs `sleep` seconds;
     fails (with self.retry) its first `fail_times` attempts (`bare`: self.retry without an
@@ -170,8 +177,15 @@ def retry_then_linger(self, thread, label, linger=0.3, until=None):
     return label
 
 
-@app.task(base=ThreadedTask, bind=True, thread_key="thread", autoretry_for=(KeyError,),
-          max_retries=2, retry_backoff=0.1, retry_jitter=False)
+@app.task(
+    base=ThreadedTask,
+    bind=True,
+    thread_key="thread",
+    autoretry_for=(KeyError,),
+    max_retries=2,
+    retry_backoff=0.1,
+    retry_jitter=False,
+)
 def autoretry(self, thread, label, fail_times=0):
     with _Span(self, thread, label):
         if self.request.retries < fail_times:
@@ -264,8 +278,8 @@ def stubborn(self, thread, label):
     r.rpush(f"pid:{thread}", os.getpid())
     _record(thread, "start", label, self.request.id)
     beat = r.register_script(
-        "local t = redis.call('TIME') "
-        "redis.call('SET', KEYS[1], t[1] .. string.format('%06d', t[2]))")
+        "local t = redis.call('TIME') redis.call('SET', KEYS[1], t[1] .. string.format('%06d', t[2]))"
+    )
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         beat(keys=[f"heartbeat:{thread}"])
@@ -283,8 +297,7 @@ def negative_max_retries(self, thread, label):
     return label
 
 
-@app.task(base=ThreadedTask, bind=True, thread_key="thread", max_retries=1,
-          default_retry_delay=0.1)
+@app.task(base=ThreadedTask, bind=True, thread_key="thread", max_retries=1, default_retry_delay=0.1)
 def suicide(self, thread, label):
     """Kills its own pool child on the first attempt (WorkerLostError in the main process)."""
     with _Span(self, thread, label):
@@ -333,8 +346,7 @@ def deaf(self, thread, label, seconds=3.0):
     return label
 
 
-@app.task(base=ThreadedTask, bind=True, thread_key="thread", max_retries=1,
-          default_retry_delay=0.1)
+@app.task(base=ThreadedTask, bind=True, thread_key="thread", max_retries=1, default_retry_delay=0.1)
 def outlast(self, thread, label, seconds=30.0):
     """Its first attempt beats (list beats:<thread>, as `beater`) for `seconds`; a later attempt
     returns at once.  Each attempt's retries count is appended to list attempts:<thread> when it
@@ -360,8 +372,7 @@ def _unpatched_sleep(seconds: float) -> None:
         time.sleep(seconds)
 
 
-@app.task(base=ThreadedTask, bind=True, thread_key="thread", max_retries=3,
-          default_retry_delay=0.2)
+@app.task(base=ThreadedTask, bind=True, thread_key="thread", max_retries=3, default_retry_delay=0.2)
 def hog(self, thread, label, seconds=5.0, how="sleep", lead=0.0):
     """Holds its process for `seconds` without yielding to gevent's hub: `how` "sleep" calls the
     unpatched time.sleep (a blocking C call), "spin" loops on the CPU.  First sleeps `lead`
@@ -443,8 +454,7 @@ def caller(self, thread, label, callee_thread=None, linger=0.3):
     """Calls `record` (thread `callee_thread`, default its own) with its own request's headers,
     as code propagating headers does, then keeps running `linger` seconds."""
     with _Span(self, thread, label):
-        record.apply_async((callee_thread or thread, f"{label}-called"),
-                           headers=self.request.headers)
+        record.apply_async((callee_thread or thread, f"{label}-called"), headers=self.request.headers)
         free.apply_async((f"{label}-free",), headers=self.request.headers)
         time.sleep(linger)
     return label

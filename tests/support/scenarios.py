@@ -1,5 +1,6 @@
 """The semantics every gate topology must keep (one Redis, shards, Sentinel, Cluster, TLS with an
 ACL user), as scenarios run by real workers of a deployment; each topology's tests call them."""
+
 from __future__ import annotations
 
 import signal
@@ -18,9 +19,11 @@ def mixed_load(proj: Any, r: Any, threads: list[str]) -> dict[str, Any]:
     results = {}
     go = f"go:{tid('mixed')}"
     for thread in threads:
-        results[thread] = [proj.record.delay(thread, "a", sleep=0.05, until=go),
-                           proj.record.delay(thread, "b", fail_times=1, countdown=0.1),
-                           proj.record.delay(thread, "c")]
+        results[thread] = [
+            proj.record.delay(thread, "a", sleep=0.05, until=go),
+            proj.record.delay(thread, "b", fail_times=1, countdown=0.1),
+            proj.record.delay(thread, "c"),
+        ]
     dead = {thread: proj.boom.delay(thread, "d") for thread in threads}
     deleted = {thread: proj.record.apply_async((thread, "x"), countdown=60) for thread in threads}
     t = Threads(proj.app)
@@ -30,8 +33,7 @@ def mixed_load(proj: Any, r: Any, threads: list[str]) -> dict[str, Any]:
     r.set(go, 1)
     for thread in threads:
         assert [x.get(timeout=60) for x in results[thread]] == ["a", "b", "c"]
-    wait_for(lambda: all(len(starts(r, thread)) == 5 for thread in threads), timeout=60,
-             what="the deaths")
+    wait_for(lambda: all(len(starts(r, thread)) == 5 for thread in threads), timeout=60, what="the deaths")
     for thread in threads:
         # b's retry waits its countdown, behind c and d, which arrived before it re-entered.
         assert starts(r, thread) == ["a", "b", "c", "d", "b"]
@@ -56,8 +58,13 @@ def crash_recovery(d: Deployment, proj: Any, r: Any) -> None:
     d.worker("survivor", concurrency=1)
     victim.kill(signal.SIGKILL)
     assert nxt.get(timeout=30) == "next"
-    wait_for(lambda: starts(r, thread)[:3] == ["doomed", "next", "doomed"], timeout=30,
-             what=lambda: f"doomed to run again: {starts(r, thread)}, "
-                          f"{Threads(proj.app).get(thread)}, {Threads(proj.app).dead()}")
+    wait_for(
+        lambda: starts(r, thread)[:3] == ["doomed", "next", "doomed"],
+        timeout=30,
+        what=lambda: (
+            f"doomed to run again: {starts(r, thread)}, "
+            f"{Threads(proj.app).get(thread)}, {Threads(proj.app).dead()}"
+        ),
+    )
     Threads(proj.app).delete(doomed.id)
     wait_for(lambda: Threads(proj.app).get(thread) is None, what="the thread to end")

@@ -3,6 +3,7 @@ private parts named in ``CT_BREAK_SEAMS`` (comma-separated seam names) are gone 
 later release of Celery, kombu or redis-py might leave them.  Applied at import, in the worker's
 main process before anything else runs; its pool processes inherit them (fork).
 """
+
 from __future__ import annotations
 
 import os
@@ -43,7 +44,7 @@ def _revoke_command() -> None:
 
     original = Panel.data["revoke"]
 
-    def revoke(state: Any, task_id: Any, **kwargs: Any) -> Any:   # options as keywords only
+    def revoke(state: Any, task_id: Any, **kwargs: Any) -> Any:  # options as keywords only
         return original(state, task_id, **kwargs)
 
     Panel.data["revoke"] = revoke
@@ -95,10 +96,14 @@ def _utf8_bodies() -> None:
     kombu.VERSION = kombu.version_info_t(5, 3, 7, "", "")
 
 
-FAULTS = {"handoff": _handoff, "untracked-releases": _untracked_releases,
-          "revoke-command": _revoke_command,
-          "request-state": _request_state, "direct-line": _direct_line,
-          "utf8-bodies": _utf8_bodies}
+FAULTS = {
+    "handoff": _handoff,
+    "untracked-releases": _untracked_releases,
+    "revoke-command": _revoke_command,
+    "request-state": _request_state,
+    "direct-line": _direct_line,
+    "utf8-bodies": _utf8_bodies,
+}
 
 for _name in filter(None, os.environ.get("CT_BREAK_SEAMS", "").split(",")):
     FAULTS[_name]()

@@ -1,6 +1,7 @@
 """Redis topologies the suite starts on free ports: a Sentinel setup (a master, its replica and
 one sentinel) and a Redis Cluster of three masters.  Their fixtures (``sentinel_setup``,
 ``redis_cluster``) are in conftest.py."""
+
 from __future__ import annotations
 
 import os
@@ -43,43 +44,72 @@ class SentinelSetup:
 
     def _server(self, name: str, port: int, *args: str) -> None:
         self.procs[name] = subprocess.Popen(
-            [self.binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-             "--dir", self.dir, "--dbfilename", f"{name}.rdb",
-             "--logfile", os.path.join(self.dir, f"{name}.log"),
-             "--repl-diskless-sync-delay", "0", *args],    # a replica syncs at once, not in 5 s
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            [
+                self.binary,
+                "--port",
+                str(port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--dir",
+                self.dir,
+                "--dbfilename",
+                f"{name}.rdb",
+                "--logfile",
+                os.path.join(self.dir, f"{name}.log"),
+                "--repl-diskless-sync-delay",
+                "0",
+                *args,
+            ],  # a replica syncs at once, not in 5 s
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
 
     def start(self) -> None:
         self._server("master", self.master_port)
-        self._server("replica", self.replica_port, "--replicaof", "127.0.0.1",
-                     str(self.master_port))
+        self._server("replica", self.replica_port, "--replicaof", "127.0.0.1", str(self.master_port))
         conf = os.path.join(self.dir, "sentinel.conf")
         with open(conf, "w") as f:
-            f.write(f"port {self.sentinel_port}\nbind 127.0.0.1\ndir {self.dir}\n"
-                    f"sentinel monitor {MASTER} 127.0.0.1 {self.master_port} 1\n"
-                    f"sentinel down-after-milliseconds {MASTER} {QUIET_DOWN_AFTER_MS}\n"
-                    f"sentinel failover-timeout {MASTER} {FAILOVER_TIMEOUT_MS}\n"
-                    # told of the replica up front: it would find it within 10 s on its own
-                    f"sentinel known-replica {MASTER} 127.0.0.1 {self.replica_port}\n")
+            f.write(
+                f"port {self.sentinel_port}\nbind 127.0.0.1\ndir {self.dir}\n"
+                f"sentinel monitor {MASTER} 127.0.0.1 {self.master_port} 1\n"
+                f"sentinel down-after-milliseconds {MASTER} {QUIET_DOWN_AFTER_MS}\n"
+                f"sentinel failover-timeout {MASTER} {FAILOVER_TIMEOUT_MS}\n"
+                # told of the replica up front: it would find it within 10 s on its own
+                f"sentinel known-replica {MASTER} 127.0.0.1 {self.replica_port}\n"
+            )
         self.procs["sentinel"] = subprocess.Popen(
-            [self.binary, conf, "--sentinel", "--logfile",
-             os.path.join(self.dir, "sentinel.log")],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            [self.binary, conf, "--sentinel", "--logfile", os.path.join(self.dir, "sentinel.log")],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         master = redis.Redis(port=self.master_port)
-        wait_for(lambda: _ping(master) and master.info("replication").get("connected_slaves") == 1
-                 and _replica_in_sync(self.replica_port), timeout=20, interval=0.05,
-                 what="the replica to sync")
+        wait_for(
+            lambda: (
+                _ping(master)
+                and master.info("replication").get("connected_slaves") == 1
+                and _replica_in_sync(self.replica_port)
+            ),
+            timeout=20,
+            interval=0.05,
+            what="the replica to sync",
+        )
         sentinel = redis.Redis(port=self.sentinel_port)
-        wait_for(lambda: _ping(sentinel) and sentinel.execute_command("SENTINEL", "REPLICAS",
-                                                                     MASTER),
-                 timeout=20, interval=0.05, what="the sentinel to see the replica")
+        wait_for(
+            lambda: _ping(sentinel) and sentinel.execute_command("SENTINEL", "REPLICAS", MASTER),
+            timeout=20,
+            interval=0.05,
+            what="the sentinel to see the replica",
+        )
 
     def url(self, db: int = 0) -> str:
         return f"sentinel://127.0.0.1:{self.sentinel_port}/{db}"
 
     def master(self) -> Optional[int]:
         host_port = redis.Redis(port=self.sentinel_port).execute_command(
-            "SENTINEL", "GET-MASTER-ADDR-BY-NAME", MASTER)
+            "SENTINEL", "GET-MASTER-ADDR-BY-NAME", MASTER
+        )
         return int(host_port[1]) if host_port else None
 
     def port(self, name: str) -> int:
@@ -101,7 +131,8 @@ class SentinelSetup:
         """From now on the sentinel counts the master as down after ``CLOSE_DOWN_AFTER_MS`` of
         silence: for the failover test, right before it kills the master."""
         redis.Redis(port=self.sentinel_port).execute_command(
-            "SENTINEL", "SET", MASTER, "down-after-milliseconds", CLOSE_DOWN_AFTER_MS)
+            "SENTINEL", "SET", MASTER, "down-after-milliseconds", CLOSE_DOWN_AFTER_MS
+        )
 
     def restart_as_replica(self, name: str) -> None:
         """The killed server ``name`` started again as a replica of the other one, as its
@@ -110,9 +141,15 @@ class SentinelSetup:
         other = self.replica_port if name == "master" else self.master_port
         self._server(name, self.port(name), "--replicaof", "127.0.0.1", str(other))
         new_master = redis.Redis(port=other)
-        wait_for(lambda: new_master.info("replication").get("connected_slaves") == 1
-                 and _replica_in_sync(self.port(name)), timeout=60, interval=0.1,
-                 what="the old master to become a replica of the new one")
+        wait_for(
+            lambda: (
+                new_master.info("replication").get("connected_slaves") == 1
+                and _replica_in_sync(self.port(name))
+            ),
+            timeout=60,
+            interval=0.1,
+            what="the old master to become a replica of the new one",
+        )
 
     def kill(self, name: str) -> None:
         proc = self.procs[name]
@@ -161,19 +198,54 @@ class RedisClusterServers:
 
     def start(self) -> None:
         for port in self.ports:
-            self.procs.append(subprocess.Popen(
-                [self.binary, "--port", str(port), "--bind", "127.0.0.1", "--cluster-enabled",
-                 "yes", "--cluster-config-file", f"{self.dir}/nodes-{port}.conf",
-                 "--cluster-node-timeout", str(CLUSTER_NODE_TIMEOUT_MS), "--save", "",
-                 "--appendonly", "no", "--dir", self.dir, "--logfile", f"{self.dir}/{port}.log"],
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+            self.procs.append(
+                subprocess.Popen(
+                    [
+                        self.binary,
+                        "--port",
+                        str(port),
+                        "--bind",
+                        "127.0.0.1",
+                        "--cluster-enabled",
+                        "yes",
+                        "--cluster-config-file",
+                        f"{self.dir}/nodes-{port}.conf",
+                        "--cluster-node-timeout",
+                        str(CLUSTER_NODE_TIMEOUT_MS),
+                        "--save",
+                        "",
+                        "--appendonly",
+                        "no",
+                        "--dir",
+                        self.dir,
+                        "--logfile",
+                        f"{self.dir}/{port}.log",
+                    ],
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                )
+            )
         for port in self.ports:
             wait_for(lambda port=port: self._pings(port), timeout=10, what=f"redis-server on {port}")
-        subprocess.run([REDIS_CLI, "--cluster", "create",
-                        *[f"127.0.0.1:{p}" for p in self.ports], "--cluster-replicas", "0",
-                        "--cluster-yes"], check=True, capture_output=True, timeout=60)
-        wait_for(lambda: all(self.node(p).cluster("info")["cluster_state"] == "ok"
-                             for p in self.ports), timeout=30, what="the cluster to be ok")
+        subprocess.run(
+            [
+                REDIS_CLI,
+                "--cluster",
+                "create",
+                *[f"127.0.0.1:{p}" for p in self.ports],
+                "--cluster-replicas",
+                "0",
+                "--cluster-yes",
+            ],
+            check=True,
+            capture_output=True,
+            timeout=60,
+        )
+        wait_for(
+            lambda: all(self.node(p).cluster("info")["cluster_state"] == "ok" for p in self.ports),
+            timeout=30,
+            what="the cluster to be ok",
+        )
 
     def _pings(self, port: int) -> bool:
         try:
@@ -198,8 +270,7 @@ class RedisClusterServers:
         raise AssertionError(f"slot {slot} unassigned")
 
     def keys_per_node(self, prefix: str) -> dict[int, int]:
-        return {port: sum(1 for _ in self.node(port).scan_iter(match=f"{prefix}:*"))
-                for port in self.ports}
+        return {port: sum(1 for _ in self.node(port).scan_iter(match=f"{prefix}:*")) for port in self.ports}
 
     def redirections(self) -> dict[str, int]:
         """Redirections and refusals the masters answered so far (Redis 7 ``INFO errorstats``)."""
@@ -225,27 +296,41 @@ class RedisClusterServers:
             src.execute_command("MIGRATE", "127.0.0.1", to_port, "", 0, 60_000, "KEYS", *keys)
             time.sleep(pace)
         for port in (to_port, src_port, *[p for p in self.ports if p not in (to_port, src_port)]):
-            self.node(port).execute_command("CLUSTER", "SETSLOT", slot, "NODE",
-                                            self.node_id(to_port))
+            self.node(port).execute_command("CLUSTER", "SETSLOT", slot, "NODE", self.node_id(to_port))
 
     def slots_below(self, slot: int) -> int:
         """How many slots ``slot``'s owner serves below it."""
         owner = self.owner(slot)
         ranges = self.node(owner).execute_command("CLUSTER", "SLOTS")
-        return sum(max(0, min(end + 1, slot) - start) for start, end, *nodes in ranges
-                   if int(nodes[0][1]) == owner)
+        return sum(
+            max(0, min(end + 1, slot) - start) for start, end, *nodes in ranges if int(nodes[0][1]) == owner
+        )
 
     def reshard(self, slot: int, to_port: int) -> None:
         """``redis-cli --cluster reshard`` from ``slot``'s owner to ``to_port``, of as many
         slots as it takes to move ``slot`` (it moves a node's slots lowest first), one key per
         MIGRATE."""
         src_port = self.owner(slot)
-        subprocess.run([REDIS_CLI, "--cluster", "reshard", f"127.0.0.1:{src_port}",
-                        "--cluster-from", self.node_id(src_port),
-                        "--cluster-to", self.node_id(to_port),
-                        "--cluster-slots", str(self.slots_below(slot) + 1),
-                        "--cluster-pipeline", "1", "--cluster-yes"],
-                       check=True, capture_output=True, timeout=120)
+        subprocess.run(
+            [
+                REDIS_CLI,
+                "--cluster",
+                "reshard",
+                f"127.0.0.1:{src_port}",
+                "--cluster-from",
+                self.node_id(src_port),
+                "--cluster-to",
+                self.node_id(to_port),
+                "--cluster-slots",
+                str(self.slots_below(slot) + 1),
+                "--cluster-pipeline",
+                "1",
+                "--cluster-yes",
+            ],
+            check=True,
+            capture_output=True,
+            timeout=120,
+        )
 
     def stop(self) -> None:
         for proc in self.procs:

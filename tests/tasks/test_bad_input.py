@@ -8,6 +8,7 @@ The workers run :mod:`tests.support.chaos_tasks`, whose history lives on a redis
 that stopping the gate's Redis does not stop the tasks from recording; the broker lives there too
 (``redis-apart``), so that an outage of the gate is only that.
 """
+
 from __future__ import annotations
 
 import json
@@ -43,8 +44,15 @@ def _cluster(tmp: Path, **options: Any) -> Iterator[Cluster]:
         if IN_CI:
             pytest.fail("redis-server is required in CI")
         pytest.skip("redis-server is not available")
-    settings = {"broker": "redis-apart", "workers": 1, "concurrency": 2, "beat": False,
-                "backend": True, "quiet": True, **options}
+    settings = {
+        "broker": "redis-apart",
+        "workers": 1,
+        "concurrency": 2,
+        "beat": False,
+        "backend": True,
+        "quiet": True,
+        **options,
+    }
     opts = Options(**settings)
     cluster = Cluster(opts, tmp)
     try:
@@ -59,8 +67,9 @@ def _cluster(tmp: Path, **options: Any) -> Iterator[Cluster]:
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     """Short keepalive and release timeout: a thread that does not move on shows quickly."""
-    yield from _cluster(tmp_path_factory.mktemp("bad-input"), keepalive=3.0,
-                        release_timeout=2.0, dispatch_interval=0.2)
+    yield from _cluster(
+        tmp_path_factory.mktemp("bad-input"), keepalive=3.0, release_timeout=2.0, dispatch_interval=0.2
+    )
 
 
 @pytest.fixture
@@ -101,22 +110,26 @@ def _state(tasks: Any, cluster: Cluster, thread: str) -> str:
     dead = [(d.task_id, d.exception) for d in threads.dead() if d.thread_id == thread]
     status = threads.status(thread)
     active = status.active if status else None
-    return (f"active: {active and (active.task_id, active.state, active.republished, active.retries)}; "
-            f"waiting: {status and [w.task_id for w in status.waiting]}; dead: {dead}; "
-            f"history: {[(r['k'], r['task'][:8], r.get('n')) for r in _history(cluster, thread)]}")
+    return (
+        f"active: {active and (active.task_id, active.state, active.republished, active.retries)}; "
+        f"waiting: {status and [w.task_id for w in status.waiting]}; dead: {dead}; "
+        f"history: {[(r['k'], r['task'][:8], r.get('n')) for r in _history(cluster, thread)]}"
+    )
 
 
 # -- thread ids that were refused with the wrong exception, or not accepted ---------------------
 
 BAD_THREAD_IDS = {
     # Python refuses to turn an int of more than 4,300 digits into text (a bare ValueError).
-    "int-5001-digits": (10 ** 5000, r"more than 1024 decimal digits.*use a shorter id"),
-    "negative-int-5001-digits": (-10 ** 5000, r"more than 1024 decimal digits.*use a shorter id"),
-    "int-1025-digits": (10 ** 1024, r"1025 bytes long.*limit is 1024 bytes.*use a shorter id"),
+    "int-5001-digits": (10**5000, r"more than 1024 decimal digits.*use a shorter id"),
+    "negative-int-5001-digits": (-(10**5000), r"more than 1024 decimal digits.*use a shorter id"),
+    "int-1025-digits": (10**1024, r"1025 bytes long.*limit is 1024 bytes.*use a shorter id"),
     # UTF-8 cannot encode a lone surrogate (a UnicodeEncodeError): what surrogateescape leaves.
     "lone-surrogate": ("\ud800", r"lone surrogate.*decode it into valid text"),
-    "surrogate-escaped-byte": (b"acct-\xff".decode("utf-8", "surrogateescape"),
-                               r"'\\udcff' at position 5, a lone surrogate.*decode it"),
+    "surrogate-escaped-byte": (
+        b"acct-\xff".decode("utf-8", "surrogateescape"),
+        r"'\\udcff' at position 5, a lone surrogate.*decode it",
+    ),
     # bool is an int, but True as thread "1" (or "True") is a bug, not an id.
     "true": (True, r"is a bool: use a non-empty str, an int or a uuid\.UUID"),
     "false": (False, r"is a bool: use a non-empty str, an int or a uuid\.UUID"),
@@ -133,7 +146,8 @@ def _nothing_stored_or_sent(app: Any) -> None:
 
 @pytest.mark.parametrize("bad,message", list(BAD_THREAD_IDS.values()), ids=list(BAD_THREAD_IDS))
 def test_a_thread_id_python_cannot_make_text_of_raises_invalid_thread_id(
-        proj: Any, isolated_app: Any, bad: Any, message: str) -> None:
+    proj: Any, isolated_app: Any, bad: Any, message: str
+) -> None:
     """Given as ``thread_id=``, through ``thread_key``, or to the ``Threads`` API: each raises
     InvalidThreadId (a ValueError and a ThreadsError) saying what to do, and nothing is stored
     or sent."""
@@ -148,7 +162,7 @@ def test_a_thread_id_python_cannot_make_text_of_raises_invalid_thread_id(
             call()
         assert isinstance(info.value, ValueError) and isinstance(info.value, ThreadsError), how
         text = str(info.value)
-        text.encode("utf-8")                # loggable: the surrogate itself is not in it
+        text.encode("utf-8")  # loggable: the surrogate itself is not in it
         if how != "Threads.get" and how != "Threads.status":
             assert "nothing was stored or sent" in text, text
     _nothing_stored_or_sent(isolated_app)
@@ -156,7 +170,7 @@ def test_a_thread_id_python_cannot_make_text_of_raises_invalid_thread_id(
 
 def test_the_longest_int_thread_id_is_accepted(proj: Any, isolated_app: Any) -> None:
     """1,024 digits (and a minus sign with 1,023) are 1,024 bytes: accepted, as their text."""
-    for n in (10 ** 1023, -10 ** 1022):
+    for n in (10**1023, -(10**1022)):
         result = proj.free.apply_async(("x",), thread_id=n)
         info = Threads(isolated_app).get(str(n))
         assert info is not None and info.active is not None
@@ -178,14 +192,14 @@ def test_a_uuid_thread_id_is_the_thread_of_its_canonical_string(proj: Any, worke
     assert by_uuid is not None and by_uuid == by_text and by_uuid.thread_id == thread
     assert by_uuid.active is not None and by_uuid.active.task_id == first.id
     assert [m.task_id for m in by_uuid.waiting] == [second.id, third.id]
-    assert [res.get(timeout=30) for res in (first, second, third)] == [
-        "uuid-arg", "str-arg", "uuid-option"]
+    assert [res.get(timeout=30) for res in (first, second, third)] == ["uuid-arg", "str-arg", "uuid-option"]
     assert starts(r, thread) == ["uuid-arg", "str-arg", "uuid-option"]
     assert_serial(r, thread)
     wait_for(lambda: Threads(proj.app).get(account) is None, what="the thread to vanish")
 
 
 # -- a stored message that cannot be decoded -----------------------------------------------------
+
 
 def _stored_message(tasks: Any, thread: str, task_id: str) -> bytes:
     """The envelope apply_async would store for ``work(thread, "bad")``."""
@@ -198,50 +212,59 @@ def _stored_message(tasks: Any, thread: str, task_id: str) -> bytes:
 
 def _corrupt(envelope: bytes, how: str) -> bytes:
     header, body = decode_envelope(envelope)
-    if how == "body":                   # the serializer cannot decode it
+    if how == "body":  # the serializer cannot decode it
         return json.dumps(header).encode() + b"\n" + body[: len(body) // 2]
-    if how == "content-type":           # a content type the workers do not accept
+    if how == "content-type":  # a content type the workers do not accept
         header["content_type"] = "application/x-python-serialize"
         header["content_encoding"] = "binary"
         return json.dumps(header).encode() + b"\n" + pickle.dumps(json.loads(body))
-    assert how == "envelope"            # the stored envelope itself is garbage
+    assert how == "envelope"  # the stored envelope itself is garbage
     return b"\x00not an envelope\n" + body
 
 
 @pytest.mark.parametrize("how", ["body", "content-type", "envelope"])
 def test_undecodable_stored_message_is_dead_lettered_and_its_thread_moves_on(
-        tasks: Any, cluster: Cluster, how: str) -> None:
+    tasks: Any, cluster: Cluster, how: str
+) -> None:
     runtime = get_runtime(tasks.app)
     thread, bad_id = _thread(f"undecodable-{how}"), f"bad-{uuid.uuid4().hex[:8]}"
     envelope = _corrupt(_stored_message(tasks, thread, bad_id), how)
-    outcome = runtime.gate.enqueue(thread, bad_id, envelope, max_retries=tasks.work.max_retries,
-                                   retry_delay_ms=300)
+    outcome = runtime.gate.enqueue(
+        thread, bad_id, envelope, max_retries=tasks.work.max_retries, retry_delay_ms=300
+    )
     assert outcome.release is not None
     runtime.publish(outcome.release)
     sibling = tasks.work.delay(thread, "sibling")
 
     bound = cluster.opts.keepalive + cluster.opts.release_timeout + 2
     threads = Threads(tasks.app)
-    if not _eventually(lambda: sibling.id in _starts(cluster, thread)
-                       and any(d.task_id == bad_id for d in threads.dead()), bound):
-        pytest.fail(f"the undecodable member ({how}) was not dead-lettered, or its sibling did "
-                    f"not run, within {bound:g}s: {_state(tasks, cluster, thread)}")
+    if not _eventually(
+        lambda: sibling.id in _starts(cluster, thread) and any(d.task_id == bad_id for d in threads.dead()),
+        bound,
+    ):
+        pytest.fail(
+            f"the undecodable member ({how}) was not dead-lettered, or its sibling did "
+            f"not run, within {bound:g}s: {_state(tasks, cluster, thread)}"
+        )
     [dead] = [d for d in threads.dead() if d.task_id == bad_id]
-    assert re.search(r"decod|content|serializ|disallow|envelope|json", dead.exception, re.I), \
+    assert re.search(r"decod|content|serializ|disallow|envelope|json", dead.exception, re.I), (
         f"the dead letter should say why the message could not be decoded: {dead.exception!r}"
+    )
     assert bad_id not in _starts(cluster, thread)
     wait_for(lambda: threads.get(thread) is None, what="the thread to vanish")
 
 
 # -- a task name no worker knows -----------------------------------------------------------------
 
+
 def test_task_name_no_worker_knows_is_dead_lettered_and_its_thread_moves_on(
-        tasks: Any, cluster: Cluster) -> None:
+    tasks: Any, cluster: Cluster
+) -> None:
     name = "tests.support.chaos_tasks.only_the_producer_knows_me"
     unknown = tasks.app.tasks.get(name)
     if unknown is None:
-        @tasks.app.task(base=ThreadedTask, name=name, thread_key="thread", max_retries=3,
-                        shared=False)
+
+        @tasks.app.task(base=ThreadedTask, name=name, thread_key="thread", max_retries=3, shared=False)
         def only_the_producer_knows_me(thread: str) -> None:
             """Registered in this test process only; the workers run an older release."""
 
@@ -253,14 +276,17 @@ def test_task_name_no_worker_knows_is_dead_lettered_and_its_thread_moves_on(
     bound = cluster.opts.keepalive + cluster.opts.release_timeout + 2
     threads = Threads(tasks.app)
     if not _eventually(lambda: sibling.id in _starts(cluster, thread), bound):
-        pytest.fail(f"the sibling of a member no worker knows did not run within {bound:g}s: "
-                    f"{_state(tasks, cluster, thread)}")
+        pytest.fail(
+            f"the sibling of a member no worker knows did not run within {bound:g}s: "
+            f"{_state(tasks, cluster, thread)}"
+        )
     [dead] = [d for d in threads.dead() if d.task_id == orphan.id]
     assert re.search(r"NotRegistered|unregistered|unknown", dead.exception, re.I), dead.exception
     assert dead.name == name
 
 
 # -- the gate's Redis unreachable when publishing ---------------------------------------------
+
 
 def _broker_keys_naming(cluster: Cluster, task_id: str) -> list[bytes]:
     broker = redis.Redis.from_url(cluster.env["CHAOS_BROKER_URL"])
@@ -280,8 +306,7 @@ def _broker_keys_naming(cluster: Cluster, task_id: str) -> list[bytes]:
     return found
 
 
-def test_gate_unreachable_when_publishing_raises_and_stores_nothing(
-        tasks: Any, cluster: Cluster) -> None:
+def test_gate_unreachable_when_publishing_raises_and_stores_nothing(tasks: Any, cluster: Cluster) -> None:
     """The producer's client retries for threads_publish_timeout (1 s here) before giving up
     (each way a gate can be dead: test_dead_gate.py)."""
     thread, task_id = _thread("gate-down"), str(uuid.uuid4())
@@ -299,13 +324,15 @@ def test_gate_unreachable_when_publishing_raises_and_stores_nothing(
     assert f"127.0.0.1:{cluster.gate_server.port}" in message and "threads_redis_url" in message
     assert "Nothing was sent" in message
     assert elapsed < 2, f"{elapsed:.1f}s: {message}"
-    assert _broker_keys_naming(cluster, task_id) == []      # nothing reached the broker
+    assert _broker_keys_naming(cluster, task_id) == []  # nothing reached the broker
     threads = Threads(tasks.app)
-    assert threads.get(thread) is None                     # and nothing is in the gate
+    assert threads.get(thread) is None  # and nothing is in the gate
     # Calling again with the same task id is safe: it runs once.
     tasks.work.apply_async((thread, "again"), task_id=task_id)
-    wait_for(lambda: any(r["k"] == "fin" for r in _history(cluster, thread)),
-             what="the member to run once the gate is back")
+    wait_for(
+        lambda: any(r["k"] == "fin" for r in _history(cluster, thread)),
+        what="the member to run once the gate is back",
+    )
     assert _starts(cluster, thread) == [task_id]
 
 
@@ -314,7 +341,8 @@ SCRIPT_CALLS = (b"\r\nEVALSHA\r\n", b"\r\nFCALL\r\n")
 
 
 def test_reply_lost_when_publishing_is_safe_to_call_again(
-        tasks: Any, cluster: Cluster, monkeypatch: pytest.MonkeyPatch) -> None:
+    tasks: Any, cluster: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The gate runs the enqueue script, its reply is lost, and Redis stays unreachable for the
     client's whole retry budget.  apply_async raises GateUnavailable, saying the member may be
     stored (it is, whole: the script is atomic) and that calling again with the same task id is
@@ -323,10 +351,10 @@ def test_reply_lost_when_publishing_is_safe_to_call_again(
     thread, task_id = _thread("reply-lost"), str(uuid.uuid4())
     try:
         with pointed_at(tasks.app, threads_redis_url=link.url()):
-            tasks.work.delay(_thread("warm-up"), "warm-up")   # the enqueue script is loaded
+            tasks.work.delay(_thread("warm-up"), "warm-up")  # the enqueue script is loaded
             slept: list[float] = []
             monkeypatch.setattr(redis.retry, "sleep", slept.append)
-            link.lose_reply(*SCRIPT_CALLS, then="refuse")   # a Redis that died with it
+            link.lose_reply(*SCRIPT_CALLS, then="refuse")  # a Redis that died with it
             with pytest.raises(GateUnavailable) as info:
                 tasks.work.apply_async((thread, "reply-lost"), task_id=task_id)
             monkeypatch.undo()
@@ -336,23 +364,27 @@ def test_reply_lost_when_publishing_is_safe_to_call_again(
         tasks.configure(cluster.env)
     message = str(info.value)
     assert "may be stored" in message and "same task_id is safe" in message, message
-    tasks.work.apply_async((thread, "reply-lost"), task_id=task_id)     # the caller retries
-    wait_for(lambda: task_id in _starts(cluster, thread),
-             timeout=cluster.opts.release_timeout + cluster.opts.keepalive + 5,
-             what="the member to run")
+    tasks.work.apply_async((thread, "reply-lost"), task_id=task_id)  # the caller retries
+    wait_for(
+        lambda: task_id in _starts(cluster, thread),
+        timeout=cluster.opts.release_timeout + cluster.opts.keepalive + 5,
+        what="the member to run",
+    )
     wait_for(lambda: Threads(tasks.app).get(thread) is None, what="the thread to vanish")
     assert _starts(cluster, thread) == [task_id]
 
 
 # -- the gate's Redis down for a few seconds while workers finish members ---------------------
 
+
 @pytest.fixture
 def outage_cluster(tmp_path: Path) -> Iterator[Cluster]:
     """A keepalive well above the outage (the documented requirement), two workers; a
     producer's bound (threads_publish_timeout) well below it, which the workers' own gate calls
     do not keep to."""
-    yield from _cluster(tmp_path, keepalive=10.0, release_timeout=5.0, dispatch_interval=0.2,
-                        workers=2, publish_timeout=1.0)
+    yield from _cluster(
+        tmp_path, keepalive=10.0, release_timeout=5.0, dispatch_interval=0.2, workers=2, publish_timeout=1.0
+    )
 
 
 def test_gate_down_while_workers_finish_members_loses_nothing(outage_cluster: Cluster) -> None:
@@ -371,28 +403,38 @@ def test_gate_down_while_workers_finish_members_loses_nothing(outage_cluster: Cl
     everything = [m for ms in members.values() for m in ms]
 
     def history() -> list[dict[str, Any]]:
-        return chaos_tasks.read_history(redis.Redis.from_url(cluster.env["CHAOS_HISTORY_URL"]),
-                                        chaos_tasks.HISTORY_KEY)
+        return chaos_tasks.read_history(
+            redis.Redis.from_url(cluster.env["CHAOS_HISTORY_URL"]), chaos_tasks.HISTORY_KEY
+        )
 
-    wait_for(lambda: sum(r["k"] == "start" for r in history()) >= 3, timeout=30,
-             what="members to be running")
+    wait_for(lambda: sum(r["k"] == "start" for r in history()) >= 3, timeout=30, what="members to be running")
     down = chaos_tasks.record("redis_down")
     cluster.gate_server.stop()
     # Running members finish while the gate is away (their 1 s bodies, or longer on a busy
     # machine).
-    wait_for(lambda: any(r["k"] == "end" and r["t"] > down for r in history()), timeout=30,
-             what="a member to end while the gate is away")
+    wait_for(
+        lambda: any(r["k"] == "end" and r["t"] > down for r in history()),
+        timeout=30,
+        what="a member to end while the gate is away",
+    )
     cluster.gate_server.start()
     up = chaos_tasks.record("redis_up")
 
-    wait_for(lambda: {r["task"] for r in history() if r["k"] == "fin"} >= set(everything),
-             timeout=60, what="every member to succeed")
+    wait_for(
+        lambda: {r["task"] for r in history() if r["k"] == "fin"} >= set(everything),
+        timeout=60,
+        what="every member to succeed",
+    )
     wait_for(lambda: cluster.gate_busy() == 0, timeout=30, what="the gate to empty")
     rows = history()
     events, enqueues, deletions, _ = parse_history(rows)
-    report = check(events, cluster.gate_state(), deletions, enqueues,
-                   Limits(cluster.opts.keepalive, cluster.opts.dispatch_interval,
-                          cluster.opts.retry_delay))
+    report = check(
+        events,
+        cluster.gate_state(),
+        deletions,
+        enqueues,
+        Limits(cluster.opts.keepalive, cluster.opts.dispatch_interval, cluster.opts.retry_delay),
+    )
     assert report.ok, report.format()
     assert report.succeeded == len(everything) and report.members == len(everything)
     # Members that ended during the outage had their ending applied once the gate came back.
@@ -408,8 +450,10 @@ def test_gate_down_while_workers_finish_members_loses_nothing(outage_cluster: Cl
 
 # -- the broker connection breaks under a worker's kept producer ----------------------------------
 
-def test_releases_still_go_out_after_the_broker_connection_breaks(proj: Any, isolated_app: Any,
-                                                                  redis_server: Any) -> None:
+
+def test_releases_still_go_out_after_the_broker_connection_breaks(
+    proj: Any, isolated_app: Any, redis_server: Any
+) -> None:
     """Releases are published through a producer the process keeps.  When its connection breaks,
     the next release still reaches the broker, exactly once or marked as a possible duplicate
     (``thread_republished``), which the receiving worker checks on receipt.  When the broker is
@@ -429,10 +473,10 @@ def test_releases_still_go_out_after_the_broker_connection_breaks(proj: Any, iso
             runtime = get_runtime(isolated_app)
             queue = isolated_app.conf.task_default_queue
             runtime.publish(Release("T", "first", "1", 0, capture.envelope))
-            link.cut()                        # every connection through the link is closed
+            link.cut()  # every connection through the link is closed
             runtime.publish(Release("T", "second", "2", 0, capture.envelope))
             runtime.publish(Release("T", "third", "3", 0, capture.envelope))
-            link.refuse()                     # the broker refuses connections for 0.3 s
+            link.refuse()  # the broker refuses connections for 0.3 s
             threading.Timer(0.3, link.heal).start()
             runtime.publish(Release("T", "fourth", "4", 0, capture.envelope))
     finally:
@@ -440,8 +484,7 @@ def test_releases_still_go_out_after_the_broker_connection_breaks(proj: Any, iso
     messages = [json.loads(raw) for raw in reversed(broker.lrange(queue, 0, -1))]
     broker.delete(queue)
     tokens = [m["headers"]["thread_token"] for m in messages]
-    unmarked = [m["headers"]["thread_token"] for m in messages
-                if not m["headers"].get("thread_republished")]
+    unmarked = [m["headers"]["thread_token"] for m in messages if not m["headers"].get("thread_republished")]
     assert sorted(set(tokens)) == ["1", "2", "3", "4"], tokens
     assert sorted(unmarked) == sorted(set(unmarked)), f"an unmarked duplicate: {tokens}"
     # The direct publish failed during the outage; Celery's way (with its retries) sent it, marked.

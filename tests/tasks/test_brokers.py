@@ -1,4 +1,5 @@
 """The same workload on each broker: Redis and RabbitMQ (one shared body, subclassed per broker)."""
+
 from __future__ import annotations
 
 import signal
@@ -22,8 +23,12 @@ class BrokerContract:
 
     @pytest.fixture
     def deployment(self, make_deployment, redis_server):
-        d = make_deployment(broker=self.broker_url(redis_server), CT_KEEPALIVE="2",
-                            CT_DISPATCH_INTERVAL="0.2", **self.extra_env())
+        d = make_deployment(
+            broker=self.broker_url(redis_server),
+            CT_KEEPALIVE="2",
+            CT_DISPATCH_INTERVAL="0.2",
+            **self.extra_env(),
+        )
         d.worker("a", concurrency=2)
         d.worker("b", concurrency=2)
         d.beat()
@@ -33,10 +38,9 @@ class BrokerContract:
         r = proj.history()
         threads = [tid(self.broker) for _ in range(6)]
         results = []
-        go = f"go:{threads[0]}"     # each m0 held until every call was sent, however slowly
+        go = f"go:{threads[0]}"  # each m0 held until every call was sent, however slowly
         for t in threads:
-            results.append(proj.record.delay(t, "m0", sleep=0.05, fail_times=1, countdown=0.3,
-                                             until=go))
+            results.append(proj.record.delay(t, "m0", sleep=0.05, fail_times=1, countdown=0.3, until=go))
             results += [proj.record.delay(t, f"m{i}", sleep=0.05) for i in range(1, 4)]
         r.set(go, 1)
         for x in results:

@@ -1,5 +1,6 @@
 """Calls a running member makes that Celery would run: ``self.replace(sig)`` (which gives ``sig``
 the member's own task id) and calls passing the member's request headers on."""
+
 from __future__ import annotations
 
 import pytest
@@ -23,7 +24,7 @@ def test_a_replacement_in_the_members_thread_takes_its_place(proj, worker, r):
     thread, key = tid(), tid("go")
     replaced = proj.replacer.delay(thread, "x", "same", until=key)
     wait_for(lambda: starts(r, thread) == ["x"], what="x to start")
-    sibling = proj.record.delay(thread, "s")   # arrives while x runs, before it is replaced
+    sibling = proj.record.delay(thread, "s")  # arrives while x runs, before it is replaced
     r.set(key, 1)
     assert replaced.get(timeout=20) == "x-r"
     assert sibling.get(timeout=20) == "s"
@@ -88,9 +89,9 @@ def test_a_replacement_of_an_ended_id_is_admitted_once(proj, isolated_app):
 
     assert gate.enqueue(thread, task_id, b"x").done
     run_to_end(thread)
-    assert not gate.enqueue(other, task_id, b"x").done               # a replay: refused
-    assert gate.enqueue(other, task_id, b"x", replaced=1).done        # its replacement
-    assert not gate.enqueue(other, task_id, b"x", replaced=1).done   # while a member
+    assert not gate.enqueue(other, task_id, b"x").done  # a replay: refused
+    assert gate.enqueue(other, task_id, b"x", replaced=1).done  # its replacement
+    assert not gate.enqueue(other, task_id, b"x", replaced=1).done  # while a member
     run_to_end(other)
-    assert not gate.enqueue(other, task_id, b"x", replaced=1).done   # replayed after its end
-    assert gate.enqueue(thread, task_id, b"x", replaced=2).done       # the next replacement
+    assert not gate.enqueue(other, task_id, b"x", replaced=1).done  # replayed after its end
+    assert gate.enqueue(thread, task_id, b"x", replaced=2).done  # the next replacement

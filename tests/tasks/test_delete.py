@@ -4,6 +4,7 @@ member's code has stopped; under the threads pool (which cannot stop a body) it 
 Judged by what the bodies wrote: heartbeats every 10 ms and start/end records, stamped with the
 Redis server's clock (tests/support/proj.py ``beater``, ``deaf``).
 """
+
 from __future__ import annotations
 
 import threading
@@ -34,16 +35,22 @@ def ran_before(r, thread: str, deleted: str, nxt: str) -> None:
     """Everything ``deleted``'s body wrote (heartbeats, its end record if its unwinding wrote
     one) came before ``nxt``'s first heartbeat and its start."""
     first_next = min([started_at(r, thread, nxt), *beats(r, thread, nxt)])
-    last_deleted = max([*beats(r, thread, deleted),
-                        *[e.at_us for e in events(r, thread)
-                          if e.label == deleted and e.kind == "end"]])
+    last_deleted = max(
+        [
+            *beats(r, thread, deleted),
+            *[e.at_us for e in events(r, thread) if e.label == deleted and e.kind == "end"],
+        ]
+    )
     assert last_deleted < first_next, (
-        f"{deleted}'s body wrote {(last_deleted - first_next) / 1000:.1f} ms after {nxt} started")
+        f"{deleted}'s body wrote {(last_deleted - first_next) / 1000:.1f} ms after {nxt} started"
+    )
 
 
 def vanishes(proj, r, thread: str) -> None:
-    wait_for(lambda: Threads(proj.app).get(thread) is None and not gate_keys(r, thread),
-             what="the thread's keys to vanish")
+    wait_for(
+        lambda: Threads(proj.app).get(thread) is None and not gate_keys(r, thread),
+        what="the thread's keys to vanish",
+    )
 
 
 def test_the_next_member_starts_once_the_deleted_body_has_stopped(proj, make_deployment, r):
@@ -59,7 +66,7 @@ def test_the_next_member_starts_once_the_deleted_body_has_stopped(proj, make_dep
     deleted_at, t0 = now_us(r), time.monotonic()
     assert Threads(proj.app).delete(long.id) is True
     returned_in = time.monotonic() - t0
-    if returned_in < 4.5:     # it waited for the promotion (at most STOP_WAIT, 5 s)
+    if returned_in < 4.5:  # it waited for the promotion (at most STOP_WAIT, 5 s)
         info = Threads(proj.app).get(thread)
         assert info is None or info.active is None or info.active.task_id != long.id
     assert nxt.get(timeout=20) == "next"
@@ -72,8 +79,7 @@ def test_the_next_member_starts_once_the_deleted_body_has_stopped(proj, make_dep
     assert Threads(proj.app).delete(long.id) is False
 
 
-def test_a_body_that_ignores_the_signal_holds_its_thread_until_it_returns(proj, make_deployment,
-                                                                           r):
+def test_a_body_that_ignores_the_signal_holds_its_thread_until_it_returns(proj, make_deployment, r):
     """A deleted member whose code ignores SIGTERM is not stopped: the thread waits for it (shown
     as stopping meanwhile), its own end ends it as deleted (REVOKED, not SUCCESS, no dead
     letter), and only then does the next member start."""
@@ -87,8 +93,10 @@ def test_a_body_that_ignores_the_signal_holds_its_thread_until_it_returns(proj, 
     deleting = threading.Thread(target=threads.delete, args=(deaf.id,))
     deleting.start()
     try:
-        info = wait_for(lambda: (lambda i: i if i and i.active and i.active.stopping else None)(
-            threads.get(thread)), what="the member to show as stopping")
+        info = wait_for(
+            lambda: (lambda i: i if i and i.active and i.active.stopping else None)(threads.get(thread)),
+            what="the member to show as stopping",
+        )
         assert info.active.task_id == deaf.id and info.active.state == "RUNNING"
         assert [m.task_id for m in info.waiting] == [nxt.id]
     finally:

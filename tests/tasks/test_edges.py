@@ -6,6 +6,7 @@ stamped with the Redis server's clock), never by the gate's state.  The gate's R
 through a relay (tests/support/netfault.py) that the test breaks; the tasks write their history to the
 same server directly.
 """
+
 from __future__ import annotations
 
 import time
@@ -35,12 +36,12 @@ def relay(redis_server) -> Iterator[Relay]:
 
 
 def test_a_worker_cut_off_from_the_gate_stops_its_member_before_the_lease_ends(
-        proj, redis_server, relay, make_deployment, r):
+    proj, redis_server, relay, make_deployment, r
+):
     """The link between a worker and the gate goes silent (the broker is still reachable).  The
     worker kills the pool process running the member before its lease can lapse; the gate lapses
     the lease and the next member runs on another worker, never beside the cut-off body."""
-    d = make_deployment(CT_KEEPALIVE="3", CT_DISPATCH_INTERVAL="0.2",
-                        CT_HISTORY_URL=redis_server.url(0))
+    d = make_deployment(CT_KEEPALIVE="3", CT_DISPATCH_INTERVAL="0.2", CT_HISTORY_URL=redis_server.url(0))
     cut = d.worker("cut", concurrency=1, env={"CT_REDIS_URL": relay.url(0)})
     thread = tid("cut")
     first = proj.beater.delay(thread, "first", seconds=30)
@@ -54,7 +55,8 @@ def test_a_worker_cut_off_from_the_gate_stops_its_member_before_the_lease_ends(
     assert second.get(timeout=30) == "second"
     first_end, second_start = last_beat(r, thread, "first"), started_at(r, thread, "second")
     assert first_end < second_start, (
-        f"first beat {(first_end - second_start) / 1e6:.3f}s after second started")
+        f"first beat {(first_end - second_start) / 1e6:.3f}s after second started"
+    )
     moved_on = (second_start - cut_at) / 1e6
     print(f"from the cut to the next member's start: {moved_on:.2f}s (keepalive 3s)")
     assert moved_on < 3 + 0.2 + 5, f"the thread moved on only {moved_on:.2f}s after the cut"
@@ -64,16 +66,16 @@ def test_a_worker_cut_off_from_the_gate_stops_its_member_before_the_lease_ends(
     relay.heal()
 
 
-OUTAGE = 20.0   # longer than the gate client's own retries (about 17 s)
+OUTAGE = 20.0  # longer than the gate client's own retries (about 17 s)
 
 
 def test_an_ending_is_kept_while_the_gate_is_away_and_delivered_when_it_is_back(
-        proj, redis_server, relay, make_deployment, r):
+    proj, redis_server, relay, make_deployment, r
+):
     """The gate refuses connections while a member ends, for longer than the client's retries
     but well within the lease.  The ending is kept and delivered when the gate is back: the
     member does not run again, and the next one starts at once."""
-    d = make_deployment(CT_KEEPALIVE="45", CT_DISPATCH_INTERVAL="0.2",
-                        CT_HISTORY_URL=redis_server.url(0))
+    d = make_deployment(CT_KEEPALIVE="45", CT_DISPATCH_INTERVAL="0.2", CT_HISTORY_URL=redis_server.url(0))
     worker = d.worker("w", concurrency=1, env={"CT_REDIS_URL": relay.url(0)})
     thread = tid("kept")
     go = f"go:{thread}"
@@ -81,10 +83,11 @@ def test_an_ending_is_kept_while_the_gate_is_away_and_delivered_when_it_is_back(
     second = proj.record.delay(thread, "second")
     wait_for(lambda: beats(r, thread, "first"), what="first to run")
     relay.refuse()
-    r.set(go, 1)                                        # first ends while the gate is away
-    wait_for(lambda: "is kept and sent again" in worker.output(), timeout=30,
-             what="the worker to keep the ending")
-    time.sleep(OUTAGE)                                  # the outage itself
+    r.set(go, 1)  # first ends while the gate is away
+    wait_for(
+        lambda: "is kept and sent again" in worker.output(), timeout=30, what="the worker to keep the ending"
+    )
+    time.sleep(OUTAGE)  # the outage itself
     back_at = now_us(r)
     relay.heal()
     assert second.get(timeout=30) == "second"
@@ -95,8 +98,7 @@ def test_an_ending_is_kept_while_the_gate_is_away_and_delivered_when_it_is_back(
     assert not Threads(proj.app).dead()
 
 
-def test_a_claim_whose_reply_is_lost_runs_the_member_at_once(proj, redis_server, relay,
-                                                             make_deployment, r):
+def test_a_claim_whose_reply_is_lost_runs_the_member_at_once(proj, redis_server, relay, make_deployment, r):
     """The claim runs in the gate and its reply is lost; the client sends it again, and the gate
     recognizes the same claimant: the member runs now, on its first attempt, not after its lease
     lapses as a retry."""
@@ -111,8 +113,7 @@ def test_a_claim_whose_reply_is_lost_runs_the_member_at_once(proj, redis_server,
     wait_for(lambda: Threads(proj.app).get(thread) is None, what="the thread to end")
 
 
-def test_a_finish_whose_reply_is_lost_hands_on_at_once(proj, redis_server, relay,
-                                                        make_deployment, r):
+def test_a_finish_whose_reply_is_lost_hands_on_at_once(proj, redis_server, relay, make_deployment, r):
     """The finish that releases (and, handing off, claims) the next member runs in the gate and
     its reply is lost; sent again, it gets the same release back: the next member runs now, on
     its first attempt."""
@@ -131,7 +132,8 @@ def test_a_finish_whose_reply_is_lost_hands_on_at_once(proj, redis_server, relay
 
 @pytest.mark.parametrize("outage", ["after the claim ran", "before the claim ran"])
 def test_a_handed_off_member_claimed_across_an_outage_keeps_its_retry_countdown(
-        proj, redis_server, relay, make_deployment, r, outage):
+    proj, redis_server, relay, make_deployment, r, outage
+):
     """The finish that claims the next member (the handoff) meets an outage of the gate: after it
     ran (its reply is lost, then connections are refused), or before (connections are refused,
     and the client sends it again until they are accepted).  Sent again, it gets its claim
@@ -140,8 +142,7 @@ def test_a_handed_off_member_claimed_across_an_outage_keeps_its_retry_countdown(
     time paired with the body's start: the outage's length early) nor later (paired with the
     finish's first send: the outage's length late)."""
     # A pool job may hand off for 30 s: the first member's second of sleep leaves it the handoff.
-    d = make_deployment(CT_KEEPALIVE="30", CT_LOCAL_HANDOFF="30",
-                        CT_HISTORY_URL=redis_server.url(0))
+    d = make_deployment(CT_KEEPALIVE="30", CT_LOCAL_HANDOFF="30", CT_HISTORY_URL=redis_server.url(0))
     d.worker("w", concurrency=1, env={"CT_REDIS_URL": relay.url(0)})
     thread = tid("claimed-across")
     if outage == "after the claim ran":
@@ -152,8 +153,8 @@ def test_a_handed_off_member_claimed_across_an_outage_keeps_its_retry_countdown(
         wait_for(lambda: relay.lost == 1, what="the finish's reply to be lost")
     else:
         wait_for(lambda: starts(r, thread) == ["first"], what="the first member to start")
-        relay.refuse()      # the first member's finish is refused, and sent again after it
-    time.sleep(4.0)         # the outage
+        relay.refuse()  # the first member's finish is refused, and sent again after it
+    time.sleep(4.0)  # the outage
     relay.heal()
     assert second.get(timeout=40) == "second"
     assert first.get(timeout=5) == "first"
@@ -164,7 +165,8 @@ def test_a_handed_off_member_claimed_across_an_outage_keeps_its_retry_countdown(
 
 
 def test_a_delete_whose_reply_is_lost_still_stops_the_running_member(
-        proj, redis_server, relay, make_deployment, r):
+    proj, redis_server, relay, make_deployment, r
+):
     """``Threads.delete`` of a running member: the delete runs in the gate and its reply is lost.
     Sent again, it still says the member may be running, so it is revoked with terminate, and the
     next member runs."""
@@ -204,13 +206,13 @@ def attempts(r, thread: str) -> list[tuple[int, str]]:
     """``(retries, how it ended)`` of each attempt of ``proj.outlast``: ``succeeded``, or
     ``killed`` (it started and never returned)."""
     rows = [x.decode() for x in r.lrange(f"attempts:{thread}", 0, -1)]
-    return [(int(row), "succeeded" if f"{row}|ok" in rows else "killed")
-            for row in rows if "|" not in row]
+    return [(int(row), "succeeded" if f"{row}|ok" in rows else "killed") for row in rows if "|" not in row]
 
 
 @pytest.mark.parametrize("fault,outage", [("silence", 6.0), ("refuse", 25.0)])
 def test_an_attempt_lost_while_cut_off_is_not_reported_as_the_final_failure(
-        proj, redis_server, relay, make_deployment, r, fault, outage):
+    proj, redis_server, relay, make_deployment, r, fault, outage
+):
     """The worker is cut off from the gate while its pool process runs a member with a retry
     left: the watchdog kills the process, another worker's dispatcher retries the member when
     its lease lapses, and it runs again once the link is back, and succeeds.  The worker's
@@ -218,16 +220,18 @@ def test_an_attempt_lost_while_cut_off_is_not_reported_as_the_final_failure(
     less than the client's retries), or never gets through (``refuse``: longer).  Either way the
     result backend never shows the lost attempt's WorkerLostError as FAILURE; it shows the
     success, and ``get()`` returns it."""
-    d = make_deployment(CT_KEEPALIVE="3", CT_DISPATCH_INTERVAL="0.2",
-                        CT_HISTORY_URL=redis_server.url(0))
+    d = make_deployment(CT_KEEPALIVE="3", CT_DISPATCH_INTERVAL="0.2", CT_HISTORY_URL=redis_server.url(0))
     cut = d.worker("cut", concurrency=1, env={"CT_REDIS_URL": relay.url(0)})
-    d.worker("dispatcher", concurrency=1, extra=["-Q", "elsewhere"])   # dispatches, runs nothing
+    d.worker("dispatcher", concurrency=1, extra=["-Q", "elsewhere"])  # dispatches, runs nothing
     thread = tid("lost")
     result = proj.outlast.delay(thread, "a", seconds=60)
     wait_for(lambda: beats(r, thread, "a"), what="a to beat on the worker to be cut off")
     getattr(relay, fault)()
-    wait_for(lambda: "killed pool process" in cut.output(), timeout=30,
-             what="the watchdog to kill the pool process")
+    wait_for(
+        lambda: "killed pool process" in cut.output(),
+        timeout=30,
+        what="the watchdog to kill the pool process",
+    )
     states = set()
     end = time.monotonic() + outage
     while time.monotonic() < end:

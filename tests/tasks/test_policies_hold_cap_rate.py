@@ -2,6 +2,7 @@
 workers, judged by what the bodies wrote (start records stamped with the Redis server's clock,
 tests/support/proj.py ``_Span``), by the result backend and by the gate's keys.
 """
+
 from __future__ import annotations
 
 import json
@@ -66,8 +67,7 @@ def held_thread(proj, make_deployment, r, name: str, per_call: bool):
     # Other threads run on the same worker meanwhile; the held thread starts nothing.
     for i in range(3):
         proj.record.delay(other, f"o{i}")
-    wait_for(lambda: ended(r, other) == ["o0", "o1", "o2"], what="another thread to run",
-             timeout=60)
+    wait_for(lambda: ended(r, other) == ["o0", "o1", "o2"], what="another thread to run", timeout=60)
     info = threads.get(thread)
     assert info.active is None and [m.task_id for m in info.waiting] == [x.id for x in later]
     assert starts(r, thread) == ["d"]
@@ -75,7 +75,8 @@ def held_thread(proj, make_deployment, r, name: str, per_call: bool):
     assert [x.task_id for x in threads.dead() if x.thread_id == thread] == [dead.id]
     # The command line shows the hold's reason, without its mark.
     assert {"thread_id": thread, "paused": reason}.items() <= next(
-        row for row in cli_json("ls", "--paused") if row["thread_id"] == thread).items()
+        row for row in cli_json("ls", "--paused") if row["thread_id"] == thread
+    ).items()
     shown = cli_json("show", thread)
     assert shown["paused"] == reason, shown
     r.delete(f"flaky:{thread}")
@@ -128,7 +129,7 @@ def test_an_operator_pause_over_a_hold_stays_until_resume(proj, make_deployment,
     back but does not lift it; resume does, and the redriven member runs first."""
     thread, dead, later = held_thread(proj, make_deployment, r, "hold-operator", per_call=False)
     threads = Threads(proj.app)
-    assert threads.pause(thread, "auditing the ledger") is False      # replaces the hold
+    assert threads.pause(thread, "auditing the ledger") is False  # replaces the hold
     assert threads.redrive(thread) == 1
     info = threads.get(thread)
     assert info.paused == "auditing the ledger"
@@ -207,9 +208,11 @@ def test_rate_limit_spaces_the_starts_of_a_thread_not_of_others(proj, make_deplo
         assert [e.label for e in started] == [f"m{i}" for i in range(5)]
         claims = [int(x.decode().split("|")[1]) * 1000 for x in r.lrange(f"claims:{t}", 0, -1)]
         assert all(b - a >= 250_000 for a, b in zip(claims, claims[1:])), (
-            f"claims of {t} closer than 1/rate: {claims}")
+            f"claims of {t} closer than 1/rate: {claims}"
+        )
         assert all(s.at_us - c >= 250_000 for c, s in zip(claims, started[1:])), (
-            f"a start of {t} came before the previous claim + 1/rate: {claims}, {started}")
+            f"a start of {t} came before the previous claim + 1/rate: {claims}, {started}"
+        )
         first[t] = started[0].at_us
     assert abs(first[one] - first[two]) < 250_000, first
     for t in (one, two):
@@ -218,7 +221,12 @@ def test_rate_limit_spaces_the_starts_of_a_thread_not_of_others(proj, make_deplo
 
 def test_policy_values_are_checked(proj):
     """A value a policy does not take is refused at the call, naming the option."""
-    for options in ({"on_death": "stop"}, {"max_waiting": 0}, {"max_waiting": True},
-                    {"thread_rate_limit": "fast"}, {"thread_rate_limit": "0/s"}):
+    for options in (
+        {"on_death": "stop"},
+        {"max_waiting": 0},
+        {"max_waiting": True},
+        {"thread_rate_limit": "fast"},
+        {"thread_rate_limit": "0/s"},
+    ):
         with pytest.raises(ConfigurationError, match=next(iter(options))):
             proj.record.apply_async(("t", "x"), **options)

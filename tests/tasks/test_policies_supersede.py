@@ -7,6 +7,7 @@ bounds how long a steady stream is put off; a member waiting for its retry is no
 concurrent producers leave exactly one call; a replayed call supersedes nothing more; the same
 on a Redis Cluster gate.
 """
+
 from __future__ import annotations
 
 import threading
@@ -23,7 +24,7 @@ from celery_threads.runtime import get_runtime
 from tests.support.helpers import assert_serial, events, now_us, started_at, starts, tid, wait_for
 from tests.worker.test_handoff import collect_events
 
-WAIT = 60   # condition waits on a busy 2-core machine
+WAIT = 60  # condition waits on a busy 2-core machine
 
 
 @pytest.fixture
@@ -38,8 +39,9 @@ def state(proj, result) -> str:
 
 def assert_revoked(proj, results) -> None:
     for result in results:
-        wait_for(lambda result=result: state(proj, result) == "REVOKED", timeout=WAIT,
-                 what=f"{result.id} REVOKED")
+        wait_for(
+            lambda result=result: state(proj, result) == "REVOKED", timeout=WAIT, what=f"{result.id} REVOKED"
+        )
         with pytest.raises(TaskRevokedError):
             result.get(timeout=WAIT)
 
@@ -74,9 +76,14 @@ def test_a_burst_while_the_thread_is_busy_runs_only_its_last_call(proj, make_dep
     assert_revoked(proj, burst[:-1])
     # Flower's view: one task-revoked event each, sent by a worker.
     try:
-        wait_for(lambda: {b.id for b in burst[:-1]} <= {
-            e.get("uuid") for e in events_seen if e.get("type") == "task-revoked"},
-            timeout=WAIT, what="task-revoked events of the superseded calls")
+        wait_for(
+            lambda: (
+                {b.id for b in burst[:-1]}
+                <= {e.get("uuid") for e in events_seen if e.get("type") == "task-revoked"}
+            ),
+            timeout=WAIT,
+            what="task-revoked events of the superseded calls",
+        )
     finally:
         stop()
 
@@ -109,7 +116,7 @@ def test_debounce_runs_a_burst_once_after_its_last_call(proj, make_deployment, r
     thread = tid("debounce")
     calls = []
     for i in range(5):
-        before = now_us(r)          # the last call reaches the gate after this reading
+        before = now_us(r)  # the last call reaches the gate after this reading
         calls.append(proj.debounced.delay(thread, f"d{i}"))
         pause(r, 0.3)
     assert calls[-1].get(timeout=WAIT) == "d4"
@@ -147,10 +154,12 @@ def test_a_member_waiting_for_its_retry_is_not_superseded(proj, make_deployment,
     d = make_deployment()
     d.worker("w1", concurrency=2)
     thread = tid("retry")
-    failing = proj.record.apply_async((thread, "r0"), {"fail_times": 1, "countdown": 2.0},
-                                      coalesce="latest")
-    wait_for(lambda: [e.kind for e in events(r, thread)] == ["start", "end"], timeout=WAIT,
-             what="the first attempt to end")
+    failing = proj.record.apply_async((thread, "r0"), {"fail_times": 1, "countdown": 2.0}, coalesce="latest")
+    wait_for(
+        lambda: [e.kind for e in events(r, thread)] == ["start", "end"],
+        timeout=WAIT,
+        what="the first attempt to end",
+    )
     newer = proj.record.apply_async((thread, "r1"), coalesce="latest")
     assert failing.get(timeout=WAIT) == "r0" and newer.get(timeout=WAIT) == "r1"
     assert starts(r, thread) == ["r0", "r1", "r0"]
@@ -190,7 +199,7 @@ def test_a_replayed_call_supersedes_nothing_more(proj, make_deployment, r):
     thread, go = busy_thread(proj, make_deployment, r, "replay")
     a = proj.record.apply_async((thread, "a"), coalesce="latest")
     runtime = get_runtime(proj.app)
-    runtime.revoke_superseded = lambda *args: None      # the first send's reply is lost
+    runtime.revoke_superseded = lambda *args: None  # the first send's reply is lost
     try:
         b = proj.record.apply_async((thread, "b"), coalesce="latest")
     finally:
@@ -209,8 +218,13 @@ def test_a_replayed_call_supersedes_nothing_more(proj, make_deployment, r):
 def test_bad_policy_values_are_refused_and_nothing_is_stored(proj, make_deployment):
     make_deployment()
     thread = tid("bad")
-    for options in ({"coalesce": "first"}, {"debounce": -1}, {"debounce": "2s"},
-                    {"debounce_max": 3}, {"debounce": 2, "debounce_max": 1}):
+    for options in (
+        {"coalesce": "first"},
+        {"debounce": -1},
+        {"debounce": "2s"},
+        {"debounce_max": 3},
+        {"debounce": 2, "debounce_max": 1},
+    ):
         with pytest.raises(ConfigurationError, match=next(iter(options))):
             proj.record.apply_async((thread, "x"), **options)
     assert Threads(proj.app).get(thread) is None
@@ -220,17 +234,21 @@ def test_coalescing_on_a_cluster_gate(redis_cluster):
     """On a Redis Cluster each thread's policy hash lives in its thread's slot: calls superseding
     each other in threads spread over the masters, as functions and as scripts."""
     for functions in (True, False):
-        gate = Gate(make_client(redis_cluster.url(), {"cluster": True}),
-                    Keys(f"co-{uuid.uuid4().hex[:6]}", 3), release_timeout_ms=60_000,
-                    functions=functions)
+        gate = Gate(
+            make_client(redis_cluster.url(), {"cluster": True}),
+            Keys(f"co-{uuid.uuid4().hex[:6]}", 3),
+            release_timeout_ms=60_000,
+            functions=functions,
+        )
         for shard in range(3):
-            thread = next(t for t in (f"c{i}" for i in range(100))
-                          if gate.keys.shard_of(t) == shard)
+            thread = next(t for t in (f"c{i}" for i in range(100)) if gate.keys.shard_of(t) == shard)
             assert gate.enqueue(thread, str(uuid.uuid4()), b"busy").release is not None
             calls = [str(uuid.uuid4()) for _ in range(3)]
             told = [gate.enqueue(thread, c, b"sync", coalesce="sync").superseded for c in calls]
             assert told == [[], [calls[0]], [calls[1], calls[0]]]
             assert gate.enqueue(thread, calls[2], b"sync", coalesce="sync").superseded == [
-                calls[1], calls[0]]                                   # a replay is told again
+                calls[1],
+                calls[0],
+            ]  # a replay is told again
             snapshot = gate.reads.snapshot(thread)
             assert snapshot is not None and [t for t, _ in snapshot.waiting] == [calls[2]]

@@ -1,4 +1,5 @@
 """Every publication path goes through the gate; bad input leaves nothing behind."""
+
 from __future__ import annotations
 
 import pytest
@@ -51,8 +52,12 @@ def test_chain_steps_are_published_through_the_gate(proj, worker, r):
 
 def test_group_members_join_their_threads(proj, worker, r):
     a, b = tid(), tid()
-    g = group(proj.record.si(a, "a1", sleep=0.1), proj.record.si(b, "b1"),
-              proj.record.si(a, "a2"), proj.record.si(b, "b2"))
+    g = group(
+        proj.record.si(a, "a1", sleep=0.1),
+        proj.record.si(b, "b1"),
+        proj.record.si(a, "a2"),
+        proj.record.si(b, "b2"),
+    )
     assert g.apply_async().get(timeout=30) == ["a1", "b1", "a2", "b2"]
     assert starts(r, a) == ["a1", "a2"] and starts(r, b) == ["b1", "b2"]
     assert_serial(r, a)
@@ -91,7 +96,7 @@ def test_a_thread_key_naming_no_argument_is_refused_where_the_task_is_declared()
     # shared=False: Celery adds a shared task (its default) to every app finalized after it, which
     # would carry this one's refusal into the apps of the tests that follow.
     @app.task(base=ThreadedTask, thread_key="account_id", shared=False)
-    def by_kwargs(**kwargs):     # **kwargs may carry it: checked per call
+    def by_kwargs(**kwargs):  # **kwargs may carry it: checked per call
         return kwargs
 
     @app.task(base=ThreadedTask, bind=True, thread_key="acount_id", shared=False)
@@ -163,7 +168,7 @@ def test_a_task_id_that_just_ended_is_not_enqueued_again(proj, worker, r):
     gate = get_runtime(proj.app).gate
     # The replay, as the gate sees it: the same task id and message, once more.
     assert not gate.enqueue(thread, ran.id, b'{"headers":{}}\n[]').done
-    proj.record.apply_async((thread, "once"), task_id=ran.id)         # and through apply_async
+    proj.record.apply_async((thread, "once"), task_id=ran.id)  # and through apply_async
     after = proj.record.delay(thread, "after")
     assert after.get(timeout=30) == "after"
     assert starts(r, thread) == ["once", "after"]
@@ -209,9 +214,18 @@ def test_a_release_at_enqueue_is_published_as_its_stored_message(proj):
     app = proj.app
     with app.producer_or_acquire() as real:
         capture = CapturingProducer(real)
-        CeleryTask.apply_async(proj.record, (tid(), "x"), {"sleep": 0.5}, producer=capture,
-                               task_id="t-1", expires=600, priority=3, time_limit=9,
-                               headers={"custom": {"a": [1, 2]}}, countdown=None)
+        CeleryTask.apply_async(
+            proj.record,
+            (tid(), "x"),
+            {"sleep": 0.5},
+            producer=capture,
+            task_id="t-1",
+            expires=600,
+            priority=3,
+            time_limit=9,
+            headers={"custom": {"a": [1, 2]}},
+            countdown=None,
+        )
     assert capture.envelope is not None and capture.parts is not None
     release = Release("th", "t-1", "42", 0, capture.envelope)
     fast_body, fast = release_message(app, release, parts=capture.parts)
@@ -254,8 +268,9 @@ def test_restart_of_a_task_with_invalid_retry_settings_keeps_it_dead(proj, isola
 
     gate = Threads(isolated_app).gate
     thread = tid()
-    outcome = gate.enqueue(thread, "bad-1", envelope("bad-1", thread,
-                                                     name="tests.support.proj.negative_retry_delay"))
+    outcome = gate.enqueue(
+        thread, "bad-1", envelope("bad-1", thread, name="tests.support.proj.negative_retry_delay")
+    )
     assert outcome.release is not None
     assert gate.claim(thread, "bad-1", outcome.release.token, "w") == 1
     assert gate.kill(thread, "bad-1", outcome.release.token, {"exception": "E"}).done
@@ -272,8 +287,10 @@ def test_a_message_sent_by_name_with_invalid_retry_settings_is_rejected(proj, ma
     w = d.worker("bad-retry", concurrency=1)
     thread = tid()
     sent = proj.app.send_task("tests.support.proj.negative_retry_delay", (thread, "x"))
-    wait_for(lambda: f"rejected tests.support.proj.negative_retry_delay[{sent.id}]" in w.output(),
-             what="the worker to reject the message")
+    wait_for(
+        lambda: f"rejected tests.support.proj.negative_retry_delay[{sent.id}]" in w.output(),
+        what="the worker to reject the message",
+    )
     assert "default_retry_delay=-1" in w.output()
     threads = Threads(proj.app)
     assert threads.get(thread) is None and threads.gate.reads.thread_of(sent.id) is None

@@ -1,5 +1,6 @@
 """Each rule of the design celery-threads implements (README.md, "The guarantees"), on real
 workers."""
+
 from __future__ import annotations
 
 import time
@@ -114,7 +115,8 @@ def test_exhausted_head_dies_is_detached_and_the_thread_advances(proj, worker, r
     threads = Threads(proj.app)
     dead = [d for d in threads.dead() if d.thread_id == thread]
     assert [(d.task_id, d.name, d.args, d.retries) for d in dead] == [
-        (dying.id, "tests.support.proj.boom", [thread, "dies"], 0)]
+        (dying.id, "tests.support.proj.boom", [thread, "dies"], 0)
+    ]
     assert "ValueError" in dead[0].exception and dead[0].died_at.tzinfo is not None
     wait_for(lambda: threads.get(thread) is None, what="thread to vanish")
     assert r.lrange(f"dead_signal:{thread}", 0, -1)[0].decode().startswith(dying.id)
@@ -159,8 +161,7 @@ def test_deleting_a_waiting_member_removes_only_it(proj, worker, r):
     doomed = proj.record.delay(thread, "doomed")
     proj.record.delay(thread, "c")
     assert Threads(proj.app).delete(doomed.id)
-    wait_for(lambda: len(starts(r, thread)) == 2 and Threads(proj.app).get(thread) is None,
-             what="a and c")
+    wait_for(lambda: len(starts(r, thread)) == 2 and Threads(proj.app).get(thread) is None, what="a and c")
     assert starts(r, thread) == ["a", "c"]
 
 

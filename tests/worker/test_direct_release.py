@@ -5,6 +5,7 @@ queue's list, in the same atomic step (lua/_common.lua, publish_direct).  The me
 one kombu would have published, and every message the gate cannot build exactly (priorities,
 expiry, other exchanges, compression) must still go out through kombu.
 """
+
 from __future__ import annotations
 
 import base64
@@ -32,8 +33,7 @@ def _messages(server: Any, key: str) -> list[dict[str, Any]]:
 def _through_kombu(app: Any, thread: str, task_id: str, token: str) -> None:
     """Publish the same release again, Python's way (kombu's Producer)."""
     runtime = get_runtime(app)
-    record = parse_record(find_record(runtime.client, runtime.keys.thread(thread).shard.tasks,
-                                      task_id)[1])
+    record = parse_record(find_record(runtime.client, runtime.keys.thread(thread).shard.tasks, task_id)[1])
     runtime.publisher.publish(Release(thread, task_id, token, record.retries, record.envelope))
 
 
@@ -43,24 +43,26 @@ def _without_tag(message: dict[str, Any]) -> dict[str, Any]:
     properties = dict(message["properties"])
     properties.pop("delivery_tag")
     encoding = properties.pop("body_encoding")
-    body = (base64.b64decode(message["body"]) if encoding == "base64"
-            else message["body"].encode("utf-8"))
+    body = base64.b64decode(message["body"]) if encoding == "base64" else message["body"].encode("utf-8")
     return {**message, "body": body, "properties": properties}
 
 
 def test_the_gate_publishes_what_kombu_would(proj, isolated_app, redis_server):
     runtime = get_runtime(isolated_app)
     assert runtime.gate.direct == ReleasePush(gate_db=GATE_DB, broker_db=BROKER_DB)
-    thread = tid("dé/\"q")   # escapes in the thread id survive the splice
-    result = proj.record.apply_async((thread, "ünïcode \"quoted\" \\ /"), thread_id=thread,
-                                     headers={"custom": {"nested": [1, [], {}], "n": 2 ** 60}})
+    thread = tid('dé/"q')  # escapes in the thread id survive the splice
+    result = proj.record.apply_async(
+        (thread, 'ünïcode "quoted" \\ /'),
+        thread_id=thread,
+        headers={"custom": {"nested": [1, [], {}], "n": 2**60}},
+    )
     [direct] = _messages(redis_server, _queue(isolated_app))
     token = direct["headers"]["thread_token"]
     _through_kombu(isolated_app, thread, result.id, token)
     kombu_way, same = _messages(redis_server, _queue(isolated_app))
     assert same == direct
     assert _without_tag(direct) == _without_tag(kombu_way)
-    assert direct["headers"]["custom"] == {"nested": [1, [], {}], "n": 2 ** 60}
+    assert direct["headers"]["custom"] == {"nested": [1, [], {}], "n": 2**60}
     # kombu's Redis transport keys unacknowledged messages by the tag: it must be unique.
     assert direct["properties"]["delivery_tag"] != kombu_way["properties"]["delivery_tag"]
     assert token in direct["properties"]["delivery_tag"]
@@ -70,11 +72,14 @@ def test_a_text_body_goes_as_text_and_a_binary_one_as_base64(proj, isolated_app,
     """kombu reads either body encoding back to the same bytes; the gate sends a UTF-8 body as a
     JSON string (escaped by cjson) and anything else base64-encoded (the long binary body crosses
     the Lua encoder's 3,000-byte chunks)."""
-    for serializer, encoding, blob in (("json", "utf-8", b"\xff" * 7),
-                                       ("pickle", "base64", bytes(range(256)) * 25 + b"\x00")):
+    for serializer, encoding, blob in (
+        ("json", "utf-8", b"\xff" * 7),
+        ("pickle", "base64", bytes(range(256)) * 25 + b"\x00"),
+    ):
         thread = tid(serializer)
-        result = proj.record.apply_async((thread, "ü \x00 \u2028 \"/\\", blob),
-                                         thread_id=thread, serializer=serializer)
+        result = proj.record.apply_async(
+            (thread, 'ü \x00 \u2028 "/\\', blob), thread_id=thread, serializer=serializer
+        )
         [direct] = _messages(redis_server, _queue(isolated_app))
         assert direct["properties"]["body_encoding"] == encoding
         _through_kombu(isolated_app, thread, result.id, direct["headers"]["thread_token"])
@@ -95,27 +100,31 @@ def test_a_release_published_by_the_gate_is_not_published_again(proj, isolated_a
     assert outcome.release is not None and outcome.release.published
     assert outcome.release.envelope == b""
     with isolated_app.connection_for_write() as conn:
-        assert conn.default_channel.client.llen(_queue(isolated_app)) == 2   # a, then b: once
+        assert conn.default_channel.client.llen(_queue(isolated_app)) == 2  # a, then b: once
 
 
-@pytest.mark.parametrize("options", [
-    {"priority": 5},
-    {"expires": 600},
-    {"exchange": "direct-x", "routing_key": "direct-rk"},
-    {"compression": "zlib"},
-], ids=["priority", "expires", "exchange", "compression"])
-def test_messages_the_gate_cannot_build_go_through_kombu(proj, isolated_app, redis_server,
-                                                         options):
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"priority": 5},
+        {"expires": 600},
+        {"exchange": "direct-x", "routing_key": "direct-rk"},
+        {"compression": "zlib"},
+    ],
+    ids=["priority", "expires", "exchange", "compression"],
+)
+def test_messages_the_gate_cannot_build_go_through_kombu(proj, isolated_app, redis_server, options):
     runtime = get_runtime(isolated_app)
     thread = tid()
     proj.record.apply_async((thread, "x"), thread_id=thread, **options)
     snapshot = runtime.gate.reads.snapshot(thread)
     assert snapshot is not None and snapshot.active["state"] == "RELEASED"
     client = redis.Redis(port=redis_server.port, db=BROKER_DB)
-    messages = [json.loads(client.lrange(key, 0, -1)[0]) for key in client.keys("*")
-                if client.type(key) == b"list"]
+    messages = [
+        json.loads(client.lrange(key, 0, -1)[0]) for key in client.keys("*") if client.type(key) == b"list"
+    ]
     if options.get("exchange"):
-        assert messages == []   # kombu found no queue bound to that exchange: nothing to check
+        assert messages == []  # kombu found no queue bound to that exchange: nothing to check
         return
     [message] = messages
     assert message["headers"]["thread_token"] == snapshot.active["token"]
@@ -183,10 +192,11 @@ def test_a_refused_push_leaves_the_publish_to_kombu(proj, isolated_app, redis_se
     assert snapshot.active["task"] == result.id
     assert broker.get(_queue(isolated_app)) == b"not a list"
     # The gate hands such a release back whole, for the caller to publish.
-    envelope = parse_record(find_record(gate.client, gate.keys.thread(thread).shard.tasks,
-                                        result.id)[1]).envelope
+    envelope = parse_record(
+        find_record(gate.client, gate.keys.thread(thread).shard.tasks, result.id)[1]
+    ).envelope
     other = tid()
     outcome = gate.enqueue(other, "refused-too", envelope)
     assert outcome.release is not None and not outcome.release.published
     assert outcome.release.envelope == envelope
-    assert gate.reads.snapshot(other).active["state"] == "RELEASED"   # and the gate's db is back
+    assert gate.reads.snapshot(other).active["state"] == "RELEASED"  # and the gate's db is back

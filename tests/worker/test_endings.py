@@ -1,4 +1,5 @@
 """Every way a member ends releases its thread exactly once."""
+
 from __future__ import annotations
 
 import time
@@ -65,7 +66,7 @@ def test_retries_exhausted_dies(proj, worker, r):
     result = proj.record.delay(thread, "hopeless", fail_times=10, countdown=0.05)
     with pytest.raises(RuntimeError):
         result.get(timeout=30)
-    assert starts(r, thread) == ["hopeless"] * 4          # max_retries=3
+    assert starts(r, thread) == ["hopeless"] * 4  # max_retries=3
     [dead] = _dead(proj, result.id)
     assert dead.retries == 3 and "RuntimeError" in dead.exception
     _next_runs(proj, r, thread)
@@ -83,7 +84,7 @@ def test_dead_letter_false_drops_the_member(proj, worker, r):
     result = proj.boom_quietly.delay(thread, "quiet")
     _next_runs(proj, r, thread)
     assert _dead(proj, result.id) == []
-    assert r.llen(f"dead_signal:{thread}") == 1     # the signal still fires
+    assert r.llen(f"dead_signal:{thread}") == 1  # the signal still fires
 
 
 def test_reject_without_requeue_dies(proj, worker, r):
@@ -97,8 +98,12 @@ def test_reject_with_requeue_runs_again(proj, worker, r):
     thread = tid()
     proj.rejecter.delay(thread, "again", requeue=True)
     _next_runs(proj, r, thread)
-    wait_for(lambda: starts(r, thread) == ["again", "again", "next"]
-             or starts(r, thread) == ["again", "next", "again"], what="the requeued run")
+    wait_for(
+        lambda: (
+            starts(r, thread) == ["again", "again", "next"] or starts(r, thread) == ["again", "next", "again"]
+        ),
+        what="the requeued run",
+    )
     assert_serial(r, thread)
 
 
@@ -135,8 +140,7 @@ def _gone(pid: int) -> bool:
         return True
 
 
-def test_hard_time_limit_releases_the_next_member_once_the_body_is_gone(proj, make_deployment,
-                                                                        r):
+def test_hard_time_limit_releases_the_next_member_once_the_body_is_gone(proj, make_deployment, r):
     """billiard runs the request's on_timeout (where the member leaves its thread) before it
     signals the timed-out pool process: SIGTERM, then SIGKILL 0.1 s later.  The next member,
     sent to another worker, must not start before the timed-out body's last heartbeat (a body
@@ -155,11 +159,11 @@ def test_hard_time_limit_releases_the_next_member_once_the_body_is_gone(proj, ma
     pid = int(r.lindex(f"pid:{thread}", 0))
     wait_for(lambda: _gone(pid), what="the timed-out pool process to exit")
     last_beat = int(r.get(f"heartbeat:{thread}"))
-    [next_start] = [e.at_us for e in events(r, thread) if e.label == "next"
-                    and e.kind == "start"]
+    [next_start] = [e.at_us for e in events(r, thread) if e.label == "next" and e.kind == "start"]
     assert next_start > last_beat, (
         f"the next member started {(last_beat - next_start) / 1000:.1f} ms before the "
-        "timed-out body's last heartbeat")
+        "timed-out body's last heartbeat"
+    )
     assert "TimeLimitExceeded" in _dead(proj, first.id)[0].exception
 
 

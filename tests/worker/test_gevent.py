@@ -1,5 +1,6 @@
 """Real workers under ``-P gevent`` (monkey-patched): the seed's semantics, and leases held while a
 member's code holds the hub."""
+
 from __future__ import annotations
 
 import pytest
@@ -20,10 +21,8 @@ def test_members_of_several_threads_run_one_at_a_time_in_order(proj, make_deploy
     d = make_deployment()
     d.worker("green", pool="gevent", concurrency=8)
     threads = [tid() for _ in range(4)]
-    results = [proj.record.delay(thread, f"m{i}", sleep=0.05)
-               for i in range(5) for thread in threads]
-    assert sorted(x.get(timeout=60) for x in results) == sorted(f"m{i}" for i in range(5)
-                                                                 for _ in threads)
+    results = [proj.record.delay(thread, f"m{i}", sleep=0.05) for i in range(5) for thread in threads]
+    assert sorted(x.get(timeout=60) for x in results) == sorted(f"m{i}" for i in range(5) for _ in threads)
     for thread in threads:
         assert starts(r, thread) == [f"m{i}" for i in range(5)]
         assert_serial(r, thread)
@@ -31,8 +30,7 @@ def test_members_of_several_threads_run_one_at_a_time_in_order(proj, make_deploy
 
 def test_a_failed_head_retries_behind_an_earlier_sibling(proj, make_deployment, r):
     green = make_deployment().worker("green", pool="gevent", concurrency=4)
-    semantics.test_failed_head_with_retries_left_is_outprioritized_by_earlier_sibling(
-        proj, green, r)
+    semantics.test_failed_head_with_retries_left_is_outprioritized_by_earlier_sibling(proj, green, r)
 
 
 def test_a_dead_member_leaves_its_thread_and_the_next_runs(proj, make_deployment, r):
@@ -49,8 +47,7 @@ def test_a_dead_member_leaves_its_thread_and_the_next_runs(proj, make_deployment
 
 
 @pytest.mark.parametrize("how", ["sleep", "spin"])
-def test_a_member_holding_the_hub_past_its_keepalive_keeps_its_lease(proj, make_deployment, r,
-                                                                      how):
+def test_a_member_holding_the_hub_past_its_keepalive_keeps_its_lease(proj, make_deployment, r, how):
     """A body that does not yield to gevent's hub for 5 s (an unpatched ``time.sleep``, a CPU
     loop) under a keepalive of 2 s: its lease is renewed all the same, so the next member does
     not start before it ends, and it is not counted as a failed attempt.  Another worker's
@@ -64,8 +61,7 @@ def test_a_member_holding_the_hub_past_its_keepalive_keeps_its_lease(proj, make_
     hog = proj.hog.delay(thread, "hog", seconds=5.0, how=how)
     wait_for(lambda: starts(r, thread) == ["hog"], what="the hog to start")
     nxt = proj.record.delay(thread, "next")
-    assert proj.app.control.add_consumer(queue, destination=[other.nodename], reply=True,
-                                         timeout=10)
+    assert proj.app.control.add_consumer(queue, destination=[other.nodename], reply=True, timeout=10)
     assert hog.get(timeout=30) == "hog"
     assert nxt.get(timeout=30) == "next"
     assert_serial(r, thread)
@@ -74,8 +70,7 @@ def test_a_member_holding_the_hub_past_its_keepalive_keeps_its_lease(proj, make_
     assert "keeps running although" not in green.output()
 
 
-def test_a_prefetched_member_stays_with_its_worker_while_a_member_holds_the_hub(
-        proj, make_deployment, r):
+def test_a_prefetched_member_stays_with_its_worker_while_a_member_holds_the_hub(proj, make_deployment, r):
     """The worker renews the release of a member it has received but not started (its prefetch)
     although a member's code holds the hub: the release does not lapse, so it is not published
     again for another worker; it runs here once the hub is free."""
@@ -88,10 +83,9 @@ def test_a_prefetched_member_stays_with_its_worker_while_a_member_holds_the_hub(
     wait_for(lambda: starts(r, busy) == ["hog"], what="the hog to start")
     prefetched = proj.where.delay(waiting, "prefetched")
     wait_for(lambda: f"[{prefetched.id}] received" in green.output(), what="its receipt")
-    assert proj.app.control.add_consumer(queue, destination=[other.nodename], reply=True,
-                                         timeout=10)
+    assert proj.app.control.add_consumer(queue, destination=[other.nodename], reply=True, timeout=10)
     assert hog.get(timeout=30) == "hog"
     assert prefetched.get(timeout=30) == "prefetched"
     assert starts(r, waiting) == ["prefetched"]
-    assert events(r, waiting)[0].at_us > events(r, busy)[-1].at_us     # after the hog, here
+    assert events(r, waiting)[0].at_us > events(r, busy)[-1].at_us  # after the hog, here
     assert "republishing it" not in other.output()

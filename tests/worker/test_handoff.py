@@ -3,6 +3,7 @@
 The shared test deployment sends task events, which turns the handoff off; these tests run
 workers without events (CT_EVENTS=0) unless they test the events rule.
 """
+
 from __future__ import annotations
 
 import re
@@ -50,16 +51,16 @@ def test_the_next_members_run_in_the_finishing_pool_process(proj, make_deploymen
     assert len(set(pids(r, thread))) == 1, pids(r, thread)
     assert received(w, first.id)
     assert not any(received(w, x.id) for x in rest), "a handed-off member went through the broker"
-    wait_for(lambda: not list(r.scan_iter(match=f"*:t:{thread}:*")) or None,
-             what="the thread's keys to vanish")
+    wait_for(
+        lambda: not list(r.scan_iter(match=f"*:t:{thread}:*")) or None, what="the thread's keys to vanish"
+    )
 
 
 @pytest.mark.parametrize("case", ["time_limit", "off"])
 def test_members_go_through_the_broker_when_the_handoff_cannot_run(proj, make_deployment, r, case):
     """With a time limit (the pool enforces it per job), or threads_local_handoff = 0, each
     member is a broker delivery of its own."""
-    env = {"time_limit": {"CT_EVENTS": "0"},
-           "off": {"CT_EVENTS": "0", "CT_LOCAL_HANDOFF": "0"}}[case]
+    env = {"time_limit": {"CT_EVENTS": "0"}, "off": {"CT_EVENTS": "0", "CT_LOCAL_HANDOFF": "0"}}[case]
     d = make_deployment(**env)
     w = d.worker("nohandoff", concurrency=2)
     thread = tid("nh")
@@ -81,15 +82,16 @@ def test_a_claimed_member_that_cannot_run_here_is_given_back(proj, make_deployme
     wait_for(lambda: starts(r, thread) == ["first"], what="the first member")
     expiring = proj.where.apply_async((thread, "expiring"), expires=300)
     plain = proj.where.apply_async((thread, "plain"))
-    r.set(f"go:{thread}", 1)       # first ends once both wait behind it
+    r.set(f"go:{thread}", 1)  # first ends once both wait behind it
     assert [x.get(timeout=30) for x in (first, expiring, plain)] == ["first", "expiring", "plain"]
     assert starts(r, thread) == ["first", "expiring", "plain"]
     assert_serial(r, thread)
     assert received(w, expiring.id), "given back and delivered by the broker"
     assert not received(w, plain.id), "handed off by the given-back member's process"
     assert "could not give back" not in w.output()
-    wait_for(lambda: not list(r.scan_iter(match=f"*:t:{thread}:*")) or None,
-             what="the thread's keys to vanish")
+    wait_for(
+        lambda: not list(r.scan_iter(match=f"*:t:{thread}:*")) or None, what="the thread's keys to vanish"
+    )
 
 
 def collect_events(app):
@@ -110,10 +112,15 @@ def collect_events(app):
 
     threading.Thread(target=run, daemon=True).start()
     probe = uuid.uuid4().hex
-    with app.events.default_dispatcher() as dispatcher:    # until its queue is bound
-        wait_for(lambda: dispatcher.send("probe-receiver", probe=probe)
-                 or any(e.get("probe") == probe for e in got), timeout=60, interval=0.2,
-                 what="the event receiver to be bound")
+    with app.events.default_dispatcher() as dispatcher:  # until its queue is bound
+        wait_for(
+            lambda: (
+                dispatcher.send("probe-receiver", probe=probe) or any(e.get("probe") == probe for e in got)
+            ),
+            timeout=60,
+            interval=0.2,
+            what="the event receiver to be bound",
+        )
 
     def stop() -> None:
         recv.should_stop = True
@@ -140,10 +147,13 @@ def test_handed_off_members_send_task_events_when_the_worker_does(proj, make_dep
         thread = tid("ev")
         rest = handed_off_burst(proj, w, 3, thread)
         for x in rest:
-            wait_for(lambda x=x: [e["type"] for e in got if e.get("uuid") == x.id
-                              and e["type"] != "task-sent"]
-                     == ["task-received", "task-started", "task-succeeded"],
-                     what=f"the events of {x.id}")
+            wait_for(
+                lambda x=x: (
+                    [e["type"] for e in got if e.get("uuid") == x.id and e["type"] != "task-sent"]
+                    == ["task-received", "task-started", "task-succeeded"]
+                ),
+                what=f"the events of {x.id}",
+            )
             [rec] = [e for e in got if e.get("uuid") == x.id and e["type"] == "task-received"]
             assert rec["name"] == "tests.support.proj.where" and f"thread='{thread}'" in rec["kwargs"]
             assert rec["hostname"].startswith("events-")
@@ -159,19 +169,23 @@ def test_events_turned_off_and_on_at_runtime(proj, make_deployment, r):
     try:
         rest = handed_off_burst(proj, w, 2, tid("ev"))
         time.sleep(0.5)
-        assert not [e for e in got if e.get("uuid") in {x.id for x in rest}
-                    and e["type"] != "task-sent"]
+        assert not [e for e in got if e.get("uuid") in {x.id for x in rest} and e["type"] != "task-sent"]
         proj.app.control.enable_events()
 
         def a_burst_sends_its_events() -> bool:
             # The worker passes the setting on to its pool processes within a second or two,
             # or more on a busy machine: a burst sent before then sends none.
             ids = {x.id for x in handed_off_burst(proj, w, 2, tid("ev"))}
-            return within(lambda: ids <= {e.get("uuid") for e in got
-                                          if e["type"] == "task-succeeded"}, timeout=5)
+            return within(
+                lambda: ids <= {e.get("uuid") for e in got if e["type"] == "task-succeeded"}, timeout=5
+            )
 
-        wait_for(a_burst_sends_its_events, timeout=120, interval=0.5,
-                 what="the pool processes to send the handed-off members' events")
+        wait_for(
+            a_burst_sends_its_events,
+            timeout=120,
+            interval=0.5,
+            what="the pool processes to send the handed-off members' events",
+        )
     finally:
         stop()
 
@@ -185,9 +199,9 @@ def test_a_pool_process_lost_during_a_handed_off_member(proj, make_deployment, r
     thread = tid("lost")
     first = proj.where.apply_async((thread, "first"), {"until": f"go:{thread}"})
     wait_for(lambda: starts(r, thread) == ["first"], what="the first member")
-    doomed = proj.suicide.delay(thread, f"suicide-{thread}")     # kills its process once
+    doomed = proj.suicide.delay(thread, f"suicide-{thread}")  # kills its process once
     after = proj.where.delay(thread, "after")
-    r.set(f"go:{thread}", 1)       # first ends once both wait behind it: doomed is handed off
+    r.set(f"go:{thread}", 1)  # first ends once both wait behind it: doomed is handed off
     assert after.get(timeout=15) == "after"
     assert doomed.get(timeout=15) == f"suicide-{thread}"
     assert first.get(timeout=5) == "first" and first.state == "SUCCESS"
@@ -201,7 +215,7 @@ def assert_serial_but_for_the_killed(r, thread: str) -> None:
     evs = events(r, thread)
     killed = next(i for i, e in enumerate(evs) if e.label.startswith("suicide"))
     assert evs[killed].kind == "start" and evs[killed + 1].kind == "start", evs
-    rest = evs[:killed] + evs[killed + 1:]
+    rest = evs[:killed] + evs[killed + 1 :]
     for i, e in enumerate(rest):
         assert e.kind == ("start" if i % 2 == 0 else "end"), f"overlap in {thread}: {evs}"
 
@@ -219,7 +233,7 @@ def test_terminating_a_handed_off_member(proj, make_deployment, r, how):
     wait_for(lambda: starts(r, thread) == ["first"], what="the first member")
     long = proj.where.apply_async((thread, "long"), {"sleep": 30})
     nxt = proj.where.delay(thread, "next")
-    r.set(f"go:{thread}", 1)       # first ends once long waits behind it: long is handed off
+    r.set(f"go:{thread}", 1)  # first ends once long waits behind it: long is handed off
     wait_for(lambda: starts(r, thread) == ["first", "long"], what="the handed-off member")
     assert len(set(pids(r, thread))) == 1, "long was not handed off"
     t0 = time.time()
@@ -280,8 +294,9 @@ def test_terminate_signals_a_handed_off_member_only_while_its_process_runs_it(pr
     saved_shared = (shared._lease_ends, shared._slots, shared._flag, shared._index)
     fork = multiprocessing.get_context("fork")
     try:
-        with pointed_at(proj.app, threads_redis_url=server.url(0), broker_url=server.url(1),
-                        result_backend=server.url(2)):
+        with pointed_at(
+            proj.app, threads_redis_url=server.url(0), broker_url=server.url(1), result_backend=server.url(2)
+        ):
             shared.prepare(1)
             handoff.prepare(SimpleNamespace(app=proj.app, task_events=False, concurrency=1))
             runtime = get_runtime(proj.app)
@@ -301,23 +316,24 @@ def test_terminate_signals_a_handed_off_member_only_while_its_process_runs_it(pr
                 except (EOFError, BrokenPipeError):
                     raise AssertionError("the stand-in pool process was signalled") from None
 
-            tell(released)                          # its slot names (x, token)
+            tell(released)  # its slot names (x, token)
             client = redis.Redis(port=server.port)
             client.client_pause(10_000, all=False)  # writes wait: the delete below waits
             try:
-                terminating = threading.Thread(target=_terminate_handed_off,
-                                               args=(runtime, "x", None))
+                terminating = threading.Thread(target=_terminate_handed_off, args=(runtime, "x", None))
                 terminating.start()
-                wait_for(lambda: any("b" in c["flags"] for c in client.client_list()),
-                         what="the terminate's delete to wait on Redis")
-                tell(Release(thread, "later", "99", 0, b""))   # x ended; a later one runs
+                wait_for(
+                    lambda: any("b" in c["flags"] for c in client.client_list()),
+                    what="the terminate's delete to wait on Redis",
+                )
+                tell(Release(thread, "later", "99", 0, b""))  # x ended; a later one runs
             finally:
                 client.client_unpause()
             terminating.join(20)
             assert not terminating.is_alive()
-            assert runtime.gate.reads.snapshot(thread) is None    # x left its thread all the same
-            tell(None)                              # alive: it was not signalled
-            _terminate_handed_off(runtime, "later", None)   # its slot names it: signalled
+            assert runtime.gate.reads.snapshot(thread) is None  # x left its thread all the same
+            tell(None)  # alive: it was not signalled
+            _terminate_handed_off(runtime, "later", None)  # its slot names it: signalled
             process.join(10)
             assert process.exitcode == -15
     finally:

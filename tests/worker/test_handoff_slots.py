@@ -4,6 +4,7 @@ any characters up to 1,024 bytes, a task id of any length.  Unit-level in the re
 with an odd identity is stopped by Threads.delete and by revoke(terminate=True), and fails at once
 when its pool process is killed.
 """
+
 from __future__ import annotations
 
 import multiprocessing
@@ -19,10 +20,18 @@ from celery_threads.worker import handoff, shared
 from tests.support.helpers import events, starts, tid, wait_for
 from tests.worker.test_handoff import assert_serial_but_for_the_killed, received
 
-MAX = "é" * 512                                   # 1,024 UTF-8 bytes: the longest thread id
+MAX = "é" * 512  # 1,024 UTF-8 bytes: the longest thread id
 ODD_THREADS = ["a\x00b", "\x00", "\x00\x00|\n", "名前\x00\U0001f600", MAX, "x" * 1024]
-ODD_TASKS = ["", "\x00", "t\x00\x00", "\udc80 lone surrogate", "k" * 600, "ü" * 1400,
-             "z" * 3000, "long" * 2000]
+ODD_TASKS = [
+    "",
+    "\x00",
+    "t\x00\x00",
+    "\udc80 lone surrogate",
+    "k" * 600,
+    "ü" * 1400,
+    "z" * 3000,
+    "long" * 2000,
+]
 
 
 def sized(prefix: str, size: int) -> str:
@@ -35,15 +44,31 @@ def sized(prefix: str, size: int) -> str:
 def shared_slots(proj):
     """The handoff's slots of a worker of 2 pool processes, made here as the worker's main
     process makes them (then the module as it was)."""
-    saved = (handoff._app, handoff._allowed, handoff._stopping, handoff._main_pid,
-             shared._lease_ends, shared._slots, shared._flag, shared._index)
+    saved = (
+        handoff._app,
+        handoff._allowed,
+        handoff._stopping,
+        handoff._main_pid,
+        shared._lease_ends,
+        shared._slots,
+        shared._flag,
+        shared._index,
+    )
     shared.prepare(2)
     handoff.prepare(SimpleNamespace(app=proj.app, task_events=False, concurrency=2))
     try:
         yield shared.handoff_slots()
     finally:
-        (handoff._app, handoff._allowed, handoff._stopping, handoff._main_pid,
-         shared._lease_ends, shared._slots, shared._flag, shared._index) = saved
+        (
+            handoff._app,
+            handoff._allowed,
+            handoff._stopping,
+            handoff._main_pid,
+            shared._lease_ends,
+            shared._slots,
+            shared._flag,
+            shared._index,
+        ) = saved
         handoff._reported.clear()
 
 
@@ -63,17 +88,22 @@ def _writer(index: int, members, conn) -> None:
 
 def test_any_identity_round_trips_in_shared_memory(shared_slots):
     fork = multiprocessing.get_context("fork")
-    members = [Release(thread, task or str(uuid.uuid4()), str(10 ** 18 + i), 0, b"")
-               for i, (thread, task) in enumerate(
-                   (t, k) for t in ODD_THREADS for k in ODD_TASKS)]
+    members = [
+        Release(thread, task or str(uuid.uuid4()), str(10**18 + i), 0, b"")
+        for i, (thread, task) in enumerate((t, k) for t in ODD_THREADS for k in ODD_TASKS)
+    ]
     ours, theirs = fork.Pipe()
     writer = fork.Process(target=_writer, args=(1, members, theirs), daemon=True)
     writer.start()
     try:
         for release in members:
             pid = ours.recv()
-            fits = (len(shared.encode(release.thread_id)) + len(release.token)
-                    + len(shared.encode(release.task_id)) <= shared.ROOM)
+            fits = (
+                len(shared.encode(release.thread_id))
+                + len(release.token)
+                + len(shared.encode(release.task_id))
+                <= shared.ROOM
+            )
             [(index, _, found, member)] = list(shared_slots.members(1.0))
             assert (index, found) == (1, pid)
             assert member.thread_id == release.thread_id and member.token == release.token
@@ -81,7 +111,9 @@ def test_any_identity_round_trips_in_shared_memory(shared_slots):
             assert member.matches(release.task_id)
             assert not member.matches(release.task_id + "\x00")
             assert handoff.running(release.task_id) == (
-                pid, (release.thread_id, release.task_id, release.token))
+                pid,
+                (release.thread_id, release.task_id, release.token),
+            )
             assert handoff.running(release.task_id[:-1] or "other") is None
             ours.send("next")
     finally:
@@ -98,7 +130,8 @@ def test_a_slot_rewritten_while_it_is_read_is_never_read_torn(shared_slots):
     two = Release("b", "short\x00", "6", 0, b"")
     expected = {(m.thread_id, m.task_id, m.token) for m in (one, two)}
     writer = multiprocessing.get_context("fork").Process(
-        target=_writer, args=(0, [one, two], 200_000), daemon=True)
+        target=_writer, args=(0, [one, two], 200_000), daemon=True
+    )
     writer.start()
     reads = 0
     try:
@@ -117,8 +150,9 @@ def test_a_slot_left_in_mid_write_is_skipped_then_rewritten(shared_slots, caplog
     slot over writes it again."""
     shared._index = 0
     handoff._note(Release("t", "x", "1", 0, b""))
-    shared_slots.memory[0:8] = (int.from_bytes(shared_slots.memory[0:8], "little") + 1
-                                ).to_bytes(8, "little")          # odd: a write under way
+    shared_slots.memory[0:8] = (int.from_bytes(shared_slots.memory[0:8], "little") + 1).to_bytes(
+        8, "little"
+    )  # odd: a write under way
     with pytest.raises(shared.Unreadable):
         shared_slots.read(0, 0.05)
     assert handoff.running("x") is None
@@ -154,7 +188,7 @@ def test_a_lost_member_too_long_for_its_slot_is_read_from_the_gate(shared_slots,
     assert handoff.lost_member(pid) is None, "reported once"
     assert handoff.running(task_id) is None
 
-    handoff._reported.clear()                  # read again, once the member has moved on
+    handoff._reported.clear()  # read again, once the member has moved on
     gate.fail(thread, task_id, released.token, "lost")
     assert gate.reads.snapshot(thread).active.get("token") != released.token
     assert handoff.lost_member(pid) is None
@@ -221,8 +255,7 @@ def test_a_handed_off_member_of_any_identity_is_stopped(proj, make_deployment, h
 
 
 @pytest.mark.parametrize("identity", IDENTITIES)
-def test_a_lost_pool_process_fails_a_member_of_any_identity_at_once(proj, make_deployment,
-                                                                     identity):
+def test_a_lost_pool_process_fails_a_member_of_any_identity_at_once(proj, make_deployment, identity):
     """A pool process killed while it runs a member by handoff, whatever its ids: the main
     process fails that attempt at once, well before its 30 s lease lapses, and it runs again."""
     r = proj.history()
@@ -234,13 +267,14 @@ def test_a_lost_pool_process_fails_a_member_of_any_identity_at_once(proj, make_d
     label = f"suicide-{uuid.uuid4().hex[:8]}"
     doomed = proj.suicide.apply_async((thread, label), task_id=task_id)  # kills its process
     after = proj.where.delay(thread, "after")
-    wait_for(lambda: starts(r, thread).count(label) == 2, timeout=25,
-             what="the killed member's second attempt")
-    killed, again = [e.at_us for e in events(r, thread)
-                     if e.label == label and e.kind == "start"]
+    wait_for(
+        lambda: starts(r, thread).count(label) == 2, timeout=25, what="the killed member's second attempt"
+    )
+    killed, again = [e.at_us for e in events(r, thread) if e.label == label and e.kind == "start"]
     assert again - killed < 5_000_000, f"recovered after {(again - killed) / 1e6:.1f} s"
-    assert any(doomed.id in line and "by handoff was lost" in line
-               for line in w.output().splitlines()), "failed from its slot"
+    assert any(doomed.id in line and "by handoff was lost" in line for line in w.output().splitlines()), (
+        "failed from its slot"
+    )
     assert doomed.get(timeout=15) == label
     assert after.get(timeout=15) == "after"
     assert first.get(timeout=5) == "first"

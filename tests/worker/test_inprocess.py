@@ -3,6 +3,7 @@
 The renewer and the dispatch loop run as threads of the worker step, so they work under the threads
 and solo pools as under prefork.
 """
+
 from __future__ import annotations
 
 import threading
@@ -37,8 +38,14 @@ def celery_worker_pool():
 
 @pytest.fixture(scope="session")
 def inproc_tasks(celery_session_app):
-    @celery_session_app.task(base=ThreadedTask, bind=True, thread_key="thread",
-                             name="inproc.step", max_retries=2, default_retry_delay=0.05)
+    @celery_session_app.task(
+        base=ThreadedTask,
+        bind=True,
+        thread_key="thread",
+        name="inproc.step",
+        max_retries=2,
+        default_retry_delay=0.05,
+    )
     def step(self, thread, label, sleep=0.0, fail_times=0):
         with _lock:
             _running[thread] = _running.get(thread, 0) + 1
@@ -63,12 +70,14 @@ def celery_worker_parameters(inproc_tasks):
     return {"concurrency": 4}
 
 
-def test_threads_pool_serializes_and_renews_leases(celery_session_app, celery_session_worker,
-                                                   inproc_tasks):
+def test_threads_pool_serializes_and_renews_leases(celery_session_app, celery_session_worker, inproc_tasks):
     step = inproc_tasks["step"]
     threads = [tid("inproc") for _ in range(3)]
-    results = [step.delay(t, f"m{i}", sleep=0.6 if i == 0 else 0.05, fail_times=1 if i == 1 else 0)
-               for i in range(3) for t in threads]
+    results = [
+        step.delay(t, f"m{i}", sleep=0.6 if i == 0 else 0.05, fail_times=1 if i == 1 else 0)
+        for i in range(3)
+        for t in threads
+    ]
     results.append(step.delay(threads[0], "long", sleep=2.5))
     for x in results:
         x.get(timeout=60)
@@ -78,5 +87,6 @@ def test_threads_pool_serializes_and_renews_leases(celery_session_app, celery_se
     # it runs once: had its lease not been renewed, the lapse would have run it again.
     assert _order[threads[0]] == ["m0", "m1", "m2", "long", "m1"]
     assert _overlaps == []
-    wait_for(lambda: all(Threads(celery_session_app).get(t) is None for t in threads),
-             what="threads to vanish")
+    wait_for(
+        lambda: all(Threads(celery_session_app).get(t) is None for t in threads), what="threads to vanish"
+    )

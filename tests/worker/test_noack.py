@@ -6,6 +6,7 @@ members loses none of them, a warm shutdown hands back what the worker had not s
 tasks routed there are warned about, and the same workload as tests/tasks/test_brokers.py runs on both
 brokers.
 """
+
 from __future__ import annotations
 
 import json
@@ -55,7 +56,7 @@ def test_prefetch_is_bounded(proj, make_deployment, redis_server, layout):
     threads = [tid("bound") for _ in range(8)]
     results = [proj.record.delay(t, "only", sleep=0.6) for t in threads]
     wait_for(lambda: any(starts(r, t) for t in threads), what="a member to start")
-    time.sleep(0.5)     # time for the worker to take more than it may
+    time.sleep(0.5)  # time for the worker to take more than it may
     # One running and at most one waiting in the worker (prefetch 1 x concurrency 1), besides
     # those that ended (a busy machine may have taken more than the sleep to look): counted
     # after the queue is read, they can only be more.
@@ -67,22 +68,26 @@ def test_prefetch_is_bounded(proj, make_deployment, redis_server, layout):
 
 
 @LAYOUTS
-def test_sigkilled_worker_holding_prefetched_members_loses_none(proj, make_deployment,
-                                                                 redis_server, layout):
+def test_sigkilled_worker_holding_prefetched_members_loses_none(proj, make_deployment, redis_server, layout):
     """The broker forgot the deliveries the victim held; the gate republishes each once its release
     deadline lapses, and every member still runs, one at a time, in arrival order."""
     r = proj.history()
-    d = make_deployment(**layout_env(layout, CT_PREFETCH="4"), CT_KEEPALIVE="2",
-                        CT_RELEASE_TIMEOUT="1", CT_DISPATCH_INTERVAL="0.2")
+    d = make_deployment(
+        **layout_env(layout, CT_PREFETCH="4"),
+        CT_KEEPALIVE="2",
+        CT_RELEASE_TIMEOUT="1",
+        CT_DISPATCH_INTERVAL="0.2",
+    )
     victim = d.worker("victim", concurrency=1)
     threads = [tid("held") for _ in range(5)]
     labels = [f"m{i}" for i in range(3)]
     results = [proj.record.delay(t, label, sleep=0.4) for label in labels for t in threads]
     # The victim runs one member and holds four more unstarted: the queue is empty.
-    wait_for(lambda: any(starts(r, t) for t in threads) and queue_length(redis_server, d) == 0,
-             what="the victim to hold the released members")
-    running = {t for t in threads if len(starts(r, t)) > len([e for e in events(r, t)
-                                                             if e.kind == "end"])}
+    wait_for(
+        lambda: any(starts(r, t) for t in threads) and queue_length(redis_server, d) == 0,
+        what="the victim to hold the released members",
+    )
+    running = {t for t in threads if len(starts(r, t)) > len([e for e in events(r, t) if e.kind == "end"])}
     victim.kill(signal.SIGKILL)
     d.worker("survivor", concurrency=2)
     for x in results:
@@ -97,7 +102,7 @@ def test_sigkilled_worker_holding_prefetched_members_loses_none(proj, make_deplo
             assert sorted(e.label for e in evs if e.kind == "start") == labels, evs
         else:
             assert [e.label for e in evs if e.kind == "start"] == labels, f"{t}: {evs}"
-        for i, e in enumerate(evs):     # then serial: starts and ends alternate
+        for i, e in enumerate(evs):  # then serial: starts and ends alternate
             assert e.kind == ("start" if i % 2 == 0 else "end"), f"overlap in {t}: {evs}"
             assert e.kind == "start" or e.label == evs[i - 1].label, f"overlap in {t}: {evs}"
         wait_for(lambda t=t: Threads(proj.app).get(t) is None, what="thread to vanish")
@@ -109,18 +114,21 @@ def test_warm_shutdown_hands_back_unstarted_members(proj, make_deployment, redis
     their release deadline; handed back, they run on the other worker while the first one is
     still finishing its running member."""
     r = proj.history()
-    d = make_deployment(**layout_env(layout, CT_PREFETCH="4"), CT_KEEPALIVE="60",
-                        CT_RELEASE_TIMEOUT="60")
+    d = make_deployment(**layout_env(layout, CT_PREFETCH="4"), CT_KEEPALIVE="60", CT_RELEASE_TIMEOUT="60")
     leaving = d.worker("leaving", concurrency=1)
     slow, *quick = [tid("back") for _ in range(4)]
     long_one = proj.record.delay(slow, "long", sleep=4)
     wait_for(lambda: starts(r, slow) == ["long"], what="the long member to start")
     results = [proj.record.delay(t, "quick") for t in quick]
-    wait_for(lambda: queue_length(redis_server, d) == 0 and
-             all(Threads(proj.app).get(t).active.state == "RELEASED" for t in quick),
-             what="the leaving worker to hold the quick members")
+    wait_for(
+        lambda: (
+            queue_length(redis_server, d) == 0
+            and all(Threads(proj.app).get(t).active.state == "RELEASED" for t in quick)
+        ),
+        what="the leaving worker to hold the quick members",
+    )
     staying = d.worker("staying", concurrency=1)
-    os.kill(leaving.proc.pid, signal.SIGTERM)          # warm shutdown of the main process only
+    os.kill(leaving.proc.pid, signal.SIGTERM)  # warm shutdown of the main process only
     try:
         for x in results:
             assert x.get(timeout=20) == "quick"
@@ -129,9 +137,10 @@ def test_warm_shutdown_hands_back_unstarted_members(proj, make_deployment, redis
         raise
     long_end = [e for e in events(r, slow) if e.kind == "end"]
     quick_starts = [e.at_us for t in quick for e in events(r, t) if e.kind == "start"]
-    assert not long_end or max(quick_starts) < long_end[0].at_us, \
-        ("the handed-back members ran only after the leaving worker finished: "
-         f"{leaving.output()} {staying.output()}")
+    assert not long_end or max(quick_starts) < long_end[0].at_us, (
+        "the handed-back members ran only after the leaving worker finished: "
+        f"{leaving.output()} {staying.output()}"
+    )
     assert long_one.get(timeout=20) == "long"
     leaving.proc.wait(30)
     assert "handed back 3 released member(s)" in leaving.output()
@@ -145,9 +154,11 @@ def test_plain_task_on_a_noack_queue_is_warned_about(proj, make_deployment):
     assert "plain task tests.support.proj.plain is routed to" in w.output()
     thread = tid("plain")
     assert proj.plain.delay(thread, "p").get(timeout=30) == "p"
-    wait_for(lambda: w.output().count("plain task tests.support.proj.plain") >= 2,
-             what="the warning at its first delivery")
-    assert w.output().count("plain task tests.support.proj.plain") == 2     # once per name
+    wait_for(
+        lambda: w.output().count("plain task tests.support.proj.plain") >= 2,
+        what="the warning at its first delivery",
+    )
+    assert w.output().count("plain task tests.support.proj.plain") == 2  # once per name
 
 
 class TestRedisNoAckQueue(BrokerContract):
@@ -179,16 +190,15 @@ class TestRabbitMQNoAckQueue(BrokerContract):
     def extra_env(self) -> dict[str, str]:
         return noack_env()
 
-
-    def test_rejected_member_dies_without_closing_the_channel(self, proj, make_deployment,
-                                                              redis_server):
+    def test_rejected_member_dies_without_closing_the_channel(self, proj, make_deployment, redis_server):
         """RabbitMQ closes a channel that rejects a delivery it does not track: the worker must
         not send the reject of a no-ack delivery (the gate ends the member).  With late acks,
         Celery rejects the message of a task that raised Reject.  (The worker also warns that
         RabbitMQ does not bound its prefetch.)"""
         r = proj.history()
-        deployment = make_deployment(broker=self.broker_url(redis_server), CT_ACKS_LATE="1",
-                                     **self.extra_env())
+        deployment = make_deployment(
+            broker=self.broker_url(redis_server), CT_ACKS_LATE="1", **self.extra_env()
+        )
         late = deployment.worker("late", concurrency=1)
         assert "applies no prefetch limit to such a consumer" in late.output()
         thread = tid("rej")
@@ -203,13 +213,16 @@ class TestRabbitMQNoAckQueue(BrokerContract):
     def test_unknown_task_name_does_not_close_the_channel(self, proj, deployment):
         """Celery rejects a message naming a task it does not know before any strategy sees it."""
         r = proj.history()
-        proj.app.send_task("tests.support.proj.no_such_task", args=(1,),
-                           queue=deployment.env["CT_NOACK_QUEUE"])
+        proj.app.send_task(
+            "tests.support.proj.no_such_task", args=(1,), queue=deployment.env["CT_NOACK_QUEUE"]
+        )
         thread = tid("unknown")
         assert proj.record.delay(thread, "after").get(timeout=30) == "after"
         workers = [p for p in deployment.processes if p.kind == "worker"]
-        wait_for(lambda: any("no_such_task" in p.output() for p in workers),
-                 what="a worker to refuse the unknown task")
+        wait_for(
+            lambda: any("no_such_task" in p.output() for p in workers),
+            what="a worker to refuse the unknown task",
+        )
         for p in workers:
             assert "PRECONDITION_FAILED" not in p.output()
         assert starts(r, thread) == ["after"]
@@ -235,7 +248,7 @@ def test_a_noack_delivery_makes_no_broker_call_when_acked_or_rejected(redis_serv
             while len(received) < 2:
                 conn.drain_events(timeout=5)
             by_queue = {m.delivery_info["routing_key"]: m for m in received}
-            assert not mark_delivery(by_queue[tracked.name])      # needs its ack: left alone
+            assert not mark_delivery(by_queue[tracked.name])  # needs its ack: left alone
             message = by_queue[name]
             assert mark_delivery(message) and is_no_ack_delivery(message)
             before = watcher.info("commandstats")
@@ -245,8 +258,11 @@ def test_a_noack_delivery_makes_no_broker_call_when_acked_or_rejected(redis_serv
                 message.requeue()
             after = watcher.info("commandstats")
             by_queue[tracked.name].ack()
-    changed = {k: after[k]["calls"] - before.get(k, {"calls": 0})["calls"] for k in after
-               if after[k]["calls"] != before.get(k, {"calls": 0})["calls"]}
+    changed = {
+        k: after[k]["calls"] - before.get(k, {"calls": 0})["calls"]
+        for k in after
+        if after[k]["calls"] != before.get(k, {"calls": 0})["calls"]
+    }
     # Unmarked, the 50 acks alone made 50 MULTI/ZREM/HDEL/EXEC each (checked by hand).
     assert changed.get("cmdstat_zrem", 0) < 50 and changed.get("cmdstat_hdel", 0) < 50, changed
 
@@ -269,7 +285,7 @@ def test_threaded_deliveries_stay_out_of_the_unacked_index(proj, make_deployment
         return all(x.ready() for x in [plain, *threaded])
 
     wait_for(tracked, what="the tasks to end", interval=0.05)
-    assert plain.id in seen                             # the control: a plain task is tracked
+    assert plain.id in seen  # the control: a plain task is tracked
     assert not seen & {x.id for x in threaded}, seen
     assert starts(r, thread) == [f"m{i}" for i in range(4)]
 
@@ -291,8 +307,7 @@ def test_untrack_releases_keeps_only_threaded_deliveries_out(redis_server):
         with conn.Consumer([queue], callbacks=[lambda body, m: received.append(m)]) as consumer:
             assert untrack_releases(consumer.channel)
             producer = conn.Producer()
-            producer.publish({"n": 1}, routing_key=queue.name, declare=[queue],
-                             headers={TOKEN_HEADER: "t1"})
+            producer.publish({"n": 1}, routing_key=queue.name, declare=[queue], headers={TOKEN_HEADER: "t1"})
             producer.publish({"n": 2}, routing_key=queue.name, declare=[queue])
             while len(received) < 2:
                 conn.drain_events(timeout=5)
@@ -304,12 +319,13 @@ def test_untrack_releases_keeps_only_threaded_deliveries_out(redis_server):
             plain.ack()
             assert watcher.hlen("unacked") == 0
     with Connection("memory://") as conn:
-        assert not untrack_releases(conn.default_channel)     # only kombu's Redis transport
+        assert not untrack_releases(conn.default_channel)  # only kombu's Redis transport
 
 
 @LAYOUTS
-def test_release_fetched_after_cancel_consumer_goes_back_to_the_queue(proj, make_deployment,
-                                                                     redis_server, layout):
+def test_release_fetched_after_cancel_consumer_goes_back_to_the_queue(
+    proj, make_deployment, redis_server, layout
+):
     """An idle worker keeps a BRPOP pending; after ``cancel_consumer`` the release it pops has no
     consumer, and kombu puts it back through its unacked index.  An untracked release must go
     back too (not wait a minute for its release deadline)."""
@@ -317,15 +333,17 @@ def test_release_fetched_after_cancel_consumer_goes_back_to_the_queue(proj, make
     d = make_deployment(**layout_env(layout))
     w = d.worker("cancel", concurrency=1)
     queue = d.env.get("CT_NOACK_QUEUE") or d.env["CT_QUEUE"]
-    destination = [name for reply in proj.app.control.ping(timeout=2) for name in reply
-                   if name.startswith("cancel-")]
+    destination = [
+        name for reply in proj.app.control.ping(timeout=2) for name in reply if name.startswith("cancel-")
+    ]
     assert destination, w.output()
-    assert proj.app.control.cancel_consumer(queue, destination=destination, reply=True,
-                                            timeout=10)
+    assert proj.app.control.cancel_consumer(queue, destination=destination, reply=True, timeout=10)
     thread = tid("cancelled")
     result = proj.record.delay(thread, "back")
-    wait_for(lambda: "no consumers" in w.output().lower() or queue_length(redis_server, d) == 1,
-             what="the release to be popped or queued")
+    wait_for(
+        lambda: "no consumers" in w.output().lower() or queue_length(redis_server, d) == 1,
+        what="the release to be popped or queued",
+    )
     assert proj.app.control.add_consumer(queue, destination=destination, reply=True, timeout=10)
     assert result.get(timeout=20) == "back", w.output()[-3000:]
     assert starts(r, thread) == ["back"]

@@ -1,5 +1,6 @@
 """The same threads under each worker pool (prefork, threads, solo, gevent), on each broker: one
 shared body, as the compatibility table in README.md states."""
+
 from __future__ import annotations
 
 import pytest
@@ -13,8 +14,9 @@ CONCURRENCY = {"prefork": 2, "threads": 4, "solo": 1, "gevent": 8}
 
 @pytest.mark.parametrize("broker", ["redis", "amqp"])
 @pytest.mark.parametrize("pool", sorted(CONCURRENCY))
-def test_threads_run_serially_in_order_with_retries_and_deaths(proj, make_deployment,
-                                                               redis_server, pool, broker):
+def test_threads_run_serially_in_order_with_retries_and_deaths(
+    proj, make_deployment, redis_server, pool, broker
+):
     if pool == "gevent":
         pytest.importorskip("gevent")
     # A Redis broker on the gate's server: the gate pushes releases onto the queue itself.
@@ -24,7 +26,7 @@ def test_threads_run_serially_in_order_with_retries_and_deaths(proj, make_deploy
     r = proj.history()
     threads = [tid(f"{pool}-{broker}") for _ in range(3)]
     ends, doomed = [], []
-    go = f"go:{threads[0]}"     # each m0 held until every call was sent, however slowly
+    go = f"go:{threads[0]}"  # each m0 held until every call was sent, however slowly
     for t in threads:
         ends.append(proj.record.delay(t, "m0", sleep=0.05, fail_times=1, countdown=0.3, until=go))
         ends.append(proj.record.delay(t, "m1", sleep=0.05))

@@ -1,4 +1,5 @@
 """Crashed workers, lost releases and duplicate deliveries."""
+
 from __future__ import annotations
 
 import signal
@@ -50,7 +51,7 @@ def test_lapsed_lease_without_retries_dies_naming_the_keepalive(proj, make_deplo
     d = make_deployment(CT_KEEPALIVE="1.5", CT_DISPATCH_INTERVAL="0.2")
     victim = d.worker("victim", concurrency=1)
     thread = tid("crash")
-    doomed = proj.boom.delay(thread, "doomed", sleep=30)       # max_retries=0
+    doomed = proj.boom.delay(thread, "doomed", sleep=30)  # max_retries=0
     wait_for(lambda: starts(r, thread) == ["doomed"], what="doomed to start")
     victim.kill(signal.SIGKILL)
     d.worker("rescuer", concurrency=1)
@@ -68,21 +69,20 @@ def test_release_that_never_reached_the_broker_is_republished(proj, make_deploym
     RELEASED; once the release timeout lapses the dispatcher (the worker's own loop)
     republishes it, and it runs once."""
     direct = "0" if how == "publish-failed" else "1"
-    d = make_deployment(CT_RELEASE_TIMEOUT="1", CT_DISPATCH_INTERVAL="0.2",
-                        CT_DIRECT_RELEASE=direct)
+    d = make_deployment(CT_RELEASE_TIMEOUT="1", CT_DISPATCH_INTERVAL="0.2", CT_DIRECT_RELEASE=direct)
     broker = redis.Redis.from_url(d.env["CT_BROKER_URL"])
     queue = d.env["CT_QUEUE"]
     thread = tid("lost")
     if how == "publish-failed":
         with proj.app.connection_for_write(f"redis://127.0.0.1:{free_port()}/1") as dead:
             result = proj.record.apply_async(
-                (thread, "lost"), producer=dead.Producer(auto_declare=False),
-                retry_policy={"max_retries": 0})
+                (thread, "lost"), producer=dead.Producer(auto_declare=False), retry_policy={"max_retries": 0}
+            )
         assert broker.llen(queue) == 0
     else:
         result = proj.record.apply_async((thread, "lost"))
-        assert broker.llen(queue) == 1            # the gate's script pushed it ...
-        assert broker.delete(queue) == 1          # ... and the broker lost it
+        assert broker.llen(queue) == 1  # the gate's script pushed it ...
+        assert broker.delete(queue) == 1  # ... and the broker lost it
     info = Threads(proj.app).get(thread)
     assert info is not None and info.active.state == "RELEASED"
     w = d.worker("w", concurrency=1)
@@ -100,10 +100,17 @@ def test_redelivered_message_never_runs_twice_at_once(proj, make_deployment, r, 
     threaded delivery is tracked the same way and the claim drops its redelivery; by default it
     is not tracked, so nothing is redelivered."""
     if not hasattr(kombu.transport.redis.Channel, "unacked_restore_interval"):
-        pytest.skip("this kombu restores unacked deliveries every 10 s at the earliest: plain "
-                    "Celery's control run is not redelivered within the test")
-    d = make_deployment(CT_ACKS_LATE="1", CT_VISIBILITY="1", CT_UNACKED_RESTORE="1",
-                        CT_PREFETCH="1", CT_TRACK_RELEASES="1" if track else "0")
+        pytest.skip(
+            "this kombu restores unacked deliveries every 10 s at the earliest: plain "
+            "Celery's control run is not redelivered within the test"
+        )
+    d = make_deployment(
+        CT_ACKS_LATE="1",
+        CT_VISIBILITY="1",
+        CT_UNACKED_RESTORE="1",
+        CT_PREFETCH="1",
+        CT_TRACK_RELEASES="1" if track else "0",
+    )
     d.worker("a", concurrency=2)
     d.worker("b", concurrency=2)
     thread, plain_thread = tid("dup"), tid("dup-plain")
@@ -118,10 +125,13 @@ def test_redelivered_message_never_runs_twice_at_once(proj, make_deployment, r, 
     # Ours ran once: its redelivery, restored as the plain one was, is dropped (and said so)
     # when tracked; untracked, there is none.
     if track:
-        wait_for(lambda: "a duplicate delivery" in "".join(p.output() for p in d.processes),
-                 timeout=30, what="the claim to drop the redelivery")
+        wait_for(
+            lambda: "a duplicate delivery" in "".join(p.output() for p in d.processes),
+            timeout=30,
+            what="the claim to drop the redelivery",
+        )
     else:
-        time.sleep(2)    # what a redelivery would take: none must come
+        time.sleep(2)  # what a redelivery would take: none must come
         assert "a duplicate delivery" not in "".join(p.output() for p in d.processes)
     assert starts(r, thread) == ["threaded"]
     assert_serial(r, thread)
@@ -140,13 +150,13 @@ def test_member_prefetched_by_a_worker_shutting_down_runs_elsewhere(proj, make_d
     info = Threads(proj.app).get(waiting)
     assert info is not None, (starts(r, waiting), leaving.output()[-2000:])
     assert info.active.state == "RELEASED"
-    leaving.proc.send_signal(signal.SIGTERM)   # warm shutdown: finishes busy, returns the rest
+    leaving.proc.send_signal(signal.SIGTERM)  # warm shutdown: finishes busy, returns the rest
     d.worker("staying", concurrency=1)
     leaving.proc.wait(30)
     assert f"{prefetched.id}] succeeded" not in leaving.output()
     assert prefetched.get(timeout=20) == "prefetched"
     assert starts(r, waiting) == ["prefetched"]
-    assert starts(r, busy) == ["busy"]       # finished by the leaving worker, once
+    assert starts(r, busy) == ["busy"]  # finished by the leaving worker, once
 
 
 def _released_but_unpublished(proj, thread: str, label: str, sleep: float = 0.0):
@@ -178,8 +188,9 @@ def _first_copy_running(proj, make_deployment, r, prefix: str, sleep: float):
 def test_republished_copy_of_a_running_member_is_dropped_on_receipt(proj, make_deployment, r):
     """A copy the gate published again (header thread_republished) is checked on receipt: while
     the first copy runs, the second is acked and dropped before Celery logs it as received."""
-    w, thread, runtime, result, release = _first_copy_running(proj, make_deployment, r,
-                                                              "republished", sleep=2)
+    w, thread, runtime, result, release = _first_copy_running(
+        proj, make_deployment, r, "republished", sleep=2
+    )
     runtime.publish(release, republish=True)
     wait_for(lambda: "a duplicate delivery" in w.output(), what="the copy to be dropped")
     assert result.get(timeout=20) == "once"
@@ -190,20 +201,20 @@ def test_republished_copy_of_a_running_member_is_dropped_on_receipt(proj, make_d
 def test_unmarked_duplicate_copy_is_stopped_by_the_claim(proj, make_deployment, r):
     """A copy that carries no duplicate mark passes the receipt check unread; the claim at task
     start stops it, its body never runs, and the thread moves on."""
-    w, thread, runtime, result, release = _first_copy_running(proj, make_deployment, r,
-                                                              "unmarked", sleep=1)
-    runtime.publish(release)                               # the same message, unmarked
+    w, thread, runtime, result, release = _first_copy_running(proj, make_deployment, r, "unmarked", sleep=1)
+    runtime.publish(release)  # the same message, unmarked
     nxt = proj.record.delay(thread, "next")
     assert nxt.get(timeout=20) == "next"
     assert result.get(timeout=20) == "once"
     assert starts(r, thread) == ["once", "next"]
     assert_serial(r, thread)
-    wait_for(lambda: "claimed by another delivery" in w.output() or "stale release" in w.output(),
-             what="the copy to lose its claim")
+    wait_for(
+        lambda: "claimed by another delivery" in w.output() or "stale release" in w.output(),
+        what="the copy to lose its claim",
+    )
 
 
-def test_pool_processes_that_exit_after_each_member_still_release_the_next(proj, make_deployment,
-                                                                           r):
+def test_pool_processes_that_exit_after_each_member_still_release_the_next(proj, make_deployment, r):
     """The next member's release goes out from a background thread of the pool process that ended
     its predecessor; a process that leaves right after (``--max-tasks-per-child 1``) publishes it
     first, so the thread never waits for the release timeout (120 s here)."""

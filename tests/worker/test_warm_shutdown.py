@@ -2,6 +2,7 @@
 finishes the running member does not run the thread's next one; that one goes through the broker,
 to a worker that is not stopping, once.
 """
+
 from __future__ import annotations
 
 import os
@@ -22,19 +23,23 @@ def test_a_stopping_worker_hands_off_no_member(proj, make_deployment):
     first = proj.beater.apply_async((thread, "first"), {"seconds": 60, "until": ended})
     wait_for(lambda: starts(r, thread) == ["first"], what="the first member")
     nxt = proj.where.delay(thread, "next")
-    wait_for(lambda: [m.task_id for m in Threads(proj.app).get(thread).waiting] == [nxt.id],
-             what="the next member to wait")
+    wait_for(
+        lambda: [m.task_id for m in Threads(proj.app).get(thread).waiting] == [nxt.id],
+        what="the next member to wait",
+    )
     pool = set(stopping.children())
-    os.kill(stopping.proc.pid, signal.SIGTERM)    # the main process only: a warm shutdown
-    wait_for(lambda: "take no more members by handoff" in stopping.output(),
-             what="the worker to begin its warm shutdown")
-    r.set(ended, 1)                               # the first member ends now
+    os.kill(stopping.proc.pid, signal.SIGTERM)  # the main process only: a warm shutdown
+    wait_for(
+        lambda: "take no more members by handoff" in stopping.output(),
+        what="the worker to begin its warm shutdown",
+    )
+    r.set(ended, 1)  # the first member ends now
     stopping.proc.wait(60)
-    assert first.get(timeout=5) == "first"        # the running member ran to its end
+    assert first.get(timeout=5) == "first"  # the running member ran to its end
     assert starts(r, thread) == ["first"], "the stopping worker ran the next member"
     info = Threads(proj.app).get(thread)
     assert info is not None and info.active is not None and info.active.task_id == nxt.id
-    assert info.active.state == "RELEASED"        # sent through the broker, not lost
+    assert info.active.state == "RELEASED"  # sent through the broker, not lost
 
     d.worker("successor", concurrency=2)
     assert nxt.get(timeout=30) == "next"
