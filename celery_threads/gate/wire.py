@@ -34,7 +34,7 @@ class ScriptLine:
     thread keeps for itself.
 
     redis-py's client layer (pool checkout, retry wrapper, event hooks) costs more CPU per call
-    than the call itself (0.125 against 0.055 ms measured here), and every threaded task makes two
+    than the call itself (``python -m bench.poolcost`` measures both), and every threaded task makes two
     such calls in its pool process.  So does its reply parser, made for every kind of reply: the
     line writes the packed command to the socket and reads the reply with :func:`_parse_reply`
     (a script's reply is an array of integers and bulk strings).  redis-py still makes the
