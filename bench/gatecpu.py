@@ -42,7 +42,7 @@ from bench.cluster import _start_cluster
 
 SIDES = ("single", "cluster", "plain")
 LABELS = {"single": "one Redis gate", "cluster": "3-master cluster gate (6 shards)", "plain": "plain Celery"}
-OWN = ("CONFIG", "SLOWLOG", "INFO", "PING", "CLUSTER", "COMMAND", "CLIENT", "HELLO", "SELECT")
+OWN = ("CONFIG", "SLOWLOG", "INFO", "PING", "CLUSTER", "COMMAND", "CLIENT", "HELLO", "SELECT", "SCAN")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -118,6 +118,11 @@ def _round_trips(nodes: list[redis.Redis], names: dict[str, str]) -> Counter[str
     return found
 
 
+def _active_members(node: redis.Redis) -> bool:
+    """Whether ``node`` holds a thread's active member (its ``...:a`` hash)."""
+    return any(True for _ in node.scan_iter(match="*:a", count=1000, _type="HASH"))
+
+
 def _log_all(nodes: list[redis.Redis]) -> None:
     for node in nodes:
         node.config_set("slowlog-max-len", 2_000_000)
@@ -190,6 +195,14 @@ def _side(
         h.progress(f"{side}: counting round trips over {rt_n:,} tasks")
         _log_all(nodes)
         drain("trips", rt_n, rt_threads)
+        # A task's body counts it done before its worker's finish reaches the gate: wait for the
+        # last finishes (no active member left), or the count would miss them.
+        h.wait_until(
+            lambda: not any(_active_members(g) for g in gate_nodes),
+            60,
+            f"{side}: the gate's last finishes",
+            stack=stack,
+        )
         names = _script_names()
         gate_trips = _round_trips(gate_nodes, names)
         broker_trips = _round_trips([broker_node], names)
