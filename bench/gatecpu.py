@@ -30,6 +30,7 @@ Targets (issue 31): one Redis's gate CPU per task <= 120 µs; a 3-master cluster
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import time
 from collections import Counter
@@ -118,6 +119,9 @@ def _round_trips(nodes: list[redis.Redis], names: dict[str, str]) -> Counter[str
     return found
 
 
+_drains = itertools.count()
+
+
 def _active_members(node: redis.Redis) -> bool:
     """Whether ``node`` holds a thread's active member (its ``...:a`` hash)."""
     return any(True for _ in node.scan_iter(match="*:a", count=1000, _type="HASH"))
@@ -158,7 +162,8 @@ def _side(
     try:
 
         def drain(tag: str, count: int, over: int = threads) -> float:
-            key = f"bench:{stack.run_id}:{side}:{tag}"
+            # The count's key is this drain's own: a later repeat of the side starts from zero.
+            key = f"bench:{stack.run_id}:{side}:{tag}:{next(_drains)}"
             cpu = _publish(task, f"{side}{tag}", count, over, key)
             h.wait_until(
                 lambda: int(rec.client.get(key) or 0) >= count,
