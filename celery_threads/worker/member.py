@@ -235,7 +235,7 @@ def _ended(
         outcome = runtime.publish_outcome(
             gate.requeue(thread_id, task_id, token, retries=retries, caller=ending.caller)
         )
-    elif isinstance(exc, Reject):
+    elif isinstance(exc, Exception):  # a Reject without requeue too: it dies, saying why
         outcome = runtime.kill(
             thread_id,
             task_id,
@@ -243,18 +243,7 @@ def _ended(
             exc=exc,
             retries=retries,
             keep=task.dead_letter,
-            reason=f"Rejected: {exc.reason!r}",
-            caller=ending.caller,
-            fenced=True,
-        )
-    elif isinstance(exc, Exception):
-        outcome = runtime.kill(
-            thread_id,
-            task_id,
-            token,
-            exc=exc,
-            retries=retries,
-            keep=task.dead_letter,
+            reason=f"Rejected: {exc.reason!r}" if isinstance(exc, Reject) else None,
             caller=ending.caller,
             fenced=True,
         )
