@@ -20,6 +20,11 @@ Each side runs ``--repeats`` times (3), the sides' order alternating, and each f
 median over them.  The gate's CPU per task is split into its scripts' Redis time (commandstats) and
 the rest: reading requests, writing replies and the kernel's part of each round trip.
 
+The floor side (``round trips alone``) runs the same worker and producer with a plain task that
+makes a threaded task's gate round trips to a function that does nothing
+(:func:`bench.tasks.floor_call`): the gate's CPU per round trip that no script can save, and so the
+floor of any transitions that make one Redis's script calls per task.
+
 Round trips are counted in a second, shorter pass (a tenth of the tasks and threads) with every command logged
 (``SLOWLOG`` at 0 µs, which costs the server time of its own: no CPU is measured in that pass); a
 command a script ran is logged without a client address and is not a round trip.
@@ -33,6 +38,7 @@ import argparse
 import itertools
 import json
 import time
+import uuid
 from collections import Counter
 from typing import Any
 
@@ -41,8 +47,13 @@ import redis
 from bench import harness as h
 from bench.cluster import _start_cluster
 
-SIDES = ("single", "cluster", "plain")
-LABELS = {"single": "one Redis gate", "cluster": "3-master cluster gate (6 shards)", "plain": "plain Celery"}
+SIDES = ("single", "cluster", "plain", "floor")
+LABELS = {
+    "single": "one Redis gate",
+    "cluster": "3-master cluster gate (6 shards)",
+    "plain": "plain Celery",
+    "floor": "round trips alone",
+}
 OWN = ("CONFIG", "SLOWLOG", "INFO", "PING", "CLUSTER", "COMMAND", "CLIENT", "HELLO", "SELECT", "SCAN")
 
 
@@ -90,10 +101,19 @@ def _threads_per_master(ports: list[int], shards: int, names: list[str]) -> list
 
 
 def _publish(task: Any, tag: str, n: int, threads: int, key: str) -> float:
-    """Publish ``n`` tasks; the producer's CPU seconds for it."""
+    """Publish ``n`` tasks; the producer's CPU seconds for it.  A floor task's producer makes its
+    enqueue's round trip first (``bench.tasks.floor_enqueue``)."""
+    from bench.tasks import floor_enqueue, noop_floor
+
     cpu = time.process_time()
     for i in range(n):
-        task.apply_async((f"{tag}-{i % threads}", key, n))
+        thread = f"{tag}-{i % threads}"
+        if task is noop_floor:
+            task_id = str(uuid.uuid4())
+            floor_enqueue(thread, task_id)
+            task.apply_async((thread, key, n), task_id=task_id)
+        else:
+            task.apply_async((thread, key, n))
     return time.process_time() - cpu
 
 
@@ -153,7 +173,7 @@ def _side(
     env = h.celery_env(broker, **extra)
     env["BENCH_REDIS_URL"] = gate_url
     tasks.configure(env)
-    task = tasks.noop_plain if side == "plain" else tasks.noop_threaded
+    task = {"plain": tasks.noop_plain, "floor": tasks.noop_floor}.get(side, tasks.noop_threaded)
     rec = tasks.recorder()
     worker = stack.worker(
         env, name=f"worker-{side}", concurrency=args.concurrency, ready_client=probe.client()
@@ -250,6 +270,8 @@ def _median_side(runs: list[dict[str, Any]]) -> dict[str, Any]:
 def run(args: argparse.Namespace) -> int:
     n = args.tasks or (200 if args.quick else 4_000)
     threads = args.threads or (20 if args.quick else 400)
+    from bench import tasks
+
     runs: dict[str, list[dict[str, Any]]] = {side: [] for side in SIDES}
     with h.Stack("gatecpu") as stack:
         broker = stack.redis("broker")
@@ -261,7 +283,9 @@ def run(args: argparse.Namespace) -> int:
             "single": (single.url(), [single.client()]),
             "cluster": (f"redis://127.0.0.1:{ports[0]}/0", [redis.Redis(port=p) for p in ports]),
             "plain": (probe.url(), []),
+            "floor": (single.url(), [single.client()]),
         }
+        single.client().function_load(tasks.FLOOR_LIBRARY, replace=True)
         for rep in range(args.repeats):
             for side in SIDES if rep % 2 == 0 else SIDES[::-1]:
                 if args.repeats > 1:
@@ -272,8 +296,11 @@ def run(args: argparse.Namespace) -> int:
         spread = _threads_per_master(ports, 6, [f"clusterrun-{i}" for i in range(threads)])
 
     out = {side: _median_side(runs[side]) for side in SIDES}
-    s, c, p = out["single"], out["cluster"], out["plain"]
+    s, c, p, f = out["single"], out["cluster"], out["plain"], out["floor"]
     busiest = max(c["masters_us"])
+    # The floor: what one Redis's script calls per task cost when each is a round trip alone.
+    floor_call_us = f["gate_us"] / f["scripts"]
+    floor_us = floor_call_us * s["scripts"]
     rows: list[list[Any]] = [
         [
             "gate Redis CPU per task, all servers (µs)",
@@ -379,6 +406,34 @@ def run(args: argparse.Namespace) -> int:
             "-",
         ],
         [
+            "floor: Redis CPU per round trip alone (a call of a function that does nothing, with "
+            "a transition's keys and arguments; µs)",
+            floor_call_us,
+            "-",
+            "-",
+            "-",
+            "-",
+            "-",
+        ],
+        [
+            "floor: one Redis's script calls per task as round trips alone (µs)",
+            floor_us,
+            "-",
+            "-",
+            "-",
+            "-",
+            "-",
+        ],
+        [
+            "one Redis's gate CPU per task above the floor: the transitions' own work (µs)",
+            s["gate_us"] - floor_us,
+            "-",
+            "-",
+            "-",
+            "-",
+            "-",
+        ],
+        [
             "broker round trips per task",
             s["broker_trips"],
             c["broker_trips"],
@@ -417,6 +472,13 @@ def run(args: argparse.Namespace) -> int:
         "modulo 6 shards): " + " / ".join(str(x) for x in spread) + ".",
         "the gate's servers are not the broker's: releases are published through kombu (no "
         "direct release), on both gates; worker dispatch loops included.",
+        "round trips alone (the floor): the same producer and worker run a plain task that makes a "
+        "threaded task's gate round trips (its enqueue's from the producer, its claim's and "
+        "finish's from its body), each an FCALL of a function that does nothing, with a "
+        "transition's 12 keys and arguments (the enqueue's with a message of 950 bytes), on the "
+        f"one-Redis gate's server: {f['scripts']:.2f} calls per task cost it {f['gate_us']:.0f} µs. "
+        "Its broker work is plain Celery's.  Any transitions making the same round trips cost at "
+        "least the floor, whatever their scripts do.",
     ]
     h.report(
         "gatecpu (gate cost per task)",

@@ -104,9 +104,9 @@ def _fill(gate: Any, client: Any, waiting: int, envelope: bytes, label: str) -> 
     }
 
 
-# "\2" + a UUID's last two bytes + "seq|retries|max|delay|len\n" + thread id: a 7-digit seq (the
-# large case's are ~1,100,000)
-RECORD_HEADER_BYTES = 3 + len("1100000|0|-1|0|8\nbg-12345")
+# "\2" + a UUID's last two bytes + "seq|retries|max|delay|len\n" + thread id: a 16-digit seq (the
+# shard counter follows the server's clock in microseconds: next_seq in _common.lua)
+RECORD_HEADER_BYTES = 3 + len("1796559196514608|0|-1|0|8\nbg-12345")
 SDS16_OVERHEAD = 6  # sdshdr16 (5 bytes) + NUL
 
 

@@ -119,6 +119,46 @@ def noop_plain(thread: str, key: str, target: int) -> None:
     recorder().count(key, target)
 
 
+# -- gatecpu's floor: a threaded task's gate round trips, each to a function that does nothing ---
+#: The function every floor call runs: it reads nothing, writes nothing and replies as a
+#: transition does that released nothing.
+FLOOR_LIBRARY = (
+    "#!lua name=bench_floor\n"
+    "redis.register_function('bench_floor', function(KEYS, ARGV) return {1, ''} end)\n"
+)
+#: The size of the message a threaded no-op task's enqueue stores (measured: 956 bytes).
+FLOOR_ENVELOPE = b"x" * 950
+
+
+def floor_call(thread: str, *args: Any) -> None:
+    """One gate round trip without a transition: ``FCALL bench_floor`` with the 12 keys of
+    ``thread`` and the common head of a transition's arguments, then ``args``."""
+    from celery_threads.keys import Keys
+
+    client = _state.get("floor")
+    if client is None or _state.get("floor_pid") != os.getpid():
+        client = _state["floor"] = redis.Redis.from_url(app.conf.threads_redis_url)
+        _state["floor_pid"] = os.getpid()
+    keys = Keys(app.conf.threads_key_prefix, app.conf.threads_shards).thread(thread).script_keys()
+    client.execute_command("FCALL", "bench_floor", len(keys), *keys, "", thread, "60000", "wake", "", *args)
+
+
+@app.task(bind=True, name="bench.noop_floor")
+def noop_floor(self: Any, thread: str, key: str, target: int) -> None:
+    """A plain task whose body makes a threaded one's two gate round trips (its claim's and its
+    finish's arguments); its producer made the enqueue's (:func:`floor_enqueue`)."""
+    task, token = self.request.id, "1796559196514608"
+    claimant = f"{self.request.hostname}/{os.getpid()}/{task}"
+    floor_call(thread, task, token, "30000", self.request.hostname, claimant, "1")
+    floor_call(thread, task, token, "1", "30000", self.request.hostname, claimant, claimant, "1")
+    recorder().count(key, target)
+
+
+def floor_enqueue(thread: str, task: str) -> None:
+    """The enqueue's round trip of a floor task, with its arguments and a message of its size."""
+    floor_call(thread, task, "in", "0", "-1", "0", FLOOR_ENVELOPE)
+
+
 # -- handoff: a start and an end stamp per member ---------------------------------------------
 def _mark(key: str, label: str) -> None:
     rec = recorder()
