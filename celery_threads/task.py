@@ -146,8 +146,7 @@ class ThreadedTask(Task):
         # A producer's call waits for the gate threads_publish_timeout in all; a member's calls
         # ride out outages as the rest of its worker does (its lease covers the wait).
         bound = nullcontext(None) if call.from_member else deadline.within(config.publish_timeout)
-        with app.producer_or_acquire(producer) as real, bound as limit, gate_errors(config, task_id, limit):
-            runtime = get_runtime(app)
+        with app.producer_or_acquire(producer) as real:
             capture = CapturingProducer(real)
             # countdown and eta reach Celery only for its task-sent event (Flower shows when the
             # member is due); the stored message leaves them out, and the gate schedules it.
@@ -165,17 +164,22 @@ class ThreadedTask(Task):
                 **options,
             )
             message = _message(capture, countdown, eta, call, options)
-            retried = member.running(task_id, call.token) if call.token is not None else None
-            if call.replaced is not None:
-                stored = self._replace_once_unwound(runtime, call, call.replaced, message)
-            elif retried is not None:
-                stored = self._retry_once_unwound(runtime, retried, message)
-            elif call.token is not None:
-                stored = self._retry_now(runtime, call, call.token, task_id, message)
-            else:
-                stored = self._enqueue(runtime, call, task_id, message)
-            capture.flush()
-            _publish_stored(runtime, call, task_id, stored, producer, capture)
+            # The gate's part, bounded from here: what Celery's own part took (its result
+            # backend's subscription, signal handlers) does not spend the gate's time, and its
+            # errors are not reported as the gate's.
+            with bound as limit, gate_errors(config, task_id, limit):
+                runtime = get_runtime(app)
+                retried = member.running(task_id, call.token) if call.token is not None else None
+                if call.replaced is not None:
+                    stored = self._replace_once_unwound(runtime, call, call.replaced, message)
+                elif retried is not None:
+                    stored = self._retry_once_unwound(runtime, retried, message)
+                elif call.token is not None:
+                    stored = self._retry_now(runtime, call, call.token, task_id, message)
+                else:
+                    stored = self._enqueue(runtime, call, task_id, message)
+                capture.flush()
+                _publish_stored(runtime, call, task_id, stored, producer, capture)
         return result
 
     def _apply_eagerly(

@@ -164,3 +164,25 @@ def test_a_stopped_server_may_hold_the_call_and_says_so(
         info = threads.get(thread)
         assert info is not None and info.active is not None
         assert info.active.task_id == task_id and info.waiting == []
+
+
+def test_the_bound_is_the_gates_alone(proj: Any, isolated_app: Any, gate_server: RedisServer) -> None:
+    """Celery's own part of apply_async (here a before_task_publish handler slower than the bound;
+    a result backend's subscription is another) does not spend the gate's time: the call stores and
+    publishes its member, and is not reported as a gate that did not answer."""
+    from celery import signals
+
+    thread = f"slow-celery-{uuid.uuid4().hex[:8]}"
+
+    def slow(sender: Any = None, headers: Any = None, **kwargs: Any) -> None:
+        if (headers or {}).get("id") == task_id:
+            time.sleep(BOUND * 1.5)
+
+    task_id = str(uuid.uuid4())
+    signals.before_task_publish.connect(slow, weak=False)
+    try:
+        with pointed_at(proj.app, threads_redis_url=gate_server.url(), threads_publish_timeout=BOUND):
+            proj.record.apply_async((thread, "slow"), task_id=task_id)
+            assert Threads(proj.app).thread_of(task_id) == thread
+    finally:
+        signals.before_task_publish.disconnect(slow)

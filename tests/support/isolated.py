@@ -8,6 +8,7 @@ flushed for each test, with no worker and no beat running on them.
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, Callable
@@ -34,7 +35,12 @@ def isolated_env(server: Any) -> dict[str, str]:
 
 
 def point_app(app: Any, settings: dict[str, Any]) -> None:
-    """Apply ``app.conf`` settings so that the gate, broker and backend clients use them."""
+    """Apply ``app.conf`` settings so that the gate, broker and backend clients use them.
+
+    Results the test dropped unsubscribe first, from the backend they were made with, while its
+    server is still up: collected once it is gone (a test's private server), each would make
+    Celery's result backend retry its reconnection for about 20 s, in whatever test ran then."""
+    gc.collect()
     app.conf.update(settings)
     reset(app)
 
