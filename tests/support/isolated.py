@@ -37,10 +37,12 @@ def isolated_env(server: Any) -> dict[str, str]:
 def point_app(app: Any, settings: dict[str, Any]) -> None:
     """Apply ``app.conf`` settings so that the gate, broker and backend clients use them.
 
-    Results the test dropped unsubscribe first, from the backend they were made with, while its
-    server is still up: collected once it is gone (a test's private server), each would make
-    Celery's result backend retry its reconnection for about 20 s, in whatever test ran then."""
-    gc.collect()
+    When the result backend changes, results the test dropped unsubscribe first, from the backend
+    they were made with, while its server is still up: collected once it is gone (a test's private
+    server), each would make Celery's result backend retry its reconnection for about 20 s, in
+    whatever test ran then."""
+    if "result_backend" in settings and settings["result_backend"] != app.conf.result_backend:
+        gc.collect()
     app.conf.update(settings)
     reset(app)
 
