@@ -168,8 +168,8 @@ def test_a_stopped_server_may_hold_the_call_and_says_so(
 
 def test_the_bound_is_the_gates_alone(proj: Any, isolated_app: Any, gate_server: RedisServer) -> None:
     """Celery's own part of apply_async (here a before_task_publish handler slower than the bound;
-    a result backend's subscription is another) does not spend the gate's time: the call stores and
-    publishes its member, and is not reported as a gate that did not answer."""
+    a result backend's subscription is another) does not spend the gate's time: the call stores its
+    member, and is not reported as a gate that did not answer."""
     from celery import signals
 
     thread = f"slow-celery-{uuid.uuid4().hex[:8]}"
