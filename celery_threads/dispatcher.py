@@ -40,6 +40,7 @@ class Dispatcher:
 
     def tick(self) -> TickReport:
         """One pass over every shard, at most ``threads_dispatch_batch`` items of each kind."""
+        self.runtime.check_gate()  # its scan reads the shards of the count it checks
         report = TickReport()
         for shard in self.runtime.keys.all_shards():
             self._tick_shard(shard, report)

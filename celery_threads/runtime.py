@@ -7,6 +7,7 @@ import os
 import threading
 import time
 import traceback as tb
+from contextlib import nullcontext
 from typing import Any, Optional
 
 import redis
@@ -27,6 +28,7 @@ from .gate import (
     Outcome,
     Release,
     ReleasePush,
+    deadline,
     make_client,
 )
 from .gate.access import check_access
@@ -53,24 +55,14 @@ _lock = threading.Lock()
 class Runtime:
     """What a process needs to drive the gate for one app."""
 
-    def __init__(self, app: Celery) -> None:
+    def __init__(self, app: Celery, parent: Optional[Runtime] = None) -> None:
+        """``parent``: the runtime of the process this one was forked from (a pool process's)."""
         self.app = app
         self.config: ThreadsConfig = read_config(app)
         self.client = make_client(self.config.redis_url, self.config.redis_options)
         self.keys = Keys(self.config.key_prefix, self.config.shards)
-        if check_access(self.client, self.keys, self.config.redis_url):
-            # Not on a gate that did not answer: a producer's first call waits for it once only.
-            check_eviction(self.client, self.config.redis_url)
-        try:
-            check_shards(self.client, self.keys)
-        except (redis.ConnectionError, redis.TimeoutError) as exc:
-            logger.warning(
-                "celery-threads: could not check threads_shards=%s against the gate's "
-                "Redis at %s (threads_redis_url): %s; going on unchecked",
-                self.config.shards,
-                sanitized_url(self.config.redis_url),
-                exc,
-            )
+        self._checked = False
+        self._checks_lock = threading.Lock()
         # On a Redis Cluster, releases go through kombu (the broker is not the cluster).
         self.gate = self._gate(
             self.client,
@@ -78,11 +70,12 @@ class Runtime:
             if (self.config.direct_release and not is_cluster(self.client) and seams.active("direct-release"))
             else None,
         )
+        self._check_at_start(said=parent is not None and not parent.checked)
         self.publisher = ReleasePublisher(app)
         self.pid = os.getpid()
 
     def _gate(self, client: redis.Redis, direct: Optional[ReleasePush]) -> Gate:
-        return Gate(
+        gate = Gate(
             client,
             self.keys,
             release_timeout_ms=self.config.release_timeout_ms,
@@ -90,6 +83,53 @@ class Runtime:
             direct=direct,
             wait_replicas=self.config.wait_replicas,
         )
+        if not self._checked:
+            gate.before_call = self.check_gate
+        return gate
+
+    def _check_at_start(self, said: bool) -> None:
+        """The gate's checks when the process first uses it, within ``threads_publish_timeout``
+        (or the caller's own bound): a process whose gate does not answer starts without waiting
+        out the client's retries, and its gate checks them before its first transition.
+        ``said``: the parent process has said that its gate did not answer (a debug line here)."""
+        bound = deadline.within(self.config.publish_timeout) if deadline.current() is None else nullcontext()
+        try:
+            with bound:
+                self.check_gate()
+        except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
+            logger.log(
+                logging.DEBUG if said else logging.WARNING,
+                "celery-threads: the gate's Redis at %s (threads_redis_url) did not answer its "
+                "start-up checks (%s); its rights and threads_shards=%s are checked before this "
+                "process's first transition, once it answers",
+                sanitized_url(self.config.redis_url),
+                exc,
+                self.config.shards,
+            )
+
+    @property
+    def checked(self) -> bool:
+        """Whether the gate's checks have passed in this process (:meth:`check_gate`)."""
+        return self._checked
+
+    def check_gate(self) -> None:
+        """Check the gate once: the rights of its Redis user and its eviction policy (where it
+        answers), and ``threads_shards`` against the count it records.  Until this has passed, every
+        transition of this process's gates runs it first (``Gate.before_call``), and so does the
+        dispatcher's tick: nothing is stored under a shard count the gate does not hold.  Raises
+        :class:`ConfigurationError`, or the client's error when the gate does not answer."""
+        if self._checked:
+            return
+        with self._checks_lock:
+            if self._checked:
+                return
+            if check_access(self.client, self.keys, self.config.redis_url):
+                check_eviction(self.client, self.config.redis_url)
+            else:
+                self.client.ping()  # no answer: the client's own error
+            check_shards(self.client, self.keys)
+            self._checked = True
+            self.gate.before_call = None
 
     def own_gate(self) -> Gate:
         """The gate on a client of its own, for a native thread of a gevent worker
@@ -402,7 +442,7 @@ def get_runtime(app: Celery) -> Runtime:
     with _lock:
         runtime = getattr(app, _ATTR, None)
         if runtime is None or runtime.pid != os.getpid():
-            runtime = Runtime(app)
+            runtime = Runtime(app, parent=runtime)
             setattr(app, _ATTR, runtime)
         return runtime
 

@@ -161,8 +161,8 @@ def check_worker(app: Any, gate_client: Any = None) -> int:
     """At worker start: every seam, once; one line naming the active ones and those fallen back.
     :class:`SeamRefused` when one without a fallback does not hold (a Redis broker only for
     ``utf8-bodies``: other brokers never carry the gate's own messages).  ``gate_client``: the
-    worker's gate client (a connection of its is probed for the direct line).  Returns how many
-    fell back."""
+    worker's gate client (a connection of its is probed for the direct line; ``None`` when the
+    gate did not answer: the line is then judged at first use).  Returns how many fell back."""
     global _gate_client
     _gate_client = gate_client
     names = [n for n in SEAMS if n != "utf8-bodies" or _redis_broker(app)]

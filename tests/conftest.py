@@ -130,6 +130,8 @@ class RedisServer:
             try:
                 client.ping()
                 return
+            except redis.AuthenticationError:
+                return  # it answers (a server started with --requirepass)
             except redis.ConnectionError:
                 time.sleep(0.02)
         raise RuntimeError("redis-server did not start")

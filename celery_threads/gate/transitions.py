@@ -82,6 +82,7 @@ class Gate:
         wait_replicas: int = 0,
     ) -> None:
         self.client = client
+        self.before_call: Optional[Callable[[], None]] = None
         if wait_replicas > 0 and cluster.is_cluster(client):
             raise ConfigurationError(
                 "threads_wait_replicas is not supported on a Redis Cluster (each master has its "
@@ -161,6 +162,8 @@ class Gate:
         """``fence`` (with ``wait_replicas``): a write of the call's own connection after the
         script, so that its ``WAIT`` covers every write made before it, even when the script
         wrote nothing (:meth:`_replicated`)."""
+        if self.before_call is not None:
+            self.before_call()
         # The clock is read once per call, whichever way the call goes.
         arguments = self._arguments(thread_id, args) if self.clock is not None else None
         if client is None and self._line is not None and not fence:

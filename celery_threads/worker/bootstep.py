@@ -50,7 +50,8 @@ class ThreadsWorkerStep(bootsteps.StartStopStep):
             )
         # Before the consumer fetches a release; raises when a seam that cannot fall back does
         # not hold (the worker does not start), else logs which seams are in use.
-        self.fallen = seams.check_worker(worker.app, get_runtime(worker.app).client)
+        runtime = get_runtime(worker.app)  # a gate that does not answer is checked at first use
+        self.fallen = seams.check_worker(worker.app, runtime.client if runtime.checked else None)
         shared.prepare(shared.pool_size(worker))  # before the pool forks
         handoff.prepare(worker)
 

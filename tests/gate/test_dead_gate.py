@@ -186,3 +186,36 @@ def test_the_bound_is_the_gates_alone(proj: Any, isolated_app: Any, gate_server:
             assert Threads(proj.app).thread_of(task_id) == thread
     finally:
         signals.before_task_publish.disconnect(slow)
+
+
+def test_a_gate_down_at_first_use_is_checked_once_it_answers(
+    proj: Any, isolated_app: Any, redis_server: Any, gate_server: RedisServer
+) -> None:
+    """A process whose gate did not answer its start-up checks runs them before its first
+    transition once it answers, and the dispatcher's tick too: a producer with the wrong
+    ``threads_shards`` is refused instead of storing a member under a shard its thread is not in
+    (a second active member of the thread)."""
+    from celery_threads.dispatcher import Dispatcher
+    from celery_threads.errors import ConfigurationError
+    from celery_threads.runtime import get_runtime
+
+    thread = f"late-check-{uuid.uuid4().hex[:8]}"
+    with pointed_at(proj.app, threads_redis_url=gate_server.url(), threads_publish_timeout=BOUND):
+        proj.record.apply_async((thread, "first"))  # stored under threads_shards=1
+    assert gate_server.proc is not None
+    settings = {"threads_redis_url": gate_server.url(), "threads_publish_timeout": BOUND}
+    with pointed_at(proj.app, **settings, threads_shards=4):
+        gate_server.proc.send_signal(signal.SIGSTOP)
+        try:
+            _unavailable(proj, thread, str(uuid.uuid4()))  # the runtime is made, unchecked
+        finally:
+            gate_server.proc.send_signal(signal.SIGCONT)
+        for _ in range(2):  # each call checks again: none goes through
+            with pytest.raises(ConfigurationError, match="threads_shards=1"):
+                proj.record.apply_async((thread, "second"))
+        with pytest.raises(ConfigurationError, match="threads_shards=1"):
+            Dispatcher(get_runtime(proj.app)).tick()
+    with pointed_at(proj.app, threads_redis_url=gate_server.url()):
+        info = Threads(proj.app).get(thread)
+    assert info is not None and info.active is not None and info.waiting == []
+    assert not _stores(gate_server, "second")

@@ -1,5 +1,6 @@
 """What a user who got the gate's settings wrong is told: a worker whose gate URL nobody answers
-says which URL and setting, and what to check; a malformed URL names its setting."""
+says which URL and setting, and what to check (and runs members once it answers); a malformed URL
+names its setting."""
 
 from __future__ import annotations
 
@@ -8,12 +9,15 @@ from celery import Celery
 
 from celery_threads.config import read_config
 from celery_threads.errors import ConfigurationError
-from tests.conftest import Deployment, free_port
-from tests.support.helpers import wait_for
+from tests.conftest import Deployment, RedisServer, configure_client, deployment_env
+from tests.support.helpers import tid, wait_for
 
 
-def test_a_worker_whose_gate_nobody_answers_says_where_and_what_to_check(redis_server):
-    dead = f"redis://:secret@127.0.0.1:{free_port()}/0"
+def test_a_worker_whose_gate_nobody_answers_says_where_and_what_to_check(redis_server, proj):
+    """...and starts without waiting out the gate client's retries; once the gate answers, its
+    checks pass and members run."""
+    gate = RedisServer(args=("--requirepass", "secret"))  # started later, on the URL's port
+    dead = f"redis://:secret@127.0.0.1:{gate.port}/0"
     d = Deployment(
         {
             "CT_REDIS_URL": dead,
@@ -33,7 +37,7 @@ def test_a_worker_whose_gate_nobody_answers_says_where_and_what_to_check(redis_s
         )
         line = next(x for x in worker.output().splitlines() if "cannot reach the gate's" in x)
         assert "ERROR" in line
-        assert f"127.0.0.1:{dead.rsplit(':', 1)[1]}" in line and "secret" not in line
+        assert f"127.0.0.1:{gate.port}" in line and "secret" not in line
         assert "threads_redis_url" in line and "Check that the server runs" in line
         assert "the worker starts and keeps trying" in line  # said at start, at once
         # Then the dispatch loop's failures, rate-limited: its ticks go on, the log does not.
@@ -42,10 +46,18 @@ def test_a_worker_whose_gate_nobody_answers_says_where_and_what_to_check(redis_s
             timeout=60,
             what="the dispatch loop to report its failures",
         )
-        assert worker.output().count("cannot reach the gate's Redis") <= 3
+        output = worker.output()
+        assert output.count("cannot reach the gate's Redis") <= 3
+        # Ready before the gate answered; its checks wait for it (said once, not per process).
+        assert " ready." in output and output.count("did not answer its start-up checks") == 1
+        gate.start()
+        configure_client(proj.app, **d.env)
+        assert proj.record.delay(tid("late-gate"), "runs").get(timeout=60) == "runs"
     finally:
         for proc in d.processes:
             proc.stop()
+        gate.stop(kill=True)
+        configure_client(proj.app, **deployment_env(redis_server))
 
 
 @pytest.mark.parametrize(
