@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -62,7 +63,6 @@ class Runtime:
         self.client = make_client(self.config.redis_url, self.config.redis_options)
         self.keys = Keys(self.config.key_prefix, self.config.shards)
         self._checked = False
-        self._checks_lock = threading.Lock()
         # On a Redis Cluster, releases go through kombu (the broker is not the cluster).
         self.gate = self._gate(
             self.client,
@@ -83,8 +83,8 @@ class Runtime:
             direct=direct,
             wait_replicas=self.config.wait_replicas,
         )
-        if not self._checked:
-            gate.before_call = self.check_gate
+        if not self._checked:  # on this gate's own client (a gevent worker's native thread)
+            gate.before_call = functools.partial(self.check_gate, client)
         return gate
 
     def _check_at_start(self, said: bool) -> None:
@@ -112,24 +112,26 @@ class Runtime:
         """Whether the gate's checks have passed in this process (:meth:`check_gate`)."""
         return self._checked
 
-    def check_gate(self) -> None:
+    def check_gate(self, client: Any = None) -> None:
         """Check the gate once: the rights of its Redis user and its eviction policy (where it
         answers), and ``threads_shards`` against the count it records.  Until this has passed, every
         transition of this process's gates runs it first (``Gate.before_call``), and so does the
         dispatcher's tick: nothing is stored under a shard count the gate does not hold.  Raises
-        :class:`ConfigurationError`, or the client's error when the gate does not answer."""
+        :class:`ConfigurationError`, or the client's error when the gate does not answer.
+        ``client``: the caller's gate client (default: the runtime's)."""
         if self._checked:
             return
-        with self._checks_lock:
-            if self._checked:
-                return
-            if check_access(self.client, self.keys, self.config.redis_url):
-                check_eviction(self.client, self.config.redis_url)
-            else:
-                self.client.ping()  # no answer: the client's own error
-            check_shards(self.client, self.keys)
-            self._checked = True
-            self.gate.before_call = None
+        # No lock: two threads that check at once make the same idempotent reads (and at most
+        # one SET NX of the count), where a lock held through the client's retries would stall
+        # a gevent worker's hub.
+        client = client or self.client
+        if check_access(client, self.keys, self.config.redis_url):
+            check_eviction(client, self.config.redis_url)
+        else:
+            client.ping()  # no answer: the client's own error
+        check_shards(client, self.keys)
+        self._checked = True
+        self.gate.before_call = None
 
     def own_gate(self) -> Gate:
         """The gate on a client of its own, for a native thread of a gevent worker
