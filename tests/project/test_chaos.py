@@ -137,8 +137,8 @@ def _assert_clean(data: dict[str, Any], min_members: int) -> None:
 
 def test_chaos_run_on_the_redis_broker(tmp_path: Path) -> None:
     """The broker is database 1 of the gate's Redis: it goes down with the gate at each restart."""
-    data = _run(tmp_path, "redis", minutes=0.75, timeout=220)
-    _assert_clean(data, min_members=180)
+    data = _run(tmp_path, "redis", minutes=0.5, timeout=180)
+    _assert_clean(data, min_members=100)
 
 
 def test_chaos_run_on_rabbitmq(tmp_path: Path) -> None:
@@ -150,5 +150,5 @@ def test_chaos_run_on_rabbitmq(tmp_path: Path) -> None:
 def test_chaos_run_with_a_queue_without_acknowledgements(tmp_path: Path) -> None:
     """Killed workers take the deliveries they held with them, and the broker's restarts lose the
     ones in flight: the gate alone brings every member back."""
-    data = _run(tmp_path, "redis", minutes=0.75, timeout=220, extra=("--no-ack",))
-    _assert_clean(data, min_members=180)
+    data = _run(tmp_path, "redis", minutes=0.5, timeout=180, extra=("--no-ack",))
+    _assert_clean(data, min_members=100)
