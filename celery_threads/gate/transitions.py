@@ -21,7 +21,7 @@ from ..errors import ConfigurationError, NotReplicated
 from ..keys import Keys, ShardKeys
 from . import cluster
 from . import deadline as caller_deadline
-from .client import RETRY_BUDGET, wait_timeout_ms
+from .client import RETRY_BUDGET, SOCKET_TIMEOUT, wait_timeout_ms
 from .library import _load_lua, function_library, script_sources
 from .reads import GateReads, clock_argument
 from .records import (
@@ -49,6 +49,14 @@ from .wire import (
 )
 
 logger = logging.getLogger(__name__)
+
+#: The most one transition waits in all when its caller set no bound (a worker's calls): its
+#: retries give up ``RETRY_BUDGET`` after the first failure and an attempt waits at most
+#: ``SOCKET_TIMEOUT``, but the client retries at several levels (the hot path's line, the
+#: connection's connect, the command), each with a budget of its own, which add up.  One bound
+#: over the call keeps its last replay within the gate's ENDED_WINDOW (lua/_common.lua).
+CALL_BOUND = RETRY_BUDGET + SOCKET_TIMEOUT
+CALL_BOUND_NAME = "the gate client's retries"
 #: Dead letters redriven, waiting members purged and dead letters dropped by retention per script
 #: call: each call is short, so a long operator action never blocks Redis.
 OPERATOR_BATCH = 100
@@ -161,7 +169,11 @@ class Gate:
     def _run(self, name: str, thread_id: str, *args: Any, client: Any = None, fence: bool = False) -> Any:
         """``fence`` (with ``wait_replicas``): a write of the call's own connection after the
         script, so that its ``WAIT`` covers every write made before it, even when the script
-        wrote nothing (:meth:`_replicated`)."""
+        wrote nothing (:meth:`_replicated`).  A call whose caller set no bound of its own
+        (:mod:`.deadline`) gets :data:`CALL_BOUND`."""
+        if client is None and caller_deadline.current() is None:
+            with caller_deadline.within(CALL_BOUND, bound=CALL_BOUND_NAME):
+                return self._run(name, thread_id, *args, fence=fence)
         if self.before_call is not None:
             self.before_call()
         # The clock is read once per call, whichever way the call goes.
@@ -610,6 +622,9 @@ class Gate:
         """Run ``name`` once per ``(thread_id, args)`` in one round trip; the raw replies."""
         if not calls:
             return []
+        if caller_deadline.current() is None:
+            with caller_deadline.within(CALL_BOUND, bound=CALL_BOUND_NAME):
+                return self._pipeline(name, calls)
         pipe = self.client.pipeline(transaction=False)
         for thread_id, args in calls:
             self._run(name, thread_id, *args, client=pipe)

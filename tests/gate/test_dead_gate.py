@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import signal
 import socket
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -219,3 +220,46 @@ def test_a_gate_down_at_first_use_is_checked_once_it_answers(
         info = Threads(proj.app).get(thread)
     assert info is not None and info.active is not None and info.waiting == []
     assert not _stores(gate_server, "second")
+
+
+@pytest.fixture
+def slammer() -> Iterator[int]:
+    """A port whose server accepts connections and closes them at once."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(64)
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return
+            conn.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    try:
+        yield server.getsockname()[1]
+    finally:
+        server.close()
+
+
+def test_a_call_without_a_bound_of_its_own_gives_up_within_the_gates_bound(
+    slammer: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker's call (no caller bound) retries at several levels (the hot path's line, the
+    connection's connect, the command), each with a retry budget of its own; one bound over the
+    call keeps them from adding up, so that its last replay stays within the gate's ENDED_WINDOW.
+    The budget is cut to 1 s here (the levels added up to about 6 s before)."""
+    from celery_threads.gate import Gate, make_client, transitions
+    from celery_threads.gate import client as client_module
+    from celery_threads.keys import Keys
+
+    monkeypatch.setattr(client_module, "RETRY_BUDGET", 1.0)
+    monkeypatch.setattr(transitions, "CALL_BOUND", 1.5)
+    gate = Gate(make_client(f"redis://127.0.0.1:{slammer}/0"), Keys("slammed"), release_timeout_ms=1000)
+    started = time.monotonic()
+    with pytest.raises(redis.RedisError):
+        gate.fail("t", "task", "token", "why")
+    elapsed = time.monotonic() - started
+    assert elapsed < 2 * 1.5, f"{elapsed:.1f}s"
