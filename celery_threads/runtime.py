@@ -8,7 +8,6 @@ import os
 import threading
 import time
 import traceback as tb
-from contextlib import nullcontext
 from typing import Any, Optional
 
 import redis
@@ -36,6 +35,7 @@ from .gate.access import check_access
 from .gate.cluster import check_shards, is_cluster
 from .gate.deadline import unbounded_class
 from .gate.eviction import check_eviction
+from .gate.transitions import CALL_BOUND, CALL_BOUND_NAME
 from .keys import Keys
 from .protocol import THREAD_HEADER
 from .publish import ReleasePublisher, publish_release, task_name
@@ -92,9 +92,8 @@ class Runtime:
         (or the caller's own bound): a process whose gate does not answer starts without waiting
         out the client's retries, and its gate checks them before its first transition.
         ``said``: the parent process has said that its gate did not answer (a debug line here)."""
-        bound = deadline.within(self.config.publish_timeout) if deadline.current() is None else nullcontext()
         try:
-            with bound:
+            with deadline.at_most(self.config.publish_timeout):
                 self.check_gate()
         except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
             logger.log(
@@ -121,6 +120,10 @@ class Runtime:
         ``client``: the caller's gate client (default: the runtime's)."""
         if self._checked:
             return
+        with deadline.at_most(CALL_BOUND, bound=CALL_BOUND_NAME):  # a dispatcher tick's, unbounded
+            self._check_gate(client)
+
+    def _check_gate(self, client: Any) -> None:
         # No lock: two threads that check at once make the same idempotent reads (and at most
         # one SET NX of the count), where a lock held through the client's retries would stall
         # a gevent worker's hub.

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from contextvars import ContextVar
 from typing import Any, Optional
 
@@ -74,6 +74,12 @@ def within(
         yield deadline
     finally:
         _current.reset(token)
+
+
+def at_most(seconds: float, *, bound: str = "threads_publish_timeout") -> AbstractContextManager[Any]:
+    """The caller's deadline where it has one, else :func:`within` ``seconds``: a call that
+    must not wait longer than that even when nobody bounded it."""
+    return nullcontext() if _current.get() is not None else within(seconds, bound=bound)
 
 
 def current() -> Optional[Deadline]:

@@ -171,9 +171,12 @@ class Gate:
         script, so that its ``WAIT`` covers every write made before it, even when the script
         wrote nothing (:meth:`_replicated`).  A call whose caller set no bound of its own
         (:mod:`.deadline`) gets :data:`CALL_BOUND`."""
-        if client is None and caller_deadline.current() is None:
-            with caller_deadline.within(CALL_BOUND, bound=CALL_BOUND_NAME):
-                return self._run(name, thread_id, *args, fence=fence)
+        if client is None:  # else a pipeline's part: _pipeline bounds the call
+            with caller_deadline.at_most(CALL_BOUND, bound=CALL_BOUND_NAME):
+                return self._send(name, thread_id, args, fence)
+        return self._send(name, thread_id, args, fence, client)
+
+    def _send(self, name: str, thread_id: str, args: Sequence[Any], fence: bool, client: Any = None) -> Any:
         if self.before_call is not None:
             self.before_call()
         # The clock is read once per call, whichever way the call goes.
@@ -622,19 +625,16 @@ class Gate:
         """Run ``name`` once per ``(thread_id, args)`` in one round trip; the raw replies."""
         if not calls:
             return []
-        if caller_deadline.current() is None:
-            with caller_deadline.within(CALL_BOUND, bound=CALL_BOUND_NAME):
-                return self._pipeline(name, calls)
-        pipe = self.client.pipeline(transaction=False)
-        for thread_id, args in calls:
-            self._run(name, thread_id, *args, client=pipe)
-        if self.wait:
-            pipe.wait(*self.wait)
-            *replies, replicas = pipe.execute()
-            return list(self._confirmed(replies, replicas))
-        return cluster.rerun_unrun(
-            pipe.execute(raise_on_error=False), lambda i: self._run(name, calls[i][0], *calls[i][1])
-        )
+        with caller_deadline.at_most(CALL_BOUND, bound=CALL_BOUND_NAME):
+            pipe = self.client.pipeline(transaction=False)
+            for thread_id, args in calls:
+                self._run(name, thread_id, *args, client=pipe)
+            if self.wait:
+                pipe.wait(*self.wait)
+                *replies, replicas = pipe.execute()
+                return list(self._confirmed(replies, replicas))
+            replies = pipe.execute(raise_on_error=False)
+        return cluster.rerun_unrun(replies, lambda i: self._run(name, calls[i][0], *calls[i][1]))
 
     def note_deleted(self, thread_id: str, task_id: str, ttl: int = 600) -> None:
         self.client.set(self.keys.thread(thread_id).shard.deleted_note(task_id), 1, ex=ttl)
