@@ -195,7 +195,7 @@ def test_a_gate_down_at_first_use_is_checked_once_it_answers(
     """A process whose gate did not answer its start-up checks runs them before its first
     transition once it answers, and the dispatcher's tick too: a producer with the wrong
     ``threads_shards`` is refused instead of storing a member under a shard its thread is not in
-    (a second active member of the thread)."""
+    (a second active member of the thread); a gate on a client of its own too."""
     from celery_threads.dispatcher import Dispatcher
     from celery_threads.errors import ConfigurationError
     from celery_threads.runtime import get_runtime
@@ -216,6 +216,9 @@ def test_a_gate_down_at_first_use_is_checked_once_it_answers(
                 proj.record.apply_async((thread, "second"))
         with pytest.raises(ConfigurationError, match="threads_shards=1"):
             Dispatcher(get_runtime(proj.app)).tick()
+        # A gevent worker's native thread has a gate on a client of its own: checked the same.
+        with pytest.raises(ConfigurationError, match="threads_shards=1"):
+            get_runtime(proj.app).own_gate().renew(thread, str(uuid.uuid4()), "token")
     with pointed_at(proj.app, threads_redis_url=gate_server.url()):
         info = Threads(proj.app).get(thread)
     assert info is not None and info.active is not None and info.waiting == []
