@@ -13,7 +13,7 @@ demo: $(VENV)/.installed   ## run the ledger example (embedded Redis unless REDI
 	$(VENV)/bin/python -m example_project.demo
 
 test: $(VENV)/.installed   ## run the test suite (the README's test command)
-	$(VENV)/bin/python -m pytest -q
+	$(VENV)/bin/python -m pytest -q -n 2 --dist loadfile
 
 matrix: $(VENV)/.installed   ## the version matrix (README "Compatibility"); QUICK=1 for --quick
 	$(VENV)/bin/python -m tests.matrix $(if $(QUICK),--quick)
