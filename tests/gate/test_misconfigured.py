@@ -4,6 +4,8 @@ names its setting."""
 
 from __future__ import annotations
 
+import uuid
+
 import pytest
 from celery import Celery
 
@@ -17,6 +19,7 @@ def test_a_worker_whose_gate_nobody_answers_says_where_and_what_to_check(redis_s
     """...and starts without waiting out the gate client's retries; once the gate answers, its
     checks pass and members run."""
     gate = RedisServer(args=("--requirepass", "secret"))  # started later, on the URL's port
+    name = uuid.uuid4().hex[:8]
     dead = f"redis://:secret@127.0.0.1:{gate.port}/0"
     d = Deployment(
         {
@@ -25,7 +28,9 @@ def test_a_worker_whose_gate_nobody_answers_says_where_and_what_to_check(redis_s
             "CT_BACKEND_URL": redis_server.url(2),
             "CT_HISTORY_URL": redis_server.url(3),
             "CT_DISPATCH_INTERVAL": "0.5",
-            "CT_KEY_PREFIX": "misconfigured",
+            # Its own queue: another worker on this broker would take its releases and find them stale.
+            "CT_KEY_PREFIX": f"ct-{name}",
+            "CT_QUEUE": f"q-{name}",
         }
     )
     try:
