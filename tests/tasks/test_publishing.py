@@ -18,6 +18,8 @@ def r(proj):
 
 
 def _broker_depth(proj) -> int:
+    """Messages in the default queue: with ``isolated_app``, a broker database no worker consumes,
+    so a message sent stays there to be counted."""
     with proj.app.connection_for_write() as conn:
         return conn.default_channel.client.llen(proj.app.conf.task_default_queue)
 
@@ -72,13 +74,15 @@ def test_chord_body_goes_through_the_gate(proj, worker, r):
 
 
 @pytest.mark.parametrize("bad", [None, "", "x" * 1025, 3.5, b"bytes", ["a"], True])
-def test_invalid_thread_id_stores_and_sends_nothing(proj, bad):
+def test_invalid_thread_id_stores_and_sends_nothing(proj, isolated_app, bad):
     before = _broker_depth(proj)
     with pytest.raises(InvalidThreadId) as info:
         proj.free.apply_async(("x",), thread_id=bad)
     assert isinstance(info.value, ValueError) and isinstance(info.value, ThreadsError)
     assert "thread" in str(info.value)
     assert _broker_depth(proj) == before
+    proj.free.apply_async(("x",), thread_id=tid())  # a valid id is released: the probe sees it
+    assert _broker_depth(proj) == before + 1
 
 
 def test_missing_thread_key_argument(proj):
@@ -113,14 +117,19 @@ def test_thread_id_of_1024_bytes_is_accepted(proj, worker, r):
     assert proj.free.apply_async(("long",), thread_id=thread).get(timeout=30) == "long"
 
 
-def test_unencodable_arguments_store_and_send_nothing(proj, r):
+def test_unencodable_arguments_store_and_send_nothing(proj, isolated_app):
     thread = tid()
+    gate = redis.Redis.from_url(isolated_app.conf.threads_redis_url)
     before = _broker_depth(proj)
     with pytest.raises(EncodeError):
         proj.record.delay(thread, object())
-    assert gate_keys(r, thread) == []
+    assert gate_keys(gate, thread) == []
     assert Threads(proj.app).get(thread) is None
     assert _broker_depth(proj) == before
+    # The same call with arguments that encode is stored and released: the probes see it.
+    proj.record.delay(thread, "encodes")
+    assert gate_keys(gate, thread) != [] and _broker_depth(proj) == before + 1
+    gate.close()
 
 
 def test_eager_mode_runs_inline(proj, r):
