@@ -101,7 +101,23 @@ def test_fields_and_queue_members(redis_server):
     client.delete(key)
 
 
-def test_the_direct_line_reads_what_the_server_replies(redis_server):
+@pytest.fixture
+def private_redis():
+    """A redis-server of the test's own, for a test that flushes its scripts and kills every
+    client's connection: on the session's server, those would be the other tests' and the
+    session worker's (a control broadcast of a later test then met a connection closed)."""
+    import shutil
+
+    from tests.conftest import RedisServer
+
+    server = RedisServer()
+    server.start()
+    yield server
+    server.stop()
+    shutil.rmtree(server.dir, ignore_errors=True)
+
+
+def test_the_direct_line_reads_what_the_server_replies(private_redis):
     """The hot path's own reply reader (gate.ScriptLine, _parse_reply): a script's array of bulk
     strings (one longer than a socket read) and integers; nested arrays and nulls; the server's
     error raised as redis-py would raise it; a script the server lost (SCRIPT FLUSH) and a
@@ -109,7 +125,7 @@ def test_the_direct_line_reads_what_the_server_replies(redis_server):
     from celery_threads.gate import make_client
     from celery_threads.gate.wire import _MISSED, _pack, _parse_reply
 
-    client = make_client(redis_server.url())
+    client = make_client(private_redis.url())
     gate = Gate(client, Keys("W"), release_timeout_ms=1000, keepalive_ms=1000)
     line = gate._line
     big = "x" * 200_000
