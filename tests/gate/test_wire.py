@@ -101,20 +101,25 @@ def test_fields_and_queue_members(redis_server):
     client.delete(key)
 
 
-@pytest.fixture
-def private_redis():
-    """A redis-server of the test's own, for a test that flushes its scripts and kills every
-    client's connection: on the session's server, those would be the other tests' and the
-    session worker's (a control broadcast of a later test then met a connection closed)."""
+def _server_of_its_own(binary=None):
+    """A redis-server started for one test, stopped and its directory removed after it."""
     import shutil
 
     from tests.conftest import RedisServer
 
-    server = RedisServer()
+    server = RedisServer(binary=binary)
     server.start()
     yield server
     server.stop()
     shutil.rmtree(server.dir, ignore_errors=True)
+
+
+@pytest.fixture
+def private_redis():
+    """For a test that flushes its scripts and kills every client's connection: on the session's
+    server, those would be the other tests' and the session worker's (a control broadcast of a
+    later test then met a connection closed)."""
+    yield from _server_of_its_own()
 
 
 def test_the_direct_line_reads_what_the_server_replies(private_redis):
@@ -159,18 +164,12 @@ def test_the_direct_line_reads_what_the_server_replies(private_redis):
 def own_redis():
     """A redis-server of the test's own: it counts the commands of this test alone.  The newest
     found (these tests are about Redis 7's functions), whichever CT_REDIS_SERVER names."""
-    import shutil
-
-    from tests.conftest import RedisServer, redis_binaries
+    from tests.conftest import redis_binaries
 
     newest = next(iter(redis_binaries().items()), None)
     if newest is None or int(newest[0].split(".")[0]) < 7:
         pytest.skip("no redis-server 7 or newer")
-    server = RedisServer(binary=newest[1])
-    server.start()
-    yield server
-    server.stop()
-    shutil.rmtree(server.dir, ignore_errors=True)
+    yield from _server_of_its_own(newest[1])
 
 
 def test_the_hot_path_calls_the_library_and_recovers_it(own_redis):
