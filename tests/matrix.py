@@ -129,7 +129,7 @@ def declared() -> tuple[str, dict[str, str]]:
         raise SystemExit('pyproject.toml: no requires-python = ">=X.Y"')
     minimums = {}
     for name in LIBRARIES:
-        found = re.search(rf'"{name}>=([\d.]+)[^"]*"', text)
+        found = re.search(rf'"{name}(?:\[[^\]]*\])?>=([\d.]+)[^"]*"', text)
         if found is None:
             raise SystemExit(f"pyproject.toml: no minimum declared for {name}")
         minimums[name] = found.group(1)

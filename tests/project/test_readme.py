@@ -1,6 +1,7 @@
 """Every snippet of README.md runs as written: its quick start on a real worker and beat, its calls,
 its CLI lines and its ``Threads`` block, against a redis-server of the test's own (the snippets'
-``localhost:6379`` is pointed there, nothing else changes)."""
+``localhost:6379`` is pointed there, nothing else changes); and once more in a new virtual
+environment holding only what the README's install line brings."""
 
 from __future__ import annotations
 
@@ -49,10 +50,12 @@ def shop(tmp_path: Path) -> Iterator[tuple[Path, dict[str, str], RedisServer]]:
         shutil.rmtree(server.dir, ignore_errors=True)
 
 
-def _start(cmd: str, cwd: Path, env: dict[str, str], log: Path, port: int) -> subprocess.Popen[bytes]:
+def _start(
+    cmd: str, cwd: Path, env: dict[str, str], log: Path, port: int, python: str
+) -> subprocess.Popen[bytes]:
     args = _local(cmd, port).split()
     if args[:3] == ["celery", "-A", "shop"]:
-        args = [sys.executable, "-m", *args]
+        args = [python, "-m", *args]
     if "beat" in args:
         args += ["-s", str(Path(tempfile.mkdtemp()) / "schedule")]
     return subprocess.Popen(
@@ -69,16 +72,49 @@ def _wait_for(log: Path, needle: str, timeout: float = 60) -> None:
     raise AssertionError(f"{needle!r} not in {log.name}:\n{log.read_text(errors='replace')[-3000:]}")
 
 
-def _run_python(code: str, cwd: Path, env: dict[str, str]) -> str:
-    done = subprocess.run(
-        [sys.executable, "-c", code], cwd=cwd, env=env, capture_output=True, text=True, timeout=120
-    )
+def _run_python(code: str, cwd: Path, env: dict[str, str], python: str = sys.executable) -> str:
+    done = subprocess.run([python, "-c", code], cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, f"snippet failed:\n{code}\n{done.stdout}\n{done.stderr}"
     return done.stdout
 
 
-def test_the_quick_start_runs_as_written(shop) -> None:
+@pytest.fixture
+def installed(shop) -> tuple[Path, dict[str, str], RedisServer, str]:
+    """``shop`` with a Python of its own: a new virtual environment where the README's install
+    line, run as written on this checkout, installed the package and nothing else."""
     cwd, env, server = shop
+    line = next(
+        ln for block in blocks("bash") for ln in block.splitlines() if ln.startswith("pip install /path")
+    )
+    venv = cwd / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    python = str(venv / "bin" / "python")
+    words = line.split("#")[0].replace("/path/to/celery-threads", str(ROOT)).split()
+    done = subprocess.run(
+        [python, "-m", *words, "-q", "--disable-pip-version-check"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, f"{line}:\n{done.stdout}\n{done.stderr}"
+    own = dict(env, PYTHONPATH=str(cwd))  # shop.py only: the package comes from the venv
+    where = _run_python("import celery_threads; print(celery_threads.__file__)", cwd, own, python)
+    assert where.startswith(str(venv)), where
+    return cwd, own, server, python
+
+
+def test_the_quick_start_runs_as_written(shop) -> None:
+    _quick_start(*shop, sys.executable)
+
+
+def test_the_quick_start_runs_in_a_new_environment_with_what_the_install_line_brings(installed) -> None:
+    """``pip install celery-threads`` is all a user on a Redis broker installs: Celery's Redis
+    transport and result backend import what they need (kombu 5.7's needs ``packaging``, which only
+    its ``redis`` extra brings; the test environment has it from pytest)."""
+    _quick_start(*installed)
+
+
+def _quick_start(cwd: Path, env: dict[str, str], server: RedisServer, python: str) -> None:
     start = blocks("bash")[1]
     assert "worker" in start and "beat" in start
     procs = []
@@ -87,9 +123,9 @@ def test_the_quick_start_runs_as_written(shop) -> None:
         for line in start.strip().splitlines():
             kind = "worker" if " worker" in line else "beat"
             logs[kind] = cwd / f"{kind}.log"
-            procs.append(_start(line.split("#")[0], cwd, env, logs[kind], server.port))
+            procs.append(_start(line.split("#")[0], cwd, env, logs[kind], server.port, python))
         _wait_for(logs["worker"], "ready.")
-        _run_python(_local(blocks("python")[1], server.port), cwd, env)
+        _run_python(_local(blocks("python")[1], server.port), cwd, env, python)
         _wait_for(logs["worker"], "settling 10 on acct-1")
         # The CLI lines, each command of them, and the Threads block.
         for line in blocks("bash")[2].strip().splitlines():
@@ -100,7 +136,7 @@ def test_the_quick_start_runs_as_written(shop) -> None:
                 if any(w.isupper() for w in words[4:]):
                     continue  # a placeholder (THREAD_ID, TASK_ID)
                 done = subprocess.run(
-                    [sys.executable, "-m", *words],
+                    [python, "-m", *words],
                     cwd=cwd,
                     env=env,
                     capture_output=True,
@@ -108,7 +144,7 @@ def test_the_quick_start_runs_as_written(shop) -> None:
                     timeout=60,
                 )
                 assert done.returncode in (0, 3), f"{command}:\n{done.stdout}\n{done.stderr}"
-        out = _run_python(blocks("python")[2], cwd, env)
+        out = _run_python(blocks("python")[2], cwd, env, python)
         assert "ThreadInfo" in out or "None" in out
         worker_log = logs["worker"].read_text(errors="replace")
         assert "Traceback" not in worker_log, worker_log[-3000:]
