@@ -63,13 +63,17 @@ def _start(
     )
 
 
-def _wait_for(log: Path, needle: str, timeout: float = 60) -> None:
+def _wait_for(log: Path, needle: str, proc: subprocess.Popen[bytes], timeout: float = 60) -> None:
+    """Until the log of ``proc`` shows ``needle``; a process that exited fails at once."""
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         if needle in log.read_text(errors="replace"):
             return
+        if proc.poll() is not None:
+            break
         time.sleep(0.1)
-    raise AssertionError(f"{needle!r} not in {log.name}:\n{log.read_text(errors='replace')[-3000:]}")
+    tail = log.read_text(errors="replace")[-3000:]
+    raise AssertionError(f"{needle!r} not in {log.name} (exit status {proc.poll()}):\n{tail}")
 
 
 def _run_python(code: str, cwd: Path, env: dict[str, str], python: str = sys.executable) -> str:
@@ -117,16 +121,16 @@ def test_the_quick_start_runs_in_a_new_environment_with_what_the_install_line_br
 def _quick_start(cwd: Path, env: dict[str, str], server: RedisServer, python: str) -> None:
     start = blocks("bash")[1]
     assert "worker" in start and "beat" in start
-    procs = []
+    logs: dict[str, Path] = {}
+    started: dict[str, subprocess.Popen[bytes]] = {}
     try:
-        logs = {}
         for line in start.strip().splitlines():
             kind = "worker" if " worker" in line else "beat"
             logs[kind] = cwd / f"{kind}.log"
-            procs.append(_start(line.split("#")[0], cwd, env, logs[kind], server.port, python))
-        _wait_for(logs["worker"], "ready.")
+            started[kind] = _start(line.split("#")[0], cwd, env, logs[kind], server.port, python)
+        _wait_for(logs["worker"], "ready.", started["worker"])
         _run_python(_local(blocks("python")[1], server.port), cwd, env, python)
-        _wait_for(logs["worker"], "settling 10 on acct-1")
+        _wait_for(logs["worker"], "settling 10 on acct-1", started["worker"])
         # The CLI lines, each command of them, and the Threads block.
         for line in blocks("bash")[2].strip().splitlines():
             for command in re.sub(r"\[.*?\]", "", line).split("|"):  # options left out
@@ -151,10 +155,10 @@ def _quick_start(cwd: Path, env: dict[str, str], server: RedisServer, python: st
         assert "Task celery_threads.dispatch" not in worker_log, "the tick logs at DEBUG"
         assert "due task celery_threads" not in logs["beat"].read_text(errors="replace")
     finally:
-        for proc in procs:
+        for proc in started.values():
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGTERM)
-        for proc in procs:
+        for proc in started.values():
             try:
                 proc.wait(20)
             except subprocess.TimeoutExpired:
