@@ -239,14 +239,16 @@ def test_an_enqueue_is_sent_again_until_a_replica_confirms_it(redis_server):
     client = redis.Redis(port=redis_server.port, db=12)
     client.flushdb()
     gate = Gate(client, Keys("ctwait"), release_timeout_ms=5000, keepalive_ms=1000, wait_replicas=1)
-    gate.replicated_budget = 0.5
+    gate.replicated_budget = 1.5
     replica = RedisServer()
     delay = client.config_get("repl-diskless-sync-delay")["repl-diskless-sync-delay"]
     try:
         started = time.monotonic()
         with pytest.raises(NotReplicated):
             gate.enqueue("t", "a", b"A")
-        assert time.monotonic() - started >= 0.5
+        # It gives up once its next pause (at most 1 s) would pass the budget, not before: more
+        # than 0.5 s, where one send waits 0.1 s (its WAIT's timeout) for the missing replica.
+        assert time.monotonic() - started > gate.replicated_budget - 1.0
         gate.replicated_budget = 30
         client.config_set("repl-diskless-sync-delay", 0)
         replica.start()
