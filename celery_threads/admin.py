@@ -247,14 +247,16 @@ class Threads:
         policies kept).  When its death holds its thread (``on_death="hold"``), the thread goes
         on: behind the members waiting there, since it arrives anew.
 
-        Returns its ``AsyncResult``.  Raises :class:`celery_threads.errors.UnknownTask` when it is
-        not in the dead-letter store, :class:`celery_threads.errors.ConfigurationError` (and
-        keeps it there) when its task's ``max_retries`` or ``default_retry_delay`` is invalid.
+        Returns its ``AsyncResult``: ``PENDING`` until the new run ends (its stored FAILURE goes
+        first), so ``get()`` waits for that run.  Raises :class:`celery_threads.errors.UnknownTask`
+        when it is not in the dead-letter store, :class:`celery_threads.errors.ConfigurationError`
+        (and keeps it there) when its task's ``max_retries`` or ``default_retry_delay`` is invalid.
         """
         record = self.reads.dead_record(task_id)
         if record is None:
             raise UnknownTask(f"{task_id} is not in the dead-letter store (see Threads.dead())")
         max_retries, retry_delay_ms = self._retry_settings(record)
+        self._forget_result(task_id)
         outcome = self.gate.restart(
             task_id,
             max_retries=max_retries,
@@ -324,14 +326,13 @@ class Threads:
             records.sort(key=_place)
             for at in range(0, len(records), OPERATOR_BATCH):
                 batch = records[at : at + OPERATOR_BATCH]
-                codes, release = self.gate.redrive(
-                    thread, [(r.task_id, *self._retry_settings(r)) for r in batch]
-                )
+                settings = [(r.task_id, *self._retry_settings(r)) for r in batch]
+                for record in batch:
+                    self._forget_result(record.task_id)
+                codes, release = self.gate.redrive(thread, settings)
                 self.runtime.publish(release)
                 done = sum(1 for c in codes if c in (Redriven.AT_PLACE, Redriven.NEW_ARRIVAL))
                 for record, code in zip(batch, codes):
-                    if code in (Redriven.AT_PLACE, Redriven.NEW_ARRIVAL):
-                        self._forget_result(record.task_id)
                     if code == Redriven.NEW_ARRIVAL:
                         logger.warning(
                             "celery-threads: dead letter %s of thread %s was stored "
@@ -345,8 +346,12 @@ class Threads:
         return redriven
 
     def _forget_result(self, task_id: str) -> None:
-        """A redriven member waits in the gate again: its stored FAILURE goes, so that its
-        ``AsyncResult`` is ``PENDING`` until it runs (and ``get()`` waits for that run)."""
+        """A dead letter about to wait in the gate again (redrive, restart): its stored FAILURE
+        goes, so that its ``AsyncResult`` is ``PENDING`` until it runs (and ``get()`` waits for
+        that run).  It goes before the gate call that can release it: once released, a worker
+        may run it and store its new result before a later forget, which would then drop that
+        result (``PENDING`` for good).  A letter that another operator's call took back meanwhile
+        (the gate refuses it here) has its stored result forgotten all the same."""
         try:
             self.app.backend.forget(task_id)
         except Exception:  # no result backend, or it is down: its next run overwrites it

@@ -107,6 +107,38 @@ def test_redrive_dry_run_and_limit_on_the_command_line(proj, make_deployment, r)
     assert starts(r, thread) == ["d1", "d2", "d3", "d1", "d2", "d3"]
 
 
+def test_a_letter_s_stored_failure_goes_before_its_redrive_or_restart_can_release_it(
+    proj, make_deployment, r, monkeypatch
+):
+    """Redrive and restart forget a letter's stored FAILURE while it is still a dead letter, before
+    the gate call that can release it, so the result backend ends with its new run's result.
+    Forgotten after that call, a worker faster than the operator (seen on a busy machine) stored
+    the new SUCCESS first, and the forget dropped it: ``PENDING`` for good.  Restart forgets it
+    too: its ``AsyncResult`` no longer shows the old FAILURE until the new run ends."""
+    d = make_deployment(CT_EVENTS="0")
+    d.worker("redrive-forget", concurrency=2)
+    thread = tid("redrive-forget")
+    dying = die_three(proj, r, thread)
+    r.delete(f"flaky:{thread}")
+    threads = Threads(proj.app)
+    backend = proj.app.backend
+    real_forget = backend.forget
+    dead_when_forgotten: dict[str, bool] = {}
+
+    def forget(task_id: str) -> None:
+        dead_when_forgotten[task_id] = threads.dead_task(task_id) is not None
+        real_forget(task_id)
+
+    monkeypatch.setattr(backend, "forget", forget)
+    assert threads.redrive(thread, limit=2) == 2
+    assert threads.restart(dying[2].id).id == dying[2].id
+    assert dead_when_forgotten == {x.id: True for x in dying}
+    for x in dying:
+        wait_for(lambda x=x: state(proj, x) == "SUCCESS", what=f"{x.id} SUCCESS", timeout=60)
+    assert [backend.get_task_meta(x.id, cache=False)["result"] for x in dying] == ["d1", "d2", "d3"]
+    assert starts(r, thread) == ["d1", "d2", "d3", "d1", "d2", "d3"]
+
+
 def test_purge_drops_waiting_members_and_lets_the_running_one_finish(proj, make_deployment, r):
     """Purge of one thread, then of every thread: the waiting members never start and show
     REVOKED; the running member of each thread finishes SUCCESS; the keys vanish; another
