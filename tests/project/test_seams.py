@@ -11,8 +11,11 @@ from __future__ import annotations
 import json
 import logging
 import signal
+import subprocess
+import sys
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any, Callable
 
 import pytest
@@ -255,22 +258,38 @@ def test_a_worker_whose_kombu_cannot_read_the_gates_messages_refuses_to_start(ma
     d.processes.remove(worker)  # its traceback is the expected outcome
 
 
-def _pool_index(_: int) -> object:
+ROOT = Path(__file__).resolve().parents[2]
+_POOL_INDEXES = """
+import billiard
+
+from celery_threads import seams
+
+
+def index(_):
     return seams.pool_process_index()
+
+
+pool = billiard.Pool(2)
+try:
+    print(sorted(set(pool.map(index, range(40), chunksize=1))))
+finally:
+    pool.terminate()
+    pool.join()
+"""
 
 
 def test_billiard_numbers_its_pool_processes():
     """The lease watchdog's and the handoff's slots are found by the pool process's number
-    (``seams.pool_process_index``): a real billiard pool gives each process one, 0 to n - 1."""
-    import billiard
-
-    pool = billiard.Pool(2)
-    try:
-        found = set(pool.map(_pool_index, range(40), chunksize=1))
-    finally:
-        pool.terminate()
-        pool.join()
-    assert found <= {0, 1} and found, found
+    (``seams.pool_process_index``): a real billiard pool gives each process one, 0 to n - 1.
+    The pool is forked from a new interpreter, as a worker's is: forked from this test process,
+    whose other tests leave threads behind, a pool process once inherited a lock held by one of
+    them and hung."""
+    done = subprocess.run(
+        [sys.executable, "-c", _POOL_INDEXES], capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
+    assert done.returncode == 0, done.stderr
+    found = json.loads(done.stdout)
+    assert found and set(found) <= {0, 1}, found
     assert seams.pool_process_index() is None  # not a pool process
 
 
