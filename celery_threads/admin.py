@@ -248,9 +248,11 @@ class Threads:
         on: behind the members waiting there, since it arrives anew.
 
         Returns its ``AsyncResult``: ``PENDING`` until the new run ends (its stored FAILURE goes
-        first), so ``get()`` waits for that run.  Raises :class:`celery_threads.errors.UnknownTask`
-        when it is not in the dead-letter store, :class:`celery_threads.errors.ConfigurationError`
-        (and keeps it there) when its task's ``max_retries`` or ``default_retry_delay`` is invalid.
+        first).  In a process that sent the task, ``get()`` may still return the first run's
+        result, which Celery's Redis result backend buffered there.  Raises
+        :class:`celery_threads.errors.UnknownTask` when it is not in the dead-letter store,
+        :class:`celery_threads.errors.ConfigurationError` (and keeps it there) when its task's
+        ``max_retries`` or ``default_retry_delay`` is invalid.
         """
         record = self.reads.dead_record(task_id)
         if record is None:
@@ -347,11 +349,11 @@ class Threads:
 
     def _forget_result(self, task_id: str) -> None:
         """A dead letter about to wait in the gate again (redrive, restart): its stored FAILURE
-        goes, so that its ``AsyncResult`` is ``PENDING`` until it runs (and ``get()`` waits for
-        that run).  It goes before the gate call that can release it: once released, a worker
-        may run it and store its new result before a later forget, which would then drop that
-        result (``PENDING`` for good).  A letter that another operator's call took back meanwhile
-        (the gate refuses it here) has its stored result forgotten all the same."""
+        goes, so that its ``AsyncResult`` is ``PENDING`` until it runs.  It goes before the gate
+        call that can release it: once released, a worker may run it and store its new result
+        before a later forget, which would then drop that result (``PENDING`` for good).  A
+        letter that another operator's call took back meanwhile (the gate refuses it here) has
+        its stored result forgotten all the same."""
         try:
             self.app.backend.forget(task_id)
         except Exception:  # no result backend, or it is down: its next run overwrites it
