@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import types
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from typing import Any, Callable, NamedTuple, Optional, Union
@@ -74,6 +75,10 @@ class ThreadedTask(Task):
 
     @classmethod
     def on_bound(cls, app: Any) -> None:
+        if isinstance(cls.__dict__.get("thread_key"), types.FunctionType):
+            # app.task(thread_key=fn) puts fn in the task class: a method there, called with the
+            # task as a third argument. The documented form is fn(args, kwargs).
+            cls.thread_key = staticmethod(cls.__dict__["thread_key"])
         _check_thread_key(cls)
         policies.check_task(cls)
         supersede_policy(cls.name, cls.coalesce, cls.debounce, cls.debounce_max)

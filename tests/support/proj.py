@@ -151,6 +151,14 @@ def record(self, thread, label, sleep=0.0, fail_times=0, countdown=0.2, bare=Fal
     return label
 
 
+@app.task(base=ThreadedTask, bind=True, thread_key=lambda args, kwargs: f"{args[0]}-{kwargs['suffix']}")
+def keyed(self, thread, label, suffix):
+    """Its thread id is from a callable thread_key: the call's ``thread`` and ``suffix`` joined."""
+    with _Span(self, f"{thread}-{suffix}", label):
+        pass
+    return label
+
+
 @app.task(base=ThreadedTask, bind=True, thread_key="thread", debounce=1.0, debounce_max=30)
 def debounced(self, thread, label):
     """Declared with debounce (and debounce_max): a burst of calls in a thread runs once."""

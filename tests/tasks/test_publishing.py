@@ -112,6 +112,17 @@ def test_a_thread_key_naming_no_argument_is_refused_where_the_task_is_declared()
         app.finalize(auto=True)
 
 
+def test_a_callable_thread_key_names_the_thread(proj, worker, r):
+    """app.task(thread_key=<a lambda or function>) is called with (args, kwargs), as documented:
+    Celery makes it an attribute of the task's class, where a plain function would be a method."""
+    thread = tid()
+    blocker = proj.keyed.apply_async((thread, "k1"), {"suffix": "x"})
+    second = proj.keyed.delay(thread, "k2", suffix="x")
+    assert [blocker.get(timeout=30), second.get(timeout=30)] == ["k1", "k2"]
+    assert starts(r, f"{thread}-x") == ["k1", "k2"]
+    assert proj.keyed.resolve_thread_id((thread, "k3"), {"suffix": "y"}) == f"{thread}-y"
+
+
 def test_thread_id_of_1024_bytes_is_accepted(proj, worker, r):
     thread = "é" * 512
     assert proj.free.apply_async(("long",), thread_id=thread).get(timeout=30) == "long"
