@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import select
 import threading
 from collections.abc import Sequence
 from typing import Any, Callable, NamedTuple, Optional
@@ -78,6 +79,12 @@ class ScriptLine:
                 bound()
         except redis.TimeoutError:
             return _MISSED  # no time left: the client's way says so
+        if _closed(local):
+            # The server closed the connection while it was idle (it stopped, or dropped us): a
+            # call written now could not run there, so it must not count as one that may have
+            # (deadline.note_sent). The client's way reconnects, or fails before sending.
+            self._drop()
+            return _MISSED
         try:
             packed = command(local.functions)
             sock.sendall(packed + self._then)
@@ -140,6 +147,7 @@ class ScriptLine:
             conn.disconnect()
             return
         local.conn, local.sock = conn, sock
+        local.poll = _poller(sock)
 
     def _load_library(self, conn: Any) -> bool:
         """Whether the server has the library (loaded now, or by another process before, with
@@ -156,7 +164,7 @@ class ScriptLine:
 
     def _drop(self) -> None:
         local = self._local
-        conn, local.conn, local.sock = local.conn, None, None
+        conn, local.conn, local.sock, local.poll = local.conn, None, None, None
         if conn is not None:
             conn.disconnect()
 
@@ -190,6 +198,23 @@ def _holds_library(conn: Any, library: Library) -> bool:
             library.name,
         )
     return False
+
+
+def _poller(sock: Any) -> Any:
+    """A zero-timeout readability check of ``sock`` (``None`` where ``select.poll`` is missing)."""
+    if not hasattr(select, "poll"):
+        return None
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)
+    return poller
+
+
+def _closed(local: Any) -> bool:
+    """Whether the line's idle connection has something to read: between calls a Redis server
+    sends nothing, so it is the end of the connection (the server stopped or closed it), or a
+    broken one."""
+    poller = getattr(local, "poll", None)
+    return poller is not None and bool(poller.poll(0))
 
 
 class _Incomplete(Exception):

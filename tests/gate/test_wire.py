@@ -160,6 +160,25 @@ def test_the_direct_line_reads_what_the_server_replies(private_redis):
     assert gate.finish("t", "task-1", released.token).done
 
 
+def test_a_call_on_a_line_its_stopped_server_closed_is_not_one_that_may_have_run(private_redis):
+    """A server that stopped while the line was idle (a worker's body ran meanwhile) closed its
+    connection: the next call is not written into it and then counted as one that went out
+    unanswered (deadline.unanswered), which would make a worker store the result of an ending the
+    gate never received (member._record_end) while the gate runs the member again."""
+    from celery_threads.gate import deadline, make_client
+
+    client = make_client(private_redis.url())
+    gate = Gate(client, Keys("W"), release_timeout_ms=1000, keepalive_ms=1000)
+    for thread in ("t1", "t2"):  # the first calls open the line, the next go through it
+        released = gate.enqueue(thread, f"task-{thread}", b"envelope").release
+        assert released is not None and gate.claim(thread, f"task-{thread}", released.token, "w") == 1
+    private_redis.stop(kill=True)
+    with deadline.within(1.0, bound="the test") as limit:
+        with pytest.raises(redis.RedisError):
+            gate.finish("t2", "task-t2", released.token)
+    assert limit.unanswered is False
+
+
 @pytest.fixture
 def own_redis():
     """A redis-server of the test's own: it counts the commands of this test alone.  The newest
