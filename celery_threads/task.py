@@ -16,7 +16,7 @@ from celery.utils import uuid
 from celery.utils.saferepr import saferepr
 
 from . import policies
-from .config import ThreadsConfig, read_config
+from .config import ThreadsConfig, read_config, sanitized_url
 from .errors import ConfigurationError, GateUnavailable, InvalidThreadId, NotReplicated, ThreadFull
 from .gate import Enqueue, Outcome, Release, deadline
 from .install import install
@@ -472,7 +472,7 @@ def gate_errors(
         yield
     except redis.RedisError as exc:
         where = (
-            f"could not reach the gate's Redis at {config.redis_url} (threads_redis_url)"
+            f"could not reach the gate's Redis at {sanitized_url(config.redis_url)} (threads_redis_url)"
             + (f" within {limit.seconds:g}s (threads_publish_timeout)" if limit else "")
             + f" to publish task {task_id}: {exc}. Nothing was sent to the broker."
         )

@@ -17,6 +17,7 @@ from typing import Any, Callable, NamedTuple, Optional
 import redis
 from celery.exceptions import Ignore, Reject, Retry
 
+from ..config import sanitized_url
 from ..gate import DELETED, Claim, Gate, Outcome, deadline
 from ..protocol import THREAD_HEADER, TOKEN_HEADER
 from ..runtime import Runtime, get_runtime
@@ -187,7 +188,7 @@ def _claim(
             task.name,
             task_id,
             thread_id,
-            runtime.config.redis_url,
+            sanitized_url(runtime.config.redis_url),
             exc,
         )
         raise Ignore() from exc
@@ -281,7 +282,7 @@ def _record_end(runtime: Runtime, lease: Lease, end: Callable[[], bool]) -> Opti
                 "failed%s",
                 lease.task_id,
                 lease.thread_id,
-                runtime.config.redis_url,
+                sanitized_url(runtime.config.redis_url),
                 error,
                 " (unless a call that went out reached it)"
                 if maybe_sent
@@ -294,7 +295,7 @@ def _record_end(runtime: Runtime, lease: Lease, end: Callable[[], bool]) -> Opti
                 "celery-threads: the gate at %s did not answer (%s); the end of %s "
                 "of thread %s is kept and sent again while its lease holds "
                 "(%.1fs)",
-                runtime.config.redis_url,
+                sanitized_url(runtime.config.redis_url),
                 error,
                 lease.task_id,
                 lease.thread_id,

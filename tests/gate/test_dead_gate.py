@@ -102,6 +102,15 @@ def test_a_gate_never_reachable(proj: Any, isolated_app: Any, redis_server: Any)
     assert "Connection refused" in message, message
 
 
+def test_the_error_masks_the_urls_password(proj: Any, isolated_app: Any) -> None:
+    """As Celery's own messages do: an exception's text ends up in logs and error trackers."""
+    port = _free_port()
+    url = f"redis://user:TopSecret@127.0.0.1:{port}/0"
+    with pointed_at(proj.app, threads_redis_url=url, threads_publish_timeout=BOUND):
+        _, message = _unavailable(proj, f"dead-gate-{uuid.uuid4().hex[:8]}", str(uuid.uuid4()))
+    assert "TopSecret" not in message and f"redis://user:**@127.0.0.1:{port}/0" in message, message
+
+
 def test_a_gate_killed_after_use(
     proj: Any, isolated_app: Any, redis_server: Any, gate_server: RedisServer
 ) -> None:
