@@ -470,6 +470,13 @@ def gate_errors(
     without one, the message allows for that."""
     try:
         yield
+    except redis.exceptions.OutOfMemoryError as exc:
+        # It answered: it refused the call's first write, so the call stored nothing.
+        raise GateUnavailable(
+            f"the gate's Redis at {sanitized_url(config.redis_url)} (threads_redis_url) is out of "
+            f"memory and refused to store task {task_id}: {exc} Nothing was stored nor sent to "
+            "the broker: free memory or raise its maxmemory, then call again."
+        ) from exc
     except redis.RedisError as exc:
         where = (
             f"could not reach the gate's Redis at {sanitized_url(config.redis_url)} (threads_redis_url)"

@@ -126,7 +126,25 @@ def check_access(client: Any, keys: Keys, url: str) -> bool:
             finally:
                 if server.own:
                     server.client.connection_pool.disconnect()
-            if found is None:
+            state = _refused_for_state(found or [])
+            if state == "READONLY":
+                where = f" ({server.name})" if server.name else ""
+                raise ConfigurationError(
+                    f"celery-threads: the gate's Redis at {maybe_sanitize_url(url)}{where} is a "
+                    "read-only replica: it refuses the gate's writes (READONLY). Point "
+                    "threads_redis_url at its master, or use a sentinel:// URL "
+                    "(docs/durability.md)."
+                )
+            if state == "OOM":
+                # Not a right: the gate's writes fail until memory is freed; checked again then.
+                logger.error(
+                    "celery-threads: the gate's Redis at %s is out of memory (maxmemory): it "
+                    "refuses the gate's writes, so no call can be stored until memory is freed "
+                    "or maxmemory raised",
+                    maybe_sanitize_url(url),
+                )
+                unchecked = True
+            elif found is None:
                 unchecked = True
             elif found:
                 refused[server.name] = found
@@ -258,6 +276,16 @@ def _probe(client: Any, base: str) -> Optional[list[tuple[str, str]]]:
         logger.debug("celery-threads: the gate's rights were not checked: %s", exc)
         return None
     return refused
+
+
+def _refused_for_state(refused: list[tuple[str, str]]) -> Optional[str]:
+    """``"READONLY"`` or ``"OOM"`` when the server refused a probe for its state, not for the
+    user's rights: a replica refuses every write, a server over its maxmemory too."""
+    for _, error in refused:
+        for state in ("READONLY", "OOM"):
+            if error.startswith(state) or f"-{state} " in error or f": {state} " in error:
+                return state
+    return None
 
 
 def _message(refused: dict[str, list[tuple[str, str]]], prefix: str, user: str, url: str) -> str:

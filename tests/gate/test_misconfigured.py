@@ -7,6 +7,7 @@ from __future__ import annotations
 import uuid
 
 import pytest
+import redis
 from celery import Celery
 
 from celery_threads.config import read_config
@@ -80,3 +81,33 @@ def test_a_malformed_gate_url_names_its_setting(url, why):
         read_config(app)
     assert why in str(info.value) and "redis://[user:password@]host:6379/0" in str(info.value)
     assert "pw@" not in str(info.value)
+
+
+def test_a_replica_or_a_full_server_is_named_as_such_not_as_missing_rights(proj, isolated_app, caplog):
+    """A gate URL naming a replica is told to name the master; a server over its maxmemory is
+    said to be full, and the call that it refused stored nothing.  Both refuse writes, which the
+    start-up check of rights (gate.access) took for rights the user lacked."""
+    from celery_threads.errors import GateUnavailable
+    from tests.support.isolated import pointed_at
+
+    master = RedisServer()
+    master.start()
+    replica = RedisServer(args=("--replicaof", "127.0.0.1", str(master.port)))
+    replica.start()
+    full = RedisServer(args=("--maxmemory", "1"))
+    full.start()
+    try:
+        with pointed_at(proj.app, threads_redis_url=replica.url(), threads_publish_timeout=2.0):
+            with pytest.raises(ConfigurationError, match="is a read-only replica.*its master"):
+                proj.record.delay(tid(), "to a replica")
+        task_id = str(uuid.uuid4())
+        with pointed_at(proj.app, threads_redis_url=full.url(), threads_publish_timeout=2.0):
+            with pytest.raises(GateUnavailable, match="is out of memory and refused to store") as info:
+                proj.record.apply_async((tid(), "to a full server"), task_id=task_id)
+        assert "ACL" not in str(info.value)
+        assert any("is out of memory (maxmemory)" in r.getMessage() for r in caplog.records)
+        client = redis.Redis(port=full.port)
+        assert not any(task_id.encode() in k + (client.dump(k) or b"") for k in client.keys())
+    finally:
+        for server in (replica, master, full):
+            server.stop()
