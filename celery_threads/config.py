@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any, Optional
 from urllib.parse import urlparse
 
 from celery import Celery
+from celery.utils.serialization import strtobool
 from kombu.utils.url import maybe_sanitize_url
 
 from .errors import ConfigurationError
@@ -78,9 +80,88 @@ def _setting(app: Celery, name: str) -> Any:
     return DEFAULTS[name] if value is None else value
 
 
-def _optional(app: Celery, name: str, kind: Any) -> Any:
-    value = app.conf.get(name)
-    return None if value is None else kind(value)
+# Every number and flag is read by one of the three helpers below, so that a value given as a
+# string (``app.conf.update(os.environ)``, ``config_from_envvar``) reads as it would from Python,
+# and a value that is not one raises a ConfigurationError naming the setting.
+
+#: what a duration that becomes milliseconds (a lease, a timeout...) takes
+_SECONDS = "a number of seconds, 0.001 (1 ms) or more"
+
+
+def _flag(app: Celery, name: str) -> bool:
+    """A boolean setting: ``True``/``False``, ``1``/``0``, or a string Celery itself reads as a
+    boolean (``celery.utils.serialization.strtobool``: true/false, yes/no, on/off, 1/0, any case)."""
+    value = _setting(app, name)
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str):
+        try:
+            return bool(strtobool(value.strip()))
+        except TypeError:
+            pass
+    raise ConfigurationError(
+        f"{name}={value!r} is not a boolean: write True or False (or, as a string, "
+        "true/false, yes/no, on/off or 1/0)."
+    )
+
+
+def _finite(name: str, value: Any, expected: str, why: str = "") -> float:
+    """``value`` (a number, or a string holding one) as a finite float, else a
+    :class:`ConfigurationError` that names ``name``, ``value`` and what is ``expected``."""
+    if not isinstance(value, bool):  # True is no number of seconds or count
+        try:
+            number = float(value)
+        except (TypeError, ValueError, OverflowError):
+            pass
+        else:
+            if math.isfinite(number):
+                return number
+    raise _not(name, value, expected, why)
+
+
+def _not(name: str, value: Any, expected: str, why: str = "") -> ConfigurationError:
+    return ConfigurationError(f"{name}={value!r} is not {expected}{': ' + why if why else ''}.")
+
+
+def _seconds(
+    app: Celery, name: str, *, minimum: float = 0.001, expected: str = _SECONDS, optional: bool = False
+) -> Any:
+    """A duration setting, in seconds, at least ``minimum`` (``None`` too when ``optional``)."""
+    value = app.conf.get(name) if optional else _setting(app, name)
+    if value is None:
+        return None
+    seconds = _finite(name, value, expected)
+    if seconds < minimum:
+        raise _not(name, value, expected)
+    return seconds
+
+
+def _count(
+    app: Celery, name: str, *, minimum: int, expected: str, why: str = "", optional: bool = False
+) -> Any:
+    """A whole-number setting, at least ``minimum`` (``None`` too when ``optional``); ``2.0`` and
+    ``"2"`` are read as 2, ``2.5`` is not a count."""
+    value = app.conf.get(name) if optional else _setting(app, name)
+    if value is None:
+        return None
+    if isinstance(value, int) and not isinstance(value, bool):
+        count = value
+    else:
+        number = _finite(name, value, expected, why)
+        if not number.is_integer():
+            raise _not(name, value, expected, why)
+        count = int(number)
+    if count < minimum:
+        raise _not(name, value, expected, why)
+    return count
+
+
+def dispatch_interval(app: Celery) -> float:
+    """``threads_dispatch_interval``, as :func:`read_config` reads it (beat's entry needs it before
+    the rest of the configuration)."""
+    return float(_seconds(app, "threads_dispatch_interval"))
 
 
 _SCHEMES = ("redis", "rediss", "unix", "sentinel")
@@ -141,51 +222,44 @@ def read_config(app: Celery) -> ThreadsConfig:
     config = ThreadsConfig(
         redis_url=redis_url,
         key_prefix=prefix,
-        keepalive=float(_setting(app, "threads_keepalive")),
-        dispatch_interval=float(_setting(app, "threads_dispatch_interval")),
+        keepalive=_seconds(app, "threads_keepalive"),
+        dispatch_interval=dispatch_interval(app),
         dead_letter_queue=app.conf.get("threads_dead_letter_queue"),
-        release_timeout=float(_setting(app, "threads_release_timeout")),
-        dispatch_batch=int(_setting(app, "threads_dispatch_batch")),
-        worker_dispatch=bool(_setting(app, "threads_worker_dispatch")),
-        shards=int(_setting(app, "threads_shards")),
-        direct_release=bool(_setting(app, "threads_direct_release")),
-        track_releases=bool(_setting(app, "threads_track_releases")),
-        local_handoff=float(_setting(app, "threads_local_handoff")),
+        release_timeout=_seconds(app, "threads_release_timeout"),
+        dispatch_batch=_count(app, "threads_dispatch_batch", minimum=1, expected="a whole number, 1 or more"),
+        worker_dispatch=_flag(app, "threads_worker_dispatch"),
+        shards=_count(
+            app,
+            "threads_shards",
+            minimum=1,
+            expected="a whole number, 1 or more",
+            why="the gate needs at least 1 shard (one per hash tag; on a Redis Cluster, a few per "
+            "master spread the threads over them)",
+        ),
+        direct_release=_flag(app, "threads_direct_release"),
+        track_releases=_flag(app, "threads_track_releases"),
+        local_handoff=_seconds(
+            app,
+            "threads_local_handoff",
+            minimum=0,
+            expected="a number of seconds, 0 or more (0 turns the in-process handoff off)",
+        ),
         redis_options=gate_redis_options(app, redis_url),
-        wait_replicas=int(_setting(app, "threads_wait_replicas")),
-        publish_timeout=float(_setting(app, "threads_publish_timeout")),
-        dead_letter_max=_optional(app, "threads_dead_letter_max", int),
-        dead_letter_ttl=_optional(app, "threads_dead_letter_ttl", float),
+        wait_replicas=_count(
+            app, "threads_wait_replicas", minimum=0, expected="0 (no WAIT) or a whole number of replicas"
+        ),
+        publish_timeout=_seconds(app, "threads_publish_timeout"),
+        dead_letter_max=_count(
+            app,
+            "threads_dead_letter_max",
+            minimum=0,
+            expected="None (no bound) or a whole number of letters, 0 or more",
+            optional=True,
+        ),
+        dead_letter_ttl=_seconds(
+            app, "threads_dead_letter_ttl", expected=f"None (kept) or {_SECONDS}", optional=True
+        ),
     )
-    if (
-        config.keepalive <= 0
-        or config.dispatch_interval <= 0
-        or config.release_timeout <= 0
-        or config.publish_timeout <= 0
-    ):
-        raise ConfigurationError(
-            "threads_keepalive, threads_dispatch_interval, threads_release_timeout and "
-            "threads_publish_timeout must be positive numbers of seconds."
-        )
-    if (config.dead_letter_max is not None and config.dead_letter_max < 0) or (
-        config.dead_letter_ttl is not None and config.dead_letter_ttl <= 0
-    ):
-        raise ConfigurationError(
-            "threads_dead_letter_max must be None (no bound) or a number of letters, 0 or more; "
-            "threads_dead_letter_ttl None (kept) or a positive number of seconds."
-        )
-    if config.wait_replicas < 0:
-        raise ConfigurationError("threads_wait_replicas must be 0 (no WAIT) or a number of replicas.")
-    if config.local_handoff < 0:
-        raise ConfigurationError(
-            "threads_local_handoff must be a number of seconds, 0 or more (0 turns the "
-            "in-process handoff off)."
-        )
-    if config.shards < 1:
-        raise ConfigurationError(
-            f"threads_shards={config.shards}: the gate needs at least 1 shard (one per hash tag; "
-            "on a Redis Cluster, a few per master spread the threads over them)."
-        )
     setattr(app, _ATTR, config)
     return config
 

@@ -7,6 +7,7 @@ from typing import Any
 
 from celery import shared_task, signals
 
+from .config import dispatch_interval
 from .protocol import BEAT_ENTRY, DISPATCH_TASK
 
 logger = logging.getLogger(__name__)
@@ -48,7 +49,7 @@ def install(app: Any) -> None:
     app._celery_threads_installed = True
     _add_steps(app)
     _quiet_tick_logs()
-    interval = float(app.conf.get("threads_dispatch_interval") or 1.0)
+    interval = dispatch_interval(app)
     schedule = dict(app.conf.beat_schedule or {})
     schedule.setdefault(
         BEAT_ENTRY,
