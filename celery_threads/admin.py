@@ -30,7 +30,7 @@ from .gate import (
 from .gate.eviction import Eviction, check_eviction
 from .metrics import Counters, Metrics
 from .protocol import normalize_thread_id, retry_settings
-from .publish import arguments_repr, decode_arguments, task_name
+from .publish import arguments_repr, chord_request, decode_arguments, task_name
 from .runtime import get_runtime
 
 T = TypeVar("T")
@@ -407,9 +407,12 @@ class Threads:
         bound = 2 * self.reads.waiting_count(thread_id) + 1
         total = 0
         while total < bound:
-            dropped, left = self.gate.purge(thread_id)
+            grouped: dict[str, bytes] = {}
+            dropped, left = self.gate.purge(thread_id, grouped=grouped)
             for task_id in dropped:
-                self.runtime.mark_revoked(task_id, "purged from its thread")
+                envelope = grouped.get(task_id)
+                chord = None if envelope is None else chord_request(self.app, task_id, envelope)
+                self.runtime.mark_revoked(task_id, "purged from its thread", chord)
             total += len(dropped)
             if progress is not None and dropped:
                 progress(len(dropped))

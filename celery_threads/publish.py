@@ -185,6 +185,26 @@ def decode_envelope(envelope: bytes) -> tuple[dict[str, Any], bytes]:
     return decoded, body
 
 
+def chord_request(app: Celery, task_id: str, envelope: bytes) -> Optional[dict[str, Any]]:
+    """What Celery's result backend needs to count a member that ends unstarted as a part of its
+    chord (``backend.mark_as_revoked(..., request=...)``): its message's headers and its body's
+    embedded options, as a worker's request holds them; ``None`` for a member of no chord (or a
+    message that cannot be read, or of a content type the app does not accept)."""
+    try:
+        header, body = decode_envelope(envelope)
+        headers = header["headers"]
+        if not headers.get("group"):
+            return None
+        accept = prepare_accept_content(app.conf.accept_content)  # type: ignore[no-untyped-call]
+        payload = _loads(body, header["content_type"], header["content_encoding"], accept)
+        embed = payload[2] if isinstance(payload, (list, tuple)) and len(payload) == 3 else {}
+    except Exception:  # any content a serializer refuses: no chord to count it in
+        return None
+    if not isinstance(embed, dict) or not embed.get("chord"):
+        return None
+    return {**headers, **embed, "id": task_id}
+
+
 def task_name(envelope: bytes) -> str:
     """The task name a stored message names ("" when the envelope cannot be decoded)."""
     try:

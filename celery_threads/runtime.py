@@ -38,7 +38,7 @@ from .gate.eviction import check_eviction
 from .gate.transitions import CALL_BOUND, CALL_BOUND_NAME
 from .keys import Keys
 from .protocol import THREAD_HEADER
-from .publish import ReleasePublisher, publish_release, task_name
+from .publish import ReleasePublisher, chord_request, publish_release, task_name
 from .signals import member_dead
 
 logger = logging.getLogger(__name__)
@@ -195,6 +195,7 @@ class Runtime:
         ``member_dead`` listener, since the task did not fail; fenced by its token, and only
         while it is still RELEASED (a worker that claimed it in time runs it).  Returns the
         release of the member promoted in its place, if any."""
+        chord = self.chord_part(release.task_id, release.thread_id)
         try:
             outcome = self.gate.delete(
                 release.task_id, token=release.token, only_released=True, thread_id=release.thread_id
@@ -214,7 +215,7 @@ class Runtime:
                 release.task_id,
                 release.thread_id,
             )
-            self.mark_revoked(release.task_id, "expired")
+            self.mark_revoked(release.task_id, "expired", chord)
         return outcome.release
 
     def _deadline_at_ttl(self, release: Release, ttl: float) -> None:
@@ -261,6 +262,7 @@ class Runtime:
         thread_id = self.gate.reads.thread_of(task_id)
         if thread_id is None:
             return None
+        chord = self.chord_part(task_id, thread_id)
         outcome = self.publish_outcome(self.gate.delete(task_id, stop=True, thread_id=thread_id))
         if not outcome.done:
             return None
@@ -269,19 +271,24 @@ class Runtime:
         else:
             # ENDED: the call was replayed after its reply was lost, and the member may have
             # been running: revoke with terminate (a no-op where it does not run).
-            self.revoke_unstarted(thread_id, task_id, terminate=outcome.info == ENDED)
+            self.revoke_unstarted(thread_id, task_id, terminate=outcome.info == ENDED, chord=chord)
         if outcome.info == STOPPING:
             self._wait_stopped(thread_id, task_id, wait)
         return outcome.info
 
     def revoke_unstarted(
-        self, thread_id: str, task_id: str, reason: str = "deleted from its thread", terminate: bool = False
+        self,
+        thread_id: str,
+        task_id: str,
+        reason: str = "deleted from its thread",
+        terminate: bool = False,
+        chord: Optional[dict[str, Any]] = None,
     ) -> None:
-        """A member that left its thread before it ran: ``REVOKED`` in the result backend, and
-        one worker (elected by a note in the gate) sends the ``task-revoked`` event, so Flower
-        shows it without a phantom worker."""
+        """A member that left its thread before it ran: ``REVOKED`` in the result backend (and
+        in its chord, ``chord``: see :meth:`mark_revoked`), and one worker (elected by a note in
+        the gate) sends the ``task-revoked`` event, so Flower shows it without a phantom worker."""
         self.gate.note_deleted(thread_id, task_id)
-        self.mark_revoked(task_id, reason)
+        self.mark_revoked(task_id, reason, chord)
         self.app.control.revoke(task_id, terminate=terminate)
 
     def revoke_superseded(self, thread_id: str, task_ids: list[str]) -> None:
@@ -310,8 +317,27 @@ class Runtime:
             time.sleep(pause)
             pause = min(pause * 2, 0.1)
 
-    def mark_revoked(self, task_id: str, reason: str = "deleted from its thread") -> None:
+    def chord_part(self, task_id: str, thread_id: Optional[str] = None) -> Optional[dict[str, Any]]:
+        """For :meth:`mark_revoked`: the request of a member that a chord counts, read from the gate
+        before the member leaves it (``None`` for any other member, or none)."""
         try:
+            envelope = self.gate.reads.envelope(task_id, thread_id)
+        except redis.RedisError:
+            return None
+        return None if envelope is None else chord_request(self.app, task_id, envelope)
+
+    def mark_revoked(
+        self, task_id: str, reason: str = "deleted from its thread", chord: Optional[dict[str, Any]] = None
+    ) -> None:
+        """``REVOKED`` in the result backend; ``chord``: the member's request (:meth:`chord_part`),
+        whose chord then counts it, as a worker's revoke of a chord's part does (the chord ends
+        with a ChordError, and its body never runs with a part missing)."""
+        try:
+            if chord is not None:
+                from celery.app.task import Context
+
+                self.app.backend.mark_as_revoked(task_id, reason, request=Context(chord))
+                return
             self.app.backend.mark_as_revoked(task_id, reason)
         except Exception:
             logger.debug("celery-threads: no result backend to mark %s revoked", task_id, exc_info=True)

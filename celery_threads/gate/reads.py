@@ -48,6 +48,15 @@ class GateReads:
                 return parse_record(value).thread_id
         return None
 
+    def envelope(self, task_id: str, thread_id: Optional[str] = None) -> Optional[bytes]:
+        """The stored message of member ``task_id`` (of ``thread_id``, when known), or ``None``."""
+        shards = [self.keys.thread(thread_id).shard] if thread_id is not None else self.keys.all_shards()
+        for shard in shards:
+            _, value = find_record(self.client, shard.tasks, task_id)
+            if value is not None:
+                return parse_record(value).envelope
+        return None
+
     def snapshot(self, thread_id: str) -> Optional[ThreadSnapshot]:
         """A consistent read of one thread (a read-only script: its members' records live in the
         shard's tasks hash, under ids the thread's own keys name)."""

@@ -110,9 +110,10 @@ def _delete_once_stopped(
 def _end_revoked_member(runtime: Runtime, consumer: Any, task_id: str) -> None:
     """A waiting member revoked by a plain ``revoke`` leaves its thread here; one deleted by
     ``Threads.delete`` is announced here.  Either way this worker sends ``task-revoked``."""
+    chord = runtime.chord_part(task_id)  # read while it is a member: the delete drops its message
     deleted = runtime.publish_outcome(runtime.gate.delete(task_id, only_waiting=True)).done
     if deleted:
-        runtime.mark_revoked(task_id)
+        runtime.mark_revoked(task_id, chord=chord)
     if deleted or runtime.gate.take_deleted_note(task_id):
         dispatcher = consumer.event_dispatcher
         if dispatcher is not None and dispatcher.enabled:

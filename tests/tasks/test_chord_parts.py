@@ -1,0 +1,36 @@
+"""A chord's threaded part that ends without running (removed from its thread while it waited)
+counts in its chord as a revoked plain task does: the chord fails with a ChordError and its body
+never runs.  It was marked REVOKED without its request, so the chord waited for it for good."""
+
+from __future__ import annotations
+
+import pytest
+from celery import chord
+from celery.exceptions import ChordError
+
+from celery_threads import Threads
+from tests.support.helpers import starts, tid, wait_for
+
+
+@pytest.mark.parametrize("how", ["revoke", "delete", "purge"])
+def test_a_chord_part_removed_while_it_waits_fails_its_chord(proj, worker, how):
+    r = proj.history()
+    thread, go = tid(), f"go:{tid()}"
+    header = [proj.record.si(thread, "h0", until=go), proj.record.si(thread, "h1")]
+    body = proj.plain.si(thread, "body")
+    res = chord(header)(body)
+    h0, h1 = res.parent.results
+    wait_for(lambda: starts(r, thread) == ["h0"], what="h0 to hold the thread")
+    if how == "revoke":
+        h1.revoke()
+    elif how == "delete":
+        assert Threads(proj.app).delete(h1.id)
+    else:
+        assert Threads(proj.app).purge(thread) == 1
+    wait_for(lambda: h1.state == "REVOKED", what="h1 revoked")
+    r.set(go, 1)
+    assert h0.get(timeout=30) == "h0"
+    res.get(timeout=30, propagate=False)  # the body's own outcome, not its parts' errors
+    assert res.state == "FAILURE" and isinstance(res.result, ChordError), (res.state, res.result)
+    assert "TaskRevokedError" in str(res.result)
+    assert "body" not in starts(r, thread)
