@@ -87,7 +87,8 @@ class ThreadedRequest(Request):
     def _end_lost_attempt(self, thread_id: str, token: str, exc: BaseException, exc_info: Any) -> bool:
         """The pool process running this member was lost: a failed attempt, which the gate turns
         into a retry or a death.  Returns ``True`` when the attempt is ended here, ``False`` when
-        the member died by this report and Celery's own handling stores the failure.
+        the member died by this report and Celery's own handling stores the failure (ended here
+        too under ``reject_on_worker_lost``, which has Celery requeue the message instead).
 
         Only a death may show ``FAILURE`` in the result backend.  Any other answer stores no
         final state: ``RETRY`` when this report put the member back in its thread, nothing when
@@ -122,7 +123,14 @@ class ThreadedRequest(Request):
             outcome = None
         if outcome is not None and outcome.status == Lapse.DIED:
             runtime.announce_death(thread_id, self.id, f"WorkerLostError: {exc}", retries)
-            return False
+            if not (self.task.acks_late and self.task.reject_on_worker_lost):
+                return False
+            # Celery would requeue the message and store nothing (reject_on_worker_lost): the
+            # member would read STARTED forever, its errbacks never called.  The gate decided,
+            # so it ends as a death does without that setting.
+            worker_state.task_ready(self)
+            self._announce_lost_death(exc, exc_info)
+            return True
         worker_state.task_ready(self)
         if outcome is not None and outcome.status == Lapse.RETRIED:
             self._announce_lost_retry(exc, exc_info)
@@ -168,6 +176,35 @@ class ThreadedRequest(Request):
             )
         except Exception:
             logger.debug("celery-threads: could not store the death of %s", self.id, exc_info=True)
+
+    def _announce_lost_death(self, exc: BaseException, exc_info: Any) -> None:
+        """What Celery does for a lost task without ``reject_on_worker_lost``: FAILURE stored and
+        errbacks called, ``task_failure`` signal, ack, ``task-failed`` event."""
+        from celery import signals
+        from celery.utils.saferepr import saferepr
+
+        if not isinstance(exc, WorkerLostError):  # billiard's report of the exit (SystemExit)
+            exc = WorkerLostError(f"Worker exited prematurely: {type(exc).__name__}.")
+        context = seams.request_context(self)
+        self.task.backend.mark_as_failure(self.id, exc, request=context, store_result=self.store_errors)
+        if context is not None:
+            self.task.request_stack.push(context)  # for task_failure handlers, as Celery does
+        try:
+            signals.task_failure.send(
+                sender=self.task,
+                task_id=self.id,
+                exception=exc,
+                args=self.args,
+                kwargs=self.kwargs,
+                traceback=exc_info.traceback,
+                einfo=exc_info,
+            )
+        finally:
+            if context is not None:
+                self.task.request_stack.pop()
+        self.acknowledge()
+        if not worker_state.should_terminate:  # cold shutdown: Celery sends no event either
+            self.send_event("task-failed", exception=saferepr(exc), traceback=exc_info.traceback)
 
     def _announce_lost_retry(self, exc: BaseException, exc_info: Any) -> None:
         """What Celery does for a retried task: RETRY state, ``task-retried`` event, ack."""

@@ -474,3 +474,52 @@ from celery_threads.signals import member_dead  # noqa: E402
 @member_dead.connect
 def _remember_death(sender=None, task_id=None, thread_id=None, exception=None, **kwargs):
     history().rpush(f"dead_signal:{thread_id}", f"{task_id}|{exception}")
+
+
+@app.task(
+    base=ThreadedTask,
+    bind=True,
+    thread_key="thread",
+    acks_late=True,
+    reject_on_worker_lost=True,
+    max_retries=0,
+)
+def lost_rejected(self, thread, label, seconds=30.0):
+    """acks_late and reject_on_worker_lost, no retries: records its pool process (list
+    pid:<thread>), then beats (list beats:<thread>, as `beater`) for `seconds`, to be killed."""
+    history().rpush(f"pid:{thread}", os.getpid())
+    _beat(self, thread, label, seconds, None)
+    return label
+
+
+@app.task(
+    base=ThreadedTask,
+    bind=True,
+    thread_key="thread",
+    acks_late=True,
+    reject_on_worker_lost=True,
+    max_retries=1,
+    default_retry_delay=0.1,
+)
+def lost_rejected_retried(self, thread, label, seconds=30.0, until=None):
+    """As `lost_rejected` with a retry left: its first attempt records its pool process and beats
+    for `seconds`; a later one waits until the key `until` exists (when given; at most 30 s) and
+    returns.  Each attempt's retries count goes to list attempts:<thread> when it starts, and
+    again with "|ok" when it returns."""
+    r = history()
+    r.rpush(f"attempts:{thread}", str(self.request.retries))
+    if not self.request.retries:
+        r.rpush(f"pid:{thread}", os.getpid())
+        _beat(self, thread, label, seconds, None)
+    else:
+        with _Span(self, thread, label):
+            _await_key(until)
+    r.rpush(f"attempts:{thread}", f"{self.request.retries}|ok")
+    return label
+
+
+@app.task
+def errback_log(task_id):
+    """A plain link_error callback (called with the failed task's id): appends its pool process to
+    list errbacks:<task_id>."""
+    history().rpush(f"errbacks:{task_id}", os.getpid())
