@@ -22,6 +22,7 @@ docs/redis-tls-acl.md lists them.
 from __future__ import annotations
 
 import logging
+import re
 import threading
 from importlib import resources
 from typing import Any, NamedTuple, Optional
@@ -80,6 +81,8 @@ REQUIRED_COMMANDS = (
     "zremrangebyscore",
     "zscore",
     "zscan",
+    "multi",
+    "exec",
 )
 #: Commands of the checks each process runs before its first use of the gate: ``INFO`` reads the
 #: ``maxmemory-policy`` (:mod:`celery_threads.gate.eviction`); without it the check warns.
@@ -264,6 +267,15 @@ def _probe(client: Any, base: str) -> Optional[list[tuple[str, str]]]:
         run("set", "SET", s, 1, "PX", 1000)
         run("get", "GET", s)
         run("getdel", "GETDEL", s)
+        try:  # stats and metrics read a shard's indexes in one transaction (GateReads.index_counts)
+            pipe = client.pipeline(transaction=True)
+            pipe.exists(s)
+            pipe.execute()
+        except redis.exceptions.NoPermissionError as exc:
+            named = re.search(r"'([a-z|]+)' command", str(exc))
+            refused.append((named.group(1) if named else "multi", str(exc)))
+        except redis.ResponseError:
+            pass
         pubsub = client.pubsub()
         try:
             pubsub.subscribe(channel)

@@ -444,6 +444,8 @@ def test_an_acl_user_with_the_documented_rights_runs_threaded_tasks(
         run_threads(proj, redis.Redis(port=redis_server.port))
         threads = Threads(proj.app)
         assert threads.dead() == [] and list(threads.ids()) == []
+        stats = cli("stats", "--json")  # the health check reads in a transaction (MULTI, EXEC)
+        assert stats.exit_code == 0, stats.stderr
     assert _refused(tls_redis, url) == (set() if optional else {"function|load"})
 
 
