@@ -413,6 +413,10 @@ class Threads:
                 envelope = grouped.get(task_id)
                 chord = None if envelope is None else chord_request(self.app, task_id, envelope)
                 self.runtime.mark_revoked(task_id, "purged from its thread", chord)
+            if dropped:
+                # task-revoked for Flower, sent by one worker per member (Runtime.revoke_unstarted)
+                self.gate.note_deleted(thread_id, *dropped)
+                self.app.control.revoke(dropped)
             total += len(dropped)
             if progress is not None and dropped:
                 progress(len(dropped))

@@ -215,7 +215,7 @@ class Runtime:
                 release.task_id,
                 release.thread_id,
             )
-            self.mark_revoked(release.task_id, "expired", chord)
+            self.revoke_unstarted(release.thread_id, release.task_id, "expired", chord=chord)
         return outcome.release
 
     def _deadline_at_ttl(self, release: Release, ttl: float) -> None:

@@ -642,8 +642,13 @@ class Gate:
             replies = pipe.execute(raise_on_error=False)
         return cluster.rerun_unrun(replies, lambda i: self._run(name, calls[i][0], *calls[i][1]))
 
-    def note_deleted(self, thread_id: str, task_id: str, ttl: int = 600) -> None:
-        self.client.set(self.keys.thread(thread_id).shard.deleted_note(task_id), 1, ex=ttl)
+    def note_deleted(self, thread_id: str, *task_ids: str, ttl: int = 600) -> None:
+        """Note members of ``thread_id`` that left it unstarted, for :meth:`take_deleted_note`."""
+        shard = self.keys.thread(thread_id).shard
+        pipe = self.client.pipeline(transaction=False)
+        for task_id in task_ids:
+            pipe.set(shard.deleted_note(task_id), 1, ex=ttl)
+        pipe.execute()
 
     def take_deleted_note(self, task_id: str) -> bool:
         """True once per note: elects the one worker that announces a deleted member."""

@@ -83,6 +83,14 @@ def test_flower_shows_waiting_running_and_deleted_members(flower, proj):
     assert Threads(proj.app).delete(doomed.id)
     wait_for(lambda: _task(base, doomed.id).get("state") == "REVOKED", what="doomed revoked")
     assert doomed.state == "REVOKED"
+    # So does a member purged from the gate.
+    other = tid("flower")
+    blocker = proj.record.delay(other, "blocker", sleep=2)
+    purged = proj.record.delay(other, "purged")
+    wait_for(lambda: _task(base, purged.id).get("state") == "PENDING", what="purged waiting in flower")
+    assert Threads(proj.app).purge(other) == 1
+    wait_for(lambda: _task(base, purged.id).get("state") == "REVOKED", what="purged revoked")
+    assert purged.state == "REVOKED" and blocker.get(timeout=30) == "blocker"
     assert waiting.get(timeout=30) == "waiting"
     wait_for(lambda: _task(base, waiting.id).get("state") == "SUCCESS", what="waiting succeeded")
     assert starts(r, thread) == ["first", "waiting"]
