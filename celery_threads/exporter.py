@@ -4,14 +4,27 @@ Needs ``prometheus_client`` (the ``metrics`` extra): :mod:`celery_threads.cli` i
 only for that command.  A custom collector reads the gate on each scrape
 (:meth:`celery_threads.Threads.metrics`): the counters live in the gate, so the exporter keeps no
 state, and any number of them can run.
+
+While the gate cannot be read (its Redis down, or not answering within ``threads_publish_timeout``:
+:meth:`~celery_threads.Threads.metrics` is an admin call, bounded as every one is), a scrape gets
+``503 Service Unavailable`` and a one-line body, so Prometheus records ``up == 0`` for the target,
+and the exporter logs one line when the outage starts and one when the gate answers again, not a
+traceback per scrape.  It serves no stale or made-up values in place of those it could not read.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from threading import Thread
+import logging
+import socket
+import time
+from collections.abc import Callable, Iterable, Iterator
+from socketserver import ThreadingMixIn
+from threading import Lock, Thread
+from typing import Any, Optional
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, generate_latest, start_http_server
+import redis
+from prometheus_client import CollectorRegistry, generate_latest, make_wsgi_app
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -21,9 +34,17 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from .admin import Threads
+from .config import sanitized_url
+from .errors import GateUnavailable
 from .metrics import OUTCOMES, STATES, Metrics
 
 __all__ = ["GateCollector", "listen", "registry", "render"]
+
+log = logging.getLogger(__name__)
+
+#: What a scrape meets when the gate cannot be read: refused, closed, timed out (the admin call's
+#: bound, DeadlinePassed, is a redis.TimeoutError), an error reply (LOADING, MASTERDOWN).
+GATE_ERRORS = (redis.RedisError, GateUnavailable, OSError)
 
 
 class GateCollector(Collector):
@@ -111,8 +132,105 @@ def render(threads: Threads, top: int = 0) -> str:
     return generate_latest(registry(threads, top)).decode()
 
 
+WSGIApp = Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]
+
+
+class GateOutage:
+    """A WSGI app around prometheus_client's: a scrape that cannot read the gate gets 503 and a
+    short body; the outage is logged once when it starts and once when the gate answers again
+    (scrapes run in threads of their own: the state is locked)."""
+
+    def __init__(self, app: WSGIApp, gate: str) -> None:
+        self.app = app
+        self.gate = gate  # the gate's URL, password masked
+        self.lock = Lock()
+        self.since: Optional[float] = None  # when the outage's first failed scrape began (monotonic)
+        self.failed = 0  # scrapes answered 503 in this outage
+
+    def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        if environ.get("PATH_INFO") == "/favicon.ico":
+            return self.app(environ, start_response)  # prometheus_client's: it reads no gate
+        started = time.monotonic()
+        try:
+            body = self.app(environ, start_response)
+        except GATE_ERRORS as exc:
+            self._down(exc, started)
+            text = f"celery-threads: the gate ({self.gate}) cannot be read: {type(exc).__name__}\n"
+            start_response(
+                "503 Service Unavailable",
+                [("Content-Type", "text/plain; charset=utf-8"), ("Content-Length", str(len(text)))],
+            )
+            return [text.encode()]
+        self._up()
+        return body
+
+    def _down(self, exc: BaseException, started: float) -> None:
+        with self.lock:
+            self.failed += 1
+            if self.since is not None:
+                return
+            self.since = started
+        log.warning(
+            "celery-threads metrics: the gate (%s) cannot be read (%s: %s); scrapes get 503 until it answers",
+            self.gate,
+            type(exc).__name__,
+            exc,
+        )
+
+    def _up(self) -> None:
+        with self.lock:
+            if self.since is None:
+                return
+            down, failed = time.monotonic() - self.since, self.failed
+            self.since, self.failed = None, 0
+        log.info(
+            "celery-threads metrics: the gate (%s) answers again, after %.1fs (%d scrape%s got 503)",
+            self.gate,
+            down,
+            failed,
+            "" if failed == 1 else "s",
+        )
+
+
+class _Server(ThreadingMixIn, WSGIServer):
+    daemon_threads = True  # a scrape in progress does not keep the process from exiting
+
+
+class _Quiet(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:
+        """No line per request (prometheus_client's server logs none either)."""
+
+
+def _log_to_stderr() -> None:
+    """The exporter's two outage lines reach stderr when nothing else handles them (the
+    ``celery threads metrics`` process configures no logging)."""
+    if not log.hasHandlers():
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("[%(asctime)s: %(levelname)s] %(message)s"))
+        log.addHandler(handler)
+    if log.level == logging.NOTSET:
+        log.setLevel(logging.INFO)  # the line saying the gate answers again is INFO
+
+
 def listen(threads: Threads, address: str, port: int, top: int = 0) -> Thread:
     """Serve the metrics at ``http://address:port/metrics`` from a daemon thread, returned (join
     it to serve until the process is stopped).  Raises OSError when the address is taken."""
-    _server, thread = start_http_server(port, addr=address, registry=registry(threads, top))
+    _log_to_stderr()
+    app = GateOutage(make_wsgi_app(registry(threads, top)), sanitized_url(threads.runtime.config.redis_url))
+    family, host = _family(address, port)
+
+    class Server(_Server):
+        address_family = family
+
+    server = make_server(host, port, app, Server, handler_class=_Quiet)
+    thread = Thread(target=server.serve_forever, name="celery-threads-metrics", daemon=True)
+    thread.start()
     return thread
+
+
+def _family(address: str, port: int) -> tuple[socket.AddressFamily, str]:
+    """The address family of ``address`` (an IPv6 address or name listens on IPv6), and the
+    address to bind, as prometheus_client's own server picks them."""
+    infos = socket.getaddrinfo(address, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    family, _, _, _, sockaddr = next(iter(infos))
+    return family, str(sockaddr[0])
