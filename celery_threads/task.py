@@ -470,6 +470,12 @@ def gate_errors(
     without one, the message allows for that."""
     try:
         yield
+    except redis.AuthenticationError as exc:
+        raise GateUnavailable(
+            f"the gate's Redis at {sanitized_url(config.redis_url)} refused the credentials of "
+            f"threads_redis_url ({exc}), so task {task_id} was neither stored nor sent: set the "
+            "user and password the server expects."
+        ) from exc
     except redis.exceptions.OutOfMemoryError as exc:
         # It answered: it refused the call's first write, so the call stored nothing.
         raise GateUnavailable(

@@ -38,8 +38,9 @@ def wait_timeout_ms(keepalive_ms: int) -> int:
 class BoundedRetry(Retry):
     """redis-py's :class:`~redis.retry.Retry`, which also gives up ``budget`` seconds after a
     call's first failure (attempts on a silent link each wait ``SOCKET_TIMEOUT``), and when the
-    caller's deadline passes (:mod:`.deadline`; its pauses end with it too).  The error raised is
-    the last attempt's own, not that the time ran out."""
+    caller's deadline passes (:mod:`.deadline`; its pauses end with it too), and at once when the
+    server refused the credentials.  The error raised is the last attempt's own, not that the time
+    ran out."""
 
     def __init__(self, backoff: Any, retries: int, budget: float) -> None:
         super().__init__(_DeadlineBackoff(backoff), retries)
@@ -57,6 +58,8 @@ class BoundedRetry(Retry):
             result = fail(error, *count)
             if isinstance(error, DeadlinePassed):
                 raise attempted[-1] if attempted else error
+            if isinstance(error, redis.AuthenticationError):
+                raise error  # wrong credentials: no retry makes them right
             attempted[:] = [error]
             if time.monotonic() - started[0] > self.budget:
                 raise error

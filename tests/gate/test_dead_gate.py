@@ -111,6 +111,24 @@ def test_the_error_masks_the_urls_password(proj: Any, isolated_app: Any) -> None
     assert "TopSecret" not in message and f"redis://user:**@127.0.0.1:{port}/0" in message, message
 
 
+def test_a_wrong_password_is_said_at_once_not_retried_as_an_outage(proj: Any, isolated_app: Any) -> None:
+    """Credentials the server refused are no outage to ride out: the call is not tried again (the
+    server counts each refused AUTH), and the error says what is wrong."""
+    server = RedisServer(args=("--requirepass", "right"))
+    server.start()
+    try:
+        url = f"redis://:wrong@127.0.0.1:{server.port}/0"
+        # A bound long enough for a dozen retries, were the call retried.
+        with pointed_at(proj.app, threads_redis_url=url, threads_publish_timeout=5.0):
+            _, message = _unavailable(proj, f"dead-gate-{uuid.uuid4().hex[:8]}", str(uuid.uuid4()))
+        assert "refused the credentials" in message and "wrong" not in message, message
+        log = redis.Redis(port=server.port, password="right").acl_log()
+        refused = sum(int(e["count"]) for e in log if e["reason"] == "auth")
+        assert 1 <= refused <= 4, log  # once per client of the first use's checks and the call
+    finally:
+        server.stop()
+
+
 def test_a_gate_killed_after_use(
     proj: Any, isolated_app: Any, redis_server: Any, gate_server: RedisServer
 ) -> None:
