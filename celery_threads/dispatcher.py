@@ -165,6 +165,7 @@ class DispatchLoop:
         interval = self.runtime.config.dispatch_interval
         pubsub = None
         while not self._stop.is_set():
+            attempt = time.monotonic()  # a failed tick's client retried for a while before it gave up
             try:
                 if pubsub is None:
                     client: Any = self.runtime.client  # redis-py's pubsub() is typed in some
@@ -181,7 +182,7 @@ class DispatchLoop:
                     wait = min(wait, max(0.0, until_next - (time.monotonic() - started)))
                 self._sleep(pubsub, wait)
             except Exception as exc:
-                self._failed(exc, interval)
+                self._failed(exc, interval, attempt)
                 if pubsub is not None:
                     try:
                         pubsub.close()
@@ -195,13 +196,15 @@ class DispatchLoop:
     #: After the first failure in a row, how often one more is logged (the others are counted).
     REPORT_EVERY = 30.0
 
-    def _failed(self, exc: BaseException, interval: float) -> None:
+    def _failed(self, exc: BaseException, interval: float, attempt: float) -> None:
         """Say what failed, where, and what to check: at once for the first failure in a row,
-        then at most every :attr:`REPORT_EVERY` seconds; and when the gate answers again."""
+        then at most every :attr:`REPORT_EVERY` seconds; and when the gate answers again.  The
+        failures are counted from ``attempt``, when the first failed tick began (its client rode
+        out the outage for up to its retry budget before that tick failed)."""
         now = time.monotonic()
         self._failures += 1
         if self._failing_since is None:
-            self._failing_since = self._reported = now
+            self._failing_since, self._reported = attempt, now
             log = logger.error
         elif now - self._reported >= self.REPORT_EVERY:
             self._reported = now

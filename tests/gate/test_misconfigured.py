@@ -4,6 +4,7 @@ names its setting."""
 
 from __future__ import annotations
 
+import re
 import uuid
 
 import pytest
@@ -54,6 +55,9 @@ def test_a_worker_whose_gate_nobody_answers_says_where_and_what_to_check(redis_s
         )
         output = worker.output()
         assert output.count("cannot reach the gate's Redis") <= 3
+        # Counted from the first failed tick's start: its client retried for its budget first.
+        first = re.search(r"(\d+) failure\(s\) in (\d+)s", output)
+        assert first is not None and int(first.group(2)) >= 1, first
         # Ready before the gate answered; its checks wait for it (said once, not per process).
         assert " ready." in output and output.count("did not answer its start-up checks") == 1
         gate.start()
