@@ -5,6 +5,11 @@ these commands as ``ctx.obj.app`` (a :class:`celery.bin.base.CLIContext`).  Ever
 ``--json``; ``stats`` exits with :data:`EX_STUCK` when a thread is stuck, and with
 :data:`EX_EVICTING` when the gate's Redis may evict waiting members, so it doubles as a health
 check.  Times are the gate's Redis server clock, printed in UTC.
+
+Errors exit with one status per kind (:data:`EXIT_STATUSES`, shown by ``celery threads --help``)
+and, under ``--json``, print one object ``{"error", "kind", "exit_code"}`` on stdout as well as
+the message on stderr.  Text output shows an id holding a control or non-printable character as
+:func:`repr` does (``'a\\nb'``); JSON keeps it raw.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import json
 import shutil
 import sys
 import textwrap
+import traceback
 from collections.abc import Iterable, Iterator, Sequence
 from datetime import datetime
 from typing import Any, Callable, Generic, NamedTuple, Optional, TypeVar, cast
@@ -27,13 +33,28 @@ from kombu.utils.url import maybe_sanitize_url
 
 from .admin import DISPATCHER_HINT, NO_REASON, StuckThread, Threads, ThreadSummary
 from .config import read_config
-from .errors import ConfigurationError, ThreadsError, UnknownTask
+from .errors import (
+    ConfigurationError,
+    GateUnavailable,
+    InvalidThreadId,
+    NotReplicated,
+    ThreadsError,
+    UnknownTask,
+)
 from .gate.eviction import Eviction
 from .runtime import unreachable
 
+# Exit statuses (sysexits-style where one fits; `celery threads --help` lists them):
+EX_NOTHING = 1  # what the command names is not there or not in a state it acts on; declined;
+# or `metrics` cannot start
+EX_USAGE = 2  # a wrong command line or argument (click's own code for usage errors)
 EX_STUCK = 3  # `stats`: at least one thread is stuck
 EX_EVICTING = 4  # `stats`: the gate's Redis may evict waiting members (and none is stuck)
 EX_UNAVAILABLE = 69  # the gate's Redis cannot be reached (sysexits EX_UNAVAILABLE, as Celery)
+EX_SOFTWARE = 70  # an unexpected error: a bug, reported with its traceback (sysexits EX_SOFTWARE)
+EX_TEMPFAIL = 75  # the gate refused for now (out of memory, replicas late): retry (EX_TEMPFAIL)
+EX_PROTOCOL = 76  # the gate's Redis answered with an error the CLI does not know (EX_PROTOCOL)
+EX_NOPERM = 77  # the gate's Redis user lacks a right (ACL) or the password is wrong (EX_NOPERM)
 EX_CONFIG = 78  # a threads_* setting is wrong (sysexits EX_CONFIG)
 DEAD_LIMIT = 100  # `dead`: the latest deaths listed unless --limit says otherwise
 PROGRESS_FROM = 1000  # `purge`, `redrive`: a progress bar on a terminal from this many items
@@ -41,13 +62,48 @@ PROGRESS_FROM = 1000  # `purge`, `redrive`: a progress bar on a terminal from th
 F = TypeVar("F", bound=Callable[..., Any])
 T = TypeVar("T")
 
+EXIT_STATUSES = f"""\b
+Exit status:
+  0   done, or nothing to do (purge, redrive, resume of a thread not paused)
+  {EX_NOTHING}   not found (show, delete, restart, forget), not dead (restart), declined,
+      or metrics cannot start (no prometheus_client, the port taken)
+  {EX_USAGE}   wrong command line or argument (an empty or too long thread id)
+  {EX_STUCK}   stats: a thread is stuck;  {EX_EVICTING}  stats: the gate's Redis may evict members
+  {EX_UNAVAILABLE}  the gate's Redis cannot be reached (or is a read-only replica)
+  {EX_SOFTWARE}  unexpected error: a bug (with a traceback)
+  {EX_TEMPFAIL}  the gate's Redis is out of memory, or replicas did not confirm: retry later
+  {EX_PROTOCOL}  the gate's Redis answered with another error
+  {EX_NOPERM}  the gate's Redis user lacks a right, or its password is wrong
+  {EX_CONFIG}  a threads_* setting is wrong
 
-class GateUnreachable(click.ClickException):
-    exit_code = EX_UNAVAILABLE
+\b
+With --json, an error prints one JSON object on stdout,
+  {{"error": MESSAGE, "kind": KIND, "exit_code": STATUS}}
+KIND: not_found, conflict, aborted, error (1); usage (2); unavailable (69);
+internal (70); out_of_memory, not_replicated (75); redis_error (76);
+permission (77); config (78).
+The message also goes to stderr, as without --json."""
 
 
-class BadSettings(click.ClickException):
-    exit_code = EX_CONFIG
+class CommandError(click.ClickException):
+    """An error a command expects: one line on stderr (``Error: ...``), under --json also one
+    JSON object on stdout (:func:`_echo_error`); ``kind`` names it there, ``exit_code`` is the
+    process's exit status."""
+
+    def __init__(self, message: str, kind: str = "not_found", exit_code: int = EX_NOTHING) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.exit_code = exit_code
+
+
+class GateUnreachable(CommandError):
+    def __init__(self, message: str) -> None:
+        super().__init__(message, "unavailable", EX_UNAVAILABLE)
+
+
+class BadSettings(CommandError):
+    def __init__(self, message: str) -> None:
+        super().__init__(message, "config", EX_CONFIG)
 
 
 # -- the app, its gate, and errors ------------------------------------------------------------
@@ -91,23 +147,105 @@ def _threads(ctx: click.Context) -> Threads:
             f"threads_redis_url {maybe_sanitize_url(url)!r} is not a Redis URL ({problem}); fix that setting"
         ) from None
     if problem is not None:
-        raise _unreachable(url, problem) from None
+        raise _redis_error(url, problem) from None
     return Threads(_app(ctx))
 
 
+def _redis_error(url: str, exc: BaseException) -> CommandError:
+    """What a Redis error means to an operator, and the exit status it deserves."""
+    where = f"the gate's Redis at {maybe_sanitize_url(url)}"
+    reason = str(exc).rstrip(".") or type(exc).__name__
+    if isinstance(exc, NotReplicated):  # a redis.TimeoutError, but the master did answer
+        return CommandError(
+            f"{reason}: the change may not be durable; run the command again (it is safe to)",
+            "not_replicated",
+            EX_TEMPFAIL,
+        )
+    if isinstance(exc, (redis.AuthenticationError, redis.exceptions.NoPermissionError)):
+        return CommandError(
+            f"{where} refused the command for its user: {reason}. Grant that user the gate's "
+            "rights (docs/redis-tls-acl.md), or set threads_redis_url with the right credentials.",
+            "permission",
+            EX_NOPERM,
+        )
+    if isinstance(exc, redis.exceptions.OutOfMemoryError):
+        return CommandError(
+            f"{where} is out of memory (maxmemory) and refused the change: {reason}. Nothing was "
+            "changed; free memory or raise its maxmemory, then run the command again.",
+            "out_of_memory",
+            EX_TEMPFAIL,
+        )
+    if isinstance(exc, redis.exceptions.ReadOnlyError):
+        return CommandError(
+            f"{where} is a read-only replica and refused the change: {reason}. Point "
+            "threads_redis_url at its master, or use a sentinel:// URL.",
+            "unavailable",
+            EX_UNAVAILABLE,
+        )
+    if isinstance(exc, (redis.ConnectionError, redis.TimeoutError)):
+        return _unreachable(url, exc)
+    return CommandError(f"{where} answered with an error: {reason}.", "redis_error", EX_PROTOCOL)
+
+
+def _gate_url() -> str:
+    ctx = click.get_current_context(silent=True)
+    try:
+        return _redis_url(ctx) if ctx is not None else "?"
+    except (click.ClickException, ConfigurationError):
+        return "?"
+
+
+def _command_error(exc: Exception) -> CommandError:
+    """``exc`` as the :class:`CommandError` it is reported as."""
+    if isinstance(exc, CommandError):
+        return exc
+    if isinstance(exc, click.ClickException):  # click's own: usage errors (exit 2), mostly
+        kind = "usage" if exc.exit_code == EX_USAGE else "error"
+        return CommandError(exc.format_message(), kind, exc.exit_code)
+    if isinstance(exc, redis.RedisError):
+        return _redis_error(_gate_url(), exc)
+    if isinstance(exc, ConfigurationError):
+        return BadSettings(str(exc))
+    if isinstance(exc, GateUnavailable):
+        return CommandError(_message(exc), "unavailable", EX_UNAVAILABLE)
+    if isinstance(exc, InvalidThreadId):
+        return CommandError(_message(exc), "usage", EX_USAGE)
+    if isinstance(exc, UnknownTask):
+        return CommandError(_message(exc), "not_found", EX_NOTHING)
+    if isinstance(exc, ThreadsError):
+        return CommandError(_message(exc), "error", EX_NOTHING)
+    return CommandError(
+        f"unexpected error, a bug in celery-threads: {type(exc).__name__}: {_message(exc)} "
+        "(the traceback above says where; please report it)",
+        "internal",
+        EX_SOFTWARE,
+    )
+
+
 def _guarded(fn: F) -> F:
-    """Turn the errors a command may meet into messages that say what to do (no traceback)."""
+    """Turn the errors a command may meet into messages that say what to do (no traceback but
+    for a bug), with an exit status per kind, and under --json one JSON object on stdout."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
+        as_json = bool(kwargs.get("as_json"))
         try:
             return fn(*args, **kwargs)
-        except (redis.ConnectionError, redis.TimeoutError) as exc:
-            raise _unreachable(_redis_url(click.get_current_context()), exc) from None
-        except ConfigurationError as exc:
-            raise BadSettings(str(exc)) from None
-        except ThreadsError as exc:
-            raise click.ClickException(_message(exc)) from None
+        except click.exceptions.Exit:  # ctx.exit(): a status, not an error
+            raise
+        except click.Abort:  # a question answered no (or ^C, ^D): click prints "Aborted!"
+            if as_json:
+                _echo_error(CommandError("Aborted!", "aborted", EX_NOTHING))
+            raise
+        except Exception as exc:
+            error = _command_error(exc)
+            if error.kind == "internal":
+                traceback.print_exception(exc, file=sys.stderr)
+            if as_json:
+                _echo_error(error)
+            if isinstance(exc, click.ClickException):
+                raise
+            raise error from None
 
     return cast(F, wrapper)
 
@@ -115,6 +253,43 @@ def _guarded(fn: F) -> F:
 def _message(exc: BaseException) -> str:
     # KeyError subclasses (UnknownTask) would print their message quoted.
     return str(exc.args[0]) if exc.args else type(exc).__name__
+
+
+def _echo_error(error: CommandError) -> None:
+    """The --json form of an error: one object on stdout (the message still goes to stderr)."""
+    _echo_json({"error": error.format_message(), "kind": error.kind, "exit_code": error.exit_code})
+
+
+def _json_in(args: Sequence[str]) -> bool:
+    """Whether a command line asks for --json (before a ``--``, after which it is an argument)."""
+    return "--json" in (args[: list(args).index("--")] if "--" in args else args)
+
+
+class _Command(click.Command):
+    """A command whose usage errors (a missing argument, an unknown option) print JSON too."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        asked = _json_in(args)
+        try:
+            return super().parse_args(ctx, args)
+        except click.UsageError as exc:
+            if asked:
+                _echo_error(_command_error(exc))
+            raise
+
+
+class _Group(click.Group):
+    command_class = _Command
+
+    def resolve_command(
+        self, ctx: click.Context, args: list[str]
+    ) -> tuple[Optional[str], Optional[click.Command], list[str]]:
+        try:
+            return super().resolve_command(ctx, args)
+        except click.UsageError as exc:  # an unknown command
+            if _json_in(args):
+                _echo_error(_command_error(exc))
+            raise
 
 
 json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
@@ -141,6 +316,22 @@ def _jsonable(value: Any) -> Any:
 
 def _echo_json(data: Any) -> None:
     click.echo(json.dumps(_jsonable(data), indent=2))
+
+
+def _id(value: Any) -> str:
+    """A thread or task id as text shows it: as is when every character is printable, else
+    quoted and escaped as :func:`repr` does (``'a\\nb'``), so that no newline, carriage return,
+    tab or terminal escape in an id can break or fake a line.  JSON keeps the raw id."""
+    text = str(value)
+    return text if text.isprintable() else repr(text)
+
+
+def _printable(text: str) -> str:
+    """Free text (a reason, a name, arguments, an exception) on one line: each control or
+    non-printable character escaped as :func:`repr` escapes it, without quotes."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 def _width() -> int:
@@ -194,7 +385,7 @@ def _table(
 ) -> list[str]:
     """Aligned lines (header first), shrinking the shrinkable columns to fit ``width``."""
     width = width or _width()
-    cells = [["-" if v is None else str(v) for v in row] for row in rows]
+    cells = [["-" if v is None else _printable(str(v)) for v in row] for row in rows]
     widths = [max([len(c.header), *(len(r[i]) for r in cells)]) for i, c in enumerate(columns)]
     excess = sum(widths) + 2 * (len(columns) - 1) - width
     while excess > 0:
@@ -230,7 +421,7 @@ def _pairs(pairs: Sequence[tuple[str, Any]], indent: int = 2) -> list[str]:
 # -- commands ---------------------------------------------------------------------------------
 
 
-@click.group(name="threads")
+@click.group(name="threads", cls=_Group, epilog=EXIT_STATUSES)
 def threads() -> None:
     """Inspect and steer celery-threads: threads, members, dead letters, health."""
 
@@ -307,9 +498,9 @@ def ls(
                     s.active_state,
                     None if s.active_for is None else _duration(s.active_for),
                     None if s.head_age is None else _relative(-s.head_age),
-                    s.active_task,
+                    None if s.active_task is None else _id(s.active_task),
                     *([s.paused] if pauses else []),
-                    s.thread_id,
+                    _id(s.thread_id),
                 )
                 for s in shown
             ],
@@ -344,7 +535,7 @@ def show(ctx: click.Context, thread_id: str, as_json: bool) -> None:
     """Show a thread: active member, waiting members in release order."""
     status = _threads(ctx).status(thread_id)
     if status is None:
-        raise click.ClickException(
+        raise CommandError(
             f"no thread {thread_id!r}: a thread exists only while it has members or is paused. "
             "`celery threads ls` lists the existing threads."
         )
@@ -353,12 +544,12 @@ def show(ctx: click.Context, thread_id: str, as_json: bool) -> None:
         return
     n = status.members
     click.echo(
-        f"Thread {status.thread_id}: {n} member{'s' if n != 1 else ''} (Redis time {_when(status.now)})"
+        f"Thread {_id(status.thread_id)}: {n} member{'s' if n != 1 else ''} (Redis time {_when(status.now)})"
     )
     if status.paused is not None:
         click.echo(
-            f"PAUSED: {status.paused}. Nothing more of it is released until "
-            f"`celery threads resume {status.thread_id}`."
+            f"PAUSED: {_printable(status.paused)}. Nothing more of it is released until "
+            f"`celery threads resume {_id(status.thread_id)}`."
         )
     click.echo("")
     a = status.active
@@ -375,15 +566,15 @@ def show(ctx: click.Context, thread_id: str, as_json: bool) -> None:
         lease = _relative(a.expires_in) if a.expires_in >= 0 else f"LAPSED {_relative(a.expires_in)}"
         scheduled_ahead = (a.scheduled_at - status.now).total_seconds()
         pairs: list[tuple[str, Any]] = [
-            ("task id", a.task_id),
-            ("name", a.name or "?"),
+            ("task id", _id(a.task_id)),
+            ("name", _printable(a.name or "?")),
             ("state", a.state),
             ("scheduled at", f"{_when(a.scheduled_at)} ({_relative(scheduled_ahead)})"),
             ("active for", f"{_duration(a.active_for)} (released {_when(a.since)})"),
             (lease_label, f"{_when(a.deadline)} ({lease})"),
-            ("worker", a.worker),
+            ("worker", None if a.worker is None else _printable(a.worker)),
             ("retries", a.retries),
-            ("arguments", a.arguments or "-"),
+            ("arguments", _printable(a.arguments or "-")),
         ]
         if a.republished:
             pairs.append(("republished", f"{a.republished} time(s): no worker claimed it"))
@@ -407,7 +598,7 @@ def show(ctx: click.Context, thread_id: str, as_json: bool) -> None:
     lines = _table(
         columns,
         [
-            (i, _when(m.scheduled_at), m.arrival, m.retries, m.task_id)
+            (i, _when(m.scheduled_at), m.arrival, m.retries, _id(m.task_id))
             for i, m in enumerate(status.waiting, start=1)
         ],
         width,
@@ -415,7 +606,7 @@ def show(ctx: click.Context, thread_id: str, as_json: bool) -> None:
     click.echo(lines[0])
     for line, m in zip(lines[1:], status.waiting):
         click.echo(line)
-        click.echo(_fit(f"    {m.name or '?'} {m.arguments or ''}".rstrip(), width))
+        click.echo(_fit(_printable(f"    {m.name or '?'} {m.arguments or ''}".rstrip()), width))
 
 
 @threads.command()
@@ -437,11 +628,11 @@ def delete(ctx: click.Context, task_id: str, as_json: bool) -> None:
             else "it may have ended or been deleted already; `celery threads show THREAD_ID` "
             "lists a thread's members"
         )
-        raise click.ClickException(f"no thread has a member with task id {task_id!r}: {hint}.")
+        raise CommandError(f"no thread has a member with task id {task_id!r}: {hint}.")
     if as_json:
         _echo_json({"task_id": task_id, "thread_id": thread_id, "deleted": True})
     else:
-        click.echo(f"Deleted member {task_id} of thread {thread_id}.")
+        click.echo(f"Deleted member {_id(task_id)} of thread {_id(thread_id)}.")
 
 
 @threads.command()
@@ -464,8 +655,8 @@ def pause(ctx: click.Context, thread_id: str, reason: Optional[str], as_json: bo
         return
     again = "" if new else " (it was paused already; the reason is replaced)"
     click.echo(
-        f"Paused thread {thread_id}: {reason}{again}.  A member released or running goes "
-        f"on to its end; `celery threads resume {thread_id}` releases the rest."
+        f"Paused thread {_id(thread_id)}: {_printable(reason)}{again}.  A member released or "
+        f"running goes on to its end; `celery threads resume {_id(thread_id)}` releases the rest."
     )
 
 
@@ -475,15 +666,23 @@ def pause(ctx: click.Context, thread_id: str, reason: Optional[str], as_json: bo
 @click.pass_context
 @_guarded
 def resume(ctx: click.Context, thread_id: str, as_json: bool) -> None:
-    """Release a paused thread's members again, its due head at once."""
-    if not _threads(ctx).resume(thread_id):
-        raise click.ClickException(
-            f"thread {thread_id!r} is not paused; `celery threads ls --paused` lists the paused threads."
-        )
+    """Release a paused thread's members again, its due head at once.
+
+    A thread that is not paused (or does not exist) is left as it is, with exit status 0.
+    """
+    # Like pause (which replaces a pause) and purge, resume is idempotent: a thread that is not
+    # paused is already in the state asked for, so that is "nothing to do" (exit 0, saying so),
+    # not an error: a script resuming after a pause, or a retry of a resume, must not fail.
+    resumed = _threads(ctx).resume(thread_id)
     if as_json:
-        _echo_json({"thread_id": thread_id, "resumed": True})
+        _echo_json({"thread_id": thread_id, "resumed": resumed})
+    elif resumed:
+        click.echo(f"Resumed thread {_id(thread_id)}.")
     else:
-        click.echo(f"Resumed thread {thread_id}.")
+        click.echo(
+            f"Thread {_id(thread_id)} is not paused: nothing to resume. "
+            "(`celery threads ls --paused` lists the paused threads.)"
+        )
 
 
 @threads.command()
@@ -510,7 +709,7 @@ def dead(ctx: click.Context, limit: int, as_json: bool) -> None:
     width = _width()
     lines = _table(
         [Column("DIED AT"), Column("TASK ID"), Column("THREAD")],
-        [(_when(d.died_at), d.task_id, d.thread_id) for d in tasks],
+        [(_when(d.died_at), _id(d.task_id), _id(d.thread_id)) for d in tasks],
         width,
     )
     click.echo(lines[0])
@@ -518,7 +717,7 @@ def dead(ctx: click.Context, limit: int, as_json: bool) -> None:
         click.echo(line)
         exception = (d.exception.strip().splitlines() or ["?"])[0]
         retries = f"{d.retries} retr{'y' if d.retries == 1 else 'ies'}"
-        click.echo(_fit(f"    {d.name or '?'}, {retries}: {exception}", width))
+        click.echo(_fit(_printable(f"    {d.name or '?'}, {retries}: {exception}"), width))
     total = t.dead_count() if limit and len(tasks) == limit else len(tasks)
     shown = f"the {len(tasks)} latest of " if total > len(tasks) else ""
     click.echo(
@@ -540,7 +739,16 @@ def restart(ctx: click.Context, task_id: str, as_json: bool) -> None:
     t = _threads(ctx)
     dead = t.dead_task(task_id)
     if dead is None:
-        raise UnknownTask(f"{task_id!r} is not in the dead-letter store; `celery threads dead` lists it")
+        live = t.thread_of(task_id)
+        if live is not None:
+            raise CommandError(
+                f"{task_id!r} is a live member of thread {live!r} (not dead): there is nothing to "
+                f"restart; `celery threads show {_id(live)}` shows it",
+                "conflict",
+            )
+        raise CommandError(
+            f"{task_id!r} is not in the dead-letter store; `celery threads dead` lists the dead tasks"
+        )
     try:
         # The task's max_retries and default_retry_delay come from its registered class.
         t.app.loader.import_default_modules()
@@ -555,7 +763,7 @@ def restart(ctx: click.Context, task_id: str, as_json: bool) -> None:
     if as_json:
         _echo_json({"task_id": task_id, "thread_id": thread_id, "restarted": True})
     else:
-        click.echo(f"Restarted {task_id} in thread {thread_id} as a new arrival.")
+        click.echo(f"Restarted {_id(task_id)} in thread {_id(thread_id)} as a new arrival.")
 
 
 @threads.command()
@@ -575,11 +783,13 @@ def forget(ctx: click.Context, task_id: Optional[str], forget_all: bool, yes: bo
     t = _threads(ctx)
     if task_id:
         if not t.forget(task_id):
-            raise UnknownTask(f"{task_id!r} is not in the dead-letter store; `celery threads dead` lists it")
+            raise CommandError(
+                f"{task_id!r} is not in the dead-letter store; `celery threads dead` lists the dead tasks"
+            )
         if as_json:
             _echo_json({"forgotten": [task_id]})
         else:
-            click.echo(f"Forgot dead task {task_id}.")
+            click.echo(f"Forgot dead task {_id(task_id)}.")
         return
     total = t.dead_count()
     if total and not yes:
@@ -631,6 +841,8 @@ def redrive(
     scheduled time and its arrival order, with its retries reset, so a thread's redriven members
     run in their original order and before members that arrived after them.
     """
+    # A thread without dead letters (or unknown) redrives nothing, with exit status 0: redrive is
+    # a bulk, idempotent operation (run again, it finds nothing left), so "nothing to do" is done.
     t = _threads(ctx)
     letters = t.redrivable(thread_id, limit)
     if dry_run:
@@ -638,7 +850,10 @@ def redrive(
             _echo_json({"dry_run": True, "would_redrive": letters})
             return
         for d in letters:
-            click.echo(f"{_when(d.died_at)}  {d.task_id}  thread {d.thread_id}  {d.name or '?'}")
+            click.echo(
+                f"{_when(d.died_at)}  {_id(d.task_id)}  thread {_id(d.thread_id)}  "
+                f"{_printable(d.name or '?')}"
+            )
         click.echo(f"would redrive {len(letters)} dead task{'s' if len(letters) != 1 else ''}")
         return
     try:
@@ -670,9 +885,11 @@ def purge(ctx: click.Context, thread_id: Optional[str], force: bool, as_json: bo
     A released or running member goes on.  Dropped members end as REVOKED in the result
     backend.  Asks first, unless -f.
     """
+    # A thread without waiting members (or unknown) drops nothing, with exit status 0: purge is a
+    # bulk, idempotent operation (run again, it finds nothing left), so "nothing to do" is done.
     t = _threads(ctx)
     waiting = t.waiting_count(thread_id)
-    where = f"thread {thread_id}" if thread_id is not None else "every thread"
+    where = f"thread {_id(thread_id)}" if thread_id is not None else "every thread"
     if not force:
         click.confirm(
             f"Drop the {waiting} waiting member{'s' if waiting != 1 else ''} of "
@@ -727,7 +944,7 @@ def stats(ctx: click.Context, stuck_after: Optional[float], as_json: bool) -> No
         head = numbers.oldest_waiting_head
         waiting = numbers.members["WAITING"]
         if head is not None:
-            oldest = f"due {_relative(-head.age)}: {head.task_id or '?'} of thread {head.thread_id}"
+            oldest = f"due {_relative(-head.age)}: {_id(head.task_id or '?')} of thread {_id(head.thread_id)}"
         elif waiting:
             oldest = (
                 f"none (the {waiting} waiting wait behind an active member of their "
@@ -797,8 +1014,9 @@ def metrics(ctx: click.Context, port: int, address: str, top: int, once: bool) -
     try:
         from . import exporter  # an optional extra: imported only for this command
     except ImportError as exc:
-        raise click.ClickException(
-            f"celery threads metrics needs prometheus_client ({exc}): pip install 'celery-threads[metrics]'"
+        raise CommandError(
+            f"celery threads metrics needs prometheus_client ({exc}): pip install 'celery-threads[metrics]'",
+            "error",
         ) from None
     t = _threads(ctx)
     if once:
@@ -807,8 +1025,9 @@ def metrics(ctx: click.Context, port: int, address: str, top: int, once: bool) -
     try:
         server = exporter.listen(t, address, port, top)
     except OSError as exc:
-        raise click.ClickException(
-            f"cannot listen on {address}:{port}: {exc.strerror or exc}; choose another --port or --address"
+        raise CommandError(
+            f"cannot listen on {address}:{port}: {exc.strerror or exc}; choose another --port or --address",
+            "error",
         ) from None
     click.echo(f"Serving celery-threads metrics at http://{address}:{port}/metrics", err=True)
     server.join()
@@ -840,8 +1059,8 @@ def _echo_stuck(stuck: Sequence[StuckThread]) -> None:
                     labels.get(s.kind, s.kind),
                     _duration(s.overdue_for),
                     s.worker,
-                    s.task_id or "?",
-                    s.thread_id,
+                    _id(s.task_id or "?"),
+                    _id(s.thread_id),
                 )
                 for s in stuck
             ],

@@ -1,0 +1,253 @@
+"""``celery threads`` errors: one JSON object on stdout under --json, an exit status per kind, no
+traceback for an expected error, and ids with control characters escaped in text output.
+
+The commands run through click's CliRunner (and one as a real process) on a redis-server of this
+module's own: some tests fill its memory or restrict its users, which no other test may see.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import redis
+from celery.bin.celery import celery as celery_command
+from click.testing import CliRunner, Result
+
+from celery_threads import Threads
+from tests.conftest import RedisServer
+from tests.operations.test_cli import celery_process
+from tests.support.helpers import tid
+from tests.support.isolated import BACKEND_DB, BROKER_DB, GATE_DB, isolated_env, kill_member, pointed_at
+
+ODD = "line1\nline2\x1b[31mRED\x1b[0m\r\t"  # a newline, an ANSI colour, CR and tab
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[RedisServer]:
+    server = RedisServer()
+    server.start()
+    yield server
+    server.stop()
+    shutil.rmtree(server.dir, ignore_errors=True)
+
+
+@pytest.fixture
+def app(proj, server):
+    for db in (GATE_DB, BROKER_DB, BACKEND_DB):
+        redis.Redis(port=server.port, db=db).flushdb()
+    with pointed_at(
+        proj.app,
+        threads_redis_url=server.url(GATE_DB),
+        broker_url=server.url(BROKER_DB),
+        result_backend=server.url(BACKEND_DB),
+    ) as app:
+        yield app
+
+
+@pytest.fixture
+def env(server) -> dict[str, str]:
+    return {**isolated_env(server), "COLUMNS": "80"}
+
+
+@pytest.fixture
+def cli(app, env):
+    """``celery -A tests.support.proj threads ARGS`` in this process; an exception that escaped
+    the command (a traceback) fails the test."""
+
+    def run(*args: str, input: str | None = None) -> Result:
+        result = CliRunner().invoke(
+            celery_command, ["-A", "tests.support.proj", "threads", *args], env=env, input=input
+        )
+        if result.exception is not None and not isinstance(result.exception, SystemExit):
+            raise result.exception
+        assert "Traceback" not in result.output
+        return result
+
+    return run
+
+
+def json_error(result: Result, kind: str, exit_code: int) -> dict[str, Any]:
+    """The one JSON object on stdout of a failed --json command, its exit status checked."""
+    assert result.exit_code == exit_code, (result.stdout, result.stderr)
+    error = json.loads(result.stdout)
+    assert (error["kind"], error["exit_code"]) == (kind, exit_code)
+    assert error["error"] and error["error"] in result.stderr  # the message, on stderr too
+    return error
+
+
+# -- --json errors ----------------------------------------------------------------------------
+
+
+def test_json_errors_of_what_is_not_there(proj, app, cli):
+    thread = tid("cli-err")
+    proj.record.delay(thread, "a")
+    waiting = proj.record.delay(thread, "b").id
+
+    error = json_error(cli("show", "no-such-thread", "--json"), "not_found", 1)
+    assert "no thread 'no-such-thread'" in error["error"]
+    json_error(cli("delete", "no-such-task", "--json"), "not_found", 1)
+    json_error(cli("restart", "no-such-task", "--json"), "not_found", 1)
+    json_error(cli("forget", "no-such-task", "--json"), "not_found", 1)
+    error = json_error(cli("restart", waiting, "--json"), "conflict", 1)
+    assert "live member" in error["error"]
+
+
+def test_json_errors_of_the_command_line(cli):
+    error = json_error(cli("show", "", "--json"), "usage", 2)  # an empty thread id
+    assert "thread id is empty" in error["error"]
+    json_error(cli("show", "L" * 1025, "--json"), "usage", 2)
+    error = json_error(cli("show", "--json"), "usage", 2)
+    assert "THREAD_ID" in error["error"]
+    json_error(cli("forget", "--json"), "usage", 2)
+    json_error(cli("no-such-command", "--json"), "usage", 2)
+
+
+def test_json_error_of_a_question_answered_no(proj, app, cli):
+    proj.record.delay(tid("cli-err"), "a")
+    result = cli("purge", "--json", input="n\n")
+    json_error(result, "aborted", 1)
+    assert "Aborted" in result.stderr
+
+
+def test_json_errors_of_settings_and_an_unreachable_gate(app, env, cli):
+    port = RedisServer().port  # a free port, with no server on it
+    with pointed_at(app, threads_redis_url=f"redis://127.0.0.1:{port}/0"):
+        error = json_error(cli("ls", "--json"), "unavailable", 69)
+    assert f"127.0.0.1:{port}" in error["error"] and "threads_redis_url" in error["error"]
+    with pointed_at(app, threads_redis_url=None, broker_url="amqp://guest@127.0.0.1:1//"):
+        error = json_error(cli("stats", "--json"), "config", 78)
+    assert "threads_redis_url" in error["error"]
+
+    # A real process too: stdout is the JSON object, stderr the message.
+    done = celery_process({**env, "CT_REDIS_URL": f"redis://127.0.0.1:{port}/0"}, "stats", "--json")
+    assert done.returncode == 69 and "Traceback" not in done.stderr
+    assert json.loads(done.stdout)["kind"] == "unavailable"
+    assert "cannot reach the gate's Redis" in done.stderr
+
+
+def test_a_full_gate_is_a_clear_error_not_a_traceback(app, server, cli):
+    thread = tid("cli-oom")
+    admin = redis.Redis(port=server.port)
+    admin.config_set("maxmemory-policy", "noeviction")
+    admin.config_set("maxmemory", 1)  # every write is refused: OOM
+    try:
+        result = cli("pause", thread)
+        text, as_json = result, cli("pause", thread, "--json")
+    finally:
+        admin.config_set("maxmemory", 0)
+    assert text.exit_code == 75 and text.stdout == ""
+    [line] = text.stderr.splitlines()
+    assert "out of memory" in line and "maxmemory" in line
+    json_error(as_json, "out_of_memory", 75)
+    assert Threads(app).status(thread) is None  # nothing was paused
+
+
+def test_a_redis_user_without_rights_is_a_clear_error_not_a_traceback(app, server, cli):
+    thread = tid("cli-noperm")
+    admin = redis.Redis(port=server.port)
+    admin.execute_command("ACL", "SETUSER", "ct-op", "on", ">secret", "~*", "&*", "+@all")
+    user_url = f"redis://ct-op:{{}}@127.0.0.1:{server.port}/{GATE_DB}"
+    try:
+        with pointed_at(app, threads_redis_url=user_url.format("secret")):
+            assert cli("pause", thread).exit_code == 0  # the gate's rights checked, in this process
+            # A right taken away after that check: Redis itself refuses the command (NOPERM).
+            admin.execute_command("ACL", "SETUSER", "ct-op", "-@scripting")
+            text, as_json = cli("resume", thread), cli("resume", thread, "--json")
+        with pointed_at(app, threads_redis_url=user_url.format("wrong")):
+            wrong = cli("ls", "--json")
+    finally:
+        admin.acl_deluser("ct-op")
+    assert text.exit_code == 77 and text.stdout == ""
+    [line] = text.stderr.splitlines()
+    assert "refused the command for its user" in line and "no permissions" in line
+    assert "secret" not in line
+    json_error(as_json, "permission", 77)
+    error = json_error(wrong, "permission", 77)  # a wrong password (WRONGPASS)
+    assert "ct-op:**@" in error["error"] and ":wrong@" not in error["error"]
+
+
+def test_an_unexpected_error_is_a_bug_with_its_own_status(app, cli, monkeypatch):
+    def broken(self, thread_id):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(Threads, "status", broken)
+    result = CliRunner().invoke(
+        celery_command, ["-A", "tests.support.proj", "threads", "show", "x", "--json"], env={}
+    )
+    error = json_error(result, "internal", 70)
+    assert "RuntimeError: a bug" in error["error"]
+    assert "Traceback" in result.stderr  # a bug is reported with where it happened
+
+
+# -- nothing to do ----------------------------------------------------------------------------
+
+
+def test_nothing_to_do_is_done(cli):
+    result = cli("resume", "no-such-thread")
+    assert result.exit_code == 0, result.output
+    assert "is not paused: nothing to resume" in result.stdout
+    result = cli("resume", "no-such-thread", "--json")
+    assert result.exit_code == 0
+    assert json.loads(result.stdout) == {"thread_id": "no-such-thread", "resumed": False}
+    for args in (("purge", "-f", "no-such-thread"), ("redrive", "no-such-thread")):
+        result = cli(*args, "--json")
+        assert result.exit_code == 0, (args, result.output)
+        assert set(json.loads(result.stdout).values()) == {0}
+
+
+# -- ids with control characters --------------------------------------------------------------
+
+
+def test_ids_with_control_characters_are_escaped_in_text_and_raw_in_json(proj, app, cli):
+    plain = tid("cli-plain")
+    first = proj.record.delay(ODD, "a").id
+    proj.record.delay(plain, "b")
+    shown = repr(ODD)
+
+    out = cli("ls").stdout
+    assert "\x1b" not in out and "\r" not in out and "\t" not in out
+    lines = out.splitlines()
+    assert len(lines) == 4 and lines[-1] == "2 threads"  # header, two rows, count
+    rows = {line.split()[0] + line[-len(plain) :]: line for line in lines[1:-1]}
+    assert any(line.endswith(shown) for line in rows.values())
+    assert any(line.endswith(f"  {plain}") for line in rows.values())  # a plain id as it is
+    data = json.loads(cli("ls", "--json").stdout)
+    assert sorted(row["thread_id"] for row in data) == sorted([ODD, plain])
+
+    out = cli("show", ODD).stdout
+    assert out.startswith(f"Thread {shown}: 1 member") and "\x1b" not in out
+    assert json.loads(cli("show", ODD, "--json").stdout)["thread_id"] == ODD
+
+    out = cli("pause", ODD, "--reason", "two\nlines").stdout
+    assert out.startswith(f"Paused thread {shown}: two\\nlines.") and len(out.splitlines()) == 1
+    assert "\x1b" not in cli("ls", "--paused").stdout
+    assert cli("resume", ODD).stdout == f"Resumed thread {shown}.\n"
+
+    assert cli("delete", first).stdout == f"Deleted member {first} of thread {shown}.\n"
+    kill_member(Threads(app).gate, ODD, "dead\x1b[2J")
+    out = cli("dead").stdout
+    assert "\x1b" not in out and f"{'dead' + chr(27) + '[2J'!r}" in out and shown in out
+    assert [d["thread_id"] for d in json.loads(cli("dead", "--json").stdout)] == [ODD]
+    out = cli("redrive", "--dry-run").stdout
+    assert "\x1b" not in out and shown in out
+    out = cli("restart", "dead\x1b[2J").stdout
+    assert out == f"Restarted {'dead' + chr(27) + '[2J'!r} in thread {shown} as a new arrival.\n"
+
+
+# -- restart of a live member -----------------------------------------------------------------
+
+
+def test_restart_of_a_live_member_says_it_is_live_not_dead(proj, cli):
+    thread = tid("cli-live")
+    proj.record.delay(thread, "a")
+    waiting = proj.record.delay(thread, "b").id
+    result = cli("restart", waiting)
+    assert result.exit_code == 1 and result.stdout == ""
+    message = result.stderr
+    assert f"'{waiting}' is a live member of thread '{thread}' (not dead)" in message
+    assert "nothing to restart" in message and "dead-letter store" not in message
+    assert f"celery threads show {thread}" in message
