@@ -22,7 +22,14 @@ from click.testing import CliRunner, Result
 
 from celery_threads import Threads
 from tests.support.helpers import tid
-from tests.support.isolated import envelope, gate_in_the_past, isolated_env, kill_member, pointed_at
+from tests.support.isolated import (
+    envelope,
+    gate_in_the_past,
+    isolated_env,
+    kill_member,
+    pointed_at,
+    run_cli,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 HOUR = 3600.0
@@ -43,11 +50,7 @@ def cli(app, env):
     """Run ``celery -A tests.support.proj threads ARGS`` in this process."""
 
     def run(*args: str, input: str | None = None) -> Result:
-        result = CliRunner().invoke(
-            celery_command, ["-A", "tests.support.proj", "threads", *args], env=env, input=input
-        )
-        if result.exception is not None and not isinstance(result.exception, SystemExit):
-            raise result.exception
+        result = run_cli(env, *args, input=input)
         assert "Traceback" not in result.output
         return result
 

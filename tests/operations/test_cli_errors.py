@@ -8,7 +8,6 @@ module's own: some tests fill its memory or restrict its users, which no other t
 from __future__ import annotations
 
 import json
-import shutil
 from collections.abc import Iterator
 from typing import Any
 
@@ -21,30 +20,27 @@ from celery_threads import Threads
 from tests.conftest import RedisServer
 from tests.operations.test_cli import celery_process
 from tests.support.helpers import tid
-from tests.support.isolated import BACKEND_DB, BROKER_DB, GATE_DB, isolated_env, kill_member, pointed_at
+from tests.support.isolated import (
+    GATE_DB,
+    isolated,
+    isolated_env,
+    kill_member,
+    own_server,
+    pointed_at,
+    run_cli,
+)
 
 ODD = "line1\nline2\x1b[31mRED\x1b[0m\r\t"  # a newline, an ANSI colour, CR and tab
 
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[RedisServer]:
-    server = RedisServer()
-    server.start()
-    yield server
-    server.stop()
-    shutil.rmtree(server.dir, ignore_errors=True)
+    yield from own_server()
 
 
 @pytest.fixture
 def app(proj, server):
-    for db in (GATE_DB, BROKER_DB, BACKEND_DB):
-        redis.Redis(port=server.port, db=db).flushdb()
-    with pointed_at(
-        proj.app,
-        threads_redis_url=server.url(GATE_DB),
-        broker_url=server.url(BROKER_DB),
-        result_backend=server.url(BACKEND_DB),
-    ) as app:
+    with isolated(proj.app, server) as app:
         yield app
 
 
@@ -59,11 +55,7 @@ def cli(app, env):
     the command (a traceback) fails the test."""
 
     def run(*args: str, input: str | None = None) -> Result:
-        result = CliRunner().invoke(
-            celery_command, ["-A", "tests.support.proj", "threads", *args], env=env, input=input
-        )
-        if result.exception is not None and not isinstance(result.exception, SystemExit):
-            raise result.exception
+        result = run_cli(env, *args, input=input)
         assert "Traceback" not in result.output
         return result
 

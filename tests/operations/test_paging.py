@@ -21,8 +21,6 @@ from typing import Any
 
 import pytest
 import redis
-from celery.bin.celery import celery as celery_command
-from click.testing import CliRunner
 
 from bench.harness import enqueue_many
 from celery_threads import Threads
@@ -31,13 +29,13 @@ from celery_threads.keys import Keys
 from tests.conftest import RedisServer
 from tests.operations.test_cli import ROOT, as_json, celery_process, ok
 from tests.support.isolated import (
-    BACKEND_DB,
-    BROKER_DB,
     GATE_DB,
     envelope,
+    isolated,
     isolated_env,
     kill_member,
-    pointed_at,
+    own_server,
+    run_cli,
 )
 
 DAY_MS = 86_400_000
@@ -45,37 +43,19 @@ DAY_MS = 86_400_000
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[RedisServer]:
-    server = RedisServer()
-    server.start()
-    yield server
-    server.stop()
-    shutil.rmtree(server.dir, ignore_errors=True)
+    yield from own_server()
 
 
 @pytest.fixture
 def app(proj, server):
-    for db in (GATE_DB, BROKER_DB, BACKEND_DB):
-        redis.Redis(port=server.port, db=db).flushdb()
-    with pointed_at(
-        proj.app,
-        threads_redis_url=server.url(GATE_DB),
-        broker_url=server.url(BROKER_DB),
-        result_backend=server.url(BACKEND_DB),
-    ) as app:
+    with isolated(proj.app, server) as app:
         yield app
 
 
 @pytest.fixture
 def cli(app, server):
     def run(*args: str) -> Any:
-        result = CliRunner().invoke(
-            celery_command,
-            ["-A", "tests.support.proj", "threads", *args],
-            env={**isolated_env(server), "COLUMNS": "100"},
-        )
-        if result.exception is not None and not isinstance(result.exception, SystemExit):
-            raise result.exception
-        return result
+        return run_cli({**isolated_env(server), "COLUMNS": "100"}, *args)
 
     return run
 

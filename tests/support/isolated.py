@@ -9,11 +9,14 @@ flushed for each test, with no worker and no beat running on them.
 from __future__ import annotations
 
 import gc
+import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import redis
+from celery.bin.celery import celery as celery_command
+from click.testing import CliRunner, Result
 
 from celery_threads.gate import Gate
 from celery_threads.publish import encode_envelope
@@ -56,6 +59,29 @@ def pointed_at(app: Any, **settings: Any) -> Iterator[Any]:
         yield app
     finally:
         point_app(app, saved)
+
+
+def own_server() -> Iterator[Any]:
+    """A redis-server of a module's own (``yield from`` it in a fixture), for tests that fill its
+    memory or change its users, which no other test may see; stopped and removed after."""
+    from tests.conftest import RedisServer
+
+    server = RedisServer()
+    server.start()
+    yield server
+    server.stop()
+    shutil.rmtree(server.dir, ignore_errors=True)
+
+
+def run_cli(env: dict[str, str], *args: str, input: Optional[str] = None) -> Result:
+    """``celery -A tests.support.proj threads ARGS`` in this process (click's CliRunner); an
+    exception that escaped the command fails the test."""
+    result = CliRunner().invoke(
+        celery_command, ["-A", "tests.support.proj", "threads", *args], env=env, input=input
+    )
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        raise result.exception
+    return result
 
 
 @contextmanager
