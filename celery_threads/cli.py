@@ -49,7 +49,7 @@ EX_NOTHING = 1  # what the command names is not there or not in a state it acts 
 # or `metrics` cannot start
 EX_USAGE = 2  # a wrong command line or argument (click's own code for usage errors)
 EX_STUCK = 3  # `stats`: at least one thread is stuck
-EX_EVICTING = 4  # `stats`: the gate's Redis may evict waiting members (and none is stuck)
+EX_EVICTING = 4  # `stats`: the gate's Redis may evict waiting members, or is full (and none is stuck)
 EX_UNAVAILABLE = 69  # the gate's Redis cannot be reached (sysexits EX_UNAVAILABLE, as Celery)
 EX_SOFTWARE = 70  # an unexpected error: a bug, reported with its traceback (sysexits EX_SOFTWARE)
 EX_TEMPFAIL = 75  # the gate refused for now (out of memory, replicas late): retry (EX_TEMPFAIL)
@@ -68,7 +68,7 @@ Exit status:
   {EX_NOTHING}   not found (show, delete, restart, forget), not dead (restart), declined,
       or metrics cannot start (no prometheus_client, the port taken)
   {EX_USAGE}   wrong command line or argument (an empty or too long thread id)
-  {EX_STUCK}   stats: a thread is stuck;  {EX_EVICTING}  stats: the gate's Redis may evict members
+  {EX_STUCK}   stats: a thread is stuck;  {EX_EVICTING}  stats: the gate's Redis may evict members, or is full
   {EX_UNAVAILABLE}  the gate's Redis cannot be reached (or is a read-only replica)
   {EX_SOFTWARE}  unexpected error: a bug (with a traceback)
   {EX_TEMPFAIL}  the gate's Redis is out of memory, or replicas did not confirm: retry later

@@ -50,7 +50,8 @@ _lock = threading.Lock()
 class Eviction(NamedTuple):
     """What one of the gate's servers may do to the gate's keys when its memory is full.
 
-    ``level``: ``"error"`` when it may evict waiting members now, ``"warning"`` otherwise (a
+    ``level``: ``"error"`` when it may evict waiting members now, or is full (``noeviction`` and
+    at its ``maxmemory``: it refuses every write), ``"warning"`` otherwise (a
     policy that evicts only keys with a TTL, no ``maxmemory`` yet, or a policy that could not be
     read: ``policy`` is then ``""``).  ``message`` says what is wrong and what to set."""
 
@@ -104,7 +105,7 @@ def eviction_risks(client: Any) -> list[Eviction]:
 def _assess(server: Server) -> Optional[Eviction]:
     where = _address(server)
     try:
-        policy, maxmemory = _read(server.client)
+        policy, maxmemory, used = _read(server.client)
     except _Unreadable as exc:
         return Eviction(
             where,
@@ -119,6 +120,19 @@ def _assess(server: Server) -> Optional[Eviction]:
             ),
         )
     if policy == SAFE_POLICY:
+        if maxmemory and used >= maxmemory:
+            return Eviction(
+                where,
+                policy,
+                maxmemory,
+                "error",
+                (
+                    f"celery-threads: the gate's Redis at {where} is full: it uses {_size(used)} of "
+                    f"its maxmemory {_size(maxmemory)}, and with noeviction it refuses the gate's "
+                    "writes: no call can be stored, and no member can end, until memory is freed or "
+                    "maxmemory raised."
+                ),
+            )
         return None
     limit = (
         f"with maxmemory {_size(maxmemory)}"
@@ -155,8 +169,9 @@ class _Unreadable(Exception):
     """The server answered neither INFO nor CONFIG GET with its policy; the message says why."""
 
 
-def _read(client: Any) -> tuple[str, int]:
-    """``(maxmemory-policy, maxmemory)``, or :class:`_Unreadable`."""
+def _read(client: Any) -> tuple[str, int, int]:
+    """``(maxmemory-policy, maxmemory, used_memory)`` (0 when only CONFIG GET answered), or
+    :class:`_Unreadable`."""
     refused = []
     try:
         info = client.info("memory")
@@ -164,7 +179,11 @@ def _read(client: Any) -> tuple[str, int]:
         refused.append(f"INFO: {exc}")
     else:
         if "maxmemory_policy" in info:
-            return str(info["maxmemory_policy"]), int(info.get("maxmemory") or 0)
+            return (
+                str(info["maxmemory_policy"]),
+                int(info.get("maxmemory") or 0),
+                int(info.get("used_memory") or 0),
+            )
         refused.append("INFO memory has no maxmemory_policy")
     try:
         config = {_text(k): _text(v) for k, v in client.config_get("maxmemory*").items()}
@@ -172,7 +191,7 @@ def _read(client: Any) -> tuple[str, int]:
         refused.append(f"CONFIG GET: {exc}")
     else:
         if "maxmemory-policy" in config:
-            return config["maxmemory-policy"], int(config.get("maxmemory") or 0)
+            return config["maxmemory-policy"], int(config.get("maxmemory") or 0), 0
         refused.append("CONFIG GET has no maxmemory-policy")
     raise _Unreadable("; ".join(refused))
 

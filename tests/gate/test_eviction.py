@@ -199,6 +199,23 @@ def test_stats_shows_an_evicting_redis_and_exits_4(evicting: RedisServer, quiet:
     assert data["eviction"] == [] and data["healthy"] is True
 
 
+def test_stats_says_a_full_noeviction_redis_is_not_healthy() -> None:
+    """A noeviction server at its maxmemory evicts nothing but refuses every write: no member can
+    be stored or end.  ``stats`` said it was healthy.  Where its reads get through (Redis 6.2 runs
+    a script until its first write), the eviction check says it is full and stats exits 4; where
+    they do not (Redis 7 refuses a function without the no-writes flag at once), stats exits as
+    for a Redis out of memory."""
+    for full in _server("--maxmemory", "1", "--maxmemory-policy", "noeviction"):
+        done = _celery(full, "stats", "--json")
+        data = json.loads(done.stdout)
+        if done.returncode == 4:
+            [risk] = data["eviction"]
+            assert (risk["policy"], risk["level"]) == ("noeviction", "error"), risk
+            assert " is full" in risk["message"] and data["healthy"] is False
+        else:
+            assert (done.returncode, data["kind"]) == (75, "out_of_memory"), done.stdout + done.stderr
+
+
 def test_volatile_policies_are_a_warning_not_an_error(
     proj: Any, fresh_check: None, caplog: pytest.LogCaptureFixture
 ) -> None:
