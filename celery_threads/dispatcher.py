@@ -103,7 +103,8 @@ class Dispatcher:
         elif outcome.status == Lapse.RETRIED:
             report.retried += 1
             logger.warning(
-                "celery-threads: lease of member %s of thread %s lapsed (worker lost?); it will run again",
+                "celery-threads: lease of member %s of thread %s lapsed (its worker lost, or cut off "
+                "from the gate?); it will run again",
                 outcome.info,
                 thread_id,
             )
