@@ -809,10 +809,10 @@ class Workload:
         purged: list[str] = []
         mark = threads.runtime.mark_revoked
 
-        def marked(task_id: str, reason: str = "deleted from its thread") -> None:
+        def marked(task_id: str, reason: str = "deleted from its thread", chord: Any = None) -> None:
             if reason.startswith("purged"):  # this thread is the only one that purges
                 purged.append(task_id)
-            mark(task_id, reason)
+            mark(task_id, reason, chord)
 
         setattr(threads.runtime, "mark_revoked", marked)
         try:
