@@ -259,10 +259,11 @@ class Runtime:
         released one, the result backend is marked REVOKED here, and one worker (elected by a note
         in the gate) sends the ``task-revoked`` event, so Flower shows it without a phantom worker.
         """
-        thread_id = self.gate.reads.thread_of(task_id)
-        if thread_id is None:
+        record = self.gate.reads.record(task_id)  # its thread, and whether a chord counts it
+        if record is None:
             return None
-        chord = self.chord_part(task_id, thread_id)
+        thread_id = record.thread_id
+        chord = chord_request(self.app, task_id, record.envelope)
         outcome = self.publish_outcome(self.gate.delete(task_id, stop=True, thread_id=thread_id))
         if not outcome.done:
             return None
@@ -321,10 +322,10 @@ class Runtime:
         """For :meth:`mark_revoked`: the request of a member that a chord counts, read from the gate
         before the member leaves it (``None`` for any other member, or none)."""
         try:
-            envelope = self.gate.reads.envelope(task_id, thread_id)
+            record = self.gate.reads.record(task_id, thread_id)
         except redis.RedisError:
             return None
-        return None if envelope is None else chord_request(self.app, task_id, envelope)
+        return None if record is None else chord_request(self.app, task_id, record.envelope)
 
     def mark_revoked(
         self, task_id: str, reason: str = "deleted from its thread", chord: Optional[dict[str, Any]] = None

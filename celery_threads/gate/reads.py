@@ -13,7 +13,7 @@ import redis
 from ..keys import Keys, ShardKeys
 from .cluster import rerun_unrun
 from .library import _load_lua
-from .records import _text, find_record, parse_record, pause_reason
+from .records import Record, _text, find_record, parse_record, pause_reason
 from .replies import DeadRecord, Scan, ThreadSnapshot
 
 DEAD_CHUNK = 500  # dead records read per HMGET
@@ -42,19 +42,17 @@ class GateReads:
 
     # -- one thread -------------------------------------------------------------------------
     def thread_of(self, task_id: str) -> Optional[str]:
-        for shard in self.keys.all_shards():
-            _, value = find_record(self.client, shard.tasks, task_id)
-            if value is not None:
-                return parse_record(value).thread_id
-        return None
+        found = self.record(task_id)
+        return None if found is None else found.thread_id
 
-    def envelope(self, task_id: str, thread_id: Optional[str] = None) -> Optional[bytes]:
-        """The stored message of member ``task_id`` (of ``thread_id``, when known), or ``None``."""
+    def record(self, task_id: str, thread_id: Optional[str] = None) -> Optional[Record]:
+        """The record of member ``task_id`` (its thread, its stored message...), looked for in
+        ``thread_id``'s shard when it is known, else in every shard; ``None`` for no member."""
         shards = [self.keys.thread(thread_id).shard] if thread_id is not None else self.keys.all_shards()
         for shard in shards:
             _, value = find_record(self.client, shard.tasks, task_id)
             if value is not None:
-                return parse_record(value).envelope
+                return parse_record(value)
         return None
 
     def snapshot(self, thread_id: str) -> Optional[ThreadSnapshot]:
