@@ -1015,7 +1015,8 @@ def metrics(ctx: click.Context, port: int, address: str, top: int, once: bool) -
         from . import exporter  # an optional extra: imported only for this command
     except ImportError as exc:
         raise CommandError(
-            f"celery threads metrics needs prometheus_client ({exc}): pip install 'celery-threads[metrics]'",
+            f"celery threads metrics needs prometheus_client ({exc}): pip install prometheus_client "
+            "(the package's metrics extra)",
             "error",
         ) from None
     t = _threads(ctx)

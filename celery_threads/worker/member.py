@@ -103,8 +103,12 @@ def run(task: Any, body: Callable[[], Any]) -> Any:
     just ``body()``."""
     request = task.request
     headers = request.headers or {}
+    if request.is_eager and not request.called_directly:
+        # ThreadedTask.apply resolved its thread id; a worker's request has it from the headers.
+        request.thread_id, request.thread_token = headers.get(THREAD_HEADER), None
+        return body()
     token = headers.get(TOKEN_HEADER)
-    if not token or request.called_directly or request.is_eager:
+    if not token or request.called_directly:
         return body()
     thread_id = headers[THREAD_HEADER]
     task_id = request.id

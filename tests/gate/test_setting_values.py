@@ -104,3 +104,10 @@ def test_a_number_given_as_a_string_reads_as_that_number_down_to_its_minimum(set
     assert read(setting, minimum) == minimum
     refused(setting, below)
     refused(setting, str(below))
+
+
+def test_a_broker_that_is_not_redis_is_named_without_its_password() -> None:
+    app = Celery("t", broker="amqp://guest:secretpw@localhost:5672//", set_as_current=False)
+    with pytest.raises(ConfigurationError, match="threads_redis_url") as info:
+        read_config(app)
+    assert "secretpw" not in str(info.value) and "amqp://guest:**@localhost:5672//" in str(info.value)

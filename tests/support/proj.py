@@ -159,6 +159,12 @@ def keyed(self, thread, label, suffix):
     return label
 
 
+@app.task(base=ThreadedTask, bind=True, thread_key="thread")
+def record_request(self, thread, label):
+    """Returns its request's thread id and fencing token."""
+    return [self.request.thread_id, self.request.thread_token]
+
+
 @app.task(base=ThreadedTask, bind=True, thread_key="thread", debounce=1.0, debounce_max=30)
 def debounced(self, thread, label):
     """Declared with debounce (and debounce_max): a burst of calls in a thread runs once."""

@@ -121,6 +121,8 @@ def test_a_callable_thread_key_names_the_thread(proj, worker, r):
     assert [blocker.get(timeout=30), second.get(timeout=30)] == ["k1", "k2"]
     assert starts(r, f"{thread}-x") == ["k1", "k2"]
     assert proj.keyed.resolve_thread_id((thread, "k3"), {"suffix": "y"}) == f"{thread}-y"
+    with pytest.raises(InvalidThreadId, match="KeyError"):  # suffix passed by position
+        proj.keyed.delay(thread, "k4", "y")
 
 
 def test_thread_id_of_1024_bytes_is_accepted(proj, worker, r):
@@ -151,6 +153,21 @@ def test_eager_mode_runs_inline(proj, r):
     finally:
         proj.app.conf.task_always_eager = False
     assert starts(r, thread) == ["eager"]
+    assert gate_keys(r, thread) == []
+
+
+def test_eager_mode_gives_the_body_its_thread_id_and_checks_it(proj, r):
+    """A test of a task's body in eager mode sees the request a worker's run has (thread_token
+    aside: no gate fenced it), and an invalid thread id fails as it would through the gate."""
+    thread = tid()
+    proj.app.conf.task_always_eager = True
+    try:
+        assert proj.record_request.delay(thread, "eager").get() == [thread, None]
+        assert proj.record_request.apply((thread, "apply")).get() == [thread, None]
+        with pytest.raises(InvalidThreadId):
+            proj.record_request.delay(None, "no thread")
+    finally:
+        proj.app.conf.task_always_eager = False
     assert gate_keys(r, thread) == []
 
 
