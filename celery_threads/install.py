@@ -104,10 +104,17 @@ def _on_beat_start(sender: Any = None, **kwargs: Any) -> None:
     if app is None or not getattr(app, "_celery_threads_installed", False):
         return
     from .config import read_config
+    from .errors import ConfigurationError
     from .gate import make_client
     from .gate.eviction import check_eviction
 
-    config = read_config(app)
+    try:
+        config = read_config(app)
+    except ConfigurationError as exc:
+        # As a worker does: beat's dispatch entry would fail on every worker.  A signal handler's
+        # Exception is only logged by Celery; SystemExit stops beat.
+        logger.critical("%s", exc)
+        raise SystemExit(78) from None  # EX_CONFIG, as `celery threads` exits on it
     client = make_client(config.redis_url, config.redis_options)
     try:
         check_eviction(client, config.redis_url)

@@ -115,3 +115,28 @@ def test_a_replica_or_a_full_server_is_named_as_such_not_as_missing_rights(proj,
     finally:
         for server in (replica, master, full):
             server.stop()
+
+
+def test_beat_with_a_wrong_setting_stops_as_a_worker_does(tmp_path):
+    """Its dispatch entry would only fail on every worker; it logged the error and went on."""
+    import subprocess
+    import sys
+
+    (tmp_path / "bx.py").write_text(
+        "from celery import Celery\n"
+        "from celery_threads import ThreadedTask\n"
+        "app = Celery('bx', broker='redis://127.0.0.1:1/0')\n"
+        "app.conf.threads_keepalive = 'abc'\n"
+        "@app.task(base=ThreadedTask, thread_key='a')\n"
+        "def t(a):\n"
+        "    return a\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "celery", "-A", "bx", "beat", "-s", str(tmp_path / "schedule")],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 78, done.stdout + done.stderr
+    assert "threads_keepalive='abc' is not a number of seconds" in done.stdout + done.stderr
