@@ -19,6 +19,7 @@ import functools
 import heapq
 import itertools
 import json
+import os
 import shutil
 import sys
 import textwrap
@@ -56,6 +57,7 @@ EX_TEMPFAIL = 75  # the gate refused for now (out of memory, replicas late): ret
 EX_PROTOCOL = 76  # the gate's Redis answered with an error the CLI does not know (EX_PROTOCOL)
 EX_NOPERM = 77  # the gate's Redis user lacks a right (ACL) or the password is wrong (EX_NOPERM)
 EX_CONFIG = 78  # a threads_* setting is wrong (sysexits EX_CONFIG)
+EX_PIPE = 141  # stdout's reader went away (`| head`): the status of a process SIGPIPE ends
 DEAD_LIMIT = 100  # `dead`: the latest deaths listed unless --limit says otherwise
 PROGRESS_FROM = 1000  # `purge`, `redrive`: a progress bar on a terminal from this many items
 
@@ -75,6 +77,7 @@ Exit status:
   {EX_PROTOCOL}  the gate's Redis answered with another error
   {EX_NOPERM}  the gate's Redis user lacks a right, or its password is wrong
   {EX_CONFIG}  a threads_* setting is wrong
+  {EX_PIPE} the reader of the output went away (| head), as for a process SIGPIPE ends
 
 \b
 With --json, an error prints one JSON object on stdout,
@@ -237,6 +240,11 @@ def _guarded(fn: F) -> F:
             if as_json:
                 _echo_error(CommandError("Aborted!", "aborted", EX_NOTHING))
             raise
+        except BrokenPipeError:
+            # The reader went away (`| head`): stop quietly, as a process SIGPIPE ends; stdout goes
+            # to /dev/null so that the interpreter's last flush does not fail again.
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            sys.exit(EX_PIPE)
         except Exception as exc:
             error = _command_error(exc)
             if error.kind == "internal":

@@ -77,10 +77,13 @@ class ThreadsWorkerStep(bootsteps.StartStopStep):
                 runtime.config.keepalive,
             )
         logger.info(
-            "celery-threads: ready: gate %s, keepalive %ss, dispatch every %ss; %s",
+            "celery-threads: ready: gate %s, keepalive %ss, %s; %s",
             sanitized_url(runtime.config.redis_url),
             runtime.config.keepalive,
-            runtime.config.dispatch_interval,
+            f"dispatch every {runtime.config.dispatch_interval}s"
+            if runtime.config.worker_dispatch
+            else "no dispatch here (threads_worker_dispatch is off: celery beat releases retries "
+            "and countdown/eta members)",
             "every fast path available"
             if not self.fallen
             else f"{self.fallen} fast path(s) fell back to Celery's public API (see the warning above)",

@@ -243,3 +243,28 @@ def test_restart_of_a_live_member_says_it_is_live_not_dead(proj, cli):
     assert f"'{waiting}' is a live member of thread '{thread}' (not dead)" in message
     assert "nothing to restart" in message and "dead-letter store" not in message
     assert f"celery threads show {thread}" in message
+
+
+def test_a_reader_that_goes_away_ends_the_command_quietly(proj, app, env):
+    """``celery threads ls | head -1``: the command stops as a process SIGPIPE ends, with no
+    traceback (it exited 70, reporting a bug)."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.operations.test_cli import ROOT
+
+    for i in range(1500):  # a listing longer than a pipe's buffer
+        proj.record.apply_async((f"{tid('pipe')}-{i}", "later"), countdown=3600)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "celery", "-A", "tests.support.proj", "threads", "ls", "--limit", "1500"],
+        env={**os.environ, **env, "PYTHONPATH": str(ROOT)},
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    assert proc.stdout.readline().split()[0] == b"MEMBERS"
+    proc.stdout.close()  # as `head -1` does once it has its line
+    assert proc.wait(60) == 141
+    assert b"Traceback" not in proc.stderr.read()
