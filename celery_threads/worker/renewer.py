@@ -22,10 +22,11 @@ logger = logging.getLogger(__name__)
 
 class LeaseRenewer:
     """Every keepalive/3, renews the release deadline of each threaded member this worker holds
-    unclaimed in its prefetch buffer.  A claimed member's lease is renewed by the process that
-    claimed it, with its claimant (:class:`celery_threads.worker.lease.Keeper`); the gate refuses this
-    renewal for it.  A native thread (:mod:`celery_threads.worker.native`): under gevent, a member's code
-    holding the hub does not hold up these renewals either."""
+    unclaimed in its prefetch buffer, and one it has just received about a second after.  A
+    claimed member's lease is renewed by the process that claimed it, with its claimant
+    (:class:`celery_threads.worker.lease.Keeper`); the gate refuses this renewal for it.  A native
+    thread (:mod:`celery_threads.worker.native`): under gevent, a member's code holding the hub
+    does not hold up these renewals either."""
 
     def __init__(self, runtime: Runtime, tick: Any = None) -> None:
         self.runtime = runtime
@@ -48,6 +49,15 @@ class LeaseRenewer:
                 members.append((thread_id, request.id, token))
         return members
 
+    def _renew(self, gate: Any, members: list[tuple[str, str, str]]) -> None:
+        try:
+            renewed = gate.renew_many(members)
+            for (thread_id, task_id, _), status in zip(members, renewed):
+                if status == Renewal.STALE:
+                    logger.debug("celery-threads: %s no longer holds thread %s", task_id, thread_id)
+        except Exception:
+            logger.exception("celery-threads: could not renew leases; retrying")
+
     def _run(self) -> None:
         period = self.runtime.config.keepalive / 3.0
         gate = self.runtime.own_gate() if native.green() else self.runtime.gate
@@ -56,17 +66,16 @@ class LeaseRenewer:
             if self._stop.is_set() and not members:
                 return
             if members:
-                try:
-                    renewed = gate.renew_many(members)
-                    for (thread_id, task_id, _), status in zip(members, renewed):
-                        if status == Renewal.STALE:
-                            logger.debug("celery-threads: %s no longer holds thread %s", task_id, thread_id)
-                except Exception:
-                    logger.exception("celery-threads: could not renew leases; retrying")
+                self._renew(gate, members)
             if self._stop.is_set():
                 self._stop.wait(0.2)
                 continue
-            # The tick (the handoff's flag) runs every second; renewals every keepalive/3.
+            # The tick (the handoff's flag) runs every second; renewals every keepalive/3.  A
+            # member received since then keeps its release's first deadline,
+            # threads_release_timeout (60 s), were this worker to die: one still held a second
+            # later is renewed at once, so that it lapses within the keepalive too.
+            renewed = set(members)
+            seen: set[tuple[str, str, str]] = set()
             deadline = time.monotonic() + period
             while not self._stop.is_set() and time.monotonic() < deadline:
                 tick = self.tick
@@ -76,3 +85,9 @@ class LeaseRenewer:
                     except Exception:
                         logger.exception("celery-threads: worker tick failed")
                 self._stop.wait(min(1.0, max(deadline - time.monotonic(), 0.0)))
+                fresh = [m for m in self.held() if m not in renewed]
+                late = [m for m in fresh if m in seen]
+                if late:
+                    self._renew(gate, late)
+                    renewed.update(late)
+                seen = set(fresh)

@@ -108,6 +108,39 @@ def test_sigkilled_worker_holding_prefetched_members_loses_none(proj, make_deplo
         wait_for(lambda t=t: Threads(proj.app).get(t) is None, what="thread to vanish")
 
 
+def test_a_member_just_received_has_its_release_deadline_renewed_within_seconds(
+    proj, make_deployment, redis_server
+):
+    """A member received since the renewer's last round (every keepalive/3) kept its release's
+    first deadline, the release timeout (60 s): a worker killed then left it waiting that long
+    (seen in an exploratory run), not the keepalive.  The renewer renews it about a second after
+    it arrived.  With a keepalive of 90 s, its round every 30 s rarely comes in between."""
+    from celery_threads.keys import Keys
+
+    r = proj.history()
+    d = make_deployment(CT_PREFETCH="4", CT_KEEPALIVE="90", CT_DISPATCH_INTERVAL="0.2")
+    d.worker("holder", concurrency=1)
+    go, blocker = f"go:{tid()}", tid("blocker")
+    first = proj.record.delay(blocker, "block", until=go)  # holds the worker's one process
+    wait_for(lambda: starts(r, blocker) == ["block"], what="the blocker to run")
+    threads = [tid("fresh") for _ in range(3)]
+    results = [proj.record.delay(t, "m") for t in threads]
+    wait_for(lambda: queue_length(redis_server, d) == 0, what="the worker to hold the releases")
+    gate = redis.Redis.from_url(d.env["CT_REDIS_URL"])
+    keys = Keys(d.env["CT_KEY_PREFIX"])
+
+    def renewed() -> bool:
+        seconds, micros = gate.time()
+        now_ms = seconds * 1000 + micros // 1000
+        deadlines = [gate.hget(keys.thread(t).active, "deadline") for t in threads]
+        # Renewed: the keepalive (90 s) from now, not the release timeout (60 s) from the release.
+        return all(x is not None and int(x) > now_ms + 61_000 for x in deadlines)
+
+    wait_for(renewed, timeout=15, what="the held members' release deadlines to be renewed")
+    r.set(go, 1)
+    assert [first.get(timeout=30), *(x.get(timeout=30) for x in results)] == ["block", "m", "m", "m"]
+
+
 @LAYOUTS
 def test_warm_shutdown_hands_back_unstarted_members(proj, make_deployment, redis_server, layout):
     """With a keepalive of a minute, the members a stopping worker held would wait a minute for
