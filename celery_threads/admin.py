@@ -30,7 +30,7 @@ from .gate import (
 from .gate.eviction import Eviction, check_eviction
 from .metrics import Counters, Metrics
 from .protocol import normalize_thread_id, retry_settings
-from .publish import arguments_repr, chord_request, decode_arguments, task_name
+from .publish import arguments_repr, decode_arguments, task_name
 from .runtime import get_runtime
 
 T = TypeVar("T")
@@ -410,9 +410,7 @@ class Threads:
             grouped: dict[str, bytes] = {}
             dropped, left = self.gate.purge(thread_id, grouped=grouped)
             for task_id in dropped:
-                envelope = grouped.get(task_id)
-                chord = None if envelope is None else chord_request(self.app, task_id, envelope)
-                self.runtime.mark_revoked(task_id, "purged from its thread", chord)
+                self.runtime.mark_revoked(task_id, "purged from its thread", grouped.get(task_id))
             if dropped:
                 # task-revoked for Flower, sent by one worker per member (Runtime.revoke_unstarted)
                 self.gate.note_deleted(thread_id, *dropped)

@@ -195,7 +195,7 @@ class Runtime:
         ``member_dead`` listener, since the task did not fail; fenced by its token, and only
         while it is still RELEASED (a worker that claimed it in time runs it).  Returns the
         release of the member promoted in its place, if any."""
-        chord = self.chord_part(release.task_id, release.thread_id)
+        envelope = release.envelope or self._stored_envelope(release)  # for its chord, if any
         try:
             outcome = self.gate.delete(
                 release.task_id, token=release.token, only_released=True, thread_id=release.thread_id
@@ -215,7 +215,7 @@ class Runtime:
                 release.task_id,
                 release.thread_id,
             )
-            self.revoke_unstarted(release.thread_id, release.task_id, "expired", chord=chord)
+            self.revoke_unstarted(release.thread_id, release.task_id, "expired", envelope=envelope)
         return outcome.release
 
     def _deadline_at_ttl(self, release: Release, ttl: float) -> None:
@@ -259,11 +259,10 @@ class Runtime:
         released one, the result backend is marked REVOKED here, and one worker (elected by a note
         in the gate) sends the ``task-revoked`` event, so Flower shows it without a phantom worker.
         """
-        record = self.gate.reads.record(task_id)  # its thread, and whether a chord counts it
+        record = self.gate.reads.record(task_id)  # its thread, and its message for its chord
         if record is None:
             return None
         thread_id = record.thread_id
-        chord = chord_request(self.app, task_id, record.envelope)
         outcome = self.publish_outcome(self.gate.delete(task_id, stop=True, thread_id=thread_id))
         if not outcome.done:
             return None
@@ -272,7 +271,9 @@ class Runtime:
         else:
             # ENDED: the call was replayed after its reply was lost, and the member may have
             # been running: revoke with terminate (a no-op where it does not run).
-            self.revoke_unstarted(thread_id, task_id, terminate=outcome.info == ENDED, chord=chord)
+            self.revoke_unstarted(
+                thread_id, task_id, terminate=outcome.info == ENDED, envelope=record.envelope
+            )
         if outcome.info == STOPPING:
             self._wait_stopped(thread_id, task_id, wait)
         return outcome.info
@@ -283,13 +284,13 @@ class Runtime:
         task_id: str,
         reason: str = "deleted from its thread",
         terminate: bool = False,
-        chord: Optional[dict[str, Any]] = None,
+        envelope: Optional[bytes] = None,
     ) -> None:
         """A member that left its thread before it ran: ``REVOKED`` in the result backend (and
-        in its chord, ``chord``: see :meth:`mark_revoked`), and one worker (elected by a note in
-        the gate) sends the ``task-revoked`` event, so Flower shows it without a phantom worker."""
+        in its chord: see :meth:`mark_revoked`), and one worker (elected by a note in the gate)
+        sends the ``task-revoked`` event, so Flower shows it without a phantom worker."""
         self.gate.note_deleted(thread_id, task_id)
-        self.mark_revoked(task_id, reason, chord)
+        self.mark_revoked(task_id, reason, envelope)
         self.app.control.revoke(task_id, terminate=terminate)
 
     def revoke_superseded(self, thread_id: str, task_ids: list[str]) -> None:
@@ -318,21 +319,23 @@ class Runtime:
             time.sleep(pause)
             pause = min(pause * 2, 0.1)
 
-    def chord_part(self, task_id: str, thread_id: Optional[str] = None) -> Optional[dict[str, Any]]:
-        """For :meth:`mark_revoked`: the request of a member that a chord counts, read from the gate
-        before the member leaves it (``None`` for any other member, or none)."""
+    def _stored_envelope(self, release: Release) -> Optional[bytes]:
+        """The message the gate stores for a release that carries none (an enqueue's own: its
+        caller had it), read before the member leaves; ``None`` if it cannot be read."""
         try:
-            record = self.gate.reads.record(task_id, thread_id)
+            record = self.gate.reads.record(release.task_id, release.thread_id)
         except redis.RedisError:
             return None
-        return None if record is None else chord_request(self.app, task_id, record.envelope)
+        return None if record is None else record.envelope
 
     def mark_revoked(
-        self, task_id: str, reason: str = "deleted from its thread", chord: Optional[dict[str, Any]] = None
+        self, task_id: str, reason: str = "deleted from its thread", envelope: Optional[bytes] = None
     ) -> None:
-        """``REVOKED`` in the result backend; ``chord``: the member's request (:meth:`chord_part`),
-        whose chord then counts it, as a worker's revoke of a chord's part does (the chord ends
-        with a ChordError, and its body never runs with a part missing)."""
+        """``REVOKED`` in the result backend.  ``envelope``: the member's stored message, read
+        before it left the gate; when a chord counts the member (``publish.chord_request``), the
+        chord counts it revoked, as a worker's revoke of a chord's part does (the chord ends with
+        a ChordError, and its body never runs with a part missing)."""
+        chord = None if not envelope else chord_request(self.app, task_id, envelope)
         try:
             if chord is not None:
                 from celery.app.task import Context

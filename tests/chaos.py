@@ -809,10 +809,10 @@ class Workload:
         purged: list[str] = []
         mark = threads.runtime.mark_revoked
 
-        def marked(task_id: str, reason: str = "deleted from its thread", chord: Any = None) -> None:
+        def marked(task_id: str, reason: str = "deleted from its thread", envelope: Any = None) -> None:
             if reason.startswith("purged"):  # this thread is the only one that purges
                 purged.append(task_id)
-            mark(task_id, reason, chord)
+            mark(task_id, reason, envelope)
 
         setattr(threads.runtime, "mark_revoked", marked)
         try:

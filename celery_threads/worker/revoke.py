@@ -21,7 +21,6 @@ from celery.worker import state as worker_state
 from .. import seams
 from ..gate import STOPPING
 from ..protocol import THREAD_HEADER, TOKEN_HEADER, is_threaded
-from ..publish import chord_request
 from ..runtime import Runtime, get_runtime
 from . import handoff
 from .processes import open_pidfd, pool_holder, when_gone
@@ -111,14 +110,14 @@ def _delete_once_stopped(
 def _end_revoked_member(runtime: Runtime, consumer: Any, task_id: str) -> None:
     """A waiting member revoked by a plain ``revoke`` leaves its thread here; one deleted by
     ``Threads.delete`` is announced here.  Either way this worker sends ``task-revoked``."""
-    # Its thread, and whether a chord counts it, read while it is a member (the delete drops it).
+    # Its thread, and its message for its chord, read while it is a member (the delete drops it).
     record = runtime.gate.reads.record(task_id)
     deleted = False
     if record is not None:
         outcome = runtime.gate.delete(task_id, only_waiting=True, thread_id=record.thread_id)
         deleted = runtime.publish_outcome(outcome).done
         if deleted:
-            runtime.mark_revoked(task_id, chord=chord_request(runtime.app, task_id, record.envelope))
+            runtime.mark_revoked(task_id, envelope=record.envelope)
     if deleted or runtime.gate.take_deleted_note(task_id):
         dispatcher = consumer.event_dispatcher
         if dispatcher is not None and dispatcher.enabled:

@@ -4,6 +4,8 @@ never runs.  It was marked REVOKED without its request, so the chord waited for 
 
 from __future__ import annotations
 
+from datetime import datetime, timedelta, timezone
+
 import pytest
 from celery import chord
 from celery.exceptions import ChordError
@@ -12,11 +14,17 @@ from celery_threads import Threads
 from tests.support.helpers import starts, tid, wait_for
 
 
-@pytest.mark.parametrize("how", ["revoke", "delete", "purge"])
+@pytest.mark.parametrize("how", ["revoke", "delete", "purge", "expire"])
 def test_a_chord_part_removed_while_it_waits_fails_its_chord(proj, worker, how):
+    """``expire``: its ``expires`` passes while it waits, and its release ends it unpublished."""
     r = proj.history()
     thread, go = tid(), f"go:{tid()}"
-    header = [proj.record.si(thread, "h0", until=go), proj.record.si(thread, "h1")]
+    expires = datetime.now(timezone.utc) + timedelta(seconds=2)
+    second = proj.record.si(thread, "h1")
+    header = [
+        proj.record.si(thread, "h0", until=go),
+        second.set(expires=expires) if how == "expire" else second,
+    ]
     body = proj.plain.si(thread, "body")
     res = chord(header)(body)
     h0, h1 = res.parent.results
@@ -25,8 +33,11 @@ def test_a_chord_part_removed_while_it_waits_fails_its_chord(proj, worker, how):
         h1.revoke()
     elif how == "delete":
         assert Threads(proj.app).delete(h1.id)
-    else:
+    elif how == "purge":
         assert Threads(proj.app).purge(thread) == 1
+    else:
+        wait_for(lambda: datetime.now(timezone.utc) > expires, what="h1's expiry")
+        r.set(go, 1)
     wait_for(lambda: h1.state == "REVOKED", what="h1 revoked")
     r.set(go, 1)
     assert h0.get(timeout=30) == "h0"
