@@ -67,6 +67,11 @@ class ThreadsConfig:
     dead_letter_ttl: Optional[float] = None
 
     @property
+    def shown_url(self) -> str:
+        """The gate's URL as messages and logs show it: its password masked."""
+        return sanitized_url(self.redis_url)
+
+    @property
     def keepalive_ms(self) -> int:
         return int(self.keepalive * 1000)
 

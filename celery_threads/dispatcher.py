@@ -13,7 +13,6 @@ import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from .config import sanitized_url
 from .errors import LeaseExpired  # imported here too: results stored before it moved name this module
 from .gate import Lapse, Outcome
 from .keys import ShardKeys
@@ -218,7 +217,7 @@ class DispatchLoop:
             "failure(s) in %.0fs. Check that the server runs and accepts connections from here, "
             "and the URL's host, port, password and TLS options (threads_redis_options). "
             "Trying again every %ss",
-            sanitized_url(self.runtime.config.redis_url),
+            self.runtime.config.shown_url,
             f"{type(exc).__name__}: {exc}",
             self._failures,
             now - self._failing_since,
@@ -230,7 +229,7 @@ class DispatchLoop:
         if self._failing_since is not None:
             logger.warning(
                 "celery-threads: the gate's Redis at %s answers again, after %d failed tick(s) in %.0fs",
-                sanitized_url(self.runtime.config.redis_url),
+                self.runtime.config.shown_url,
                 self._failures,
                 time.monotonic() - self._failing_since,
             )

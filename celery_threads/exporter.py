@@ -34,7 +34,6 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from .admin import Threads
-from .config import sanitized_url
 from .errors import GateUnavailable
 from .metrics import OUTCOMES, STATES, Metrics
 
@@ -216,7 +215,7 @@ def listen(threads: Threads, address: str, port: int, top: int = 0) -> Thread:
     """Serve the metrics at ``http://address:port/metrics`` from a daemon thread, returned (join
     it to serve until the process is stopped).  Raises OSError when the address is taken."""
     _log_to_stderr()
-    app = GateOutage(make_wsgi_app(registry(threads, top)), sanitized_url(threads.runtime.config.redis_url))
+    app = GateOutage(make_wsgi_app(registry(threads, top)), threads.runtime.config.shown_url)
     family, host = _family(address, port)
 
     class Server(_Server):

@@ -16,7 +16,7 @@ import redis.retry
 from celery import Celery
 
 from . import seams
-from .config import ThreadsConfig, forget_config, read_config, sanitized_url
+from .config import ThreadsConfig, forget_config, read_config
 from .errors import ReleaseExpired, UndecodableEnvelope
 from .gate import (
     DELETED,
@@ -101,7 +101,7 @@ class Runtime:
                 "celery-threads: the gate's Redis at %s (threads_redis_url) did not answer its "
                 "start-up checks (%s); its rights and threads_shards=%s are checked before this "
                 "process's first transition, once it answers",
-                sanitized_url(self.config.redis_url),
+                self.config.shown_url,
                 exc,
                 self.config.shards,
             )

@@ -16,7 +16,7 @@ from celery.utils import uuid
 from celery.utils.saferepr import saferepr
 
 from . import policies
-from .config import ThreadsConfig, read_config, sanitized_url
+from .config import ThreadsConfig, read_config
 from .errors import ConfigurationError, GateUnavailable, InvalidThreadId, NotReplicated, ThreadFull
 from .gate import Enqueue, Outcome, Release, deadline
 from .install import install
@@ -512,20 +512,20 @@ def gate_errors(
         yield
     except redis.AuthenticationError as exc:
         raise GateUnavailable(
-            f"the gate's Redis at {sanitized_url(config.redis_url)} refused the credentials of "
+            f"the gate's Redis at {config.shown_url} refused the credentials of "
             f"threads_redis_url ({exc}), so task {task_id} was neither stored nor sent: set the "
             "user and password the server expects."
         ) from exc
     except redis.exceptions.OutOfMemoryError as exc:
         # It answered: it refused the call's first write, so the call stored nothing.
         raise GateUnavailable(
-            f"the gate's Redis at {sanitized_url(config.redis_url)} (threads_redis_url) is out of "
+            f"the gate's Redis at {config.shown_url} (threads_redis_url) is out of "
             f"memory and refused to store task {task_id}: {exc} Nothing was stored nor sent to "
             "the broker: free memory or raise its maxmemory, then call again."
         ) from exc
     except redis.RedisError as exc:
         where = (
-            f"could not reach the gate's Redis at {sanitized_url(config.redis_url)} (threads_redis_url)"
+            f"could not reach the gate's Redis at {config.shown_url} (threads_redis_url)"
             + (f" within {limit.seconds:g}s (threads_publish_timeout)" if limit else "")
             + f" to publish task {task_id}: {exc}. Nothing was sent to the broker."
         )

@@ -15,7 +15,7 @@ from typing import Any, Optional
 from celery import bootsteps
 
 from .. import seams
-from ..config import read_config, sanitized_url
+from ..config import read_config
 from ..runtime import get_runtime, unreachable
 from . import handoff, lease, shared
 from .noack import hand_back_on_pool_close
@@ -45,7 +45,7 @@ class ThreadsWorkerStep(bootsteps.StartStopStep):
                 "%s. Check that the server runs and accepts connections from here, and "
                 "the URL's host, port, password and TLS options (threads_redis_options); "
                 "the worker starts and keeps trying",
-                sanitized_url(config.redis_url),
+                config.shown_url,
                 f"{type(problem).__name__}: {problem}",
             )
         # Before the consumer fetches a release; raises when a seam that cannot fall back does
@@ -78,7 +78,7 @@ class ThreadsWorkerStep(bootsteps.StartStopStep):
             )
         logger.info(
             "celery-threads: ready: gate %s, keepalive %ss, %s; %s",
-            sanitized_url(runtime.config.redis_url),
+            runtime.config.shown_url,
             runtime.config.keepalive,
             f"dispatch every {runtime.config.dispatch_interval}s"
             if runtime.config.worker_dispatch

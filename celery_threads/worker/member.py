@@ -17,7 +17,6 @@ from typing import Any, Callable, NamedTuple, Optional
 import redis
 from celery.exceptions import Ignore, Reject, Retry
 
-from ..config import sanitized_url
 from ..gate import DELETED, Claim, Gate, Outcome, deadline
 from ..protocol import THREAD_HEADER, TOKEN_HEADER
 from ..runtime import Runtime, get_runtime
@@ -192,7 +191,7 @@ def _claim(
             task.name,
             task_id,
             thread_id,
-            sanitized_url(runtime.config.redis_url),
+            runtime.config.shown_url,
             exc,
         )
         raise Ignore() from exc
@@ -286,7 +285,7 @@ def _record_end(runtime: Runtime, lease: Lease, end: Callable[[], bool]) -> Opti
                 "failed%s",
                 lease.task_id,
                 lease.thread_id,
-                sanitized_url(runtime.config.redis_url),
+                runtime.config.shown_url,
                 error,
                 " (unless a call that went out reached it)"
                 if maybe_sent
@@ -299,7 +298,7 @@ def _record_end(runtime: Runtime, lease: Lease, end: Callable[[], bool]) -> Opti
                 "celery-threads: the gate at %s did not answer (%s); the end of %s "
                 "of thread %s is kept and sent again while its lease holds "
                 "(%.1fs)",
-                sanitized_url(runtime.config.redis_url),
+                runtime.config.shown_url,
                 error,
                 lease.task_id,
                 lease.thread_id,

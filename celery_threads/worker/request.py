@@ -27,7 +27,6 @@ from celery.worker import state as worker_state
 from celery.worker.request import Request
 
 from .. import seams
-from ..config import sanitized_url
 from ..gate import Lapse, Outcome
 from ..publish import request_member
 from ..runtime import Runtime, get_runtime
@@ -118,7 +117,7 @@ class ThreadedRequest(Request):
                 self.task.name,
                 self.id,
                 thread_id,
-                sanitized_url(runtime.config.redis_url),
+                runtime.config.shown_url,
                 error,
             )
             outcome = None

@@ -23,7 +23,6 @@ from celery.exceptions import NotRegistered
 from celery.worker.strategy import default as default_strategy
 
 from .. import policies
-from ..config import sanitized_url
 from ..errors import ConfigurationError
 from ..gate import NO_HOLDER, Enqueue
 from ..protocol import REPUBLISHED_HEADER, THREAD_HEADER, TOKEN_HEADER, eta_ms, retry_settings
@@ -66,7 +65,7 @@ def threaded_strategy(task: Any, app: Any, consumer: Any, **kwargs: Any) -> Any:
                     "%s did not answer (%s); requeued",
                     task.name,
                     headers.get("id"),
-                    sanitized_url(runtime.config.redis_url),
+                    runtime.config.shown_url,
                     exc,
                 )
                 reject(logger, connection_errors, True)
