@@ -24,6 +24,7 @@ from .errors import (
     SeamRefused,
     ThreadFull,
     ThreadsError,
+    TransportMismatch,
     UndecodableEnvelope,
     UnknownTask,
 )
@@ -50,6 +51,7 @@ __all__ = [
     "ThreadedTask",
     "Threads",
     "ThreadsError",
+    "TransportMismatch",
     "UndecodableEnvelope",
     "UnknownTask",
     "WaitingStatus",

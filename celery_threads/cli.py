@@ -40,6 +40,7 @@ from .errors import (
     InvalidThreadId,
     NotReplicated,
     ThreadsError,
+    TransportMismatch,
     UnknownTask,
 )
 from .gate.eviction import Eviction
@@ -185,6 +186,8 @@ def _redis_error(url: str, exc: BaseException) -> CommandError:
             "unavailable",
             EX_UNAVAILABLE,
         )
+    if isinstance(exc, TransportMismatch):
+        return BadSettings(f"threads_redis_url {maybe_sanitize_url(url)!r}: {reason}.")
     if isinstance(exc, (redis.ConnectionError, redis.TimeoutError)):
         return _unreachable(url, exc)
     return CommandError(f"{where} answered with an error: {reason}.", "redis_error", EX_PROTOCOL)

@@ -27,6 +27,14 @@ class ConfigurationError(ThreadsError):
     ``default_retry_delay``), is missing or wrong; the message names what to fix."""
 
 
+class TransportMismatch(ConfigurationError, redis.ConnectionError):
+    """The gate's URL and its server disagree about TLS: ``rediss://`` to a port that speaks plain
+    Redis, or ``redis://`` to a port that expects TLS.  Found when a connection fails and a probe
+    of the same port answers the other way; raised at once, never retried as an outage (no retry
+    makes it right).  A ``redis.ConnectionError`` too, so every caller that handles a gate it
+    cannot reach handles it, with this message."""
+
+
 class GateUnavailable(ThreadsError):
     """The gate's Redis could not be reached; the message says which URL was tried.
 

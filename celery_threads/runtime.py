@@ -17,7 +17,7 @@ from celery import Celery
 
 from . import seams
 from .config import ThreadsConfig, forget_config, read_config
-from .errors import ReleaseExpired, UndecodableEnvelope
+from .errors import ReleaseExpired, TransportMismatch, UndecodableEnvelope
 from .gate import (
     DELETED,
     ENDED,
@@ -95,6 +95,8 @@ class Runtime:
         try:
             with deadline.at_most(self.config.publish_timeout):
                 self.check_gate()
+        except TransportMismatch:
+            raise  # a setting to fix, as a right the gate's user lacks
         except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
             logger.log(
                 logging.DEBUG if said else logging.WARNING,

@@ -17,7 +17,14 @@ from celery.utils.saferepr import saferepr
 
 from . import policies
 from .config import ThreadsConfig, read_config
-from .errors import ConfigurationError, GateUnavailable, InvalidThreadId, NotReplicated, ThreadFull
+from .errors import (
+    ConfigurationError,
+    GateUnavailable,
+    InvalidThreadId,
+    NotReplicated,
+    ThreadFull,
+    TransportMismatch,
+)
 from .gate import Enqueue, Outcome, Release, deadline
 from .install import install
 from .protocol import (
@@ -515,6 +522,10 @@ def gate_errors(
             f"the gate's Redis at {config.shown_url} refused the credentials of "
             f"threads_redis_url ({exc}), so task {task_id} was neither stored nor sent: set the "
             "user and password the server expects."
+        ) from exc
+    except TransportMismatch as exc:
+        raise TransportMismatch(
+            f"threads_redis_url {config.shown_url}: {exc}; task {task_id} was neither stored nor sent."
         ) from exc
     except redis.exceptions.OutOfMemoryError as exc:
         # It answered: it refused the call's first write, so the call stored nothing.

@@ -11,7 +11,7 @@ import redis
 from redis.backoff import AbstractBackoff, ExponentialBackoff
 from redis.retry import Retry
 
-from ..errors import DeadlinePassed
+from ..errors import DeadlinePassed, TransportMismatch
 from ..redis_options import checked, client_kwargs
 from ..seams import health_check_interval
 from . import cluster, deadline
@@ -58,8 +58,8 @@ class BoundedRetry(Retry):
             result = fail(error, *count)
             if isinstance(error, DeadlinePassed):
                 raise attempted[-1] if attempted else error
-            if isinstance(error, redis.AuthenticationError):
-                raise error  # wrong credentials: no retry makes them right
+            if isinstance(error, (redis.AuthenticationError, TransportMismatch)):
+                raise error  # wrong credentials, or TLS on one side only: no retry makes them right
             attempted[:] = [error]
             if time.monotonic() - started[0] > self.budget:
                 raise error

@@ -28,6 +28,7 @@ from typing import Any, Optional
 import redis
 
 from ..errors import DeadlinePassed
+from . import transport
 
 #: The least a wait is given once its deadline is near: a socket with no time at all would not
 #: even connect, and the error would say less than the attempt's own.
@@ -148,7 +149,11 @@ class _Bounded:
 
     def _connect(self) -> Any:
         if _current.get() is None:
-            return super()._connect()  # type: ignore[misc]
+            try:
+                return super()._connect()  # type: ignore[misc]
+            except _FAILURES as exc:
+                transport.check(self, exc)
+                raise
         own = self.socket_timeout, self.socket_connect_timeout
         try:
             self.socket_timeout, self.socket_connect_timeout = clamp(own[0]), clamp(own[1])
@@ -157,9 +162,26 @@ class _Bounded:
             return sock
         except _FAILURES as exc:
             note_failed(exc)
+            transport.check(self, exc, _probe_wait())
             raise
         finally:
             self.socket_timeout, self.socket_connect_timeout = own
+
+    # The connection's first exchange (redis-py 5: on_connect; 6+: on_connect_check_health, which
+    # on_connect calls): a TLS server closes a plain connection there.
+    def on_connect(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().on_connect(*args, **kwargs)  # type: ignore[misc]
+        except _FAILURES as exc:
+            transport.check(self, exc, _probe_wait())
+            raise
+
+    def on_connect_check_health(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().on_connect_check_health(*args, **kwargs)  # type: ignore[misc]
+        except _FAILURES as exc:
+            transport.check(self, exc, _probe_wait())
+            raise
 
     def _bound_socket(self) -> None:
         sock = self._sock
@@ -196,6 +218,16 @@ class _Bounded:
 
 
 _FAILURES = (redis.ConnectionError, redis.TimeoutError, OSError)
+
+
+def _probe_wait() -> float:
+    """How long :func:`transport.check` may wait: within the caller's bound, but never below
+    ``transport.PROBE_FLOOR`` (a TLS handshake with a plain server waits out the whole bound, and
+    the probe is what turns that into a clear error)."""
+    deadline = _current.get()
+    if deadline is None:
+        return transport.PROBE_WAIT
+    return max(min(transport.PROBE_WAIT, deadline.remaining()), transport.PROBE_FLOOR)
 
 
 _classes: dict[type, type] = {}

@@ -16,6 +16,7 @@ from celery import bootsteps
 
 from .. import seams
 from ..config import read_config
+from ..errors import ConfigurationError
 from ..runtime import get_runtime, unreachable
 from . import handoff, lease, shared
 from .noack import hand_back_on_pool_close
@@ -37,6 +38,8 @@ class ThreadsWorkerStep(bootsteps.StartStopStep):
         self.loop: Any = None
         config = read_config(worker.app)
         problem = unreachable(config)
+        if isinstance(problem, ConfigurationError):
+            raise problem  # TLS on one side only: a setting to fix, as a wrong one stops the worker
         if problem is not None:
             # As Celery's own "Cannot connect to ...": at once, then the dispatch loop goes on
             # saying so while the gate does not answer.

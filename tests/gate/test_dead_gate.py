@@ -23,7 +23,7 @@ import redis
 
 from bench.gateunavailable import black_hole as silent_server
 from celery_threads import Threads
-from celery_threads.errors import GateUnavailable
+from celery_threads.errors import GateUnavailable, TransportMismatch
 from tests.conftest import RedisServer
 from tests.support.isolated import BROKER_DB, pointed_at
 
@@ -142,11 +142,19 @@ def test_a_gate_killed_after_use(
 def test_rediss_against_a_plain_server(
     proj: Any, isolated_app: Any, redis_server: Any, gate_server: RedisServer
 ) -> None:
+    """The handshake waits out the bound (the server waits for a command line); then the port,
+    asked in plain Redis, answers: the error names the mismatch (tests/gate/test_tls_acl.py)."""
     url = f"rediss://127.0.0.1:{gate_server.port}/0"
-    thread = f"dead-gate-{uuid.uuid4().hex[:8]}"
-    with pointed_at(proj.app, threads_redis_options={"ssl_cert_reqs": "none"}):
-        _fails_fast(proj, redis_server, url, calls=2)
-    assert not _stores(gate_server, thread) and not _stores(gate_server, "dead-gate")
+    settings = {"threads_redis_options": {"ssl_cert_reqs": "none"}, "threads_publish_timeout": BOUND}
+    with pointed_at(proj.app, threads_redis_url=url, **settings):
+        for _ in range(2):
+            task_id = str(uuid.uuid4())
+            started = time.monotonic()
+            with pytest.raises(TransportMismatch, match="speaks plain Redis, not TLS"):
+                proj.record.apply_async((f"dead-gate-{uuid.uuid4().hex[:8]}", "x"), task_id=task_id)
+            assert time.monotonic() - started < 2 * BOUND
+            assert not _broker_holds(redis_server, task_id)
+    assert not _stores(gate_server, "dead-gate")
 
 
 def test_a_server_that_never_answers(

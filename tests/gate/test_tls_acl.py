@@ -17,6 +17,7 @@ import socket
 import ssl
 import subprocess
 import tempfile
+import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -31,9 +32,10 @@ from click.testing import CliRunner, Result
 
 from celery_threads import Threads
 from celery_threads.config import read_config
-from celery_threads.errors import ConfigurationError
+from celery_threads.errors import ConfigurationError, TransportMismatch
 from celery_threads.gate import Gate, access, make_client
 from celery_threads.gate.access import acl_rules, check_access
+from celery_threads.gate.client import RETRY_BUDGET
 from celery_threads.gate.deadline import unbounded_class
 from celery_threads.keys import Keys
 from celery_threads.runtime import get_runtime
@@ -48,7 +50,7 @@ from tests.conftest import (
     redis_binaries,
 )
 from tests.support.helpers import assert_serial, starts, tid, wait_for
-from tests.support.isolated import point_app
+from tests.support.isolated import point_app, pointed_at
 from tests.support.scenarios import crash_recovery, mixed_load
 from tests.support.topologies import MASTER, RedisClusterServers, SentinelSetup
 
@@ -357,6 +359,46 @@ def test_a_tls_gate_verifies_with_the_ca_given_in_the_url_or_the_options(
     no_client_cert = {"ssl_cert_reqs": "required", "ssl_ca_certs": str(pki / "ca.pem")}
     with pytest.raises(redis.ConnectionError):
         make_client(tls_redis.tls_url(), {**no_client_cert, "retry": None}).ping()
+
+
+def test_tls_on_one_side_only_is_named_at_once_not_retried_as_an_outage(
+    tls_redis: TlsRedis, pki: Path, redis_server: Any, proj: Any, tmp_path: Path
+) -> None:
+    """``rediss://`` to the plain port waited out the TLS handshake, ``redis://`` to the TLS port
+    was closed by the server: both were retried for the client's budget (20-30 s), then reported
+    as a server that could not be reached ("network:TimeoutError").  Now the port is asked the
+    other way once, and the mismatch is named: by the client, a producer's ``apply_async``
+    (nothing stored or sent), ``celery threads`` (78, a setting to fix) and a worker, which stops
+    at start as it does on a wrong setting instead of running and retrying for good."""
+    plain_as_tls = f"rediss://127.0.0.1:{tls_redis.port}/3"
+    tls_as_plain = f"redis://127.0.0.1:{tls_redis.tls_port}/3"
+    for url, said in ((plain_as_tls, "speaks plain Redis, not TLS"), (tls_as_plain, "expects TLS")):
+        with pytest.raises(TransportMismatch, match=said) as info:
+            make_client(url, {"socket_connect_timeout": 2}).ping()
+        assert isinstance(info.value, ConfigurationError) and isinstance(info.value, redis.ConnectionError)
+        task_id = str(uuid.uuid4())
+        with pointed_at(proj.app, threads_redis_url=url, threads_publish_timeout=2.0):
+            with pytest.raises(TransportMismatch, match=f"{said}.*{task_id} was neither stored nor sent"):
+                proj.record.apply_async((tid("tls"), "x"), task_id=task_id)
+            result = cli("stats")
+        assert task_id.encode() not in b"".join(tls_redis.admin.keys())
+        assert result.exit_code == 78, result.output
+        assert said in result.output
+    # The server that speaks the other way was found on the first attempt, not after the budget.
+    started = time.monotonic()
+    with pytest.raises(TransportMismatch):
+        make_client(tls_as_plain).ping()
+    assert time.monotonic() - started < RETRY_BUDGET
+    # A worker stops at start, saying so (a worker pointed at a gate that is down starts and waits).
+    name = uuid.uuid4().hex[:8]
+    env = {**deployment_env(redis_server), "CT_REDIS_URL": tls_as_plain, "CT_QUEUE": f"q-{name}"}
+    worker = CeleryProcess("worker", env, ["-c", "1", "-n", f"tls-{name}@%h"], "tls-mismatch").start()
+    try:
+        wait_for(lambda: worker.proc.poll() is not None, timeout=120, what="the worker to stop")
+        assert worker.proc.returncode != 0
+        assert "expects TLS, and the URL says redis://" in worker.output()
+    finally:
+        worker.stop()
 
 
 def test_a_client_certificate_is_optional_where_the_server_does_not_ask_for_one(

@@ -1,0 +1,82 @@
+"""Whether a connection failed because its URL and its server disagree about TLS.
+
+``rediss://`` to a port that speaks plain Redis waits out the TLS handshake (the server waits for
+a command line that never comes); ``redis://`` to a TLS port is closed by the server after the
+first command.  Both looked like an outage: retried for the client's whole budget, then reported
+as a server that could not be reached.  After such a failure, :func:`mismatch` asks the same port
+the other way, once and briefly: a plain ``PING`` answered in RESP, or a TLS handshake that the
+server answers, names the mismatch (:class:`~celery_threads.errors.TransportMismatch`).
+"""
+
+from __future__ import annotations
+
+import socket
+import ssl
+from typing import Any, Optional
+
+import redis
+
+from ..errors import TransportMismatch
+
+#: How long the probe waits for the server's answer (at most the caller's remaining bound).
+PROBE_WAIT = 1.0
+#: The least it waits, even past an exhausted bound: a local server answers in a millisecond.
+PROBE_FLOOR = 0.25
+
+
+def check(connection: Any, error: BaseException, wait: float = PROBE_WAIT) -> None:
+    """Raise :class:`TransportMismatch` when ``connection`` (a redis-py connection to a host and
+    port) failed with ``error`` because of TLS; else return, and the caller raises ``error``."""
+    host, port = getattr(connection, "host", None), getattr(connection, "port", None)
+    if not host or not port or isinstance(error, TransportMismatch):
+        return
+    tls = isinstance(connection, redis.SSLConnection)
+    if tls and not _handshake_failure(error):
+        return
+    if not tls and not isinstance(error, redis.ConnectionError):
+        return  # a timeout: a silent server, not one that closed the connection on us
+    found = mismatch(host, port, tls, wait)
+    if found:
+        raise TransportMismatch(found) from error
+
+
+def _handshake_failure(error: BaseException) -> bool:
+    seen: Optional[BaseException] = error
+    while seen is not None:
+        if isinstance(seen, ssl.SSLError) or "handshake" in str(seen):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+def mismatch(host: str, port: int, tls: bool, wait: float = PROBE_WAIT) -> Optional[str]:
+    """What is wrong when a ``rediss://`` (``tls``) or ``redis://`` connection to ``host:port``
+    failed and the port answers the other way, else ``None`` (the port does not answer either
+    way: an outage, or not Redis)."""
+    where = f"{host}:{port}"
+    try:
+        with socket.create_connection((host, port), timeout=wait) as sock:
+            if tls:
+                sock.sendall(b"PING\r\n")
+                answer = sock.recv(64)
+                if answer[:1] in (b"+", b"-"):  # +PONG, or -NOAUTH...: a Redis without TLS
+                    return (
+                        f"the Redis server at {where} speaks plain Redis, not TLS, and the URL "
+                        "says rediss://: use redis://, or the port of the server's tls-port"
+                    )
+                return None
+            context = ssl.create_default_context()
+            context.check_hostname = False
+            context.verify_mode = ssl.CERT_NONE
+            try:
+                with context.wrap_socket(sock, server_hostname=host):
+                    pass
+            except ssl.SSLError as exc:
+                if "ALERT" not in str(getattr(exc, "reason", "")):
+                    return None  # not a TLS server's refusal
+            return (
+                f"the Redis server at {where} expects TLS, and the URL says redis://: use "
+                "rediss:// (docs/redis-tls-acl.md)"
+            )
+    except OSError:
+        return None
