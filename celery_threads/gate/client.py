@@ -4,10 +4,12 @@ Redis, Sentinel, a Redis Cluster) with the options of ``threads_redis_options``.
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any, Callable, Optional
 
 import redis
+from kombu.utils.url import maybe_sanitize_url
 from redis.backoff import AbstractBackoff, ExponentialBackoff
 from redis.retry import Retry
 
@@ -19,6 +21,8 @@ from .sentinel import is_sentinel_url, master_client
 
 #: How long a gate call waits for Redis to accept a connection, or to answer, before it counts as
 #: failed (and is retried): no call waits forever on a link that went silent.
+logger = logging.getLogger(__name__)
+
 SOCKET_TIMEOUT = 5.0
 #: A call's retries give up this long after its first failure: the last replay of a call is sent
 #: at most this plus ``SOCKET_TIMEOUT`` after the call, within the gate's ENDED_WINDOW (30 s,
@@ -42,9 +46,11 @@ class BoundedRetry(Retry):
     server refused the credentials.  The error raised is the last attempt's own, not that the time
     ran out."""
 
-    def __init__(self, backoff: Any, retries: int, budget: float) -> None:
+    def __init__(self, backoff: Any, retries: int, budget: float, where: str = "") -> None:
         super().__init__(_DeadlineBackoff(backoff), retries)
         self.budget = budget
+        #: the server's URL, for the log line of an outage ridden out (its password masked there)
+        self.where = where
 
     def call_with_retry(  # its signature varies across redis-py 5-8: the rest passes through
         self, do: Callable[[], Any], fail: Callable[..., Any], *args: Any, **kwargs: Any
@@ -65,7 +71,40 @@ class BoundedRetry(Retry):
                 raise error
             return result
 
-        return super().call_with_retry(do, fail_within_budget, *args, **kwargs)
+        result = super().call_with_retry(do, fail_within_budget, *args, **kwargs)
+        if started:
+            _rode_out(self.where, time.monotonic() - started[0], attempted)
+        return result
+
+
+#: An outage a call rode out is logged when it lasted this long (a connection the server closed
+#: while idle fails once and is replaced at once: no outage), and at most once per
+#: ``OUTAGE_LOG_EVERY`` seconds per process (each of a worker's processes rides out the same one).
+OUTAGE_LOGGED_FROM = 1.0
+OUTAGE_LOG_EVERY = 30.0
+_last_logged = [-OUTAGE_LOG_EVERY]
+
+
+def _rode_out(where: str, lasted: float, errors: list[BaseException]) -> None:
+    """A call went through after its retries rode out ``lasted`` seconds of failures: say so, as
+    Celery says when its broker connection came back.  Longer outages, whose calls gave up, are
+    said by their callers (the dispatch loop, the renewer, the producer's error)."""
+    now = time.monotonic()
+    if lasted < OUTAGE_LOGGED_FROM or now - _last_logged[0] < OUTAGE_LOG_EVERY:
+        return
+    _last_logged[0] = now
+    error = f"{type(errors[-1]).__name__}: {errors[-1]}" if errors else "no answer"
+    try:
+        where = maybe_sanitize_url(where)
+    except ValueError:  # a URL redis-py took and urllib does not: none of it is shown
+        where = "?"
+    logger.warning(
+        "celery-threads: the gate's Redis at %s (threads_redis_url) did not answer for %.1fs "
+        "(%s); it answers again, and the call went through on a retry",
+        where or "?",
+        lasted,
+        error,
+    )
 
 
 class _DeadlineBackoff(AbstractBackoff):
@@ -92,7 +131,7 @@ def make_client(url: str, options: Optional[dict[str, Any]] = None) -> redis.Red
     transition recognizes its own replay (lua/_common.lua ``replayed``; claim by its claimant).
     """
     kwargs: dict[str, Any] = {
-        "retry": BoundedRetry(ExponentialBackoff(cap=1.0, base=0.05), 20, RETRY_BUDGET),
+        "retry": BoundedRetry(ExponentialBackoff(cap=1.0, base=0.05), 20, RETRY_BUDGET, url),
         "retry_on_error": [redis.ConnectionError, redis.TimeoutError],
         "health_check_interval": health_check_interval(30),
         "socket_keepalive": True,
