@@ -5,7 +5,8 @@ This process is the producer (the broker, on a redis-server of the run's own, st
 * never reachable: a free port nobody listens on, from a runtime that never reached it;
 * down after use: the gate's redis-server stopped after a call went through, then the first call
   after, and a later one (they differ when the client keeps connections);
-* TLS mismatch: ``rediss://`` against the plain redis-server;
+* TLS mismatch: ``rediss://`` against the plain redis-server (``TransportMismatch``, once the
+  handshake has waited out the bound and the port answered a plain ``PING``);
 * black hole: a socket that accepts connections and never answers;
 * stopped after use: the gate's redis-server sent SIGSTOP after a call went through (the call is
   sent and no reply comes: its error says the member may be stored).
@@ -31,7 +32,7 @@ from celery import Celery
 from bench import harness as h
 from celery_threads import ThreadedTask
 from celery_threads.config import DEFAULTS
-from celery_threads.errors import GateUnavailable
+from celery_threads.errors import GateUnavailable, TransportMismatch
 from celery_threads.runtime import reset
 
 REPEATS = 5
@@ -92,11 +93,12 @@ def _point(broker_url: str, gate_url: str, timeout: float | None, **options: Any
 
 
 def _time_call() -> tuple[float, str]:
-    """Seconds until ``apply_async`` raised ``GateUnavailable``, and its message."""
+    """Seconds until ``apply_async`` raised ``GateUnavailable`` (``TransportMismatch`` for TLS on
+    one side only), and its message."""
     started = time.monotonic()
     try:
         noop.apply_async(thread_id="bench", task_id=str(uuid.uuid4()))
-    except GateUnavailable as exc:
+    except (GateUnavailable, TransportMismatch) as exc:
         return time.monotonic() - started, str(exc)
     raise SystemExit("apply_async did not raise GateUnavailable on a dead gate")
 

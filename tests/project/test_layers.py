@@ -32,6 +32,7 @@ LAYERS: list[tuple[str, set[str]]] = [
             "gate.cluster",
             "gate.sentinel",
             "gate.deadline",
+            "gate.transport",
         },
     ),
     ("publishing", {"publish"}),
