@@ -30,7 +30,8 @@ nothing more to it. Otherwise its release is published as before. The conditions
 * the pool job has run for less than ``threads_local_handoff`` seconds (default 1.0; 0 turns the
   handoff off). The job, and the report of its first member to the worker's main process, never
   outlast that budget by more than one member's run;
-* neither member has a time limit (the pool enforces limits per job);
+* neither member has a time limit, nor the worker (``--time-limit``, ``task_time_limit``: the pool
+  enforces limits per job);
 * the next member's task is a threaded task registered here, its queue is one this worker
   consumes, its content type is accepted, and it carries no ``expires``.
 """
@@ -122,8 +123,11 @@ class Ending:
 def prepare(worker: Any) -> None:
     """Before the pool forks, once the shared memory is made (:func:`.shared.prepare`): the
     flag its processes read."""
-    global _app, _allowed, _stopping, _main_pid
+    global _app, _allowed, _stopping, _main_pid, _worker_time_limit
     _app, _stopping, _main_pid = worker.app, False, os.getpid()
+    # The worker's own limits (--time-limit, --soft-time-limit, or task_time_limit and
+    # task_soft_time_limit as the worker read them), which its pool applies to every job.
+    _worker_time_limit = bool(getattr(worker, "time_limit", None) or getattr(worker, "soft_time_limit", None))
     _allowed = shared.handoff_flag()
     _allowed.value = EVENTS if getattr(worker, "task_events", False) else ON
     _reported.clear()
@@ -147,6 +151,15 @@ def running(task_id: str) -> Optional[tuple[int, tuple[str, str, str]]]:
         if member.matches(task_id):
             return pid, (member.thread_id, task_id, member.token)
     return None
+
+
+def runs_another(pid: Any, task_id: str) -> bool:
+    """Whether pool process ``pid`` runs, by handoff, a member other than ``task_id``: then
+    ``task_id``'s body, whose pool job this continues, has returned (its finish claimed that
+    member), and a signal for ``task_id`` would reach the other member."""
+    if not pid:
+        return False
+    return any(found == int(pid) and not member.matches(task_id) for _, _, found, member in _slot_members())
 
 
 def lost_member(pid: Any) -> Optional[tuple[str, str, str]]:
@@ -338,12 +351,13 @@ class _Facts(NamedTuple):
     """What this pool process needs to know of its worker, read once (``app.conf`` lookups cost
     microseconds each, on every member)."""
 
-    conf_time_limit: bool  # task_time_limit or task_soft_time_limit set
+    conf_time_limit: bool  # the worker's limit, or task_time_limit or task_soft_time_limit, set
     accepted: frozenset[str]  # content types the worker accepts
     routes: frozenset[tuple[str, str]]  # (exchange, routing key) reaching a consumed queue
 
 
 _facts: Optional[_Facts] = None
+_worker_time_limit = False  # set by prepare() in the worker's main process, inherited by the pool
 
 
 def _worker_facts(app: Any) -> _Facts:
@@ -358,7 +372,7 @@ def _worker_facts(app: Any) -> _Facts:
                 routes.add((queue.exchange.name, queue.routing_key))
         accepted = prepare_accept_content(app.conf.accept_content)  # type: ignore[no-untyped-call]
         _facts = _Facts(
-            bool(app.conf.task_time_limit or app.conf.task_soft_time_limit),
+            bool(_worker_time_limit or app.conf.task_time_limit or app.conf.task_soft_time_limit),
             frozenset(accepted),
             frozenset(routes),
         )

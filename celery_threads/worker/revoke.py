@@ -68,6 +68,23 @@ def _note_terminating(task_ids: Any) -> None:
             _terminating[task_id] = (pid, pool_holder(request))
 
 
+def _handed_on(task_ids: list[str]) -> list[str]:
+    """Those of ``task_ids`` whose body has returned while their pool job goes on, running the
+    next member of their thread by handoff: Celery still holds their request, and its terminate
+    would signal the process, killing that other member."""
+    returned = []
+    for task_id in task_ids:
+        request = worker_state.requests.get(task_id)
+        if request is not None and handoff.runs_another(getattr(request, "worker_pid", None), task_id):
+            logger.info(
+                "celery-threads: not terminating %s: its body has returned, and its pool process "
+                "runs the next member of its thread by handoff",
+                task_id,
+            )
+            returned.append(task_id)
+    return returned
+
+
 def _mark_deleted(
     runtime: Runtime, thread_id: Optional[str], task_id: str, token: str, holder: Optional[str] = None
 ) -> bool:
@@ -195,12 +212,19 @@ def wrap_revoke_command() -> None:
         return
 
     def revoke(state: Any, task_id: Any, terminate: bool = False, signal: Any = None, **kwargs: Any) -> Any:
-        if terminate:
-            _note_terminating(maybe_list(task_id) or [])
-        try:
-            reply = original(state, task_id, terminate=terminate, signal=signal, **kwargs)
-        finally:
-            _terminating.clear()
+        ids = list(maybe_list(task_id) or [])
+        returned = _handed_on(ids) if terminate else []
+        if returned:
+            # Flagged as revoked, as Celery flags a task that has ended: no signal.
+            reply = original(state, returned, terminate=False, signal=signal, **kwargs)
+            ids = [one for one in ids if one not in returned]
+        if ids or not returned:
+            if terminate:
+                _note_terminating(ids)
+            try:
+                reply = original(state, ids, terminate=terminate, signal=signal, **kwargs)
+            finally:
+                _terminating.clear()
         consumer = state.consumer
         if getattr(consumer.app, "_celery_threads_installed", False):
             runtime = get_runtime(consumer.app)

@@ -56,13 +56,16 @@ def test_the_next_members_run_in_the_finishing_pool_process(proj, make_deploymen
     )
 
 
-@pytest.mark.parametrize("case", ["time_limit", "off"])
+@pytest.mark.parametrize("case", ["time_limit", "worker_time_limit", "off"])
 def test_members_go_through_the_broker_when_the_handoff_cannot_run(proj, make_deployment, r, case):
-    """With a time limit (the pool enforces it per job), or threads_local_handoff = 0, each
-    member is a broker delivery of its own."""
-    env = {"time_limit": {"CT_EVENTS": "0"}, "off": {"CT_EVENTS": "0", "CT_LOCAL_HANDOFF": "0"}}[case]
+    """With a time limit (the pool enforces it per job): the call's, or the worker's own
+    (``--time-limit``, which the worker's pool applies to every job: it did not turn the handoff
+    off, so a member handed off late in a job was killed within its own limit, reported as the
+    first member's); or threads_local_handoff = 0: each member is a broker delivery of its own."""
+    env = {"CT_EVENTS": "0", **({"CT_LOCAL_HANDOFF": "0"} if case == "off" else {})}
     d = make_deployment(**env)
-    w = d.worker("nohandoff", concurrency=2)
+    extra = ["--time-limit", "60"] if case == "worker_time_limit" else []
+    w = d.worker("nohandoff", concurrency=2, extra=extra)
     thread = tid("nh")
     options = {"time_limit": 60} if case == "time_limit" else {}
     first, rest = burst(proj, thread, 3, **options)
@@ -254,6 +257,33 @@ def test_terminating_a_handed_off_member(proj, make_deployment, r, how):
     [next_start] = [e.at_us for e in events(r, thread) if e.label == "next" and e.kind == "start"]
     assert all(end < next_start for end in ends), "next started while long was unwinding"
     wait_for(lambda: Threads(proj.app).get(thread) is None, what="the thread to vanish")
+
+
+def test_terminating_a_member_that_has_returned_leaves_the_one_handed_off_after_it(proj, make_deployment, r):
+    """revoke(terminate=True) of a member that has succeeded while its pool job goes on with the
+    next member by handoff (GroupResult.revoke over a batch that is partly done): Celery still
+    holds the first member's request, and its terminate signalled the process, killing the next
+    member, whose lease then lapsed and which ran again after the one behind it.  Nothing is
+    signalled: as for any task that has ended, the revoke only flags it."""
+    d = make_deployment(CT_EVENTS="0")
+    w = d.worker("term", concurrency=2)
+    thread = tid("term")
+    first = proj.where.apply_async((thread, "first"), {"until": f"go:{thread}"})
+    wait_for(lambda: starts(r, thread) == ["first"], what="the first member")
+    second = proj.where.apply_async((thread, "second"), {"until": f"go2:{thread}"})
+    third = proj.where.delay(thread, "third")
+    r.set(f"go:{thread}", 1)  # first ends once second waits behind it: second is handed off
+    wait_for(lambda: starts(r, thread) == ["first", "second"], what="the handed-off member")
+    assert len(set(pids(r, thread))) == 1, "second was not handed off"
+    assert first.get(timeout=1) == "first"  # stored before the handed-off run starts
+    assert proj.app.control.revoke(first.id, terminate=True, reply=True, timeout=10)  # done by then
+    r.set(f"go2:{thread}", 1)
+    assert third.get(timeout=30) == "third"
+    assert second.get(timeout=5) == "second"
+    assert first.state == "SUCCESS"
+    assert starts(r, thread) == ["first", "second", "third"]
+    assert_serial(r, thread)
+    assert f"not terminating {first.id}: its body has returned" in w.output()
 
 
 def _stand_in_pool_process(conn) -> None:
