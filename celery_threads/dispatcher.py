@@ -119,7 +119,9 @@ class Dispatcher:
             report.died += 1
             record = self.runtime.gate.reads.dead_record(outcome.info)
             exception = record.meta.get("exception", "") if record else "LeaseExpired"
-            self._mark_failed(outcome.info, exception)
+            self.runtime.mark_failed(
+                outcome.info, LeaseExpired(exception), record.envelope if record else None
+            )
             self.runtime.announce_death(
                 thread_id,
                 outcome.info,
@@ -128,15 +130,6 @@ class Dispatcher:
                 record,
             )
         self.runtime.publish(outcome.release, republish=outcome.status == Lapse.REPUBLISH)
-
-    def _mark_failed(self, task_id: str, exception: str) -> None:
-        """The worker that ran it is gone, so nobody else records the failure in the backend."""
-        try:
-            self.runtime.app.backend.mark_as_failure(task_id, LeaseExpired(exception))
-        except Exception:  # no result backend, or it is down: the dead-letter store has it
-            logger.debug(
-                "celery-threads: could not mark %s failed in the result backend", task_id, exc_info=True
-            )
 
 
 class DispatchLoop:

@@ -185,24 +185,37 @@ def decode_envelope(envelope: bytes) -> tuple[dict[str, Any], bytes]:
     return decoded, body
 
 
-def chord_request(app: Celery, task_id: str, envelope: bytes) -> Optional[dict[str, Any]]:
-    """What Celery's result backend needs to count a member that ends unstarted as a part of its
-    chord (``backend.mark_as_revoked(..., request=...)``): its message's headers and its body's
-    embedded options, as a worker's request holds them; ``None`` for a member of no chord (or a
-    message that cannot be read, or of a content type the app does not accept)."""
+def member_request(app: Celery, task_id: str, envelope: bytes) -> Optional[dict[str, Any]]:
+    """What Celery's result backend needs to end a member that no worker's request ends (a
+    ``backend.mark_as_failure`` or ``mark_as_revoked`` ``request=``): its message's headers, its
+    arguments and its body's embedded options (``callbacks``, ``errbacks``, ``chain``, ``chord``),
+    as a worker's request holds them, so that its chord counts it, its chain fails with it, its
+    errbacks are called and an extended result names it.  ``None`` for a message that cannot be
+    read, or of a content type the app does not accept."""
     try:
         header, body = decode_envelope(envelope)
         headers = header["headers"]
-        if not headers.get("group"):
-            return None
         accept = prepare_accept_content(app.conf.accept_content)  # type: ignore[no-untyped-call]
         payload = _loads(body, header["content_type"], header["content_encoding"], accept)
-        embed = payload[2] if isinstance(payload, (list, tuple)) and len(payload) == 3 else {}
-    except Exception:  # any content a serializer refuses: no chord to count it in
+    except Exception:  # any content a serializer refuses: nothing to tell the backend
         return None
-    if not isinstance(embed, dict) or not embed.get("chord"):
+    args, kwargs, embed = (
+        payload if isinstance(payload, (list, tuple)) and len(payload) == 3 else ((), {}, {})
+    )
+    if not isinstance(embed, dict):
+        embed = {}
+    return {**headers, **embed, "id": task_id, "args": args, "kwargs": kwargs, "delivery_info": {}}
+
+
+def chord_request(app: Celery, task_id: str, envelope: bytes) -> Optional[dict[str, Any]]:
+    """:func:`member_request` for a member that a chord counts, else ``None``."""
+    try:
+        if not decode_envelope(envelope)[0]["headers"].get("group"):
+            return None
+    except UndecodableEnvelope:
         return None
-    return {**headers, **embed, "id": task_id}
+    request = member_request(app, task_id, envelope)
+    return request if request is not None and request.get("chord") else None
 
 
 def task_name(envelope: bytes) -> str:

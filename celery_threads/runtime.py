@@ -8,7 +8,7 @@ import os
 import threading
 import time
 import traceback as tb
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import redis
 import redis.backoff
@@ -38,7 +38,7 @@ from .gate.eviction import check_eviction
 from .gate.transitions import CALL_BOUND, CALL_BOUND_NAME
 from .keys import Keys
 from .protocol import THREAD_HEADER
-from .publish import ReleasePublisher, chord_request, publish_release, task_name
+from .publish import ReleasePublisher, chord_request, member_request, publish_release, task_name
 from .signals import member_dead
 
 logger = logging.getLogger(__name__)
@@ -73,6 +73,9 @@ class Runtime:
         self._check_at_start(said=parent is not None and not parent.checked)
         self.publisher = ReleasePublisher(app)
         self.pid = os.getpid()
+        #: ``(type, **fields)`` -> sends a task event where this process is a worker's main
+        #: process that sends them (set by its bootstep), else ``None``
+        self.send_task_event: Optional[Callable[..., None]] = None
 
     def _gate(self, client: redis.Redis, direct: Optional[ReleasePush]) -> Gate:
         gate = Gate(
@@ -347,6 +350,26 @@ class Runtime:
             self.app.backend.mark_as_revoked(task_id, reason)
         except Exception:
             logger.debug("celery-threads: no result backend to mark %s revoked", task_id, exc_info=True)
+
+    def mark_failed(self, task_id: str, exc: BaseException, envelope: Optional[bytes] = None) -> None:
+        """``FAILURE`` in the result backend for a member that died where no worker's request
+        ends it (its lease lapsed, its pool process was lost while it ran by handoff), as Celery
+        ends a failed task: with its stored message (``envelope``) as the request, so that its
+        errbacks are called, its chord fails, its chain fails with it and the result names it;
+        and ``task-failed`` for Flower where this is a worker that sends task events."""
+        request = None if not envelope else member_request(self.app, task_id, envelope)
+        try:
+            from celery.app.task import Context
+
+            self.app.backend.mark_as_failure(
+                task_id, exc, request=Context(request) if request is not None else None
+            )
+        except Exception:  # no result backend, or it is down: the dead-letter store has it
+            logger.debug(
+                "celery-threads: could not mark %s failed in the result backend", task_id, exc_info=True
+            )
+        if self.send_task_event is not None:
+            self.send_task_event("task-failed", uuid=task_id, exception=repr(exc), traceback="")
 
     def kill(
         self,

@@ -10,7 +10,8 @@ watchdog and the worker's dispatch loop.
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional
+import os
+from typing import Any, Callable, Optional
 
 from celery import bootsteps
 
@@ -62,6 +63,7 @@ class ThreadsWorkerStep(bootsteps.StartStopStep):
         from ..dispatcher import DispatchLoop
 
         runtime = get_runtime(worker.app)
+        runtime.send_task_event = _task_event_sender(worker)
         wrap_revoke_command()
         hand_back_on_pool_close(worker)
         self.renewer = LeaseRenewer(runtime, tick=lambda: handoff.sync(worker))
@@ -105,3 +107,25 @@ class ThreadsWorkerStep(bootsteps.StartStopStep):
 
     def shutdown(self, worker: Any) -> None:
         self.stop(worker)
+
+
+def _task_event_sender(worker: Any) -> Callable[..., None]:
+    """Sends a task event for a member this worker's main process ends outside any request (a
+    lapsed lease, a pool process lost while it ran a member by handoff), when the worker sends
+    task events (``-E``, or ``enable_events`` at runtime), on a connection of its own: the
+    dispatch loop calls it from its thread, where the consumer's connection is not to be used."""
+    main = os.getpid()
+
+    def send(kind: str, **fields: Any) -> None:
+        events = getattr(getattr(worker, "consumer", None), "event_dispatcher", None)
+        if os.getpid() != main or events is None or not events.enabled:
+            return
+        try:
+            with worker.app.events.default_dispatcher(hostname=worker.hostname) as dispatcher:
+                dispatcher.send(kind, **fields)
+        except Exception:
+            logger.warning(
+                "celery-threads: could not send %s for %s", kind, fields.get("uuid"), exc_info=True
+            )
+
+    return send

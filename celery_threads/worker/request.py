@@ -247,8 +247,9 @@ def _fail_handed_off(request: Any, exc: BaseException) -> None:
         # No request of it reaches Celery's handling in this process: its state is stored here,
         # final only when it died.
         if outcome.status == Lapse.DIED:
-            runtime.announce_death(thread_id, task_id, f"WorkerLostError: {exc}", 0)
-            request.task.backend.mark_as_failure(task_id, exc)
+            record = runtime.gate.reads.dead_record(task_id)
+            runtime.announce_death(thread_id, task_id, f"WorkerLostError: {exc}", 0, record)
+            runtime.mark_failed(task_id, exc, record.envelope if record else None)
         elif outcome.status == Lapse.RETRIED:
             request.task.backend.mark_as_retry(task_id, exc)
     except Exception:

@@ -8,7 +8,8 @@ import time
 import kombu.transport.redis
 import pytest
 import redis
-from celery import Task
+from celery import Task, chord
+from celery.exceptions import ChordError
 
 from celery_threads import Threads
 from celery_threads.gate import Gate
@@ -48,17 +49,40 @@ def test_sigkilled_worker_lease_lapses_and_member_reenters(proj, make_deployment
 
 
 def test_lapsed_lease_without_retries_dies_naming_the_keepalive(proj, make_deployment, r):
+    """...and ends as Celery ends a failed task: its errbacks are called, the chord it is a part
+    of fails, the stored result names its task, and the rescuing worker sends ``task-failed``.
+    ``FAILURE`` was stored without the member's request: none of that happened, and Flower showed
+    it started for good."""
+    from tests.worker.test_reject_on_worker_lost import task_events
+
     d = make_deployment(CT_KEEPALIVE="1.5", CT_DISPATCH_INTERVAL="0.2")
-    victim = d.worker("victim", concurrency=1)
+    victim = d.worker("victim", concurrency=2)
     thread = tid("crash")
-    doomed = proj.boom.delay(thread, "doomed", sleep=30)  # max_retries=0
+    header = [
+        proj.boom.s(thread, "doomed", sleep=30).set(link_error=proj.errback_log.s()),  # max_retries=0
+        proj.plain.si(tid("other"), "part"),
+    ]
+    res = chord(header)(proj.plain.si(tid("body"), "body"))
+    doomed, part = res.parent.results
     wait_for(lambda: starts(r, thread) == ["doomed"], what="doomed to start")
-    victim.kill(signal.SIGKILL)
-    d.worker("rescuer", concurrency=1)
-    nxt = proj.record.delay(thread, "next")
-    assert nxt.get(timeout=30) == "next"
+    assert part.get(timeout=30) == "part"  # the chord waits for doomed alone
+    with task_events(proj.app) as seen:
+        victim.kill(signal.SIGKILL)
+        d.worker("rescuer", concurrency=1)
+        nxt = proj.record.delay(thread, "next")
+        wait_for(lambda: nxt.state == "SUCCESS", timeout=30, what="next to run")
+        wait_for(
+            lambda: [e for e in seen if e.get("uuid") == doomed.id and e["type"] == "task-failed"],
+            what="the task-failed event",
+        )
     [dead] = [x for x in Threads(proj.app).dead() if x.task_id == doomed.id]
     assert "LeaseExpired" in dead.exception and "1.5s" in dead.exception
+    assert doomed.state == "FAILURE" and type(doomed.result).__name__ == "LeaseExpired"
+    wait_for(lambda: r.llen(f"errbacks:{doomed.id}"), what="the errback to run")
+    res.get(timeout=30, propagate=False)
+    assert res.state == "FAILURE" and isinstance(res.result, ChordError), (res.state, res.result)
+    assert "LeaseExpired" in str(res.result)
+    assert r.llen(f"errbacks:{doomed.id}") == 1
 
 
 @pytest.mark.parametrize("how", ["publish-failed", "message-lost"])
