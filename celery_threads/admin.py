@@ -13,7 +13,7 @@ from typing import Any, Callable, NamedTuple, Optional, TypeVar
 from celery import Celery
 
 from .config import read_config
-from .errors import UnknownTask
+from .errors import InvalidArgument, UnknownTask
 from .gate import (
     DEAD_CHUNK,
     ID_PAGE,
@@ -29,7 +29,7 @@ from .gate import (
 )
 from .gate.eviction import Eviction, check_eviction
 from .metrics import Counters, Metrics
-from .protocol import normalize_thread_id, retry_settings
+from .protocol import normalize_task_id, normalize_thread_id, retry_settings
 from .publish import arguments_repr, decode_arguments, task_name
 from .runtime import get_runtime
 
@@ -214,6 +214,7 @@ class Threads:
 
         Returns ``True`` if ``task_id`` was a member.
         """
+        task_id = normalize_task_id(task_id)
         return self.runtime.delete_member(task_id) is not None
 
     @_admin
@@ -222,12 +223,13 @@ class Threads:
         (``celery threads stats`` counts them all).  Arguments are decoded only in a content type
         the app accepts (see :class:`DeadTask`)."""
         if limit is not None and limit < 0:
-            raise ValueError(f"limit must be 0 or more, not {limit}")
+            raise InvalidArgument(f"limit must be 0 or more, not {limit}")
         return [self._dead_task(record) for record in self.reads.dead_records(limit)]
 
     @_admin
     def dead_task(self, task_id: str) -> Optional[DeadTask]:
         """The task ``task_id`` in the dead-letter store, or ``None`` when it is not there."""
+        task_id = normalize_task_id(task_id)
         record = self.reads.dead_record(task_id)
         return None if record is None else self._dead_task(record)
 
@@ -239,6 +241,7 @@ class Threads:
     @_admin
     def thread_of(self, task_id: str) -> Optional[str]:
         """The id of the thread ``task_id`` is a member of, or ``None`` when it is no member."""
+        task_id = normalize_task_id(task_id)
         return self.reads.thread_of(task_id)
 
     @_admin
@@ -254,6 +257,7 @@ class Threads:
         :class:`celery_threads.errors.ConfigurationError` (and keeps it there) when its task's
         ``max_retries`` or ``default_retry_delay`` is invalid.
         """
+        task_id = normalize_task_id(task_id)
         record = self.reads.dead_record(task_id)
         if record is None:
             raise UnknownTask(f"{task_id} is not in the dead-letter store (see Threads.dead())")
@@ -274,6 +278,7 @@ class Threads:
     def forget(self, task_id: str) -> bool:
         """Drop a dead task from the store; ``True`` if it was there.  When its death holds its
         thread (``on_death="hold"``), the thread goes on without it."""
+        task_id = normalize_task_id(task_id)
         return self.runtime.publish_outcome(self.gate.forget(task_id)).done
 
     # -- redrive and purge ------------------------------------------------------------------
@@ -288,7 +293,7 @@ class Threads:
 
     def _redrivable(self, thread_id: Any, limit: Optional[int]) -> list[DeadRecord]:
         if limit is not None and limit < 0:
-            raise ValueError(f"limit must be 0 or more, not {limit}")
+            raise InvalidArgument(f"limit must be 0 or more, not {limit}")
         wanted = None if thread_id is None else normalize_thread_id(thread_id)
         chosen: list[DeadRecord] = []
         # Each shard is in death order; merged by time across shards.
@@ -428,7 +433,7 @@ class Threads:
         each batch's task ids once it is dropped.  Forgetting goes on as the iterator is
         consumed: stop iterating to stop.  Tasks that die meanwhile stay."""
         if batch < 1:
-            raise ValueError(f"batch must be 1 or more, not {batch}")
+            raise InvalidArgument(f"batch must be 1 or more, not {batch}")
         with deadline.within(self.timeout, stall=True):
             ends = [(shard, self.reads.last_death(shard)) for shard in self.gate.keys.all_shards()]
         for shard, up_to in ends:

@@ -22,6 +22,13 @@ class InvalidThreadId(ThreadsError, ValueError):
     """
 
 
+class InvalidArgument(ThreadsError, ValueError):
+    """An argument of a celery-threads call is of the wrong type or out of range: a task id that
+    is not a ``str`` (or a ``uuid.UUID``), one longer than the broker carries (AMQP: 255 bytes), a
+    pause's reason that is not a string, a negative limit.  The message names it; nothing was
+    stored, sent or changed."""
+
+
 class ConfigurationError(ThreadsError):
     """A ``threads_*`` setting, or an option of a threaded task (``max_retries``,
     ``default_retry_delay``), is missing or wrong; the message names what to fix."""

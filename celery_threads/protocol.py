@@ -14,7 +14,7 @@ from uuid import UUID
 
 from celery.utils.saferepr import saferepr
 
-from .errors import ConfigurationError, InvalidThreadId
+from .errors import ConfigurationError, InvalidArgument, InvalidThreadId
 
 #: Message headers a threaded delivery carries (and the ones ``apply_async`` takes as options).
 THREAD_HEADER = "thread_id"
@@ -65,7 +65,9 @@ def normalize_thread_id(value: Any) -> str:
             )
         text = str(int(value))
     else:
-        text = value
+        # A str subclass (a `class Region(str, Enum)` member) as its text: its str() or
+        # f-string may be another text ("Region.EU"), and every key and message must name one.
+        text = str.__str__(value)
     if not text:
         raise InvalidThreadId(f"thread id is empty: use {_KINDS}; nothing was stored or sent")
     try:
@@ -174,3 +176,28 @@ def _seconds_ms(name: str, option: str, value: Any) -> int:
             "year), or None. Nothing was stored or sent"
         )
     return max(1, int(round(float(value) * 1000)))
+
+
+#: The longest task id AMQP carries (its correlation_id, a short string of at most 255 bytes).
+MAX_AMQP_TASK_ID_BYTES = 255
+
+
+def normalize_task_id(value: Any, amqp: bool = False) -> str:
+    """A task id as a plain ``str``: a ``str`` (a subclass as its text) or a ``uuid.UUID`` (its
+    canonical string), else :class:`InvalidArgument`.  ``amqp``: the task is sent to an AMQP
+    broker, which refuses a task id longer than 255 bytes (a member stored with one could never
+    be published)."""
+    if isinstance(value, UUID):
+        return str(value)
+    if not isinstance(value, str) or not value:
+        raise InvalidArgument(
+            f"task id {saferepr(value, 80)} is a {type(value).__name__}: use a non-empty str or a "
+            "uuid.UUID; nothing was stored or sent"
+        )
+    text = str.__str__(value)
+    if amqp and len(text.encode("utf-8", "surrogatepass")) > MAX_AMQP_TASK_ID_BYTES:
+        raise InvalidArgument(
+            f"task id {text[:40]!r}... is longer than the {MAX_AMQP_TASK_ID_BYTES} bytes an AMQP "
+            "broker carries (its correlation_id); use a shorter one; nothing was stored or sent"
+        )
+    return text

@@ -33,6 +33,7 @@ from .protocol import (
     THREAD_HEADER,
     TOKEN_HEADER,
     eta_ms,
+    normalize_task_id,
     normalize_thread_id,
     retry_settings,
     supersede_policy,
@@ -150,6 +151,8 @@ class ThreadedTask(Task):
         supersede_options = [options.pop(option, getattr(self, option)) for option in SUPERSEDE_OPTIONS]
         policy = policies.resolve(self, options)
         app = self._get_app()
+        if task_id is not None:
+            task_id = normalize_task_id(task_id, amqp=not app.conf.task_always_eager and _amqp_broker(app))
         if app.conf.task_always_eager:
             options["thread_id"] = explicit  # for apply(), which Celery's eager path calls
             return self._apply_eagerly(args, kwargs, task_id, producer, link, link_error, shadow, options)
@@ -506,6 +509,16 @@ def _signature(run: Any) -> inspect.Signature:
     if found is None:
         found = _signatures[key] = inspect.signature(run)
     return found
+
+
+def _amqp_broker(app: Any) -> bool:
+    """Whether the app's tasks go to an AMQP broker (RabbitMQ), whose messages carry a task id
+    of at most 255 bytes."""
+    url = app.conf.broker_write_url or app.conf.broker_url or ""
+    if not isinstance(url, str):  # a list of failover URLs: the first one's scheme
+        url = next(iter(url), "")
+    scheme = str(url).split("://", 1)[0].split("+", 1)[0].lower()
+    return scheme in ("amqp", "amqps", "pyamqp", "librabbitmq")
 
 
 @contextmanager

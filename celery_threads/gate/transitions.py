@@ -17,7 +17,7 @@ from typing import Any, Callable, Optional, cast
 import redis
 from redis.commands.core import Script
 
-from ..errors import ConfigurationError, NotReplicated
+from ..errors import ConfigurationError, InvalidArgument, NotReplicated
 from ..keys import Keys, ShardKeys
 from . import cluster
 from . import deadline as caller_deadline
@@ -546,8 +546,10 @@ class Gate:
     def pause(self, thread_id: str, reason: str) -> Outcome:
         """Stop releasing the thread's members until :meth:`resume` (lua/pause.lua): status
         ``PAUSED``, or ``ALREADY_PAUSED`` (the reason is replaced)."""
+        if not isinstance(reason, str):
+            raise InvalidArgument(f"a pause's reason is a str, not a {type(reason).__name__}")
         if reason.startswith(HOLD_MARK):
-            raise ValueError(
+            raise InvalidArgument(
                 "a pause's reason cannot start with a NUL character (it marks the "
                 "pauses that on_death='hold' makes)"
             )

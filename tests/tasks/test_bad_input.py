@@ -11,6 +11,7 @@ that stopping the gate's Redis does not stop the tasks from recording; the broke
 
 from __future__ import annotations
 
+import enum
 import json
 import pickle
 import re
@@ -27,7 +28,7 @@ import redis
 import redis.retry
 from celery import Task
 
-from celery_threads import InvalidThreadId, ThreadedTask, Threads, ThreadsError
+from celery_threads import InvalidArgument, InvalidThreadId, ThreadedTask, Threads, ThreadsError
 from celery_threads.errors import GateUnavailable
 from celery_threads.publish import CapturingProducer, decode_envelope
 from celery_threads.runtime import get_runtime
@@ -196,6 +197,71 @@ def test_a_uuid_thread_id_is_the_thread_of_its_canonical_string(proj: Any, worke
     assert starts(r, thread) == ["uuid-arg", "str-arg", "uuid-option"]
     assert_serial(r, thread)
     wait_for(lambda: Threads(proj.app).get(account) is None, what="the thread to vanish")
+
+
+def test_a_str_subclass_thread_id_is_the_thread_of_its_text(proj: Any, worker: Any) -> None:
+    """A ``class Region(str, Enum)`` member names the thread of its text ("eu-west"): its f-string
+    is "Region.EU", so the gate's keys were named one way and its messages the other; the first
+    member's release read as stale on the worker and never ran, and its thread was stuck."""
+    thread = f"eu-west-{uuid.uuid4().hex[:8]}"
+    region = enum.Enum("R", {"X": thread}, type=str).X  # type: ignore[call-overload]
+    results = [proj.free.apply_async((f"m{i}",), thread_id=region) for i in range(2)]
+    results.append(proj.record.delay(region, "by thread_key"))
+    assert [res.get(timeout=30) for res in results] == ["m0", "m1", "by thread_key"]
+    assert Threads(proj.app).get(region) is None and Threads(proj.app).get(thread) is None
+    assert f"{region}" != thread  # the case: its f-string is not its text
+
+
+@pytest.mark.parametrize(
+    "task_id, message",
+    [
+        (b"bytes-id", "is a bytes"),
+        (7, "is a int"),
+        ("", "is a str"),
+    ],
+)
+def test_a_task_id_that_is_no_str_is_refused(
+    proj: Any, isolated_app: Any, task_id: Any, message: str
+) -> None:
+    """A bytes task id was stored as its text and sent as its repr: the worker took the release
+    for stale and the thread was stuck for good.  A uuid.UUID is its canonical string (it raised
+    GateUnavailable, the gate "unreachable")."""
+    with pytest.raises(InvalidArgument, match=message):
+        proj.free.apply_async(("x",), thread_id="t", task_id=task_id)
+    _nothing_stored_or_sent(isolated_app)
+    as_uuid = uuid.uuid4()
+    assert proj.free.apply_async(("x",), thread_id="t", task_id=as_uuid).id == str(as_uuid)
+    assert Threads(isolated_app).thread_of(as_uuid) == "t"
+    assert Threads(isolated_app).delete(as_uuid) is True
+
+
+def test_admin_arguments_of_the_wrong_kind_raise_threads_errors(isolated_app: Any) -> None:
+    """They raised a bare ValueError, TypeError, AttributeError or redis DataError."""
+    threads = Threads(isolated_app)
+    for call in (
+        lambda: threads.pause("t", reason="\0hold"),
+        lambda: threads.pause("t", reason=5),
+        lambda: threads.dead(limit=-1),
+        lambda: threads.delete(b"x"),
+        lambda: threads.delete(5),
+        lambda: threads.restart(object()),
+        lambda: threads.forget(None),
+    ):
+        with pytest.raises(InvalidArgument):
+            call()
+    assert threads.forget(uuid.uuid4()) is False
+
+
+def test_a_task_id_longer_than_amqp_carries_is_refused_on_rabbitmq(proj: Any, isolated_app: Any) -> None:
+    """Its release could never be published (AMQP's correlation_id is at most 255 bytes): the
+    member stayed RELEASED, republished and failing, and its thread was stuck for good."""
+    with pointed_at(proj.app, broker_url="amqp://guest:guest@127.0.0.1:5672//"):
+        with pytest.raises(InvalidArgument, match="255 bytes"):
+            proj.free.apply_async(("x",), thread_id="t", task_id="x" * 256)
+    _nothing_stored_or_sent(isolated_app)
+    # On a Redis broker it is carried whole.
+    long_id = "x" * 256
+    assert proj.free.apply_async(("x",), thread_id="t", task_id=long_id).id == long_id
 
 
 # -- a stored message that cannot be decoded -----------------------------------------------------
