@@ -19,7 +19,7 @@ from .. import seams
 from ..config import read_config
 from ..errors import ConfigurationError
 from ..runtime import get_runtime, unreachable
-from . import handoff, lease, shared
+from . import handoff, lease, processes, shared
 from .noack import hand_back_on_pool_close
 from .renewer import LeaseRenewer
 from .revoke import wrap_revoke_command
@@ -56,6 +56,7 @@ class ThreadsWorkerStep(bootsteps.StartStopStep):
         # not hold (the worker does not start), else logs which seams are in use.
         runtime = get_runtime(worker.app)  # a gate that does not answer is checked at first use
         self.fallen = seams.check_worker(worker.app, runtime.client if runtime.checked else None)
+        processes.GREEN = bool(getattr(worker.pool_cls, "is_green", False))
         shared.prepare(shared.pool_size(worker))  # before the pool forks
         handoff.prepare(worker)
 

@@ -22,11 +22,26 @@ from ..gate import claimant_prefix
 logger = logging.getLogger(__name__)
 
 
+#: Whether the worker's pool runs tasks in green threads of its own process (gevent, eventlet:
+#: the pool's ``is_green``), set by the worker's bootstep.  Their requests' ``worker_pid`` is
+#: then a greenlet's id, not a process: nothing of it can be signalled or waited for.
+GREEN = False
+
+
+def process_of(request: Any) -> Optional[int]:
+    """The process running a request (its pool process under prefork; this one for the threads,
+    solo, gevent and eventlet pools), or ``None`` before the pool said which."""
+    pid = getattr(request, "worker_pid", None)
+    if pid and GREEN:
+        return os.getpid()
+    return int(pid) if pid else None
+
+
 def pool_holder(request: Any) -> Optional[str]:
     """The claimant prefix of the pool process a request went to (its claims begin with it), or
     ``None`` before the pool said which: the main process's endings are then fenced by token
     only."""
-    pid = getattr(request, "worker_pid", None)
+    pid = process_of(request)
     return claimant_prefix(request.hostname or "", pid) if pid else None
 
 

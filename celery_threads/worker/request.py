@@ -31,7 +31,7 @@ from ..gate import Lapse, Outcome
 from ..publish import request_member
 from ..runtime import Runtime, get_runtime
 from . import handoff
-from .processes import pool_holder, when_gone
+from .processes import pool_holder, process_of, when_gone
 from .strategy import kill_unrunnable
 
 logger = logging.getLogger(__name__)
@@ -60,7 +60,7 @@ class ThreadedRequest(Request):
                 reason=f"TimeLimitExceeded: hard time limit ({timeout}s)",
                 holder=pool_holder(self),
             )
-            when_gone(self.worker_pid, kill, runtime.config.keepalive, what=self.id)
+            when_gone(process_of(self), kill, runtime.config.keepalive, what=self.id)
         super().on_timeout(soft, timeout)
 
     def on_failure(self, exc_info: Any, send_failed_event: bool = True, return_ok: bool = False) -> None:

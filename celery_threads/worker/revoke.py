@@ -23,7 +23,7 @@ from ..gate import STOPPING
 from ..protocol import THREAD_HEADER, TOKEN_HEADER, is_threaded
 from ..runtime import Runtime, get_runtime
 from . import handoff
-from .processes import open_pidfd, pool_holder, when_gone
+from .processes import open_pidfd, pool_holder, process_of, when_gone
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +63,7 @@ def _note_terminating(task_ids: Any) -> None:
     _terminating.clear()
     for task_id in task_ids:
         request = worker_state.requests.get(task_id)
-        pid = getattr(request, "worker_pid", None)
+        pid = process_of(request)
         if request is not None and pid and pid != os.getpid():
             _terminating[task_id] = (pid, pool_holder(request))
 

@@ -89,3 +89,41 @@ def test_a_prefetched_member_stays_with_its_worker_while_a_member_holds_the_hub(
     assert starts(r, waiting) == ["prefetched"]
     assert events(r, waiting)[0].at_us > events(r, busy)[-1].at_us  # after the hog, here
     assert "republishing it" not in other.output()
+
+
+def test_a_hard_time_limit_kills_the_member_and_the_next_runs(proj, make_deployment, r):
+    """Under gevent a request's ``worker_pid`` is a greenlet's id: the member's end waited for a
+    process of that number (``pidfd_open`` raised OverflowError), Celery's own timeout handling
+    never ran, and the member was retried until its lease lapsed, then died as LeaseExpired.  It
+    dies of its time limit, at once, and the thread moves on."""
+    d = make_deployment()
+    green = d.worker("green", pool="gevent", concurrency=4)
+    thread = tid()
+    limited = proj.hard_limited.delay(thread, "limited")  # time_limit=1, max_retries=0
+    nxt = proj.record.delay(thread, "next")
+    assert nxt.get(timeout=30) == "next"
+    [dead] = [x for x in Threads(proj.app).dead() if x.task_id == limited.id]
+    assert "TimeLimitExceeded" in dead.exception
+    assert limited.state == "FAILURE" and type(limited.result).__name__ == "TimeLimitExceeded"
+    assert starts(r, thread) == ["limited", "next"]
+    assert "OverflowError" not in green.output()
+
+
+def test_a_terminated_member_leaves_its_thread_at_once(proj, make_deployment, r):
+    """revoke(terminate=True) kills the greenlet: the member leaves its thread at once (nothing of
+    a greenlet can be waited for).  It was taken for a pool process whose exit never came: it held
+    its thread until its lease lapsed, and then ran again, or died as LeaseExpired over its
+    REVOKED state."""
+    d = make_deployment(CT_KEEPALIVE="30")
+    d.worker("green", pool="gevent", concurrency=4)
+    thread = tid()
+    doomed = proj.beater.delay(thread, "doomed", seconds=30)  # max_retries=0
+    wait_for(lambda: r.llen(f"beats:{thread}"), what="doomed to beat")
+    nxt = proj.record.delay(thread, "next")
+    proj.app.control.revoke(doomed.id, terminate=True)
+    assert nxt.get(timeout=15) == "next"  # within its lease: it was not waited out
+    wait_for(lambda: doomed.state == "REVOKED", what="doomed to be REVOKED")
+    assert Threads(proj.app).dead() == []
+    assert starts(r, thread) == ["doomed", "next"]
+    wait_for(lambda: Threads(proj.app).get(thread) is None, what="the thread to vanish")
+    assert doomed.state == "REVOKED"
