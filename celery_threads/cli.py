@@ -20,6 +20,7 @@ import heapq
 import itertools
 import json
 import os
+import shlex
 import shutil
 import sys
 import textwrap
@@ -332,9 +333,35 @@ def _echo_json(data: Any) -> None:
 def _id(value: Any) -> str:
     """A thread or task id as text shows it: as is when every character is printable, else
     quoted and escaped as :func:`repr` does (``'a\\nb'``), so that no newline, carriage return,
-    tab or terminal escape in an id can break or fake a line.  JSON keeps the raw id."""
+    tab or terminal escape in an id can break or fake a line.  Quoted too when it could be taken
+    for another id so shown: empty, with a space at either end ("trail" and "trail " would read
+    alike), or starting with a quote (a printable "'a\\x00b'" would read as the id holding a
+    NUL).  JSON keeps the raw id."""
     text = str(value)
-    return text if text.isprintable() else repr(text)
+    if text.isprintable() and text.strip() == text and text and text[0] not in "'\"":
+        return text
+    return repr(text)
+
+
+def _command(command: str, value: Any) -> str:
+    """``celery threads COMMAND ID`` as a shell takes it: the id quoted for a POSIX shell (after
+    ``--`` when it starts with a dash; ``$'...'`` for control characters, as bash and zsh read
+    it).  An id holding a NUL cannot be given on any command line: the Python API then."""
+    text = str(value)
+    if "\0" in text:
+        return f"Threads(app).{command}(...) in Python (its id holds a NUL, which no command line carries)"
+    if text.isprintable():
+        quoted = shlex.quote(text)
+    else:
+        quoted = (
+            "$'"
+            + "".join(
+                c if c.isprintable() and c not in "'\\" else "\\" + c if c in "'\\" else repr(c)[1:-1]
+                for c in text
+            )
+            + "'"
+        )
+    return f"`celery threads {command} {'-- ' if text.startswith('-') else ''}{quoted}`"
 
 
 def _printable(text: str) -> str:
@@ -560,7 +587,7 @@ def show(ctx: click.Context, thread_id: str, as_json: bool) -> None:
     if status.paused is not None:
         click.echo(
             f"PAUSED: {_printable(status.paused)}. Nothing more of it is released until "
-            f"`celery threads resume {_id(status.thread_id)}`."
+            f"{_command('resume', status.thread_id)}."
         )
     click.echo("")
     a = status.active
@@ -667,7 +694,7 @@ def pause(ctx: click.Context, thread_id: str, reason: Optional[str], as_json: bo
     again = "" if new else " (it was paused already; the reason is replaced)"
     click.echo(
         f"Paused thread {_id(thread_id)}: {_printable(reason)}{again}.  A member released or "
-        f"running goes on to its end; `celery threads resume {_id(thread_id)}` releases the rest."
+        f"running goes on to its end; {_command('resume', thread_id)} releases the rest."
     )
 
 
@@ -754,7 +781,7 @@ def restart(ctx: click.Context, task_id: str, as_json: bool) -> None:
         if live is not None:
             raise CommandError(
                 f"{task_id!r} is a live member of thread {live!r} (not dead): there is nothing to "
-                f"restart; `celery threads show {_id(live)}` shows it",
+                f"restart; {_command('show', live)} shows it",
                 "conflict",
             )
         raise CommandError(

@@ -230,6 +230,30 @@ def test_ids_with_control_characters_are_escaped_in_text_and_raw_in_json(proj, a
     assert out == f"Restarted {'dead' + chr(27) + '[2J'!r} in thread {shown} as a new arrival.\n"
 
 
+def test_ids_that_would_read_alike_are_told_apart_and_hints_are_shell_quoted(proj, cli):
+    """ "trail" and "trail " printed the same row, a printable "'a\\x00b'" read as the id holding a
+    NUL, and the commands a hint gives were unquoted (``resume trail `` loses the space, an id
+    starting with a dash reads as an option)."""
+    base = tid("cli-alike")
+    spaced, quoted, dashed = f"{base} ", f"'{base}\\x00'", f"-{base}"
+    for thread in (base, spaced, quoted, dashed):
+        proj.record.delay(thread, "a")
+    out = cli("ls").stdout
+    assert any(line.endswith(f"  {base}") for line in out.splitlines())
+    assert any(line.endswith(f"  {spaced!r}") for line in out.splitlines())
+    assert any(line.endswith(f"  {quoted!r}") for line in out.splitlines())
+    for thread, hint in (
+        (spaced, f"`celery threads resume '{spaced}'`"),
+        (dashed, f"`celery threads resume -- {dashed}`"),
+    ):
+        out = cli("pause", "--", thread).stdout
+        assert hint in out, out
+        assert cli("resume", "--", thread).exit_code == 0  # the hint's command works as given
+    out = cli("pause", "--", quoted).stdout
+    assert f"""`celery threads resume ''"'"'{base}\\x00'"'"''`""" in out, out
+    cli("resume", quoted)
+
+
 # -- restart of a live member -----------------------------------------------------------------
 
 
