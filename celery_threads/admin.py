@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import functools
 import heapq
-import logging
 from collections.abc import Iterator
 from datetime import datetime, timezone
 from typing import Any, Callable, NamedTuple, Optional, TypeVar
@@ -28,13 +27,14 @@ from .gate import (
     parse_record,
 )
 from .gate.eviction import Eviction, check_eviction
+from .logs import get_logger
 from .metrics import Counters, Metrics
 from .protocol import normalize_task_id, normalize_thread_id, retry_settings
 from .publish import arguments_repr, decode_arguments, task_name
 from .runtime import get_runtime
 
 T = TypeVar("T")
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 NO_REASON = "paused"
 """The reason of a pause given none: ``ThreadInfo.paused`` is ``None`` only when not paused."""

@@ -7,7 +7,6 @@ on any worker, every worker's own loop) can run at once.
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from dataclasses import dataclass
@@ -16,9 +15,10 @@ from typing import Any, Optional
 from .errors import LeaseExpired  # imported here too: results stored before it moved name this module
 from .gate import Lapse, Outcome
 from .keys import ShardKeys
+from .logs import get_logger
 from .runtime import Runtime
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 
 @dataclass

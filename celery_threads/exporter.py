@@ -35,11 +35,12 @@ from prometheus_client.registry import Collector
 
 from .admin import Threads
 from .errors import GateUnavailable
+from .logs import get_logger
 from .metrics import OUTCOMES, STATES, Metrics
 
 __all__ = ["GateCollector", "listen", "registry", "render"]
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 #: What a scrape meets when the gate cannot be read: refused, closed, timed out (the admin call's
 #: bound, DeadlinePassed, is a redis.TimeoutError), an error reply (LOADING, MASTERDOWN).

@@ -8,9 +8,10 @@ from typing import Any
 from celery import shared_task, signals
 
 from .config import dispatch_interval
+from .logs import get_logger
 from .protocol import BEAT_ENTRY, DISPATCH_TASK
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 #: Where Celery logs a task's sending (beat), receipt and success (worker) at INFO.
 _TICK_LOGGERS = ("celery.beat", "celery.worker.strategy", "celery.app.trace")

@@ -8,7 +8,6 @@ An envelope is ``header_json + b"\\n" + body``: the body already serialized by t
 from __future__ import annotations
 
 import json
-import logging
 import threading
 from datetime import datetime, timezone
 from typing import Any, Optional
@@ -21,9 +20,10 @@ from kombu.serialization import prepare_accept_content
 
 from .errors import ReleaseExpired, UndecodableEnvelope
 from .gate import Release
+from .logs import get_logger
 from .protocol import OUR_HEADERS, REPUBLISHED_HEADER, THREAD_HEADER, TOKEN_HEADER
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 _PROPERTY_KEYS = (
     "correlation_id",

@@ -37,11 +37,12 @@ from .gate.deadline import unbounded_class
 from .gate.eviction import check_eviction
 from .gate.transitions import CALL_BOUND, CALL_BOUND_NAME
 from .keys import Keys
+from .logs import get_logger
 from .protocol import THREAD_HEADER
 from .publish import ReleasePublisher, chord_request, member_request, publish_release, task_name
 from .signals import member_dead
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 _ATTR = "_celery_threads_runtime"
 #: How long after its TTL ends a release published with one is given up on (see _deadline_at_ttl):

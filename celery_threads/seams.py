@@ -58,8 +58,9 @@ import kombu
 import redis
 
 from .errors import SeamRefused
+from .logs import get_logger
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 #: ``name,name`` or ``all``: seams turned off by hand (benchmarks, operators).
 OFF_ENV = "CELERY_THREADS_SEAMS_OFF"

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import logging
 import types
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
@@ -27,6 +26,7 @@ from .errors import (
 )
 from .gate import Enqueue, Outcome, Release, deadline
 from .install import install
+from .logs import get_logger
 from .protocol import (
     OUR_HEADERS,
     SUPERSEDE_OPTIONS,
@@ -42,7 +42,7 @@ from .publish import CapturingProducer
 from .runtime import Runtime, get_runtime
 from .worker import member
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 ThreadKey = Union[str, Callable[[tuple[Any, ...], dict[str, Any]], Any], None]
 

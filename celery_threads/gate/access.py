@@ -21,7 +21,6 @@ docs/redis-tls-acl.md lists them.
 
 from __future__ import annotations
 
-import logging
 import re
 import threading
 from importlib import resources
@@ -36,10 +35,11 @@ from redis.sentinel import SentinelConnectionPool
 
 from ..errors import ConfigurationError
 from ..keys import Keys
+from ..logs import get_logger
 from .cluster import is_cluster
 from .deadline import bounded_class
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 #: Commands the gate needs, each on its own keys and channels (``<prefix>:*``).
 REQUIRED_COMMANDS = (

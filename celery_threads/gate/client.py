@@ -4,7 +4,6 @@ Redis, Sentinel, a Redis Cluster) with the options of ``threads_redis_options``.
 
 from __future__ import annotations
 
-import logging
 import time
 from typing import Any, Callable, Optional
 
@@ -14,6 +13,7 @@ from redis.backoff import AbstractBackoff, ExponentialBackoff
 from redis.retry import Retry
 
 from ..errors import DeadlinePassed, TransportMismatch
+from ..logs import get_logger
 from ..redis_options import checked, client_kwargs
 from ..seams import health_check_interval
 from . import cluster, deadline
@@ -21,7 +21,7 @@ from .sentinel import is_sentinel_url, master_client
 
 #: How long a gate call waits for Redis to accept a connection, or to answer, before it counts as
 #: failed (and is retried): no call waits forever on a link that went silent.
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 SOCKET_TIMEOUT = 5.0
 #: A call's retries give up this long after its first failure: the last replay of a call is sent

@@ -30,9 +30,10 @@ from typing import Any, NamedTuple, Optional
 
 import redis
 
+from ..logs import get_logger
 from .access import Server, _text, servers_of, target_of
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 #: Every policy that evicts nothing.
 SAFE_POLICY = "noeviction"

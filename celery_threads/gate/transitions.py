@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 import json
-import logging
 import time
 from collections.abc import Sequence
 from typing import Any, Callable, Optional, cast
@@ -19,6 +18,7 @@ from redis.commands.core import Script
 
 from ..errors import ConfigurationError, InvalidArgument, NotReplicated
 from ..keys import Keys, ShardKeys
+from ..logs import get_logger
 from . import cluster
 from . import deadline as caller_deadline
 from .client import RETRY_BUDGET, SOCKET_TIMEOUT, wait_timeout_ms
@@ -48,7 +48,7 @@ from .wire import (
     _Packer,
 )
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 #: The most one transition waits in all when its caller set no bound (a worker's calls): its
 #: retries give up ``RETRY_BUDGET`` after the first failure and an attempt waits at most

@@ -5,7 +5,6 @@ the client's way.
 
 from __future__ import annotations
 
-import logging
 import os
 import select
 import threading
@@ -16,13 +15,14 @@ import redis
 
 from .. import seams
 from ..keys import ShardKeys
+from ..logs import get_logger
 from . import deadline
 from .library import Library
 from .records import (
     _text,
 )
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 
 _MISSED = object()

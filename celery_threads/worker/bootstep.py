@@ -9,7 +9,6 @@ watchdog and the worker's dispatch loop.
 
 from __future__ import annotations
 
-import logging
 import os
 from typing import Any, Callable, Optional
 
@@ -18,13 +17,14 @@ from celery import bootsteps
 from .. import seams
 from ..config import read_config
 from ..errors import ConfigurationError
+from ..logs import get_logger
 from ..runtime import get_runtime, unreachable
 from . import handoff, lease, processes, shared
 from .noack import hand_back_on_pool_close
 from .renewer import LeaseRenewer
 from .revoke import wrap_revoke_command
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 
 class ThreadsWorkerStep(bootsteps.StartStopStep):

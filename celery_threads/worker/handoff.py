@@ -38,7 +38,6 @@ nothing more to it. Otherwise its release is published as before. The conditions
 
 from __future__ import annotations
 
-import logging
 import os
 import time
 from collections.abc import Iterator
@@ -47,6 +46,7 @@ from typing import Any, Callable, NamedTuple, Optional
 from .. import seams
 from ..errors import UndecodableEnvelope
 from ..gate import DELETED, Release
+from ..logs import get_logger
 from ..protocol import THREAD_HEADER, TOKEN_HEADER, is_threaded
 from ..publish import decode_envelope
 from ..runtime import Runtime, get_runtime
@@ -54,7 +54,7 @@ from . import shared
 from .lease import Lease, keeper
 from .shared import Member
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 #: Set in the worker's main process before its pool forks; read by every pool process.
 _app: Any = None

@@ -29,7 +29,6 @@ Stopping a member whose lease is running out, or lost:
 
 from __future__ import annotations
 
-import logging
 import os
 import signal
 import threading
@@ -40,10 +39,11 @@ from typing import Optional
 
 from ..gate import Gate, Renewal, claimant_prefix
 from ..gate.records import unique_id
+from ..logs import get_logger
 from ..runtime import Runtime
 from . import native, shared
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 #: How often the main process's watchdog reads the lease ends (seconds).
 WATCH_INTERVAL = 0.05

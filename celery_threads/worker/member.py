@@ -10,7 +10,6 @@ hands each delivery to :func:`run`; ``ThreadedTask.apply_async`` asks :func:`cur
 
 from __future__ import annotations
 
-import logging
 import time
 from typing import Any, Callable, NamedTuple, Optional
 
@@ -18,13 +17,14 @@ import redis
 from celery.exceptions import Ignore, Reject, Retry
 
 from ..gate import DELETED, Claim, Gate, Outcome, deadline
+from ..logs import get_logger
 from ..protocol import THREAD_HEADER, TOKEN_HEADER
 from ..runtime import Runtime, get_runtime
 from . import handoff
 from .lease import Keeper, Lease, new_claimant, stoppable
 from .lease import keeper as lease_keeper
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 
 class Replacement(NamedTuple):

@@ -30,7 +30,6 @@ What the worker needs for such deliveries, installed by :class:`NoAckQueues`:
 
 from __future__ import annotations
 
-import logging
 from types import MethodType
 from typing import Any, Callable
 
@@ -38,11 +37,12 @@ from celery import bootsteps
 from celery.worker import state as worker_state
 
 from .. import seams
+from ..logs import get_logger
 from ..protocol import DISPATCH_TASK, TOKEN_HEADER, is_threaded
 from ..publish import request_member
 from ..runtime import get_runtime
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 #: Set on Celery's consumer while it may receive deliveries the broker does not track.
 CONSUMER_FLAG = "_celery_threads_no_ack"

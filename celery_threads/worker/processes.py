@@ -10,7 +10,6 @@ included, from running beside the next member of its thread: the hard time limit
 
 from __future__ import annotations
 
-import logging
 import os
 import select
 import threading
@@ -18,8 +17,9 @@ import time
 from typing import Any, Callable, Optional
 
 from ..gate import claimant_prefix
+from ..logs import get_logger
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 
 #: Whether the worker's pool runs tasks in green threads of its own process (gevent, eventlet:

@@ -6,18 +6,18 @@ second: the bootstep's, which keeps the handoff's flag in step with the worker.
 
 from __future__ import annotations
 
-import logging
 import time
 from typing import Any, Optional
 
 from celery.worker import state as worker_state
 
 from ..gate import Renewal
+from ..logs import get_logger
 from ..publish import request_member
 from ..runtime import Runtime
 from . import native
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 
 class LeaseRenewer:

@@ -8,7 +8,6 @@ tasks.
 from __future__ import annotations
 
 import functools
-import logging
 from typing import Any, Optional
 
 import redis
@@ -28,13 +27,14 @@ from celery.worker.request import Request
 
 from .. import seams
 from ..gate import Lapse, Outcome
+from ..logs import get_logger
 from ..publish import request_member
 from ..runtime import Runtime, get_runtime
 from . import handoff
 from .processes import pool_holder, process_of, when_gone
 from .strategy import kill_unrunnable
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 
 class ThreadedRequest(Request):

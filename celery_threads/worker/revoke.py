@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import logging
 import os
 import signal as _signal
 from typing import Any, Optional
@@ -20,12 +19,13 @@ from celery.worker import state as worker_state
 
 from .. import seams
 from ..gate import STOPPING
+from ..logs import get_logger
 from ..protocol import THREAD_HEADER, TOKEN_HEADER, is_threaded
 from ..runtime import Runtime, get_runtime
 from . import handoff
 from .processes import open_pidfd, pool_holder, process_of, when_gone
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 
 def on_task_revoked(

@@ -39,7 +39,6 @@ so any ``str`` comes back as it went in.
 from __future__ import annotations
 
 import hashlib
-import logging
 import multiprocessing
 import os
 import struct
@@ -50,6 +49,7 @@ from typing import Any, NamedTuple, Optional
 
 from .. import seams
 from ..errors import ThreadsError
+from ..logs import get_logger
 
 #: Bytes per slot: a thread id of the maximum length, a token, and a task id of about 3,000
 #: bytes fit in full; a longer task id is kept as its digest.
@@ -60,7 +60,7 @@ _BODY = _SEQ.size + _HEAD.size  # where the texts start
 ROOM = SIZE - _BODY
 _DIGEST = hashlib.sha256().digest_size
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 
 class Member(NamedTuple):

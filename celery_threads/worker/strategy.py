@@ -15,7 +15,6 @@ strategy), before any pool process runs it.
 
 from __future__ import annotations
 
-import logging
 from typing import Any, Optional
 
 import redis
@@ -25,12 +24,13 @@ from celery.worker.strategy import default as default_strategy
 from .. import policies
 from ..errors import ConfigurationError
 from ..gate import NO_HOLDER, Enqueue
+from ..logs import get_logger
 from ..protocol import REPUBLISHED_HEADER, THREAD_HEADER, TOKEN_HEADER, eta_ms, retry_settings
 from ..publish import encode_envelope
 from ..runtime import Runtime, get_runtime
 from .noack import CONSUMER_FLAG, mark_delivery
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 
 def threaded_strategy(task: Any, app: Any, consumer: Any, **kwargs: Any) -> Any:

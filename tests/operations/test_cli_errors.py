@@ -254,6 +254,21 @@ def test_ids_that_would_read_alike_are_told_apart_and_hints_are_shell_quoted(pro
     cli("resume", quoted)
 
 
+def test_log_lines_show_ids_with_control_characters_escaped(caplog):
+    """The package's own log lines (a member died, a lost attempt...) wrote ids raw: a NUL made
+    grep take the worker's log for a binary file, and escape sequences reached terminals."""
+    import logging
+
+    import celery_threads.dispatcher
+    import celery_threads.worker.request  # noqa: F401
+
+    for name in ("celery_threads.dispatcher", "celery_threads.worker.request", "celery_threads.gate.client"):
+        with caplog.at_level(logging.INFO, logger=name):
+            logging.getLogger(name).warning("member %s of thread %s: %d", "a\x00b", "t\x1b[2J\n", 3)
+        message = caplog.records[-1].getMessage()
+        assert message == "member 'a\\x00b' of thread 't\\x1b[2J\\n': 3", (name, message)
+
+
 # -- restart of a live member -----------------------------------------------------------------
 
 

@@ -14,7 +14,18 @@ PACKAGE = Path(__file__).resolve().parents[2] / "celery_threads"
 LAYERS: list[tuple[str, set[str]]] = [
     (
         "base: errors, signals, names, settings, adapters of other libraries",
-        {"errors", "signals", "keys", "protocol", "config", "redis_options", "seams", "metrics", "policies"},
+        {
+            "errors",
+            "logs",
+            "signals",
+            "keys",
+            "protocol",
+            "config",
+            "redis_options",
+            "seams",
+            "metrics",
+            "policies",
+        },
     ),
     (
         "the gate: its Lua, loader, records and client",
