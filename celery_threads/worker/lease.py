@@ -256,8 +256,10 @@ class Watchdog:
                 # Logged once the signal is sent (tools read the kill's time off this line).
                 logger.error(
                     "celery-threads: killed pool process %s: the lease of the member "
-                    "it ran ended %.2fs later and no renewal got through (the gate is "
-                    "unreachable); the member must not run past it",
+                    "it ran ended %.2fs later and no renewal got through (the gate "
+                    "unreachable, or the process's lease keeper starved: a body holding the "
+                    "GIL, as C code that does not release it, longer than threads_keepalive); "
+                    "the member must not run past it",
                     pid,
                     expires - now,
                 )
