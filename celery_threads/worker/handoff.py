@@ -32,7 +32,8 @@ nothing more to it. Otherwise its release is published as before. The conditions
   outlast that budget by more than one member's run;
 * neither member has a time limit, nor the worker (``--time-limit``, ``task_time_limit``: the pool
   enforces limits per job);
-* the next member's task is a threaded task registered here, its queue is one this worker
+* the next member's task is a threaded task registered here, with the package's own
+  ``Request`` class (a task's own is for its worker to make), its queue is one this worker
   consumes, its content type is accepted, and it carries no ``expires``.
 """
 
@@ -357,6 +358,7 @@ class _Facts(NamedTuple):
 
 
 _facts: Optional[_Facts] = None
+_OUR_REQUEST = "celery_threads.worker.request:ThreadedRequest"  # ThreadedTask.Request
 _worker_time_limit = False  # set by prepare() in the worker's main process, inherited by the pool
 
 
@@ -399,6 +401,7 @@ def _runnable(runtime: Runtime, release: Release) -> Optional[Taken]:
     content_type = header.get("content_type")
     if (
         not is_threaded(task)
+        or task.Request != _OUR_REQUEST  # a Request class of the task's own: its worker's to make
         or headers.get("expires")
         or header.get("compression")
         or not isinstance(content_type, str)

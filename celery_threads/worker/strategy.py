@@ -33,7 +33,28 @@ from .noack import CONSUMER_FLAG, mark_delivery
 logger = get_logger(__name__)
 
 
+def _keep_threaded_request(task: Any) -> None:
+    """A threaded task whose class names a ``Request`` of its own (``Request = MyRequest``):
+    the worker makes its requests of that class mixed with the package's
+    (:class:`~celery_threads.worker.request.ThreadedRequest`, after it in the MRO), so that its
+    hard time limits, lost pool processes and late failures still end the member in the gate.
+    Alone, it did not: such a member read ``FAILURE`` and ran again once its lease lapsed."""
+    from celery.utils.imports import symbol_by_name
+
+    from .request import ThreadedRequest
+
+    request = symbol_by_name(task.Request)
+    if issubclass(request, ThreadedRequest):
+        return
+    task.Request = type(
+        request.__name__,
+        (request, ThreadedRequest),
+        {"__module__": request.__module__, "__doc__": request.__doc__},
+    )
+
+
 def threaded_strategy(task: Any, app: Any, consumer: Any, **kwargs: Any) -> Any:
+    _keep_threaded_request(task)
     handle = default_strategy(task, app, consumer, **kwargs)
     runtime = get_runtime(app)
     connection_errors = consumer.connection_errors

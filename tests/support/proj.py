@@ -17,6 +17,7 @@ from typing import Optional
 import redis
 from celery import Celery
 from celery.exceptions import Ignore, Reject
+from celery.worker.request import Request
 
 from celery_threads import ThreadedTask
 from celery_threads.keys import Keys
@@ -279,6 +280,30 @@ def soft_limited(self, thread, label):
 
 @app.task(base=ThreadedTask, bind=True, thread_key="thread", time_limit=1, max_retries=0)
 def hard_limited(self, thread, label):
+    _record(thread, "start", label, self.request.id)
+    time.sleep(30)
+
+
+class OwnRequest(Request):
+    """A task's own Request class (``Request = OwnRequest``): notes each request it accepts
+    (list own_request:<task id>)."""
+
+    def on_accepted(self, pid, time_accepted):
+        history().rpush(f"own_request:{self.id}", "accepted")
+        super().on_accepted(pid, time_accepted)
+
+
+@app.task(
+    base=ThreadedTask,
+    bind=True,
+    thread_key="thread",
+    time_limit=1,
+    max_retries=1,
+    default_retry_delay=0.1,
+    Request=OwnRequest,
+)
+def own_request_limited(self, thread, label):
+    """As `hard_limited`, with a Request class of its own and a retry left."""
     _record(thread, "start", label, self.request.id)
     time.sleep(30)
 

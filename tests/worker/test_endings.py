@@ -131,6 +131,20 @@ def test_hard_time_limit_dies(proj, worker, r):
         result.get(timeout=5)
 
 
+def test_a_task_with_a_request_class_of_its_own_still_ends_in_its_thread(proj, worker, r):
+    """``Request = OwnRequest`` replaced the package's request class: a member's hard time
+    limit read FAILURE, but the gate kept it running until its lease lapsed (30 s), then ran it
+    again.  The worker mixes the task's class with the package's: the member dies of its limit
+    at once, and the task's own class still makes its requests."""
+    thread = tid()
+    result = proj.own_request_limited.delay(thread, "own")  # time_limit=1, a retry left
+    nxt = proj.record.delay(thread, "next")
+    assert nxt.get(timeout=20) == "next"  # well within the 30 s keepalive
+    assert "TimeLimitExceeded" in _dead(proj, result.id)[0].exception
+    assert starts(r, thread) == ["own", "next"]
+    assert r.lrange(f"own_request:{result.id}", 0, -1) == [b"accepted"]
+
+
 def _gone(pid: int) -> bool:
     """The process has exited (reaped, or a zombie its parent has not reaped yet)."""
     try:
