@@ -30,7 +30,7 @@ from .gate.eviction import Eviction, check_eviction
 from .logs import get_logger
 from .metrics import Counters, Metrics
 from .protocol import normalize_task_id, normalize_thread_id, retry_settings
-from .publish import arguments_repr, decode_arguments, task_name
+from .publish import arguments_repr, decode_arguments, route_of, task_name
 from .runtime import get_runtime
 
 T = TypeVar("T")
@@ -666,6 +666,7 @@ class ActiveStatus(NamedTuple):
     republished: int  # times its release was republished, unclaimed
     arguments: str = ""  # as Celery's argsrepr and kwargsrepr show them
     stopping: bool = False  # deleted; the next starts once its worker has stopped it
+    route: str = ""  # the routing key its release is published with ("exchange/key" if any)
 
 
 class WaitingStatus(NamedTuple):
@@ -812,6 +813,7 @@ def _status(snapshot: ThreadSnapshot, now: int) -> ThreadStatus:
             republished=int(a.get("n", 0) or 0),
             arguments=arguments_of(a["task"]),
             stopping=a.get("del") == "1",
+            route=route_of(parsed[a["task"]].envelope) if a["task"] in parsed else "",
         )
     waiting = [
         WaitingStatus(

@@ -614,8 +614,16 @@ def show(ctx: click.Context, thread_id: str, as_json: bool) -> None:
             ("retries", a.retries),
             ("arguments", _printable(a.arguments or "-")),
         ]
+        if a.route:
+            pairs.append(("routing key", _printable(a.route)))
         if a.republished:
-            pairs.append(("republished", f"{a.republished} time(s): no worker claimed it"))
+            pairs.append(
+                (
+                    "republished",
+                    f"{a.republished} time(s): no worker claimed it (does a worker consume the "
+                    "queue of its routing key?)",
+                )
+            )
         if a.stopping:
             pairs.append(("deleted", "its worker is stopping it; the next member starts once it has stopped"))
         click.echo("Active member")

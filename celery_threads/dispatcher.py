@@ -16,6 +16,7 @@ from .errors import LeaseExpired  # imported here too: results stored before it 
 from .gate import Lapse, Outcome
 from .keys import ShardKeys
 from .logs import get_logger
+from .publish import route_of
 from .runtime import Runtime
 
 logger = get_logger(__name__)
@@ -92,12 +93,14 @@ class Dispatcher:
     def _after_expire(self, thread_id: str, outcome: Outcome, report: TickReport) -> None:
         if outcome.status == Lapse.REPUBLISH:
             report.republished += 1
+            release = outcome.release
             logger.warning(
                 "celery-threads: member %s of thread %s was released but no worker "
                 "claimed it within its release deadline; republishing it (or ending "
-                "it, if it has expired)",
-                outcome.release and outcome.release.task_id,
+                "it, if it has expired), with routing key %s: does a worker consume its queue?",
+                release and release.task_id,
                 thread_id,
+                (release and release.envelope and route_of(release.envelope)) or "?",
             )
         elif outcome.status == Lapse.RETRIED:
             report.retried += 1

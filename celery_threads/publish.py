@@ -227,6 +227,17 @@ def task_name(envelope: bytes) -> str:
     return str(header["headers"].get("task", ""))
 
 
+def route_of(envelope: bytes) -> str:
+    """Where a stored message is published: its routing key, after its exchange when it names
+    one ("" when the envelope cannot be decoded)."""
+    try:
+        header, _ = decode_envelope(envelope)
+    except UndecodableEnvelope:
+        return ""
+    key, exchange = str(header.get("routing_key") or ""), str(header.get("exchange") or "")
+    return f"{exchange}/{key}" if exchange else key
+
+
 def arguments_repr(envelope: bytes) -> str:
     """The arguments a stored message shows, as Celery's ``argsrepr`` and ``kwargsrepr`` (what
     Flower shows; "" when the envelope cannot be decoded)."""

@@ -250,3 +250,23 @@ def test_pool_processes_that_exit_after_each_member_still_release_the_next(proj,
     assert [x.get(timeout=40) for x in results] == labels
     assert starts(r, thread) == labels
     assert_serial(r, thread)
+
+
+def test_a_release_no_worker_consumes_says_its_routing_key(proj, make_deployment, r):
+    """A member sent to a queue no worker consumes (``apply_async(queue=...)``) holds its thread,
+    released and republished: the dispatcher's warning and ``celery threads show`` name the
+    routing key it goes to, so that an operator finds the queue nobody consumes."""
+    from celery.bin.celery import celery as celery_command
+    from click.testing import CliRunner
+
+    d = make_deployment(CT_RELEASE_TIMEOUT="1", CT_DISPATCH_INTERVAL="0.2")
+    w = d.worker("w", concurrency=1)
+    thread, nobody = tid("route"), f"nobody-{tid()}"
+    proj.record.apply_async((thread, "lost"), queue=nobody)
+    wait_for(lambda: f"routing key {nobody}" in w.output(), what="the republish warning")
+    assert "does a worker consume its queue?" in w.output()
+    wait_for(lambda: Threads(proj.app).status(thread).active.republished >= 1, what="a republish in the gate")
+    shown = CliRunner().invoke(celery_command, ["-A", "tests.support.proj", "threads", "show", thread])
+    assert "routing key" in shown.output and nobody in shown.output, shown.output
+    assert "does a worker consume the queue of its routing key?" in shown.output
+    Threads(proj.app).purge(thread)
