@@ -187,9 +187,10 @@ def make_cluster_client(url: str, kwargs: dict[str, Any], budget: float) -> Gate
 
 def check_shards(client: Any, keys: Keys) -> None:
     """Record the shard count in the gate (``keys.meta``) the first time, and refuse a different
-    one while the gate holds members or dead letters stored under the recorded count: their
-    threads would hash to other shards and be lost from view.  An empty gate takes the new
-    count."""
+    one from then on.  An empty gate did take a new count: a process started with it during a
+    rolling deploy flipped the count while processes with the old one ran on, and each layout
+    then held an active member of the same thread.  Changing the count is an operator's act,
+    once no process uses the old one: the message says how."""
     stored = _stored_shards(client, keys)
     if stored is None:
         # A gate from before the count was recorded has its members under one shard.
@@ -207,7 +208,14 @@ def check_shards(client: Any, keys: Keys) -> None:
             f"back to {stored}, or let the gate drain (no members, dead letters forgotten) "
             "before changing it; members are not moved between shards."
         )
-    client.set(keys.meta, keys.shards)
+    raise ConfigurationError(
+        f"threads_shards={keys.shards}, but the gate under prefix {keys.prefix!r} records "
+        f"threads_shards={stored}, which other processes may still use (two counts at once would "
+        f"let two members of a thread run together). Set threads_shards back to {stored}; or, to "
+        f"change the count, stop every worker, beat and producer that uses {stored}, then delete "
+        f"the key {keys.meta!r} from the gate's Redis (it is empty: no members, no dead letters) "
+        f"and start them with {keys.shards}."
+    )
 
 
 def _stored_shards(client: Any, keys: Keys) -> Optional[int]:

@@ -91,7 +91,7 @@ def test_shard_tags_spread_over_the_slots_and_one_shard_keeps_its_tag():
     assert len({key_slot(k.encode()) for k in keys.script_keys()}) == 1
 
 
-def test_changing_the_shard_count_is_refused_while_the_gate_holds_members(redis_server):
+def test_changing_the_shard_count_is_refused_until_the_operator_clears_it(redis_server):
     client = make_client(redis_server.url(12))
     prefix = f"sc-{uuid.uuid4().hex[:6]}"
     four = Keys(prefix, 4)
@@ -103,7 +103,13 @@ def test_changing_the_shard_count_is_refused_while_the_gate_holds_members(redis_
         check_shards(client, Keys(prefix, 2))
     assert outcome.release is not None
     gate.delete(outcome.release.task_id, thread_id="acct-1")
-    check_shards(client, Keys(prefix, 2))  # an empty gate takes the new count
+    # An empty gate keeps its count too: processes with the old one may still run (a rolling
+    # deploy), and two layouts at once would each hold an active member of a thread.
+    with pytest.raises(ConfigurationError, match=f"delete the key '{prefix}:shards'"):
+        check_shards(client, Keys(prefix, 2))
+    assert int(client.get(Keys(prefix).meta)) == 4
+    client.delete(Keys(prefix).meta)  # the operator's act, once every process uses the new count
+    check_shards(client, Keys(prefix, 2))
     assert int(client.get(Keys(prefix).meta)) == 2
     # A gate from before the count was recorded holds its members under the one-shard tag.
     legacy = f"sc-{uuid.uuid4().hex[:6]}"
