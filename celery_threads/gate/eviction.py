@@ -84,8 +84,37 @@ def check_eviction(client: Any, url: str) -> list[Eviction]:
             return []
         for risk in found:
             logger.log(logging.ERROR if risk.level == "error" else logging.WARNING, "%s", risk.message)
+        for gap in persistence_gaps(client):
+            logger.warning("%s", gap)
         _found[target] = found
         return found
+
+
+def persistence_gaps(client: Any) -> list[str]:
+    """A warning for each of the gate's servers that keeps no append-only file (``INFO
+    persistence``: ``aof_enabled:0``).  Restarted, such a server has lost the gate's state (no
+    persistence: every member, silently) or rolled it back to its last snapshot (RDB), which may
+    run members again, two of a thread at once.  A server that does not answer ``INFO`` is
+    skipped (the maxmemory check names it).  Raises redis-py's connection errors."""
+    gaps = []
+    for server in servers_of(client, "", probe_keys=False):
+        try:
+            try:
+                info = server.client.info("persistence")
+            except redis.ResponseError:
+                continue
+        finally:
+            if server.own:
+                server.client.connection_pool.disconnect()
+        if str(info.get("aof_enabled", "1")) in ("1", "True"):
+            continue
+        gaps.append(
+            f"celery-threads: the gate's Redis at {_address(server)} keeps no append-only file "
+            "(appendonly no): restarted, it loses the gate's members without an error (no "
+            "persistence), or rolls them back to its last RDB snapshot, which runs members "
+            "again (two of a thread at once). Set `appendonly yes` (docs/durability.md)."
+        )
+    return gaps
 
 
 def eviction_risks(client: Any) -> list[Eviction]:

@@ -157,7 +157,11 @@ class Keeper:
             return
         lease.lost = True
         if lease.running:
-            self._stop(lease, "the gate no longer counts it as running here (deleted, or its lease lapsed)")
+            self._stop(
+                lease,
+                "the gate no longer counts it as running here (deleted, its lease lapsed, or the "
+                "gate lost its data: a restart without an append-only file)",
+            )
 
     def _stop(self, lease: Lease, why: str) -> None:
         if stoppable():

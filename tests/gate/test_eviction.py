@@ -121,6 +121,32 @@ def test_a_worker_and_beat_on_a_noeviction_redis_say_nothing_of_it(
         configure_client(proj.app, **deployment_env(redis_server))
 
 
+def test_a_gate_without_an_append_only_file_is_warned_of_once(
+    quiet: RedisServer, proj: Any, fresh_check: None, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A gate restarted without persistence lost every member without an error anywhere (their
+    results PENDING for good), and one restored from an older RDB snapshot ran members again,
+    two of a thread at once: nothing said at start that the gate's Redis keeps no append-only
+    file."""
+    caplog.set_level(logging.INFO, logger="celery_threads")
+    with _point(proj.app, quiet):  # appendonly no
+        for n in range(2):
+            proj.record.delay(tid("aof"), f"m{n}")
+    said = [r for r in caplog.records if "append-only file" in r.getMessage()]
+    assert [r.levelno for r in said] == [logging.WARNING], said
+    assert f"127.0.0.1:{quiet.port}" in said[0].getMessage() and "appendonly yes" in said[0].getMessage()
+    caplog.clear()
+    eviction_module._found.clear()
+    client = redis.Redis(port=quiet.port)
+    client.config_set("appendonly", "yes")
+    try:
+        with _point(proj.app, quiet):
+            proj.record.delay(tid("aof"), "m")
+        assert not [r for r in caplog.records if "append-only file" in r.getMessage()]
+    finally:
+        client.config_set("appendonly", "no")
+
+
 def _point(app: Any, server: RedisServer) -> Any:
     return pointed_at(
         app, threads_redis_url=server.url(0), broker_url=server.url(1), result_backend=server.url(2)
