@@ -252,6 +252,8 @@ def _fail_handed_off(request: Any, exc: BaseException) -> None:
             runtime.mark_failed(task_id, exc, record.envelope if record else None)
         elif outcome.status == Lapse.RETRIED:
             request.task.backend.mark_as_retry(task_id, exc)
+            if runtime.send_task_event is not None:  # as for the member's own request
+                runtime.send_task_event("task-retried", uuid=task_id, exception=repr(exc), traceback="")
     except Exception:
         logger.exception(
             "celery-threads: could not fail %s of thread %s; its lease will lapse", task_id, thread_id

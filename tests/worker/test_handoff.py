@@ -213,6 +213,26 @@ def test_a_pool_process_lost_during_a_handed_off_member(proj, make_deployment, r
     assert_serial_but_for_the_killed(r, thread)
 
 
+def test_a_lost_handed_off_member_is_retried_with_its_event(proj, make_deployment, r):
+    """With task events on, the lost attempt's retry sends ``task-retried`` (its RETRY was stored
+    without one: Flower showed it started until the next attempt)."""
+    from tests.worker.test_reject_on_worker_lost import task_events
+
+    d = make_deployment(CT_EVENTS="1", CT_KEEPALIVE="30", CT_DISPATCH_INTERVAL="0.2")
+    d.worker("lost", concurrency=2)
+    thread = tid("lost")
+    with task_events(proj.app) as seen:
+        proj.where.apply_async((thread, "first"), {"until": f"go:{thread}"})
+        wait_for(lambda: starts(r, thread) == ["first"], what="the first member")
+        doomed = proj.suicide.delay(thread, f"suicide-{thread}")  # kills its process once
+        r.set(f"go:{thread}", 1)  # first ends once doomed waits behind it: doomed is handed off
+        assert doomed.get(timeout=15) == f"suicide-{thread}"
+        wait_for(
+            lambda: [e for e in seen if e.get("uuid") == doomed.id and e["type"] == "task-retried"],
+            what="the task-retried event",
+        )
+
+
 def assert_serial_but_for_the_killed(r, thread: str) -> None:
     """As assert_serial, where the killed attempt has a start and no end."""
     evs = events(r, thread)
