@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from datetime import datetime, timezone
 from typing import Any, Callable, NamedTuple, Optional, TypeVar
 
+import redis
 from celery import Celery
 
 from .config import read_config
@@ -26,7 +27,7 @@ from .gate import (
     deadline,
     parse_record,
 )
-from .gate.eviction import Eviction, check_eviction
+from .gate.eviction import Eviction, check_eviction, persistence_gaps
 from .logs import get_logger
 from .metrics import Counters, Metrics
 from .protocol import normalize_task_id, normalize_thread_id, retry_settings
@@ -541,6 +542,16 @@ class Threads:
         :func:`~celery_threads.gate.eviction.check_eviction` logs it once per process.  Never
         raises: a server that does not answer is not checked."""
         return check_eviction(self.runtime.client, self.runtime.config.redis_url)
+
+    @_admin
+    def persistence(self) -> list[str]:
+        """A warning for each of the gate's Redis servers that keeps no append-only file (a
+        restart loses the gate's members, or rolls them back); empty when each has one, or when
+        none answers ``INFO``."""
+        try:
+            return persistence_gaps(self.runtime.client)
+        except (redis.ConnectionError, redis.TimeoutError, OSError):
+            return []
 
     @_admin
     def stats(self, grace: Optional[float] = None) -> Stats:

@@ -19,6 +19,7 @@ import functools
 import heapq
 import itertools
 import json
+import logging
 import os
 import shlex
 import shutil
@@ -45,6 +46,7 @@ from .errors import (
     UnknownTask,
 )
 from .gate.eviction import Eviction
+from .logs import get_logger
 from .runtime import unreachable
 
 # Exit statuses (sysexits-style where one fits; `celery threads --help` lists them):
@@ -460,8 +462,15 @@ def _pairs(pairs: Sequence[tuple[str, Any]], indent: int = 2) -> list[str]:
 
 
 @click.group(name="threads", cls=_Group, epilog=EXIT_STATUSES)
-def threads() -> None:
+@click.pass_context
+def threads(ctx: click.Context) -> None:
     """Inspect and steer celery-threads: threads, members, dead letters, health."""
+    # The gate's start-up warnings (eviction, persistence) are for a worker's log; here
+    # `celery threads stats` prints them, and no other command repeats them on stderr.
+    findings = get_logger("celery_threads.gate.eviction")
+    level = findings.level
+    findings.setLevel(logging.ERROR)
+    ctx.call_on_close(lambda: findings.setLevel(level))
 
 
 _SORTS: dict[str, Callable[[ThreadSummary], Any]] = {
@@ -977,12 +986,14 @@ def stats(ctx: click.Context, stuck_after: Optional[float], as_json: bool) -> No
     stuck = t.stuck(grace=stuck_after)
     eviction = t.eviction()
     evicting = any(risk.level == "error" for risk in eviction)
+    gaps = t.persistence()
     if as_json:
         _echo_json(
             {
                 **_jsonable(numbers),
                 "stuck_threads": stuck,
                 "eviction": eviction,
+                "persistence": [gap.removeprefix("celery-threads: ") for gap in gaps],
                 "healthy": not stuck and not evicting,
             }
         )
@@ -1020,6 +1031,9 @@ def stats(ctx: click.Context, stuck_after: Optional[float], as_json: bool) -> No
         if stuck:
             _echo_stuck(stuck)
         _echo_eviction(eviction)
+        for gap in gaps:  # a warning: the exit status is not the health of a gate without one
+            click.echo("")
+            click.echo(textwrap.fill(f"WARNING: {gap.removeprefix('celery-threads: ')}", _width()))
     if stuck:
         ctx.exit(EX_STUCK)
     if evicting:

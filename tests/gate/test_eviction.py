@@ -225,6 +225,18 @@ def test_stats_shows_an_evicting_redis_and_exits_4(evicting: RedisServer, quiet:
     assert data["eviction"] == [] and data["healthy"] is True
 
 
+def test_stats_warns_of_a_gate_without_an_append_only_file(quiet: RedisServer) -> None:
+    """A warning in stats' report (and its JSON), not an unhealthy status; the other commands do
+    not repeat it on stderr."""
+    done = _celery(quiet, "stats")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "WARNING: the gate's Redis at" in done.stdout
+    assert "keeps no append-only file" in " ".join(done.stdout.split())
+    data = json.loads(_celery(quiet, "stats", "--json").stdout)
+    assert data["healthy"] is True and "appendonly yes" in data["persistence"][0]
+    assert "append-only" not in _celery(quiet, "ls").stderr
+
+
 def test_stats_says_a_full_noeviction_redis_is_not_healthy() -> None:
     """A noeviction server at its maxmemory evicts nothing but refuses every write: no member can
     be stored or end.  ``stats`` said it was healthy.  Where its reads get through (Redis 6.2 runs
