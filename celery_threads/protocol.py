@@ -26,6 +26,9 @@ OUR_HEADERS = (THREAD_HEADER, TOKEN_HEADER, REPUBLISHED_HEADER)
 DISPATCH_TASK = "celery_threads.dispatch"
 BEAT_ENTRY = "celery-threads-dispatch"
 
+#: ``ThreadedTask.Request``: the worker's request class for members, named as Celery names one.
+THREADED_REQUEST = "celery_threads.worker.request:ThreadedRequest"
+
 #: The class attribute that marks a threaded task (``ThreadedTask`` sets it).
 THREADED_MARK = "__celery_threads__"
 

@@ -31,6 +31,7 @@ from .protocol import (
     OUR_HEADERS,
     SUPERSEDE_OPTIONS,
     THREAD_HEADER,
+    THREADED_REQUEST,
     TOKEN_HEADER,
     eta_ms,
     normalize_task_id,
@@ -75,7 +76,7 @@ class ThreadedTask(Task):
     debounce_max: Optional[float] = None
 
     Strategy = "celery_threads.worker.strategy:threaded_strategy"
-    Request = "celery_threads.worker.request:ThreadedRequest"
+    Request = THREADED_REQUEST
     __celery_threads__ = True  # protocol.is_threaded: how lower layers recognise it
 
     # Celery's own worker-lost retry would publish from the main process; the gate does it instead.

@@ -48,7 +48,7 @@ from .. import seams
 from ..errors import UndecodableEnvelope
 from ..gate import DELETED, Release
 from ..logs import get_logger
-from ..protocol import THREAD_HEADER, TOKEN_HEADER, is_threaded
+from ..protocol import THREAD_HEADER, THREADED_REQUEST, TOKEN_HEADER, is_threaded
 from ..publish import decode_envelope
 from ..runtime import Runtime, get_runtime
 from . import shared
@@ -358,7 +358,6 @@ class _Facts(NamedTuple):
 
 
 _facts: Optional[_Facts] = None
-_OUR_REQUEST = "celery_threads.worker.request:ThreadedRequest"  # ThreadedTask.Request
 _worker_time_limit = False  # set by prepare() in the worker's main process, inherited by the pool
 
 
@@ -401,7 +400,7 @@ def _runnable(runtime: Runtime, release: Release) -> Optional[Taken]:
     content_type = header.get("content_type")
     if (
         not is_threaded(task)
-        or task.Request != _OUR_REQUEST  # a Request class of the task's own: its worker's to make
+        or task.Request != THREADED_REQUEST  # a Request class of the task's own: its worker's to make
         or headers.get("expires")
         or header.get("compression")
         or not isinstance(content_type, str)

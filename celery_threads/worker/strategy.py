@@ -25,7 +25,14 @@ from .. import policies
 from ..errors import ConfigurationError
 from ..gate import NO_HOLDER, Enqueue
 from ..logs import get_logger
-from ..protocol import REPUBLISHED_HEADER, THREAD_HEADER, TOKEN_HEADER, eta_ms, retry_settings
+from ..protocol import (
+    REPUBLISHED_HEADER,
+    THREAD_HEADER,
+    THREADED_REQUEST,
+    TOKEN_HEADER,
+    eta_ms,
+    retry_settings,
+)
 from ..publish import encode_envelope
 from ..runtime import Runtime, get_runtime
 from .noack import CONSUMER_FLAG, mark_delivery
@@ -41,8 +48,7 @@ def _keep_threaded_request(task: Any) -> None:
     Alone, it did not: such a member read ``FAILURE`` and ran again once its lease lapsed."""
     from celery.utils.imports import symbol_by_name
 
-    from .request import ThreadedRequest
-
+    ThreadedRequest = symbol_by_name(THREADED_REQUEST)  # noqa: N806 (request.py imports this module)
     request = symbol_by_name(task.Request)
     if issubclass(request, ThreadedRequest):
         return
