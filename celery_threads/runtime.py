@@ -217,7 +217,8 @@ class Runtime:
             return None
         if outcome.done and outcome.info == "RELEASED":
             logger.info(
-                "celery-threads: member %s of thread %s expired before it was published; revoked",
+                "celery-threads: member %s of thread %s: its expires passed, by this host's clock, "
+                "before its release was published (or published again); revoked",
                 release.task_id,
                 release.thread_id,
             )
