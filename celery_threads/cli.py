@@ -1032,8 +1032,7 @@ def stats(ctx: click.Context, stuck_after: Optional[float], as_json: bool) -> No
             _echo_stuck(stuck)
         _echo_eviction(eviction)
         for gap in gaps:  # a warning: the exit status is not the health of a gate without one
-            click.echo("")
-            click.echo(textwrap.fill(f"WARNING: {gap.removeprefix('celery-threads: ')}", _width()))
+            _echo_finding("warning", gap)
     if stuck:
         ctx.exit(EX_STUCK)
     if evicting:
@@ -1096,10 +1095,13 @@ def metrics(ctx: click.Context, port: int, address: str, top: int, once: bool) -
 
 def _echo_eviction(eviction: Sequence[Eviction]) -> None:
     for risk in eviction:
-        click.echo("")
-        click.echo(
-            textwrap.fill(f"{risk.level.upper()}: {risk.message.removeprefix('celery-threads: ')}", _width())
-        )
+        _echo_finding(risk.level, risk.message)
+
+
+def _echo_finding(level: str, message: str) -> None:
+    """A start-up finding about the gate's Redis (its log line's text), as a paragraph."""
+    click.echo("")
+    click.echo(textwrap.fill(f"{level.upper()}: {message.removeprefix('celery-threads: ')}", _width()))
 
 
 def _echo_stuck(stuck: Sequence[StuckThread]) -> None:

@@ -209,13 +209,8 @@ def member_request(app: Celery, task_id: str, envelope: bytes) -> Optional[dict[
 
 def chord_request(app: Celery, task_id: str, envelope: bytes) -> Optional[dict[str, Any]]:
     """:func:`member_request` for a member that a chord counts, else ``None``."""
-    try:
-        if not decode_envelope(envelope)[0]["headers"].get("group"):
-            return None
-    except UndecodableEnvelope:
-        return None
     request = member_request(app, task_id, envelope)
-    return request if request is not None and request.get("chord") else None
+    return request if request is not None and request.get("group") and request.get("chord") else None
 
 
 def task_name(envelope: bytes) -> str:

@@ -14,6 +14,7 @@ import redis
 import redis.backoff
 import redis.retry
 from celery import Celery
+from celery.utils.saferepr import saferepr
 
 from . import seams
 from .config import ThreadsConfig, forget_config, read_config
@@ -371,7 +372,7 @@ class Runtime:
                 "celery-threads: could not mark %s failed in the result backend", task_id, exc_info=True
             )
         if self.send_task_event is not None:
-            self.send_task_event("task-failed", uuid=task_id, exception=repr(exc), traceback="")
+            self.send_task_event("task-failed", uuid=task_id, exception=saferepr(exc), traceback="")
 
     def kill(
         self,

@@ -8,10 +8,10 @@ import time
 from typing import Any, Callable, Optional
 
 import redis
-from kombu.utils.url import maybe_sanitize_url
 from redis.backoff import AbstractBackoff, ExponentialBackoff
 from redis.retry import Retry
 
+from ..config import sanitized_url
 from ..errors import DeadlinePassed, TransportMismatch
 from ..logs import get_logger
 from ..redis_options import checked, client_kwargs
@@ -19,10 +19,10 @@ from ..seams import health_check_interval
 from . import cluster, deadline
 from .sentinel import is_sentinel_url, master_client
 
-#: How long a gate call waits for Redis to accept a connection, or to answer, before it counts as
-#: failed (and is retried): no call waits forever on a link that went silent.
 logger = get_logger(__name__)
 
+#: How long a gate call waits for Redis to accept a connection, or to answer, before it counts as
+#: failed (and is retried): no call waits forever on a link that went silent.
 SOCKET_TIMEOUT = 5.0
 #: A call's retries give up this long after its first failure: the last replay of a call is sent
 #: at most this plus ``SOCKET_TIMEOUT`` after the call, within the gate's ENDED_WINDOW (30 s,
@@ -94,14 +94,10 @@ def _rode_out(where: str, lasted: float, errors: list[BaseException]) -> None:
         return
     _last_logged[0] = now
     error = f"{type(errors[-1]).__name__}: {errors[-1]}" if errors else "no answer"
-    try:
-        where = maybe_sanitize_url(where)
-    except ValueError:  # a URL redis-py took and urllib does not: none of it is shown
-        where = "?"
     logger.warning(
         "celery-threads: the gate's Redis at %s (threads_redis_url) did not answer for %.1fs "
         "(%s); it answers again, and the call went through on a retry",
-        where or "?",
+        sanitized_url(where) or "?",
         lasted,
         error,
     )

@@ -23,7 +23,7 @@ import time
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from contextvars import ContextVar
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import redis
 
@@ -149,11 +149,7 @@ class _Bounded:
 
     def _connect(self) -> Any:
         if _current.get() is None:
-            try:
-                return super()._connect()  # type: ignore[misc]
-            except _FAILURES as exc:
-                transport.check(self, exc)
-                raise
+            return self._probing(super()._connect)  # type: ignore[misc]
         own = self.socket_timeout, self.socket_connect_timeout
         try:
             self.socket_timeout, self.socket_connect_timeout = clamp(own[0]), clamp(own[1])
@@ -170,15 +166,16 @@ class _Bounded:
     # The connection's first exchange (redis-py 5: on_connect; 6+: on_connect_check_health, which
     # on_connect calls): a TLS server closes a plain connection there.
     def on_connect(self, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return super().on_connect(*args, **kwargs)  # type: ignore[misc]
-        except _FAILURES as exc:
-            transport.check(self, exc, _probe_wait())
-            raise
+        return self._probing(super().on_connect, *args, **kwargs)  # type: ignore[misc]
 
     def on_connect_check_health(self, *args: Any, **kwargs: Any) -> Any:
+        return self._probing(super().on_connect_check_health, *args, **kwargs)  # type: ignore[misc]
+
+    def _probing(self, step: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``step(...)``, a failure of which is named a TLS mismatch when the port answers the
+        other way (:func:`transport.check`)."""
         try:
-            return super().on_connect_check_health(*args, **kwargs)  # type: ignore[misc]
+            return step(*args, **kwargs)
         except _FAILURES as exc:
             transport.check(self, exc, _probe_wait())
             raise

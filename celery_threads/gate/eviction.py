@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional, TypeVar
 
 import redis
 
@@ -34,6 +34,7 @@ from ..logs import get_logger
 from .access import Server, _text, servers_of, target_of
 
 logger = get_logger(__name__)
+T = TypeVar("T")
 
 #: Every policy that evicts nothing.
 SAFE_POLICY = "noeviction"
@@ -96,40 +97,40 @@ def persistence_gaps(client: Any) -> list[str]:
     persistence: every member, silently) or rolled it back to its last snapshot (RDB), which may
     run members again, two of a thread at once.  A server that does not answer ``INFO`` is
     skipped (the maxmemory check names it).  Raises redis-py's connection errors."""
-    gaps = []
+    return [gap for gap in _each_server(client, _persistence_gap) if gap is not None]
+
+
+def _persistence_gap(server: Server) -> Optional[str]:
+    try:
+        if int(server.client.info("persistence").get("aof_enabled", 1)):
+            return None
+    except redis.ResponseError:
+        return None
+    return (
+        f"celery-threads: the gate's Redis at {_address(server)} keeps no append-only file "
+        "(appendonly no): restarted, it loses the gate's members without an error (no "
+        "persistence), or rolls them back to its last RDB snapshot, which runs members "
+        "again (two of a thread at once). Set `appendonly yes` (docs/durability.md)."
+    )
+
+
+def _each_server(client: Any, read: Callable[[Server], T]) -> list[T]:
+    """``read(server)`` of each of the gate's servers (a plain URL's, Sentinel's master now, every
+    master of a Cluster), closing the connections made for it."""
+    found = []
     for server in servers_of(client, "", probe_keys=False):
         try:
-            try:
-                info = server.client.info("persistence")
-            except redis.ResponseError:
-                continue
+            found.append(read(server))
         finally:
             if server.own:
                 server.client.connection_pool.disconnect()
-        if str(info.get("aof_enabled", "1")) in ("1", "True"):
-            continue
-        gaps.append(
-            f"celery-threads: the gate's Redis at {_address(server)} keeps no append-only file "
-            "(appendonly no): restarted, it loses the gate's members without an error (no "
-            "persistence), or rolls them back to its last RDB snapshot, which runs members "
-            "again (two of a thread at once). Set `appendonly yes` (docs/durability.md)."
-        )
-    return gaps
+    return found
 
 
 def eviction_risks(client: Any) -> list[Eviction]:
     """What each of the gate's servers may evict (nothing listed for a ``noeviction`` server),
     read now.  Raises redis-py's connection errors."""
-    risks = []
-    for server in servers_of(client, "", probe_keys=False):
-        try:
-            risk = _assess(server)
-        finally:
-            if server.own:
-                server.client.connection_pool.disconnect()
-        if risk is not None:
-            risks.append(risk)
-    return risks
+    return [risk for risk in _each_server(client, _assess) if risk is not None]
 
 
 def _assess(server: Server) -> Optional[Eviction]:

@@ -21,6 +21,7 @@ from celery.exceptions import (
     TimeLimitExceeded,
     WorkerLostError,
 )
+from celery.utils.saferepr import saferepr
 from celery.utils.serialization import get_pickled_exception
 from celery.worker import state as worker_state
 from celery.worker.request import Request
@@ -181,7 +182,6 @@ class ThreadedRequest(Request):
         """What Celery does for a lost task without ``reject_on_worker_lost``: FAILURE stored and
         errbacks called, ``task_failure`` signal, ack, ``task-failed`` event."""
         from celery import signals
-        from celery.utils.saferepr import saferepr
 
         if not isinstance(exc, WorkerLostError):  # billiard's report of the exit (SystemExit)
             exc = WorkerLostError(f"Worker exited prematurely: {type(exc).__name__}.")
@@ -208,7 +208,6 @@ class ThreadedRequest(Request):
 
     def _announce_lost_retry(self, exc: BaseException, exc_info: Any) -> None:
         """What Celery does for a retried task: RETRY state, ``task-retried`` event, ack."""
-        from celery.utils.saferepr import saferepr
 
         if self.store_errors:
             self.task.backend.mark_as_retry(
@@ -253,7 +252,7 @@ def _fail_handed_off(request: Any, exc: BaseException) -> None:
         elif outcome.status == Lapse.RETRIED:
             request.task.backend.mark_as_retry(task_id, exc)
             if runtime.send_task_event is not None:  # as for the member's own request
-                runtime.send_task_event("task-retried", uuid=task_id, exception=repr(exc), traceback="")
+                runtime.send_task_event("task-retried", uuid=task_id, exception=saferepr(exc), traceback="")
     except Exception:
         logger.exception(
             "celery-threads: could not fail %s of thread %s; its lease will lapse", task_id, thread_id
