@@ -1,5 +1,6 @@
 """``python -m bench.cluster [--seconds S] [--processes N] [--shards N]``: gate-only member lives
-per second and Redis time per life, on one Redis and on a 3-master Redis Cluster, in one run.
+per second and Redis time per life, on one Redis, on a one-node Redis Cluster and on a 3-master
+Redis Cluster, in one run.
 
 A life is one idle thread's member enqueued, claimed and finished (three gate calls), as a
 producer and a worker make them, through :class:`celery_threads.gate.Gate`.  ``--processes``
@@ -8,7 +9,10 @@ the two topologies one after the other on the same machine.  One Redis: the gate
 client (its direct line and the library's functions, ``FCALL``).  The cluster: the gate's cluster
 client with ``threads_shards`` shards (its line to each master, ``FCALL``; redis-py's cluster
 client for anything else).  Redis time is ``INFO commandstats`` (every command's ``usec``) of
-each server, reset before the run; per master and in total, divided by the lives run.
+each server, reset before the run; per master and in total, divided by the lives run.  The
+one-node cluster (one cluster-enabled redis-server holding all 16,384 slots, driven by the same
+cluster client) separates what cluster mode itself costs a server and a client from what three
+masters sharing the machine's cores cost.
 """
 
 from __future__ import annotations
@@ -44,35 +48,38 @@ def cluster_port() -> int:
             continue
 
 
+def cluster_node_args(binary: str, port: int, directory: str) -> list[str]:
+    """The command line of one cluster-enabled redis-server on 127.0.0.1, without persistence."""
+    return [
+        binary,
+        "--port",
+        str(port),
+        "--bind",
+        "127.0.0.1",
+        "--cluster-enabled",
+        "yes",
+        "--cluster-config-file",
+        f"{directory}/nodes-{port}.conf",
+        "--save",
+        "",
+        "--appendonly",
+        "no",
+        "--dir",
+        directory,
+    ]
+
+
+def _start_node(stack: h.Stack) -> int:
+    """One cluster-enabled redis-server on a free port, answering PING; its port."""
+    port = cluster_port()
+    argv = cluster_node_args(h.redis_binary() or "redis-server", port, stack.logdir)
+    stack.procs.append(h.Proc(f"cluster-{port}", argv, logdir=stack.logdir).start())
+    _wait(lambda: _pings(port), f"redis-server on {port}")
+    return port
+
+
 def _start_cluster(stack: h.Stack, masters: int = 3) -> list[int]:
-    binary = h.redis_binary() or "redis-server"
-    ports = [cluster_port() for _ in range(masters)]
-    for port in ports:
-        stack.procs.append(
-            h.Proc(
-                f"cluster-{port}",
-                [
-                    binary,
-                    "--port",
-                    str(port),
-                    "--bind",
-                    "127.0.0.1",
-                    "--cluster-enabled",
-                    "yes",
-                    "--cluster-config-file",
-                    f"{stack.logdir}/nodes-{port}.conf",
-                    "--save",
-                    "",
-                    "--appendonly",
-                    "no",
-                    "--dir",
-                    stack.logdir,
-                ],
-                logdir=stack.logdir,
-            ).start()
-        )
-    for port in ports:
-        _wait(lambda port=port: _pings(port), f"redis-server on {port}")
+    ports = [_start_node(stack) for _ in range(masters)]
     subprocess.run(
         [
             REDIS_CLI,
@@ -92,6 +99,14 @@ def _start_cluster(stack: h.Stack, masters: int = 3) -> list[int]:
         "the cluster",
     )
     return ports
+
+
+def _start_one_node_cluster(stack: h.Stack) -> int:
+    """A cluster of one master that holds every slot (``redis-cli --cluster create`` wants 3)."""
+    port = _start_node(stack)
+    redis.Redis(port=port).execute_command("CLUSTER", "ADDSLOTSRANGE", 0, 16383)
+    _wait(lambda: redis.Redis(port=port).cluster("info")["cluster_state"] == "ok", "the one-node cluster")
+    return port
 
 
 def _pings(port: int) -> bool:
@@ -148,10 +163,12 @@ def _run(
     nodes = [redis.Redis(port=p) for p in ports]
     for node in nodes:
         node.config_resetstat()
+    cpu0 = [_server_cpu(node) for node in nodes]
     t0 = time.perf_counter()
     start.set()
     done = [out.get(timeout=seconds + 120) for _ in procs]
     wall = time.perf_counter() - t0
+    server_cpu = sum(_server_cpu(node) - c for node, c in zip(nodes, cpu0))
     lives, cpu = sum(n for n, _ in done), sum(c for _, c in done)
     for proc in procs:
         proc.join(30)
@@ -165,8 +182,15 @@ def _run(
         "rate": lives / wall,
         "usec": usec,
         "per_life": sum(usec) / lives,
+        "server_cpu": server_cpu / lives * 1e6,
         "cpu": cpu,
     }
+
+
+def _server_cpu(node: Any) -> float:
+    """The server's CPU seconds so far (``INFO cpu``, user + system)."""
+    cpu = node.info("cpu")
+    return float(cpu["used_cpu_user"]) + float(cpu["used_cpu_sys"])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -183,9 +207,19 @@ def main(argv: list[str] | None = None) -> int:
     with h.Stack("cluster") as stack:
         server = stack.redis()
         where = h.machine(server)
+        one_port = _start_one_node_cluster(stack)
         ports = _start_cluster(stack)
         h.progress(f"one Redis: {args.processes} processes, {args.seconds:g} s")
         single = _run(server.url(), {}, 1, [server.port], args.processes, args.seconds)
+        h.progress(f"one-node cluster: {args.processes} processes, {args.seconds:g} s")
+        one = _run(
+            f"redis://127.0.0.1:{one_port}/0",
+            {"cluster": True},
+            args.shards,
+            [one_port],
+            args.processes,
+            args.seconds,
+        )
         h.progress(f"cluster of 3 masters: {args.processes} processes, {args.seconds:g} s")
         cluster = _run(
             f"redis://127.0.0.1:{ports[0]}/0",
@@ -196,34 +230,34 @@ def main(argv: list[str] | None = None) -> int:
             args.seconds,
         )
 
+    sides = (single, one, cluster)
+
+    def row(label: str, values: list[Any]) -> list[Any]:
+        return [label, *values, h.ratio(values[1], values[0]), h.ratio(values[2], values[0])]
+
     rows: list[list[Any]] = [
-        [
-            "member lives per second (wall clock)",
-            single["rate"],
-            cluster["rate"],
-            h.ratio(cluster["rate"], single["rate"]),
-        ],
-        [
-            "Redis time per life, all servers (µs)",
-            single["per_life"],
-            cluster["per_life"],
-            h.ratio(cluster["per_life"], single["per_life"]),
-        ],
+        row("member lives per second (wall clock)", [x["rate"] for x in sides]),
+        row("Redis time per life, all servers (µs, commandstats)", [x["per_life"] for x in sides]),
+        row("Redis CPU per life, all servers (µs, INFO cpu)", [x["server_cpu"] for x in sides]),
     ]
     for i, usec in enumerate(cluster["usec"]):
         rows.append(
             [
                 f"Redis time per life on master {i + 1} (µs; share)",
                 single["per_life"] if i == 0 else "-",
+                one["per_life"] if i == 0 else "-",
                 f"{usec / cluster['lives']:.1f} ({usec / sum(cluster['usec']):.0%})",
+                "-",
                 "-",
             ]
         )
-    cpu = [x["cpu"] / x["lives"] * 1e6 for x in (single, cluster)]
     rows.append(
-        ["client CPU per life (µs, the client processes' own)", cpu[0], cpu[1], h.ratio(cpu[1], cpu[0])]
+        row(
+            "client CPU per life (µs, the client processes' own)",
+            [x["cpu"] / x["lives"] * 1e6 for x in sides],
+        )
     )
-    rows.append(["lives run", single["lives"], cluster["lives"], "-"])
+    rows.append(["lives run", *[x["lives"] for x in sides], "-", "-"])
     print(
         h.table(
             "cluster (gate only)",
@@ -232,19 +266,24 @@ def main(argv: list[str] | None = None) -> int:
                 f"{args.processes} --shards {args.shards}`",
                 f"machine: {where}",
                 f"load: {args.processes} client processes per topology, each running idle-thread lives "
-                f"(enqueue, claim, finish) for {args.seconds:g} s; one Redis first, then the cluster",
+                f"(enqueue, claim, finish) for {args.seconds:g} s; one Redis, then the one-node cluster, "
+                "then the 3-master cluster",
             ],
             [
                 "measure",
                 "one Redis (direct line, FCALL)",
+                "one-node cluster (cluster client, FCALL)",
                 "3-master cluster (line per master, FCALL)",
-                "ratio",
+                "ratio one-node",
+                "ratio 3-master",
             ],
             rows,
             [
-                "ratio = cluster / one Redis. On a machine with fewer cores than masters plus clients, "
-                "the cluster's wall-clock rate is bounded by the CPU, not by any one master: its "
-                "Redis time per master is what one core per master would serve."
+                "ratio = cluster / one Redis. The one-node cluster is one cluster-enabled redis-server "
+                "holding every slot: what cluster mode itself costs, with nothing more sharing the cores. "
+                "On a machine with fewer cores than masters plus clients, the 3-master cluster's wall-clock "
+                "rate is bounded by the CPU, not by any one master: its Redis time per master is what one "
+                "core per master would serve."
             ],
         )
     )

@@ -14,7 +14,7 @@ from typing import Optional
 
 import redis
 
-from bench.cluster import cluster_port
+from bench.cluster import cluster_node_args, cluster_port
 from tests.conftest import default_redis_binary, free_port, redis_binaries
 from tests.support.helpers import wait_for
 
@@ -201,23 +201,9 @@ class RedisClusterServers:
             self.procs.append(
                 subprocess.Popen(
                     [
-                        self.binary,
-                        "--port",
-                        str(port),
-                        "--bind",
-                        "127.0.0.1",
-                        "--cluster-enabled",
-                        "yes",
-                        "--cluster-config-file",
-                        f"{self.dir}/nodes-{port}.conf",
+                        *cluster_node_args(self.binary, port, self.dir),
                         "--cluster-node-timeout",
                         str(CLUSTER_NODE_TIMEOUT_MS),
-                        "--save",
-                        "",
-                        "--appendonly",
-                        "no",
-                        "--dir",
-                        self.dir,
                         "--logfile",
                         f"{self.dir}/{port}.log",
                     ],
