@@ -301,11 +301,13 @@ class Runtime:
         self.mark_revoked(task_id, reason, envelope)
         self.app.control.revoke(task_id, terminate=terminate)
 
-    def revoke_superseded(self, thread_id: str, task_ids: list[str]) -> None:
+    def revoke_superseded(self, thread_id: str, task_ids: list[str], envelope: bytes = b"") -> None:
         """An enqueue superseded ``task_ids[0]`` (``coalesce``, ``debounce``): revoked as a
-        deleted waiting member is.  Any other is one that member had superseded, told again in
-        case that call's reply was lost: marked ``REVOKED`` again (the same state)."""
-        self.revoke_unstarted(thread_id, task_ids[0], "superseded")
+        deleted waiting member is, and counted revoked in its chord when it is a chord's part
+        (``envelope``: its stored message, which the enqueue returns).  Any other is one that
+        member had superseded, told again in case that call's reply was lost: marked
+        ``REVOKED`` again (the same state)."""
+        self.revoke_unstarted(thread_id, task_ids[0], "superseded", envelope=envelope or None)
         for task_id in task_ids[1:]:
             self.mark_revoked(task_id, "superseded")
 

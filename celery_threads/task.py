@@ -397,7 +397,7 @@ class ThreadedTask(Task):
                 task_id,
                 call.thread_id,
             )
-        return _Stored(outcome.release, outcome.done, outcome.superseded)
+        return _Stored(outcome.release, outcome.done, outcome.superseded, outcome.superseded_envelope)
 
     def _reenter(
         self,
@@ -449,6 +449,7 @@ class _Stored(NamedTuple):
     release: Optional[Release]
     added: bool
     superseded: list[str]
+    superseded_envelope: bytes = b""  # the stored message of superseded[0], when the gate gave it
 
 
 _NOTHING_STORED = _Stored(None, False, [])
@@ -478,7 +479,7 @@ def _publish_stored(
     own = release is not None and release.task_id == task_id and stored.added
     runtime.publish(release, producer, parts=capture.parts if own else None)
     if stored.superseded:
-        runtime.revoke_superseded(call.thread_id, stored.superseded)
+        runtime.revoke_superseded(call.thread_id, stored.superseded, stored.superseded_envelope)
 
 
 _signatures: dict[tuple[Any, bool], inspect.Signature] = {}

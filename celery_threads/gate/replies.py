@@ -128,6 +128,8 @@ class Outcome:
     status: int  # the script's status, as its enum (:data:`REPLIES`)
     info: str
     release: Optional[Release]
+    # An enqueue's that superseded a waiting member: that member's stored message (for its chord).
+    superseded_envelope: bytes = b""
 
     @property
     def done(self) -> bool:

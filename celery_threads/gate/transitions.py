@@ -222,6 +222,10 @@ class Gate:
         """``name``'s reply; ``own``: the envelope the call sent, which a reply releasing it
         leaves out."""
         status, info = REPLIES.get(name, Done)(int(reply[0])), _text(reply[1])
+        gone = b""
+        if len(reply) > 6:  # an enqueue that superseded a waiting member: its record, last
+            gone = parse_record(reply[6]).envelope
+            reply = reply[:2] if not reply[2] else reply[:5] if not reply[5] else reply[:6]
         release = None
         if len(reply) > 5:
             published = int(reply[5]) == 1
@@ -231,7 +235,7 @@ class Gate:
         elif len(reply) > 2:
             record = parse_record(reply[4])
             release = Release(thread_id, _text(reply[2]), _text(reply[3]), record.retries, record.envelope)
-        return Outcome(status, info, release)
+        return Outcome(status, info, release, gone)
 
     def _call(self, name: str, thread_id: str, *args: Any) -> Outcome:
         return self._outcome(name, thread_id, self._run(name, thread_id, *args))

@@ -244,8 +244,10 @@ def test_coalescing_on_a_cluster_gate(redis_cluster):
             thread = next(t for t in (f"c{i}" for i in range(100)) if gate.keys.shard_of(t) == shard)
             assert gate.enqueue(thread, str(uuid.uuid4()), b"busy").release is not None
             calls = [str(uuid.uuid4()) for _ in range(3)]
-            told = [gate.enqueue(thread, c, b"sync", coalesce="sync").superseded for c in calls]
-            assert told == [[], [calls[0]], [calls[1], calls[0]]]
+            outcomes = [gate.enqueue(thread, c, b"sync", coalesce="sync") for c in calls]
+            assert [o.superseded for o in outcomes] == [[], [calls[0]], [calls[1], calls[0]]]
+            # The superseded member's stored message, for its chord (mark_revoked).
+            assert [o.superseded_envelope for o in outcomes] == [b"", b"sync", b"sync"]
             assert gate.enqueue(thread, calls[2], b"sync", coalesce="sync").superseded == [
                 calls[1],
                 calls[0],

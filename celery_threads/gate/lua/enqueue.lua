@@ -27,7 +27,9 @@
 --            and the next call too: it reports its predecessor's (the producer marks them
 --            REVOKED; a second time is harmless).  Not for a replacement's admission (ARGV[12]).
 -- Returns {1, superseded} added (plus the release, if any: without the record when it is this
--- member's), {0, ''} when the task id is already a member; when that member is RELEASED (an
+-- member's; and when the call superseded a waiting member, that member's stored record as a 7th
+-- element, the release's five before it '' when there is none, so that its caller can count it
+-- in its chord), {0, ''} when the task id is already a member; when that member is RELEASED (an
 -- enqueue replayed after its reply was lost, which released it), {0, ''} plus its release with
 -- its stored record, for the caller to publish (a second copy loses the claim); {2, 'full'}
 -- when max_waiting refused it (nothing stored).  superseded: '' or the task ids the call
@@ -63,7 +65,7 @@ start = tonumber(start)
 -- A duplicate (a replay: told what its first send superseded, while it is the task's latest
 -- call here) supersedes nothing: the duplicate check comes first.
 if is_known(task) then return duplicate_enqueue(task, prev == task and told or '') end
-local place, superseded = nil, ''
+local place, superseded, gone = nil, '', nil
 local waits = prev and redis.call('HEXISTS', K_POLICY, 'w:' .. prev) == 1
 -- max_waiting: a call that supersedes a waiting one adds none.
 if not waits and cap and redis.call('ZCARD', K_Q) >= cap then return reply(2, 'full') end
@@ -72,6 +74,7 @@ if waits then
   -- Its 'w:' field says it waits and was never released: it leaves, and this call takes its
   -- place (the count of such calls stays).
   local field, rec = find_member(K_TASKS, prev)
+  gone = rec
   local p = parse_record(rec)
   local member = queue_member(p.seq, field)
   place = { p.seq, tonumber(redis.call('ZSCORE', K_Q, member)) }
@@ -102,4 +105,9 @@ if place then
 else
   released = add_member(task, sched, 0, ARGV[9], ARGV[10], ARGV[11], false, nil, own .. 'c')
 end
-return reply(1, superseded, released, released ~= nil and released[1] == task)
+local out = reply(1, superseded, released, released ~= nil and released[1] == task)
+if gone then
+  for i = #out + 1, 6 do out[i] = '' end
+  out[7] = gone
+end
+return out
