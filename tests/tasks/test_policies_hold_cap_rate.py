@@ -6,6 +6,7 @@ tests/support/proj.py ``_Span``), by the result backend and by the gate's keys.
 from __future__ import annotations
 
 import json
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -15,6 +16,8 @@ from click.testing import CliRunner
 
 from celery_threads import ThreadFull, Threads, ThreadsError
 from celery_threads.errors import ConfigurationError
+from celery_threads.gate import Claim, Gate, make_client
+from celery_threads.keys import Keys
 from tests.support.helpers import assert_serial, events, gate_keys, starts, tid, wait_for
 
 
@@ -217,6 +220,35 @@ def test_rate_limit_spaces_the_starts_of_a_thread_not_of_others(proj, make_deplo
     assert abs(first[one] - first[two]) < 250_000, first
     for t in (one, two):
         wait_for(lambda t=t: not gate_keys(r, t), what="the thread's keys to vanish", timeout=60)
+
+
+def test_a_coalescing_call_does_not_cut_a_rates_memory_short(redis_server):
+    """A thread_rate_limit remembers a release for its whole interval, in the thread's policy
+    hash, also when a coalescing call (coalesce/debounce) passes through the thread meanwhile:
+    that call's wait keeps the hash without an expiry, and its release gave it the coalescing
+    calls' 30 s, so a rate of 1/m was forgotten 30 s after such a call and its next member ran
+    early.  Checked on the key's expiry (30 s more of the test would show the early release)."""
+    gate = Gate(
+        make_client(redis_server.url()), Keys(f"rm-{uuid.uuid4().hex[:6]}"), release_timeout_ms=60_000
+    )
+    thread = tid("rate-memory")
+    policy_key = gate.keys.thread(thread).policy
+    client = redis.Redis.from_url(redis_server.url())
+    first = str(uuid.uuid4())
+    release = gate.enqueue(thread, first, b"rated", policy="r60000").release
+    assert release is not None
+    assert gate.claim(thread, first, release.token, "test") == Claim.CLAIMED
+    assert gate.finish(thread, first, release.token).done
+    call = str(uuid.uuid4())
+    release = gate.enqueue(thread, call, b"sync", coalesce="sync").release
+    assert release is not None and release.task_id == call
+    assert client.pttl(policy_key) > 55_000, client.pttl(policy_key)
+    assert gate.claim(thread, call, release.token, "test") == Claim.CLAIMED
+    assert gate.finish(thread, call, release.token).done
+    # The next rated member waits for the rest of the minute.
+    later = str(uuid.uuid4())
+    assert gate.enqueue(thread, later, b"rated", policy="r60000").release is None
+    assert client.pttl(policy_key) > 55_000, client.pttl(policy_key)
 
 
 def test_policy_values_are_checked(proj):

@@ -185,12 +185,19 @@ end
 
 -- The thread's policy hash lives as long as its longest need: without an expiry while a call made
 -- with coalesce or debounce waits ('n' above 0: enqueue.lua, left_waiting), else until the
--- later of its expiry and `ms` from now (a rate's interval, the replay window of coalescing
--- calls), so that neither policy cuts the other's state short.
+-- later of its expiry, `ms` from now (a rate's interval, the replay window of coalescing
+-- calls) and the rate's last release's end ('re', see rate_stamp), so that neither policy cuts
+-- the other's state short: a wait without an expiry forgets the expiry a rate set before it.
 local function keep_policy(ms)
-  if tonumber(redis.call('HGET', K_POLICY, 'n') or '0') > 0 then
+  local f = redis.call('HMGET', K_POLICY, 'n', 're')
+  if tonumber(f[1] or '0') > 0 then
     redis.call('PERSIST', K_POLICY)
     return
+  end
+  if f[2] then
+    -- With a test's clock the key lives an hour of Redis's own time, as rate_stamp keeps it.
+    local rate = SERVER_CLOCK and tonumber(f[2]) - NOW or 3600000
+    if rate > ms then ms = rate end
   end
   if redis.call('PTTL', K_POLICY) < ms then redis.call('PEXPIRE', K_POLICY, ms) end
 end
