@@ -458,9 +458,11 @@ _NOTHING_STORED = _Stored(None, False, [])
 def _message(
     capture: CapturingProducer, countdown: Any, eta: Any, call: _Call, options: dict[str, Any]
 ) -> _Message:
-    """The message Celery published into ``capture``, with the call's schedule."""
+    """The message Celery published into ``capture``, with the call's schedule: as Celery reads
+    them (``AMQP.as_task_v2``), a countdown other than 0 wins over an eta, and a negative one
+    is an eta in the past."""
     assert capture.envelope is not None, "Celery published no task message"
-    at_ms = eta_ms(eta) if eta is not None else None
+    at_ms = eta_ms(eta) if eta is not None and not countdown else None
     delay_ms = int(float(countdown or 0) * 1000)
     retries = int(options.get("retries") or 0) if call.token is not None else 0
     return _Message(capture.envelope, delay_ms, at_ms, retries)

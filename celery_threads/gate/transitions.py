@@ -267,7 +267,7 @@ class Gate:
         run yet (``coalesce="latest"``, ``debounce``); ``debounce_ms``, ``debounce_max_ms``: its
         debounce (0: none).  The outcome's info names what it superseded
         (:func:`superseded_ids`).  A call without policies sends the arguments it always did."""
-        mode, value = ("at", at_ms) if at_ms is not None else ("in", max(0, delay_ms))
+        mode, value = ("at", at_ms) if at_ms is not None else ("in", delay_ms)
         extra: tuple[Any, ...] = (replaced,) if replaced else ()
         if policy or max_waiting is not None or coalesce is not None:
             extra = (
@@ -439,7 +439,7 @@ class Gate:
         envelope: bytes = b"",
         caller: Optional[str] = None,
     ) -> Outcome:
-        mode, value = ("at", at_ms) if at_ms is not None else ("in", max(0, delay_ms))
+        mode, value = ("at", at_ms) if at_ms is not None else ("in", delay_ms)
         return self._call(
             "requeue", thread_id, task_id, token, mode, value, retries, envelope, "", "", call_id(caller)
         )

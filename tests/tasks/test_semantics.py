@@ -52,6 +52,27 @@ def test_earlier_scheduled_member_displaces_a_head_not_yet_released(proj, worker
     assert_serial(r, thread)
 
 
+def test_countdown_and_eta_are_read_as_celery_reads_them(proj, worker, r):
+    """A countdown other than 0 wins over an eta given with it, and a negative countdown is an
+    eta in the past (Celery's ``as_task_v2``): the gate held a countdown-and-eta call until its
+    eta, and queued a negative countdown as 0, behind members due before it."""
+    thread, go = tid(), f"go:{tid()}"
+    now = datetime.now(timezone.utc)
+    proj.record.apply_async((thread, "busy"), {"until": go})
+    wait_for(lambda: starts(r, thread) == ["busy"], what="busy to start")
+    now_call = proj.record.apply_async((thread, "now"))
+    back = proj.record.apply_async((thread, "back"), countdown=-60)
+    soon = proj.record.apply_async((thread, "soon"), countdown=1, eta=now + timedelta(hours=1))
+    info = Threads(proj.app).get(thread)
+    assert [m.task_id for m in info.waiting] == [back.id, now_call.id, soon.id]
+    assert info.waiting[0].scheduled_at < now - timedelta(seconds=50)
+    assert info.waiting[2].scheduled_at < now + timedelta(minutes=1)
+    r.set(go, 1)
+    assert soon.get(timeout=30) == "soon"
+    assert starts(r, thread) == ["busy", "back", "now", "soon"]
+    assert_serial(r, thread)
+
+
 def test_equal_schedules_break_ties_by_arrival(proj, worker, r):
     thread = tid()
     when = datetime.now(timezone.utc) + timedelta(seconds=1)
