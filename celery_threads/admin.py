@@ -45,15 +45,32 @@ def _utc(ms: Optional[int]) -> Optional[datetime]:
     return None if ms is None else _at(ms)
 
 
-class MemberInfo(NamedTuple):
+class _MemberFields(NamedTuple):
     task_id: str
     name: str
     scheduled_at: datetime  # aware UTC
     state: str  # "WAITING", "RELEASED" or "RUNNING"
     retries: int
-    # Deleted while it runs in a process its worker stops (prefork): still RUNNING, and the
-    # thread's next member starts once its code has stopped.
-    stopping: bool = False
+
+
+class MemberInfo(_MemberFields):
+    """``MemberInfo(task_id, name, scheduled_at, state, retries)``: a tuple of those five, as
+    the contract has it (code may unpack it), plus the attribute ``stopping``: deleted while it
+    runs in a process its worker stops (prefork), it is still RUNNING, and the thread's next
+    member starts once its code has stopped."""
+
+    stopping: bool = False  # the class's default; an instance's own when given
+
+    def __new__(
+        cls, task_id: str, name: str, scheduled_at: datetime, state: str, retries: int, stopping: bool = False
+    ) -> MemberInfo:
+        member = super().__new__(cls, task_id, name, scheduled_at, state, retries)
+        if stopping:
+            member.stopping = True
+        return member
+
+    def _asdict(self) -> dict[str, Any]:
+        return {**super()._asdict(), "stopping": self.stopping}
 
 
 class ThreadInfo(NamedTuple):

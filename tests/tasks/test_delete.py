@@ -99,6 +99,9 @@ def test_a_body_that_ignores_the_signal_holds_its_thread_until_it_returns(proj, 
         )
         assert info.active.task_id == deaf.id and info.active.state == "RUNNING"
         assert [m.task_id for m in info.waiting] == [nxt.id]
+        # The contract's MemberInfo(task_id, name, scheduled_at, state, retries): five to unpack.
+        task_id, _name, _scheduled_at, state, _retries = info.active
+        assert (task_id, state) == (deaf.id, "RUNNING")
     finally:
         deleting.join(10)
     assert not deleting.is_alive(), "Threads.delete did not return within its bound"
