@@ -116,6 +116,9 @@ class ThreadedTask(Task):
                 bound = None
             if bound is not None and key in bound.arguments:
                 return normalize_thread_id(bound.arguments[key])
+            problem = _thread_key_problem(type(self))
+            if problem is not None:  # a typo the task's binding reported once already
+                raise ConfigurationError(problem)
             raise InvalidThreadId(
                 f"task {self.name} takes its thread id from argument {key!r}, which this call does not pass"
             )
@@ -489,20 +492,29 @@ _signatures: dict[tuple[Any, bool], inspect.Signature] = {}
 
 def _check_thread_key(cls: Any) -> None:
     """A ``thread_key`` naming no argument of the task is a typo: refused where the task is
-    declared, not at its first call."""
+    bound, and at every call after (``resolve_thread_id``)."""
+    problem = _thread_key_problem(cls)
+    if problem is not None:
+        raise ConfigurationError(problem)
+
+
+def _thread_key_problem(cls: Any) -> Optional[str]:
+    """What is wrong with a ``thread_key`` naming no argument of the task, or ``None``."""
     key, run = cls.thread_key, cls.__dict__.get("run")
     if not isinstance(key, str) or run is None:
-        return
+        return None
     try:
-        parameters = inspect.signature(getattr(run, "__func__", run)).parameters
+        parameters = list(inspect.signature(getattr(run, "__func__", run)).parameters.values())
     except (TypeError, ValueError):
-        return
-    if key in parameters or any(p.kind == p.VAR_KEYWORD for p in parameters.values()):
-        return
-    raise ConfigurationError(
+        return None
+    if not isinstance(run, staticmethod) and parameters:
+        parameters = parameters[1:]  # bind=True: the task itself, never the thread's argument
+    if any(p.name == key or p.kind == p.VAR_KEYWORD for p in parameters):
+        return None
+    return (
         f"task {cls.name} declares thread_key={key!r}, but it takes no argument of that name "
-        f"(its arguments: {', '.join(parameters) or 'none'}): name one of them, or give a "
-        "callable (args, kwargs) -> thread id"
+        f"(its arguments: {', '.join(p.name for p in parameters) or 'none'}): name one of them, "
+        "or give a callable (args, kwargs) -> thread id"
     )
 
 

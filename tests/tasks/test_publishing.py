@@ -110,6 +110,13 @@ def test_a_thread_key_naming_no_argument_is_refused_where_the_task_is_declared()
     # The worker, beat and every caller finalize the app first, and stop there.
     with pytest.raises(ConfigurationError, match="thread_key='acount_id'.*account_id, amount"):
         app.finalize(auto=True)
+    # Every later call says the same (it said "which this call does not pass", passing it),
+    # and the bound task's own argument is not offered as one to name.
+    for _ in range(2):
+        with pytest.raises(
+            ConfigurationError, match=r"thread_key='acount_id'.*arguments: account_id, amount\)"
+        ):
+            settle.delay("acct-1", 1)
 
 
 def test_a_callable_thread_key_names_the_thread(proj, worker, r):
