@@ -430,8 +430,11 @@ class Threads:
         bound = 2 * self.reads.waiting_count(thread_id) + 1
         total = 0
         while total < bound:
+            # Their stored messages: a chord counts its parts, an extended result names them.
             grouped: dict[str, bytes] = {}
-            dropped, left = self.gate.purge(thread_id, grouped=grouped)
+            dropped, left = self.gate.purge(
+                thread_id, grouped=grouped, every=bool(self.app.conf.result_extended)
+            )
             for task_id in dropped:
                 self.runtime.mark_revoked(task_id, "purged from its thread", grouped.get(task_id))
             if dropped:

@@ -204,13 +204,9 @@ def member_request(app: Celery, task_id: str, envelope: bytes) -> Optional[dict[
     )
     if not isinstance(embed, dict):
         embed = {}
-    return {**headers, **embed, "id": task_id, "args": args, "kwargs": kwargs, "delivery_info": {}}
-
-
-def chord_request(app: Celery, task_id: str, envelope: bytes) -> Optional[dict[str, Any]]:
-    """:func:`member_request` for a member that a chord counts, else ``None``."""
-    request = member_request(app, task_id, envelope)
-    return request if request is not None and request.get("group") and request.get("chord") else None
+    # Where it was published, as a worker's request has it (an extended result's queue).
+    delivery = {"exchange": header.get("exchange") or "", "routing_key": header.get("routing_key") or ""}
+    return {**headers, **embed, "id": task_id, "args": args, "kwargs": kwargs, "delivery_info": delivery}
 
 
 def task_name(envelope: bytes) -> str:

@@ -40,7 +40,7 @@ from .gate.transitions import CALL_BOUND, CALL_BOUND_NAME
 from .keys import Keys
 from .logs import get_logger
 from .protocol import THREAD_HEADER
-from .publish import ReleasePublisher, chord_request, member_request, publish_release, task_name
+from .publish import ReleasePublisher, member_request, publish_release, task_name
 from .signals import member_dead
 
 logger = get_logger(__name__)
@@ -342,17 +342,20 @@ class Runtime:
         self, task_id: str, reason: str = "deleted from its thread", envelope: Optional[bytes] = None
     ) -> None:
         """``REVOKED`` in the result backend.  ``envelope``: the member's stored message, read
-        before it left the gate; when a chord counts the member (``publish.chord_request``), the
-        chord counts it revoked, as a worker's revoke of a chord's part does (the chord ends with
-        a ChordError, and its body never runs with a part missing)."""
-        chord = None if not envelope else chord_request(self.app, task_id, envelope)
+        before it left the gate, is the request Celery ends a revoked task with: an extended
+        result (``result_extended``) names its task, arguments and queue, and when a chord counts
+        the member (its request has the chord and its group) the chord counts it revoked, as a
+        worker's revoke of a chord's part does (the chord ends with a ChordError, and its body
+        never runs with a part missing)."""
+        request = None if not envelope else member_request(self.app, task_id, envelope)
+        if request is not None and not (request.get("group") and request.get("chord")):
+            request["chord"] = None  # Celery counts a part of any request with a chord
         try:
-            if chord is not None:
-                from celery.app.task import Context
+            from celery.app.task import Context
 
-                self.app.backend.mark_as_revoked(task_id, reason, request=Context(chord))
-                return
-            self.app.backend.mark_as_revoked(task_id, reason)
+            self.app.backend.mark_as_revoked(
+                task_id, reason, request=Context(request) if request is not None else None
+            )
         except Exception:
             logger.debug("celery-threads: no result backend to mark %s revoked", task_id, exc_info=True)
 

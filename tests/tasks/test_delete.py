@@ -127,3 +127,28 @@ def test_under_the_threads_pool_the_next_member_starts_at_once(proj, make_deploy
     assert nxt.get(timeout=20) == "next"
     assert last_beat(r, thread, "long", timeout=10) > started_at(r, thread, "next")
     vanishes(proj, r, thread)
+
+
+def test_members_ended_unrun_have_an_extended_result_that_names_them(proj, isolated_app):
+    """With ``result_extended``, a member deleted or purged while it waits is stored REVOKED
+    with its task's name, arguments and queue, as Celery stores a revoked task from its request
+    (it was stored with none of them).  No worker: the first member holds the thread."""
+    from tests.support.isolated import pointed_at
+
+    with pointed_at(isolated_app, result_extended=True):
+        thread = tid("extended")
+        proj.record.apply_async((thread, "holder"))
+        deleted = proj.record.apply_async((thread, "deleted"), {"sleep": 0.1}, queue="celery")
+        purged = proj.record.apply_async((thread, "purged"))
+        threads = Threads(isolated_app)
+        assert threads.delete(deleted.id)
+        assert threads.purge(thread) == 1
+        for result, args, kwargs in (
+            (deleted, [thread, "deleted"], {"sleep": 0.1}),
+            (purged, [thread, "purged"], {}),
+        ):
+            meta = isolated_app.backend.get_task_meta(result.id, cache=False)
+            assert meta["status"] == "REVOKED", meta
+            assert meta.get("name") == proj.record.name, meta
+            assert (list(meta.get("args") or []), meta.get("kwargs")) == (args, kwargs), meta
+            assert meta.get("queue") == "celery", meta

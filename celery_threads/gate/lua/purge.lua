@@ -4,9 +4,12 @@
 -- gate as any ending does (its record, its queue entry, the ended index); the thread's keys
 -- vanish with its last member.  Nothing is released.
 --   ARGV[6] most members dropped by this call
+--   ARGV[7] "1": return every dropped member's record (its caller stores extended results)
 -- Returns {1, how many still wait, {task ids dropped}, {task id, record, ...}}: the last, of
--- the dropped members whose record names a group (a chord's part, maybe: the caller decodes it).
+-- the dropped members whose record names a group (a chord's part, maybe: the caller decodes it),
+-- or of every dropped member with ARGV[7].
 local limit = tonumber(ARGV[6])
+local every = ARGV[7] == '1'
 local tail = redis.call('ZRANGE', K_Q, -limit, -1)
 local dropped, grouped = {}, {}
 for i = #tail, 1, -1 do
@@ -18,7 +21,7 @@ for i = #tail, 1, -1 do
     redis.call('HDEL', K_TASKS, field)
     mark_ended(task)
     dropped[#dropped + 1] = task
-    if string.find(rec, '"group":"', 1, true) then
+    if every or string.find(rec, '"group":"', 1, true) then
       grouped[#grouped + 1] = task
       grouped[#grouped + 1] = rec
     end
