@@ -45,6 +45,7 @@ from .errors import (
     TransportMismatch,
     UnknownTask,
 )
+from .gate import transport
 from .gate.eviction import Eviction
 from .logs import get_logger
 from .runtime import unreachable
@@ -191,6 +192,8 @@ def _redis_error(url: str, exc: BaseException) -> CommandError:
         )
     if isinstance(exc, TransportMismatch):
         return BadSettings(f"threads_redis_url {maybe_sanitize_url(url)!r}: {reason}.")
+    if isinstance(exc, redis.ResponseError) and transport.refusal(exc):  # a database it lacks
+        return BadSettings(f"threads_redis_url {maybe_sanitize_url(url)!r}: {transport.refusal(exc)}.")
     if isinstance(exc, (redis.ConnectionError, redis.TimeoutError)):
         return _unreachable(url, exc)
     return CommandError(f"{where} answered with an error: {reason}.", "redis_error", EX_PROTOCOL)

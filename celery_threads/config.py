@@ -6,7 +6,7 @@ import math
 import re
 from dataclasses import dataclass, field
 from typing import Any, Optional
-from urllib.parse import urlparse
+from urllib.parse import parse_qs, urlparse
 
 from celery import Celery
 from celery.utils.serialization import strtobool
@@ -181,6 +181,11 @@ def _checked_url(url: str, setting: str) -> str:
             if parsed.scheme not in _SCHEMES:
                 raise ValueError(f"the scheme must be one of {', '.join(_SCHEMES)}")
             parsed.port  # noqa: B018 (raises ValueError for a port out of range or not a number)
+            # redis-py reads a database that is not a number as 0: another app's gate, maybe.
+            db = parsed.path.strip("/") if parsed.scheme != "unix" else ""
+            db = ",".join(parse_qs(parsed.query).get("db", [])) or db
+            if db and not db.isdigit():
+                raise ValueError(f"the database must be a number, as in /0, not {db!r}")
     except ValueError as exc:
         raise ConfigurationError(
             f"{setting}={sanitized_url(url)!r} is not a Redis URL the gate can use ({exc}): "

@@ -18,7 +18,7 @@ from celery.utils.saferepr import saferepr
 
 from . import seams
 from .config import ThreadsConfig, forget_config, read_config
-from .errors import ReleaseExpired, TransportMismatch, UndecodableEnvelope
+from .errors import ConfigurationError, ReleaseExpired, TransportMismatch, UndecodableEnvelope
 from .gate import (
     DELETED,
     ENDED,
@@ -31,6 +31,7 @@ from .gate import (
     ReleasePush,
     deadline,
     make_client,
+    transport,
 )
 from .gate.access import check_access
 from .gate.cluster import check_shards, is_cluster
@@ -102,16 +103,26 @@ class Runtime:
                 self.check_gate()
         except TransportMismatch:
             raise  # a setting to fix, as a right the gate's user lacks
-        except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
-            logger.log(
-                logging.DEBUG if said else logging.WARNING,
-                "celery-threads: the gate's Redis at %s (threads_redis_url) did not answer its "
-                "start-up checks (%s); its rights and threads_shards=%s are checked before this "
-                "process's first transition, once it answers",
-                self.config.shown_url,
-                exc,
-                self.config.shards,
-            )
+        except redis.RedisError as exc:
+            found = transport.refusal(exc)  # wrong credentials, or a database the server lacks
+            if found is not None:
+                raise ConfigurationError(f"threads_redis_url {self.config.shown_url}: {found}") from exc
+            if not isinstance(exc, (redis.ConnectionError, redis.TimeoutError)):
+                raise
+            self._unanswered_at_start(exc, said)
+        except OSError as exc:
+            self._unanswered_at_start(exc, said)
+
+    def _unanswered_at_start(self, exc: BaseException, said: bool) -> None:
+        logger.log(
+            logging.DEBUG if said else logging.WARNING,
+            "celery-threads: the gate's Redis at %s (threads_redis_url) did not answer its "
+            "start-up checks (%s); its rights and threads_shards=%s are checked before this "
+            "process's first transition, once it answers",
+            self.config.shown_url,
+            exc,
+            self.config.shards,
+        )
 
     @property
     def checked(self) -> bool:

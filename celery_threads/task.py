@@ -24,7 +24,7 @@ from .errors import (
     ThreadFull,
     TransportMismatch,
 )
-from .gate import Enqueue, Outcome, Release, deadline
+from .gate import Enqueue, Outcome, Release, deadline, transport
 from .install import install
 from .logs import get_logger
 from .protocol import (
@@ -546,12 +546,6 @@ def gate_errors(
     without one, the message allows for that."""
     try:
         yield
-    except redis.AuthenticationError as exc:
-        raise GateUnavailable(
-            f"the gate's Redis at {config.shown_url} refused the credentials of "
-            f"threads_redis_url ({exc}), so task {task_id} was neither stored nor sent: set the "
-            "user and password the server expects."
-        ) from exc
     except TransportMismatch as exc:
         raise TransportMismatch(
             f"threads_redis_url {config.shown_url}: {exc}; task {task_id} was neither stored nor sent."
@@ -564,6 +558,11 @@ def gate_errors(
             "the broker: free memory or raise its maxmemory, then call again."
         ) from exc
     except redis.RedisError as exc:
+        found = transport.refusal(exc)  # wrong credentials, or a database the server lacks
+        if found is not None:
+            raise ConfigurationError(
+                f"threads_redis_url {config.shown_url}: {found}; task {task_id} was neither stored nor sent."
+            ) from exc
         where = (
             f"could not reach the gate's Redis at {config.shown_url} (threads_redis_url)"
             + (f" within {limit.seconds:g}s (threads_publish_timeout)" if limit else "")

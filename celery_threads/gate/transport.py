@@ -1,11 +1,14 @@
-"""Whether a connection failed because its URL and its server disagree about TLS.
+"""Whether a connection failed because its URL and its server disagree: about TLS, the
+credentials, or the database.
 
 ``rediss://`` to a port that speaks plain Redis waits out the TLS handshake (the server waits for
 a command line that never comes); ``redis://`` to a TLS port is closed by the server after the
 first command.  Both looked like an outage: retried for the client's whole budget, then reported
 as a server that could not be reached.  After such a failure, :func:`mismatch` asks the same port
 the other way, once and briefly: a plain ``PING`` answered in RESP, or a TLS handshake that the
-server answers, names the mismatch (:class:`~celery_threads.errors.TransportMismatch`).
+server answers, names the mismatch (:class:`~celery_threads.errors.TransportMismatch`).  A
+server that refuses the URL's credentials, or has no database of the URL's number, answers at
+once: :func:`refusal` says which, for the callers that report it as a setting to fix.
 """
 
 from __future__ import annotations
@@ -80,3 +83,16 @@ def mismatch(host: str, port: int, tls: bool, wait: float = PROBE_WAIT) -> Optio
             )
     except OSError:
         return None
+
+
+def refusal(error: BaseException) -> Optional[str]:
+    """What the server's answer to a connection's first commands says is wrong with the URL (a
+    setting to fix: no retry makes it right), else ``None``."""
+    if isinstance(error, redis.AuthenticationError):
+        return f"the server refused the URL's credentials ({error}): set the user and password it expects"
+    if isinstance(error, redis.ResponseError) and "DB index is out of range" in str(error):
+        return (
+            "the server has no database of the URL's number (its `databases` setting): "
+            "name one below it, such as /0"
+        )
+    return None

@@ -23,7 +23,7 @@ import redis
 
 from bench.gateunavailable import black_hole as silent_server
 from celery_threads import Threads
-from celery_threads.errors import GateUnavailable, TransportMismatch
+from celery_threads.errors import ConfigurationError, GateUnavailable, TransportMismatch
 from tests.conftest import RedisServer
 from tests.support.isolated import BROKER_DB, pointed_at
 
@@ -120,8 +120,10 @@ def test_a_wrong_password_is_said_at_once_not_retried_as_an_outage(proj: Any, is
         url = f"redis://:wrong@127.0.0.1:{server.port}/0"
         # A bound long enough for a dozen retries, were the call retried.
         with pointed_at(proj.app, threads_redis_url=url, threads_publish_timeout=5.0):
-            _, message = _unavailable(proj, f"dead-gate-{uuid.uuid4().hex[:8]}", str(uuid.uuid4()))
-        assert "refused the credentials" in message and "wrong" not in message, message
+            with pytest.raises(ConfigurationError) as info:
+                proj.record.apply_async((f"dead-gate-{uuid.uuid4().hex[:8]}", "x"))
+        message = str(info.value)
+        assert "refused the URL's credentials" in message and "wrong" not in message, message
         log = redis.Redis(port=server.port, password="right").acl_log()
         refused = sum(int(e["count"]) for e in log if e["reason"] == "auth")
         assert 1 <= refused <= 4, log  # once per client of the first use's checks and the call

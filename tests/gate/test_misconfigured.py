@@ -76,6 +76,9 @@ def test_a_worker_whose_gate_nobody_answers_says_where_and_what_to_check(redis_s
         ("http://localhost:6379/0", "scheme must be one of"),
         ("redis://:pw@localhost:99999/0", "Port out of range"),
         ("sentinel://a:26379;sentinel://b:x/0", "could not be cast"),
+        # redis-py reads a database that is no number as 0: another app's gate, maybe.
+        ("redis://:pw@localhost:6379/abc", "the database must be a number"),
+        ("unix:///tmp/redis.sock?db=x", "the database must be a number"),
     ],
 )
 def test_a_malformed_gate_url_names_its_setting(url, why):
@@ -115,6 +118,45 @@ def test_a_replica_or_a_full_server_is_named_as_such_not_as_missing_rights(proj,
     finally:
         for server in (replica, master, full):
             server.stop()
+
+
+def test_a_wrong_password_or_database_is_a_setting_to_fix_not_an_outage(redis_server, proj, isolated_app):
+    """The server answers at once that the URL is wrong: a producer gets a ConfigurationError
+    (it got GateUnavailable, which says to call again later), and a worker stops at start, as for
+    TLS on one side only (it said "ready" and failed every call)."""
+    from tests.conftest import CeleryProcess
+    from tests.support.isolated import pointed_at
+
+    locked = RedisServer(args=("--requirepass", "right"))
+    locked.start()
+    try:
+        for url, said in (
+            (f"redis://:NotThePassword@127.0.0.1:{locked.port}/0", "refused the URL's credentials"),
+            (f"redis://:right@127.0.0.1:{locked.port}/99", "no database of the URL's number"),
+        ):
+            task_id = str(uuid.uuid4())
+            with pointed_at(proj.app, threads_redis_url=url, threads_publish_timeout=5.0):
+                with pytest.raises(ConfigurationError, match=said) as info:
+                    proj.record.apply_async((tid("refused"), "x"), task_id=task_id)
+            assert "NotThePassword" not in str(info.value) and "threads_redis_url" in str(info.value)
+            assert task_id.encode() not in b"".join(redis.Redis(port=locked.port, password="right").keys())
+        name = uuid.uuid4().hex[:8]
+        env = {
+            **deployment_env(redis_server),
+            "CT_REDIS_URL": f"redis://:NotThePassword@127.0.0.1:{locked.port}/0",
+            "CT_QUEUE": f"q-{name}",
+        }
+        worker = CeleryProcess("worker", env, ["-c", "1", "-n", f"refused-{name}@%h"], "refused").start()
+        try:
+            wait_for(lambda: worker.proc.poll() is not None, timeout=120, what="the worker to stop")
+            assert worker.proc.returncode != 0
+            assert (
+                "refused the URL's credentials" in worker.output() and "NotThePassword" not in worker.output()
+            )
+        finally:
+            worker.stop()
+    finally:
+        locked.stop()
 
 
 def test_beat_with_a_wrong_setting_stops_as_a_worker_does(tmp_path):

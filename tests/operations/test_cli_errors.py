@@ -113,6 +113,10 @@ def test_json_errors_of_settings_and_an_unreachable_gate(app, env, cli):
     with pointed_at(app, threads_redis_url=None, broker_url="amqp://guest@127.0.0.1:1//"):
         error = json_error(cli("stats", "--json"), "config", 78)
     assert "threads_redis_url" in error["error"]
+    # A database the server does not have is a setting to fix, not an error of the server.
+    with pointed_at(app, threads_redis_url=app.conf.threads_redis_url.rsplit("/", 1)[0] + "/99"):
+        error = json_error(cli("ls", "--json"), "config", 78)
+    assert "no database of the URL's number" in error["error"], error
 
     # A real process too: stdout is the JSON object, stderr the message.
     done = celery_process({**env, "CT_REDIS_URL": f"redis://127.0.0.1:{port}/0"}, "stats", "--json")
