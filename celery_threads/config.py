@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import math
 import re
 from dataclasses import dataclass, field
@@ -13,7 +14,10 @@ from celery.utils.serialization import strtobool
 from kombu.utils.url import maybe_sanitize_url
 
 from .errors import ConfigurationError
+from .logs import get_logger
 from .redis_options import gate_redis_options
+
+logger = get_logger(__name__)
 
 _ATTR = "_celery_threads_config"
 
@@ -270,8 +274,28 @@ def read_config(app: Celery) -> ThreadsConfig:
             app, "threads_dead_letter_ttl", expected=f"None (kept) or {_SECONDS}", optional=True
         ),
     )
+    _warn_unknown(app)
     setattr(app, _ATTR, config)
     return config
+
+
+def _warn_unknown(app: Celery) -> None:
+    """Warn of each ``threads_*`` setting in ``app.conf`` that is none of this package's (a typo
+    would be ignored without a word, the setting's default used), naming the likely one."""
+    for key in list(app.conf.keys()):
+        name = str(key).lower()
+        name = name[len("celery_") :] if name.startswith("celery_threads_") else name
+        if not name.startswith("threads_") or name in DEFAULTS:
+            continue
+        close = difflib.get_close_matches(name, DEFAULTS, n=1, cutoff=0.75)
+        if close and str(key).isupper():  # CELERY_THREADS_*, as Django settings name them
+            close = [str(key)[: len(str(key)) - len(name)] + close[0].upper()]
+        logger.warning(
+            "celery-threads: app.conf has %s, which is no celery-threads setting; it is ignored%s "
+            "(the settings: docs/settings.md)",
+            key,
+            f": did you mean {close[0]}?" if close else "",
+        )
 
 
 def forget_config(app: Celery) -> None:

@@ -120,6 +120,30 @@ def test_a_replica_or_a_full_server_is_named_as_such_not_as_missing_rights(proj,
             server.stop()
 
 
+def test_a_misspelled_setting_is_warned_of_with_the_likely_one(caplog):
+    """A ``threads_*`` name that is no setting was ignored without a word (its default used)."""
+
+    class Django:
+        CELERY_BROKER_URL = "redis://127.0.0.1:1/0"
+        CELERY_THREADS_KEEP_ALIVE = 10
+
+    plain = Celery("typo", broker="redis://127.0.0.1:1/0", set_as_current=False)
+    plain.conf.update(threads_keep_alive=10, threads_dispatch_intervall=2, threads_keepalive=5, threads_xyz=1)
+    django = Celery("typo-django", set_as_current=False)
+    django.config_from_object(Django, namespace="CELERY")
+    with caplog.at_level("WARNING", logger="celery_threads.config"):
+        assert read_config(plain).keepalive == 5
+        assert read_config(django).keepalive == 30.0
+    said = [r.getMessage() for r in caplog.records]
+    assert any("threads_keep_alive" in m and "did you mean threads_keepalive?" in m for m in said), said
+    assert any(
+        "threads_dispatch_intervall" in m and "did you mean threads_dispatch_interval?" in m for m in said
+    )
+    assert any("threads_xyz, which is no celery-threads setting; it is ignored (" in m for m in said), said
+    assert any("did you mean CELERY_THREADS_KEEPALIVE?" in m for m in said), said
+    assert len(said) == 4 and not any("threads_keepalive," in m for m in said), said
+
+
 def test_a_wrong_password_or_database_is_a_setting_to_fix_not_an_outage(redis_server, proj, isolated_app):
     """The server answers at once that the URL is wrong: a producer gets a ConfigurationError
     (it got GateUnavailable, which says to call again later), and a worker stops at start, as for
