@@ -17,6 +17,8 @@ from kombu import Exchange, Queue
 from kombu.serialization import dumps as _kombu_dumps
 from kombu.serialization import loads as _kombu_loads
 from kombu.serialization import prepare_accept_content
+from kombu.utils.json import JSONEncoder as KombuJSONEncoder
+from kombu.utils.json import loads as kombu_json_loads
 
 from .errors import ReleaseExpired, UndecodableEnvelope
 from .gate import Release
@@ -133,9 +135,21 @@ def _is_utf8(payload: bytes) -> bool:
     return True
 
 
+class _HeaderEncoder(KombuJSONEncoder):
+    """kombu's JSON, so that a header value of the types kombu carries (a datetime, a UUID, a
+    Decimal, bytes...) comes back as itself (:func:`decode_envelope`), and reaches the task as
+    kombu's own Redis transport brings it; the ``repr`` of anything else."""
+
+    def default(self, o: Any) -> Any:
+        try:
+            return super().default(o)
+        except TypeError:
+            return repr(o)
+
+
 def _compact(value: Any) -> str:
     # ASCII only (ensure_ascii), so the length of the text is its length in bytes.
-    return json.dumps(value, separators=(",", ":"), default=repr)
+    return json.dumps(value, separators=(",", ":"), cls=_HeaderEncoder)
 
 
 def _direct_ok(headers: dict[str, Any], rest: dict[str, Any]) -> bool:
@@ -177,7 +191,7 @@ def _loads(body: bytes, content_type: str, content_encoding: str, accept: Option
 def decode_envelope(envelope: bytes) -> tuple[dict[str, Any], bytes]:
     header, _, body = envelope.partition(b"\n")
     try:
-        decoded = json.loads(header)
+        decoded = kombu_json_loads(header)
         if not isinstance(decoded, dict) or not isinstance(decoded.get("headers"), dict):
             raise ValueError("no message headers")
     except ValueError as exc:

@@ -166,6 +166,13 @@ def record_request(self, thread, label):
     return [self.request.thread_id, self.request.thread_token]
 
 
+@app.task(base=ThreadedTask, bind=True, thread_key="thread")
+def header_types(self, thread, label, *names):
+    """The type names of its request's custom headers ``names`` (they come back as sent)."""
+    with _Span(self, thread, label):
+        return [type(getattr(self.request, name, None)).__name__ for name in names]
+
+
 @app.task(base=ThreadedTask, bind=True, thread_key="thread", debounce=1.0, debounce_max=30)
 def debounced(self, thread, label):
     """Declared with debounce (and debounce_max): a burst of calls in a thread runs once."""

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import uuid
+from datetime import datetime, timezone
+
 import pytest
 import redis
 from celery import chain, chord, group
@@ -338,3 +341,28 @@ def test_a_message_sent_by_name_with_invalid_retry_settings_is_rejected(proj, ma
     assert "default_retry_delay=-1" in w.output()
     threads = Threads(proj.app)
     assert threads.get(thread) is None and threads.gate.reads.thread_of(sent.id) is None
+
+
+def test_custom_headers_reach_every_member_as_they_were_sent(proj, worker, r):
+    """Header values of the types kombu's JSON carries (a datetime, a UUID, a Decimal) reach
+    the task as themselves, as they reach a plain task on the Redis broker, whichever way the
+    member was released (its own call's publish, the gate's, a pool process's handoff).  The
+    stored message kept their repr, so a member that had waited got text."""
+    import decimal
+
+    thread, go = tid("headers"), f"go:{tid()}"
+    headers = {
+        "custom_dt": datetime(2021, 5, 6, 7, 8, 9, tzinfo=timezone.utc),
+        "custom_uuid": uuid.uuid4(),
+        "custom_decimal": decimal.Decimal("1.5"),
+    }
+    names = tuple(headers)
+    blocker = proj.record.apply_async((thread, "busy"), {"until": go}, headers=headers)
+    wait_for(lambda: starts(r, thread) == ["busy"], what="busy to start")
+    waited = [proj.header_types.apply_async((thread, f"m{i}", *names), headers=headers) for i in range(3)]
+    r.set(go, 1)
+    assert blocker.get(timeout=30) == "busy"
+    first = proj.header_types.apply_async((tid("headers-idle"), "idle", *names), headers=headers)
+    expected = ["datetime", "UUID", "Decimal"]
+    assert first.get(timeout=30) == expected
+    assert [x.get(timeout=30) for x in waited] == [expected] * 3
