@@ -21,6 +21,26 @@ THREAD_HEADER = "thread_id"
 TOKEN_HEADER = "thread_token"
 REPUBLISHED_HEADER = "thread_republished"  # a release that may reach the broker twice
 OUR_HEADERS = (THREAD_HEADER, TOKEN_HEADER, REPUBLISHED_HEADER)
+#: The threads_key_prefix of the gate that stored a member (in its stored message): a worker
+#: whose gate has another says so, where it would only find the release stale.
+GATE_HEADER = "thread_gate"
+
+
+def foreign_gate(headers: Any, prefix: str) -> Optional[str]:
+    """The key prefix of the gate a delivery came from (``headers``: its message's headers, or a
+    request), when it is not ``prefix``, this process's; else ``None``."""
+    theirs = headers.get(GATE_HEADER) if isinstance(headers, dict) else getattr(headers, GATE_HEADER, None)
+    return theirs if isinstance(theirs, str) and theirs != prefix else None
+
+
+def foreign_gate_text(theirs: str, ours: str) -> str:
+    """What a worker says of a release from a gate whose key prefix is not its own."""
+    return (
+        f"its release came from the gate with threads_key_prefix={theirs!r}, and this worker's gate "
+        f"has {ours!r}: it cannot run here. Give producers and workers the same "
+        "threads_key_prefix (and threads_redis_url)"
+    )
+
 
 #: The dispatcher's task and its beat entry.
 DISPATCH_TASK = "celery_threads.dispatch"

@@ -28,6 +28,7 @@ from .gate import Enqueue, Outcome, Release, deadline, transport
 from .install import install
 from .logs import get_logger
 from .protocol import (
+    GATE_HEADER,
     OUR_HEADERS,
     SUPERSEDE_OPTIONS,
     THREAD_HEADER,
@@ -169,6 +170,7 @@ class ThreadedTask(Task):
         eta = options.pop("eta", None)
         task_id = task_id or uuid()
         config = read_config(app)
+        headers[GATE_HEADER] = config.key_prefix  # kept in its stored message, for every release
         # A producer's call waits for the gate threads_publish_timeout in all; a member's calls
         # ride out outages as the rest of its worker does (its lease covers the wait).
         bound = nullcontext(None) if call.from_member else deadline.within(config.publish_timeout)

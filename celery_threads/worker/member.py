@@ -10,6 +10,7 @@ hands each delivery to :func:`run`; ``ThreadedTask.apply_async`` asks :func:`cur
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any, Callable, NamedTuple, Optional
 
@@ -18,7 +19,7 @@ from celery.exceptions import Ignore, Reject, Retry
 
 from ..gate import DELETED, Claim, Gate, Outcome, deadline
 from ..logs import get_logger
-from ..protocol import THREAD_HEADER, TOKEN_HEADER
+from ..protocol import THREAD_HEADER, TOKEN_HEADER, foreign_gate, foreign_gate_text
 from ..runtime import Runtime, get_runtime
 from . import handoff
 from .lease import Keeper, Lease, new_claimant, stoppable
@@ -197,12 +198,18 @@ def _claim(
         raise Ignore() from exc
     if status != Claim.CLAIMED:
         # Another delivery of this release started first (or it went stale in between).
-        logger.info(
+        theirs = foreign_gate(task.request, runtime.config.key_prefix)
+        logger.log(
+            logging.WARNING if theirs is not None else logging.INFO,
             "celery-threads: not running %s[%s] of thread %s: %s",
             task.name,
             task_id,
             thread_id,
-            "claimed by another delivery" if status == Claim.ALREADY_CLAIMED else "stale release",
+            foreign_gate_text(theirs, runtime.config.key_prefix)
+            if theirs is not None
+            else "claimed by another delivery"
+            if status == Claim.ALREADY_CLAIMED
+            else "stale release",
         )
         raise Ignore()
     return claimed_ms, keeper.lease(thread_id, task_id, token, claimant, sent)

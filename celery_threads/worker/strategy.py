@@ -15,6 +15,7 @@ strategy), before any pool process runs it.
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Optional
 
 import redis
@@ -31,6 +32,8 @@ from ..protocol import (
     THREADED_REQUEST,
     TOKEN_HEADER,
     eta_ms,
+    foreign_gate,
+    foreign_gate_text,
     retry_settings,
 )
 from ..publish import encode_envelope
@@ -119,7 +122,11 @@ def threaded_strategy(task: Any, app: Any, consumer: Any, **kwargs: Any) -> Any:
             # RUNNING under this token: a redelivery of a member another attempt has started;
             # anything else: a stale release.  Either way the live task is not touched.
             why = "a duplicate delivery" if state == "RUNNING" else "a stale release"
-            logger.info(
+            theirs = foreign_gate(headers, runtime.config.key_prefix)
+            if theirs is not None:
+                why = foreign_gate_text(theirs, runtime.config.key_prefix)
+            logger.log(
+                logging.WARNING if theirs is not None else logging.INFO,
                 "celery-threads: dropped %s[%s] of thread %s: %s (token %s)",
                 task.name,
                 task_id,

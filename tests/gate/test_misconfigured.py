@@ -206,3 +206,21 @@ def test_beat_with_a_wrong_setting_stops_as_a_worker_does(tmp_path):
     )
     assert done.returncode == 78, done.stdout + done.stderr
     assert "threads_keepalive='abc' is not a number of seconds" in done.stdout + done.stderr
+
+
+def test_a_worker_whose_gate_has_another_prefix_says_so(proj, make_deployment):
+    """A producer whose threads_key_prefix is not its workers' stores its members in a gate no
+    worker serves: a worker found each release stale and said so at INFO.  It now names both
+    prefixes, at WARNING (the release's stored message names the gate that stored it)."""
+    from tests.support.isolated import pointed_at
+
+    d = make_deployment()
+    worker = d.worker("prefix", concurrency=1)
+    ours = d.env["CT_KEY_PREFIX"]
+    theirs = f"{ours}-producer"
+    with pointed_at(proj.app, threads_key_prefix=theirs):
+        result = proj.record.delay(tid("prefix"), "lost")
+    wait_for(lambda: "threads_key_prefix=" in worker.output(), timeout=60, what="the worker to say why")
+    line = next(x for x in worker.output().splitlines() if "threads_key_prefix=" in x)
+    assert "WARNING" in line and result.id in line, line
+    assert f"threads_key_prefix={theirs!r}" in line and f"has {ours!r}" in line, line
