@@ -506,20 +506,21 @@ class Threads:
     def _summaries(self, thread_ids: list[str]) -> Iterator[ThreadSummary]:
         now = self.reads.now_ms()
         reasons = self.reads.paused_reasons(thread_ids)
-        for thread_id, (active, waiting, head), reason in zip(
+        for thread_id, (active, waiting, head, due), reason in zip(
             thread_ids, self.reads.thread_summaries(thread_ids), reasons
         ):
             if not active and head is None and reason is None:
                 continue  # it ended between the scan and the read
             since = _int(active.get("since"))
+            eligible = _eligible(head[1] if head else None, due, active)
             yield ThreadSummary(
                 thread_id=thread_id,
                 members=waiting + (1 if active else 0),
                 active_task=active.get("task"),
                 active_state=active.get("state"),
                 active_for=None if since is None else (now - since) / 1000.0,
-                next_eligible_at=None if head is None else _at(head[1]),
-                head_age=None if head is None else (now - head[1]) / 1000.0,
+                next_eligible_at=_utc(eligible),
+                head_age=None if eligible is None else (now - eligible) / 1000.0,
                 paused=reason,
             )
 
@@ -546,11 +547,11 @@ class Threads:
             paused = self.reads.paused(shard)
             lapsed = [(t, score) for t, score in lapsed if t not in paused]
             rows = self.reads.thread_summaries([t for t, _ in lapsed] + [t for t, _ in due])
-            for (thread_id, score), (active, _, _) in zip(lapsed, rows[: len(lapsed)]):
+            for (thread_id, score), (active, _, _, _) in zip(lapsed, rows[: len(lapsed)]):
                 stuck = _stuck_active(thread_id, score, active, now, cutoff)
                 if stuck is not None:
                     found.append(stuck)
-            for (thread_id, _score), (active, _, head) in zip(due, rows[len(lapsed) :]):
+            for (thread_id, _score), (active, _, head, _) in zip(due, rows[len(lapsed) :]):
                 if active or head is None or head[1] > cutoff:
                     continue  # released, or displaced by a later head, since the read
                 found.append(_stuck_head(thread_id, head[0], head[1], now))
@@ -718,7 +719,7 @@ class ThreadStatus(NamedTuple):
     now: datetime  # the Redis server's clock when it was read
     active: Optional[ActiveStatus]
     waiting: list[WaitingStatus]  # in the order they would be released
-    next_eligible_at: Optional[datetime]  # the head's scheduled_at
+    next_eligible_at: Optional[datetime]  # the head's scheduled_at, or later under a rate limit
     head_age: Optional[float]  # seconds since the head became eligible; negative: not yet
     paused: Optional[str] = None  # the pause's reason, or None
 
@@ -735,7 +736,7 @@ class ThreadSummary(NamedTuple):
     active_task: Optional[str]
     active_state: Optional[str]
     active_for: Optional[float]  # seconds the active member has been active
-    next_eligible_at: Optional[datetime]  # the head's scheduled_at
+    next_eligible_at: Optional[datetime]  # the head's scheduled_at, or later under a rate limit
     head_age: Optional[float]  # seconds since the head became eligible; negative: not yet
     paused: Optional[str] = None  # the pause's reason, or None
 
@@ -857,7 +858,9 @@ def _status(snapshot: ThreadSnapshot, now: int) -> ThreadStatus:
         )
         for task_id, ms in snapshot.waiting
     ]
-    head_ms = snapshot.waiting[0][1] if snapshot.waiting else None
+    head_ms = _eligible(
+        snapshot.waiting[0][1] if snapshot.waiting else None, snapshot.due_at, snapshot.active
+    )
     return ThreadStatus(
         thread_id=snapshot.thread_id,
         now=_at(now),
@@ -867,6 +870,14 @@ def _status(snapshot: ThreadSnapshot, now: int) -> ThreadStatus:
         head_age=None if head_ms is None else (now - head_ms) / 1000.0,
         paused=snapshot.paused,
     )
+
+
+def _eligible(head_ms: Optional[int], due_ms: Optional[int], active: Any) -> Optional[int]:
+    """When a thread's head is eligible: its scheduled_at, or, for an idle thread, its due index
+    score when later (a thread_rate_limit holds the head until then)."""
+    if head_ms is None or active or due_ms is None:
+        return head_ms
+    return max(head_ms, due_ms)
 
 
 def _stuck_active(

@@ -269,9 +269,11 @@ class GateReads:
 
     def thread_summaries(
         self, thread_ids: Sequence[str]
-    ) -> list[tuple[dict[str, str], int, Optional[tuple[str, int]]]]:
-        """For each thread: its active hash, how many members wait, and its head as
-        ``(task id, scheduled_at ms)`` (``None`` when none waits); a read-only script per shard
+    ) -> list[tuple[dict[str, str], int, Optional[tuple[str, int]], Optional[int]]]:
+        """For each thread: its active hash, how many members wait, its head as ``(task id,
+        scheduled_at ms)`` (``None`` when none waits), and when an idle thread's head is released
+        (its due index score: the head's scheduled_at, or later under a thread_rate_limit;
+        ``None`` while a member is active or the thread is paused); a read-only script per shard
         (a head's task id needs its record), pipelined."""
         if not thread_ids:
             return []
@@ -279,24 +281,25 @@ class GateReads:
         for i, thread_id in enumerate(thread_ids):
             by_shard.setdefault(self.keys.shard_of(thread_id), []).append(i)
         pipe = self.client.pipeline(transaction=False)
-        calls: list[list[str]] = []
+        calls: list[tuple[list[str], list[str]]] = []
         for shard, indexes in by_shard.items():
-            keys = [self.keys.shard(shard).tasks]
+            keys = [self.keys.shard(shard).tasks, self.keys.shard(shard).due]
             for i in indexes:
                 thread = self.keys.thread(thread_ids[i])
                 keys += [thread.active, thread.queue]
-            calls.append(keys)
-            self._summaries(keys=keys, args=[], client=pipe)
+            calls.append((keys, [thread_ids[i] for i in indexes]))
+            self._summaries(keys=keys, args=calls[-1][1], client=pipe)
         rows: list[Any] = [None] * len(thread_ids)
         results = rerun_unrun(
-            pipe.execute(raise_on_error=False), lambda n: self._summaries(keys=calls[n], args=[])
+            pipe.execute(raise_on_error=False), lambda n: self._summaries(keys=calls[n][0], args=calls[n][1])
         )
         for indexes, replies in zip(by_shard.values(), results):
-            for i, (active, waiting, head, at) in zip(indexes, replies):
+            for i, (active, waiting, head, at, due) in zip(indexes, replies):
                 rows[i] = (
                     {_text(k): _text(v) for k, v in zip(active[::2], active[1::2])},
                     int(waiting),
                     (_text(head), int(at)) if at not in (b"", "") else None,
+                    int(float(due)) if due not in (b"", "") else None,
                 )
         return rows
 

@@ -181,7 +181,7 @@ def _active_task_id(member: Member) -> Optional[str]:
     slot): the thread's active member in the gate, when it is that member under that token
     (else it is no longer active there, and there is nothing to fail)."""
     try:
-        [(active, _, _)] = get_runtime(_app).gate.reads.thread_summaries([member.thread_id])
+        [(active, _, _, _)] = get_runtime(_app).gate.reads.thread_summaries([member.thread_id])
     except Exception:
         logger.exception(
             "celery-threads: could not read the active member of thread %s from "

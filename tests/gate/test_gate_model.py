@@ -1430,7 +1430,7 @@ class GateMachine(RuleBasedStateMachine):
                     )
         elif turn == 4:
             rows = self.gate.reads.thread_summaries(threads)
-            for thread_id, (active, waiting, head) in zip(threads, rows):
+            for thread_id, (active, waiting, head, _due) in zip(threads, rows):
                 thread = model.threads.get(thread_id)
                 queue = thread.waiting() if thread else []
                 want_task = thread.active.task_id if thread and thread.active else None

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
 
 import pytest
 import redis
@@ -262,3 +263,25 @@ def test_policy_values_are_checked(proj):
     ):
         with pytest.raises(ConfigurationError, match=next(iter(options))):
             proj.record.apply_async(("t", "x"), **options)
+
+
+def test_a_head_held_by_its_rate_shows_when_it_is_released(isolated_app):
+    """``show`` and ``ls`` give an idle thread's head as eligible when its thread_rate_limit lets
+    it go, not at its scheduled_at: a head a rate of 1/m held showed as eligible since its
+    arrival, a due member that did not move."""
+    from celery_threads.runtime import get_runtime
+    from tests.support.isolated import envelope
+
+    gate = get_runtime(isolated_app).gate
+    threads = Threads(isolated_app)
+    thread, first, second = tid("rate-shown"), str(uuid.uuid4()), str(uuid.uuid4())
+    release = gate.enqueue(thread, first, envelope(first, thread), policy="r60000").release
+    assert release is not None and gate.claim(thread, first, release.token, "test") == Claim.CLAIMED
+    assert gate.finish(thread, first, release.token).done
+    assert gate.enqueue(thread, second, envelope(second, thread), policy="r60000").release is None
+    status = threads.status(thread)
+    assert status is not None and status.active is None
+    assert 55 < -status.head_age <= 60, status.head_age
+    assert status.next_eligible_at > status.waiting[0].scheduled_at + timedelta(seconds=55)
+    [summary] = [s for s in threads.summaries() if s.thread_id == thread]
+    assert 55 < -summary.head_age <= 60 and summary.next_eligible_at == status.next_eligible_at
