@@ -56,6 +56,8 @@ def rate_interval_ms(value: Any, where: str) -> Optional[int]:
     if value is None:
         return None
     try:
+        if isinstance(value, bool):  # True is no rate (it read as 1/s)
+            raise TypeError(value)
         per_second = float(rate(value))
     except (TypeError, ValueError, KeyError, AttributeError) as exc:
         raise ConfigurationError(

@@ -260,6 +260,7 @@ def test_policy_values_are_checked(proj):
         {"max_waiting": True},
         {"thread_rate_limit": "fast"},
         {"thread_rate_limit": "0/s"},
+        {"thread_rate_limit": True},
     ):
         with pytest.raises(ConfigurationError, match=next(iter(options))):
             proj.record.apply_async(("t", "x"), **options)
