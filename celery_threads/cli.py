@@ -827,7 +827,9 @@ def restart(ctx: click.Context, task_id: str, as_json: bool) -> None:
 @threads.command()
 @click.argument("task_id", required=False)
 @click.option("--all", "forget_all", is_flag=True, help="Forget every dead task.")
-@click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation (with --all).")
+@click.option(
+    "--yes", "-y", "--force", "-f", "yes", is_flag=True, help="Do not ask for confirmation (with --all)."
+)
 @json_option
 @click.pass_context
 @_guarded
@@ -933,7 +935,7 @@ def redrive(
 
 @threads.command()
 @click.argument("thread_id", required=False)
-@click.option("--force", "-f", is_flag=True, help="Do not ask for confirmation.")
+@click.option("--force", "-f", "--yes", "-y", "force", is_flag=True, help="Do not ask for confirmation.")
 @json_option
 @click.pass_context
 @_guarded
@@ -941,14 +943,14 @@ def purge(ctx: click.Context, thread_id: Optional[str], force: bool, as_json: bo
     """Drop the waiting members of THREAD_ID, or of every thread.
 
     A released or running member goes on.  Dropped members end as REVOKED in the result
-    backend.  Asks first, unless -f.
+    backend.  Asks first when there are any, unless -f (or -y).
     """
     # A thread without waiting members (or unknown) drops nothing, with exit status 0: purge is a
     # bulk, idempotent operation (run again, it finds nothing left), so "nothing to do" is done.
     t = _threads(ctx)
     waiting = t.waiting_count(thread_id)
     where = f"thread {_id(thread_id)}" if thread_id is not None else "every thread"
-    if not force:
+    if not force and waiting:
         click.confirm(
             f"Drop the {waiting} waiting member{'s' if waiting != 1 else ''} of "
             f"{where}? This cannot be undone.",

@@ -99,7 +99,9 @@ def test_json_errors_of_the_command_line(cli):
 
 
 def test_json_error_of_a_question_answered_no(proj, app, cli):
-    proj.record.delay(tid("cli-err"), "a")
+    thread = tid("cli-err")
+    proj.record.delay(thread, "a")
+    proj.record.delay(thread, "b")  # waits: a question to answer
     result = cli("purge", "--json", input="n\n")
     json_error(result, "aborted", 1)
     assert "Aborted" in result.stderr
@@ -193,6 +195,17 @@ def test_nothing_to_do_is_done(cli):
         result = cli(*args, "--json")
         assert result.exit_code == 0, (args, result.output)
         assert set(json.loads(result.stdout).values()) == {0}
+    # Nothing to drop: no question (with no answer to give, it aborted with status 1).
+    result = cli("purge", "no-such-thread", input="")
+    assert result.exit_code == 0 and "Dropped 0 waiting members" in result.stdout, result.output
+    # Both commands that ask take both spellings of "do not ask".
+    for args in (
+        ("purge", "-y", "no-such-thread"),
+        ("purge", "--yes", "no-such-thread"),
+        ("forget", "--all", "-f"),
+    ):
+        result = cli(*args, "--json")
+        assert result.exit_code == 0, (args, result.output)
 
 
 # -- ids with control characters --------------------------------------------------------------
