@@ -183,7 +183,7 @@ class Runtime:
                 continue
             except UndecodableEnvelope as exc:
                 # Republishing could never help: the member dies and its thread moves on.
-                self.kill(
+                self.kill_unrunnable(
                     release.thread_id,
                     release.task_id,
                     release.token,
@@ -420,6 +420,26 @@ class Runtime:
         if outcome.done and outcome.info != DELETED:  # DELETED: deleted while it ran, not dead
             self.announce_death(thread_id, task_id, exception, retries)
         return outcome
+
+    def kill_unrunnable(
+        self,
+        thread_id: str,
+        task_id: str,
+        token: str,
+        *,
+        exc: BaseException,
+        retries: int,
+        reason: str,
+        holder: Optional[str],
+        report: bool = True,
+    ) -> None:
+        """A released member whose message no worker can run dies: :meth:`kill`, and, unless a
+        Celery request reports it itself (``report`` false), ``FAILURE`` in the result backend,
+        as for a member that died."""
+        outcome = self.kill(thread_id, task_id, token, exc=exc, retries=retries, reason=reason, holder=holder)
+        if report and outcome.done and outcome.info != DELETED:
+            record = self.gate.reads.dead_record(task_id)
+            self.mark_failed(task_id, exc, record.envelope if record is not None else None)
 
     def announce_death(
         self, thread_id: str, task_id: str, exception: str, retries: int, record: Optional[DeadRecord] = None

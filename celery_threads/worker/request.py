@@ -82,7 +82,9 @@ class ThreadedRequest(Request):
             # (the message could not be decoded, the task never started) would hold the thread.
             # Fenced by the token: a no-op when the child did report it.  A hard time limit
             # (billiard reports it here, then calls on_timeout) is on_timeout's to end.
-            kill_unrunnable(get_runtime(self.task.app), self.request_dict, exc, pool_holder(self))
+            kill_unrunnable(
+                get_runtime(self.task.app), self.request_dict, exc, pool_holder(self), report=False
+            )
         super().on_failure(exc_info, send_failed_event=send_failed_event, return_ok=return_ok)
 
     def _end_lost_attempt(self, thread_id: str, token: str, exc: BaseException, exc_info: Any) -> bool:

@@ -162,27 +162,37 @@ def may_be_duplicate(message: Any) -> bool:
 
 
 def kill_unrunnable(
-    runtime: Runtime, headers: dict[str, Any], exc: BaseException, holder: Optional[str] = NO_HOLDER
+    runtime: Runtime,
+    headers: dict[str, Any],
+    exc: BaseException,
+    holder: Optional[str] = NO_HOLDER,
+    report: bool = True,
 ) -> None:
     """A released member whose message no worker can run dies now, instead of being republished
-    forever: it goes to the dead letters with the reason, and its thread moves on.  ``holder``:
-    the claimant prefix of the pool process that had the message (see :meth:`Gate.kill`); by
-    default none did, and a member another delivery's claim runs is left alone."""
+    forever: it goes to the dead letters with the reason, its result is ``FAILURE`` (a member
+    that died), and its thread moves on.  ``holder``: the claimant prefix of the pool process
+    that had the message (see :meth:`Gate.kill`); by default none did, and a member another
+    delivery's claim runs is left alone.  ``report``: false where Celery's request stores the
+    failure itself."""
     token = headers.get(TOKEN_HEADER)
     if not token:
         return
+    task_id = str(headers.get("id"))
     try:
-        runtime.kill(
+        runtime.kill_unrunnable(
             str(headers.get(THREAD_HEADER)),
-            str(headers.get("id")),
+            task_id,
             str(token),
             exc=exc,
             retries=int(headers.get("retries") or 0),
             holder=holder,
             reason=f"{type(exc).__name__}: the worker cannot run this message: {exc}",
+            report=report,
         )
-    except Exception:
-        logger.exception("celery-threads: could not dead-letter unrunnable member %s", headers.get("id"))
+    except Exception as failed:
+        logger.error(
+            "celery-threads: could not dead-letter unrunnable member %s: %r", task_id, failed, exc_info=True
+        )
 
 
 def on_unrunnable_message(sender: Any = None, message: Any = None, exc: Any = None, **kwargs: Any) -> None:

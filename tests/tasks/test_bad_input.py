@@ -318,6 +318,15 @@ def test_undecodable_stored_message_is_dead_lettered_and_its_thread_moves_on(
     )
     assert bad_id not in _starts(cluster, thread)
     wait_for(lambda: threads.get(thread) is None, what="the thread to vanish")
+    _wait_failed(tasks, bad_id)
+
+
+def _wait_failed(tasks: Any, task_id: str) -> None:
+    """A member that died is FAILURE in the result backend (it stayed PENDING)."""
+    wait_for(
+        lambda: tasks.app.backend.get_task_meta(task_id, cache=False)["status"] == "FAILURE",
+        what=f"{task_id} FAILURE in the result backend",
+    )
 
 
 # -- a task name no worker knows -----------------------------------------------------------------
@@ -349,6 +358,7 @@ def test_task_name_no_worker_knows_is_dead_lettered_and_its_thread_moves_on(
     [dead] = [d for d in threads.dead() if d.task_id == orphan.id]
     assert re.search(r"NotRegistered|unregistered|unknown", dead.exception, re.I), dead.exception
     assert dead.name == name
+    _wait_failed(tasks, orphan.id)
 
 
 # -- the gate's Redis unreachable when publishing ---------------------------------------------
