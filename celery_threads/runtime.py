@@ -183,7 +183,7 @@ class Runtime:
                 continue
             except UndecodableEnvelope as exc:
                 # Republishing could never help: the member dies and its thread moves on.
-                self.kill_unrunnable(
+                self.kill(
                     release.thread_id,
                     release.task_id,
                     release.token,
@@ -191,6 +191,7 @@ class Runtime:
                     retries=0,
                     reason=f"UndecodableEnvelope: {exc}",
                     holder=NO_HOLDER,
+                    report=True,
                 )
             except Exception:
                 logger.exception(
@@ -404,9 +405,12 @@ class Runtime:
         caller: Optional[str] = None,
         fenced: bool = False,
         holder: Optional[str] = None,
+        report: bool = False,
     ) -> Outcome:
         """The member died: record it (unless ``keep`` is false), tell listeners, promote the next.
-        ``fenced``, ``holder``: whose run it ends (see :meth:`Gate.kill`)."""
+        ``fenced``, ``holder``: whose run it ends (see :meth:`Gate.kill`).  ``report``: no Celery
+        request ends it (its message cannot run anywhere), so it is ``FAILURE`` in the result
+        backend from here, as any member that died."""
         exception = reason or f"{type(exc).__name__}: {exc}"
         trace = getattr(einfo, "traceback", None) or "".join(
             tb.format_exception(type(exc), exc, exc.__traceback__)
@@ -418,32 +422,16 @@ class Runtime:
             )
         )
         if outcome.done and outcome.info != DELETED:  # DELETED: deleted while it ran, not dead
-            self.announce_death(thread_id, task_id, exception, retries)
+            record = self.announce_death(thread_id, task_id, exception, retries)
+            if report:
+                self.mark_failed(task_id, exc, record.envelope if record is not None else None)
         return outcome
-
-    def kill_unrunnable(
-        self,
-        thread_id: str,
-        task_id: str,
-        token: str,
-        *,
-        exc: BaseException,
-        retries: int,
-        reason: str,
-        holder: Optional[str],
-        report: bool = True,
-    ) -> None:
-        """A released member whose message no worker can run dies: :meth:`kill`, and, unless a
-        Celery request reports it itself (``report`` false), ``FAILURE`` in the result backend,
-        as for a member that died."""
-        outcome = self.kill(thread_id, task_id, token, exc=exc, retries=retries, reason=reason, holder=holder)
-        if report and outcome.done and outcome.info != DELETED:
-            record = self.gate.reads.dead_record(task_id)
-            self.mark_failed(task_id, exc, record.envelope if record is not None else None)
 
     def announce_death(
         self, thread_id: str, task_id: str, exception: str, retries: int, record: Optional[DeadRecord] = None
-    ) -> None:
+    ) -> Optional[DeadRecord]:
+        """Log a death, send it to the dead-letter queue and tell ``member_dead``; the member's
+        dead record (``None`` when it is not kept)."""
         record = record or self.gate.reads.dead_record(task_id)
         name = task_name(record.envelope) if record else ""
         logger.warning(
@@ -459,6 +447,7 @@ class Runtime:
             exception=exception,
             retries=retries,
         )
+        return record
 
     def _send_dead_letter(self, thread_id: str, task_id: str, exception: str, envelope: bytes) -> None:
         try:

@@ -179,7 +179,7 @@ def kill_unrunnable(
         return
     task_id = str(headers.get("id"))
     try:
-        runtime.kill_unrunnable(
+        runtime.kill(
             str(headers.get(THREAD_HEADER)),
             task_id,
             str(token),
