@@ -366,7 +366,15 @@ def _command(command: str, value: Any) -> str:
             )
             + "'"
         )
-    return f"`celery threads {command} {'-- ' if text.startswith('-') else ''}{quoted}`"
+    return f"`{_celery()} {command} {'-- ' if text.startswith('-') else ''}{quoted}`"
+
+
+def _celery() -> str:
+    """``celery -A APP threads``, with the app as this command was given it (a hint copied
+    without it fails: "name your Celery app")."""
+    ctx = click.get_current_context(silent=True)
+    app = ctx.find_root().params.get("app") if ctx is not None else None
+    return f"celery -A {shlex.quote(app)} threads" if isinstance(app, str) and app else "celery threads"
 
 
 def _printable(text: str) -> str:
@@ -557,7 +565,7 @@ def ls(
         )
     )
     if total is None:
-        click.echo(f"first {len(shown)} threads shown; more exist (`celery threads stats` counts them)")
+        click.echo(f"first {len(shown)} threads shown; more exist (`{_celery()} stats` counts them)")
         return
     more = f" (first {len(shown)} shown)" if len(shown) < total else ""
     kind = " paused" if only_paused else ""
@@ -587,7 +595,7 @@ def show(ctx: click.Context, thread_id: str, as_json: bool) -> None:
     if status is None:
         raise CommandError(
             f"no thread {thread_id!r}: a thread exists only while it has members or is paused. "
-            "`celery threads ls` lists the existing threads."
+            f"`{_celery()} ls` lists the existing threads."
         )
     if as_json:
         _echo_json({**_jsonable(status), "members": status.members})
@@ -681,9 +689,9 @@ def delete(ctx: click.Context, task_id: str, as_json: bool) -> None:
     thread_id = t.thread_of(task_id)
     if thread_id is None or not t.delete(task_id):
         hint = (
-            "it is in the dead-letter store (see `celery threads forget`)"
+            f"it is in the dead-letter store (see `{_celery()} forget`)"
             if t.dead_task(task_id) is not None
-            else "it may have ended or been deleted already; `celery threads show THREAD_ID` "
+            else f"it may have ended or been deleted already; `{_celery()} show THREAD_ID` "
             "lists a thread's members"
         )
         raise CommandError(f"no thread has a member with task id {task_id!r}: {hint}.")
@@ -739,7 +747,7 @@ def resume(ctx: click.Context, thread_id: str, as_json: bool) -> None:
     else:
         click.echo(
             f"Thread {_id(thread_id)} is not paused: nothing to resume. "
-            "(`celery threads ls --paused` lists the paused threads.)"
+            f"(`{_celery()} ls --paused` lists the paused threads.)"
         )
 
 
@@ -780,7 +788,7 @@ def dead(ctx: click.Context, limit: int, as_json: bool) -> None:
     shown = f"the {len(tasks)} latest of " if total > len(tasks) else ""
     click.echo(
         f"{shown}{total} dead task{'s' if total != 1 else ''}; "
-        "`celery threads restart TASK_ID` runs one again" + ("; --limit 0 lists them all" if shown else "")
+        f"`{_celery()} restart TASK_ID` runs one again" + ("; --limit 0 lists them all" if shown else "")
     )
 
 
@@ -805,7 +813,7 @@ def restart(ctx: click.Context, task_id: str, as_json: bool) -> None:
                 "conflict",
             )
         raise CommandError(
-            f"{task_id!r} is not in the dead-letter store; `celery threads dead` lists the dead tasks"
+            f"{task_id!r} is not in the dead-letter store; `{_celery()} dead` lists the dead tasks"
         )
     try:
         # The task's max_retries and default_retry_delay come from its registered class.
@@ -844,7 +852,7 @@ def forget(ctx: click.Context, task_id: Optional[str], forget_all: bool, yes: bo
     if task_id:
         if not t.forget(task_id):
             raise CommandError(
-                f"{task_id!r} is not in the dead-letter store; `celery threads dead` lists the dead tasks"
+                f"{task_id!r} is not in the dead-letter store; `{_celery()} dead` lists the dead tasks"
             )
         if as_json:
             _echo_json({"forgotten": [task_id]})

@@ -526,7 +526,7 @@ def test_pause_shows_in_show_ls_and_stats_until_resume(proj, app, cli):
     assert as_json(cli("pause", held, "--reason", "fixing bug 13", "--json"))["was_paused"]
 
     out = ok(cli("show", held))
-    assert "PAUSED: fixing bug 13." in out and f"`celery threads resume {held}`" in out
+    assert "PAUSED: fixing bug 13." in out and f"`celery -A tests.support.proj threads resume {held}`" in out
     assert first in out and second in out  # the released member goes on; m1 waits
     data = as_json(cli("show", held, "--json"))
     assert (data["paused"], data["active"]["task_id"]) == ("fixing bug 13", first)

@@ -260,14 +260,14 @@ def test_ids_that_would_read_alike_are_told_apart_and_hints_are_shell_quoted(pro
     assert any(line.endswith(f"  {spaced!r}") for line in out.splitlines())
     assert any(line.endswith(f"  {quoted!r}") for line in out.splitlines())
     for thread, hint in (
-        (spaced, f"`celery threads resume '{spaced}'`"),
-        (dashed, f"`celery threads resume -- {dashed}`"),
+        (spaced, f"`celery -A tests.support.proj threads resume '{spaced}'`"),
+        (dashed, f"`celery -A tests.support.proj threads resume -- {dashed}`"),
     ):
         out = cli("pause", "--", thread).stdout
         assert hint in out, out
         assert cli("resume", "--", thread).exit_code == 0  # the hint's command works as given
     out = cli("pause", "--", quoted).stdout
-    assert f"""`celery threads resume ''"'"'{base}\\x00'"'"''`""" in out, out
+    assert f"""`celery -A tests.support.proj threads resume ''"'"'{base}\\x00'"'"''`""" in out, out
     cli("resume", quoted)
 
 
@@ -298,7 +298,7 @@ def test_restart_of_a_live_member_says_it_is_live_not_dead(proj, cli):
     message = result.stderr
     assert f"'{waiting}' is a live member of thread '{thread}' (not dead)" in message
     assert "nothing to restart" in message and "dead-letter store" not in message
-    assert f"celery threads show {thread}" in message
+    assert f"celery -A tests.support.proj threads show {thread}" in message
 
 
 def test_a_reader_that_goes_away_ends_the_command_quietly(proj, app, env):
