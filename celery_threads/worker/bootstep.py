@@ -10,6 +10,8 @@ watchdog and the worker's dispatch loop.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, Callable, Optional
 
 from celery import bootsteps
@@ -27,6 +29,17 @@ from .revoke import wrap_revoke_command
 logger = get_logger(__name__)
 
 
+@contextmanager
+def _stops_on_a_setting_to_fix() -> Iterator[None]:
+    """A :class:`ConfigurationError` stops the worker with one CRITICAL line, as beat stops
+    (install._on_beat_start), not a traceback; exit status 78 (EX_CONFIG), as `celery threads`."""
+    try:
+        yield
+    except ConfigurationError as exc:
+        logger.critical("celery-threads: the worker cannot start: %s", exc)
+        raise SystemExit(78) from None
+
+
 class ThreadsWorkerStep(bootsteps.StartStopStep):
     """Installed in every worker of an app with threaded tasks: renewer, lease watchdog and
     dispatch loop."""
@@ -37,10 +50,11 @@ class ThreadsWorkerStep(bootsteps.StartStopStep):
         self.renewer: Optional[LeaseRenewer] = None
         self.watchdog: Optional[lease.Watchdog] = None
         self.loop: Any = None
-        config = read_config(worker.app)
-        problem = unreachable(config)
-        if isinstance(problem, ConfigurationError):
-            raise problem  # TLS on one side only: a setting to fix, as a wrong one stops the worker
+        with _stops_on_a_setting_to_fix():
+            config = read_config(worker.app)
+            problem = unreachable(config)
+            if isinstance(problem, ConfigurationError):
+                raise problem  # TLS on one side only, credentials: a setting to fix
         if problem is not None:
             # As Celery's own "Cannot connect to ...": at once, then the dispatch loop goes on
             # saying so while the gate does not answer.
@@ -52,9 +66,12 @@ class ThreadsWorkerStep(bootsteps.StartStopStep):
                 config.shown_url,
                 f"{type(problem).__name__}: {problem}",
             )
+        with _stops_on_a_setting_to_fix():
+            # A gate that answers is checked now (its rights, its shard count); one that does
+            # not, at its first use.
+            runtime = get_runtime(worker.app)
         # Before the consumer fetches a release; raises when a seam that cannot fall back does
         # not hold (the worker does not start), else logs which seams are in use.
-        runtime = get_runtime(worker.app)  # a gate that does not answer is checked at first use
         self.fallen = seams.check_worker(worker.app, runtime.client if runtime.checked else None)
         processes.GREEN = bool(getattr(worker.pool_cls, "is_green", False))
         shared.prepare(shared.pool_size(worker))  # before the pool forks

@@ -173,7 +173,8 @@ def test_a_wrong_password_or_database_is_a_setting_to_fix_not_an_outage(redis_se
         worker = CeleryProcess("worker", env, ["-c", "1", "-n", f"refused-{name}@%h"], "refused").start()
         try:
             wait_for(lambda: worker.proc.poll() is not None, timeout=120, what="the worker to stop")
-            assert worker.proc.returncode != 0
+            assert worker.proc.returncode == 78  # EX_CONFIG, with one CRITICAL line, no traceback
+            assert "Traceback" not in worker.output()
             assert (
                 "refused the URL's credentials" in worker.output() and "NotThePassword" not in worker.output()
             )

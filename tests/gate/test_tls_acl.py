@@ -395,8 +395,9 @@ def test_tls_on_one_side_only_is_named_at_once_not_retried_as_an_outage(
     worker = CeleryProcess("worker", env, ["-c", "1", "-n", f"tls-{name}@%h"], "tls-mismatch").start()
     try:
         wait_for(lambda: worker.proc.poll() is not None, timeout=120, what="the worker to stop")
-        assert worker.proc.returncode != 0
+        assert worker.proc.returncode == 78  # EX_CONFIG, with one CRITICAL line, no traceback
         assert "expects TLS, and the URL says redis://" in worker.output()
+        assert "CRITICAL" in worker.output() and "Traceback" not in worker.output()
     finally:
         worker.stop()
 
