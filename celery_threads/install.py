@@ -14,7 +14,8 @@ from .protocol import BEAT_ENTRY, DISPATCH_TASK
 logger = get_logger(__name__)
 
 #: Where Celery logs a task's sending (beat), receipt and success (worker) at INFO.
-_TICK_LOGGERS = ("celery.beat", "celery.worker.strategy", "celery.app.trace")
+# celery.worker.request: "Discarding revoked task" of each tick that expired while no worker ran.
+_TICK_LOGGERS = ("celery.beat", "celery.worker.strategy", "celery.app.trace", "celery.worker.request")
 
 
 class _TickAtDebug(logging.Filter):

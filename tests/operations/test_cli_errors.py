@@ -271,6 +271,21 @@ def test_ids_that_would_read_alike_are_told_apart_and_hints_are_shell_quoted(pro
     cli("resume", quoted)
 
 
+def test_ticks_that_expired_unrun_are_discarded_at_debug(proj, caplog):
+    """Beat's dispatch ticks queued while no worker ran expire; the first worker discarded each
+    with an INFO line ("Discarding revoked task"), hundreds at once after a few minutes."""
+    import logging
+
+    from celery_threads.protocol import DISPATCH_TASK
+
+    logger = logging.getLogger("celery.worker.request")
+    with caplog.at_level(logging.INFO, logger="celery.worker.request"):
+        logger.info("Discarding revoked task: %s[%s]", DISPATCH_TASK, "tick-id")
+        logger.info("Discarding revoked task: %s[%s]", proj.record.name, "task-id")
+    said = [r.getMessage() for r in caplog.records if r.levelno >= logging.INFO]
+    assert said == [f"Discarding revoked task: {proj.record.name}[task-id]"], said
+
+
 def test_log_lines_show_ids_with_control_characters_escaped(caplog):
     """The package's own log lines (a member died, a lost attempt...) wrote ids raw: a NUL made
     grep take the worker's log for a binary file, and escape sequences reached terminals."""
