@@ -278,12 +278,13 @@ def test_ticks_that_expired_unrun_are_discarded_at_debug(proj, caplog):
 
     from celery_threads.protocol import DISPATCH_TASK
 
+    name = proj.record.name  # the app's threaded tasks bound: the package installed
     logger = logging.getLogger("celery.worker.request")
     with caplog.at_level(logging.INFO, logger="celery.worker.request"):
         logger.info("Discarding revoked task: %s[%s]", DISPATCH_TASK, "tick-id")
-        logger.info("Discarding revoked task: %s[%s]", proj.record.name, "task-id")
+        logger.info("Discarding revoked task: %s[%s]", name, "task-id")
     said = [r.getMessage() for r in caplog.records if r.levelno >= logging.INFO]
-    assert said == [f"Discarding revoked task: {proj.record.name}[task-id]"], said
+    assert said == [f"Discarding revoked task: {name}[task-id]"], said
 
 
 def test_log_lines_show_ids_with_control_characters_escaped(caplog):
