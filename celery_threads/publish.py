@@ -142,7 +142,7 @@ class _HeaderEncoder(KombuJSONEncoder):
 
     def default(self, o: Any) -> Any:
         try:
-            return super().default(o)
+            return super().default(o)  # type: ignore[no-untyped-call]
         except TypeError:
             return repr(o)
 
@@ -191,7 +191,7 @@ def _loads(body: bytes, content_type: str, content_encoding: str, accept: Option
 def decode_envelope(envelope: bytes) -> tuple[dict[str, Any], bytes]:
     header, _, body = envelope.partition(b"\n")
     try:
-        decoded = kombu_json_loads(header)
+        decoded = kombu_json_loads(header)  # type: ignore[no-untyped-call]
         if not isinstance(decoded, dict) or not isinstance(decoded.get("headers"), dict):
             raise ValueError("no message headers")
     except ValueError as exc:

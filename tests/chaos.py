@@ -932,10 +932,10 @@ def _record_superseded() -> None:
     runtime = get_runtime(app)
     revoke = runtime.revoke_superseded
 
-    def recorded(thread_id: str, task_ids: list[str]) -> None:
+    def recorded(thread_id: str, task_ids: list[str], envelope: bytes = b"") -> None:
         for task_id in task_ids:
             record("sup", task=task_id, thread=thread_id)
-        revoke(thread_id, task_ids)
+        revoke(thread_id, task_ids, envelope)
 
     runtime.revoke_superseded = recorded  # type: ignore[method-assign]
 

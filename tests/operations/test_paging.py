@@ -170,7 +170,8 @@ def test_ls_limit_reads_n_threads_whatever_the_gates_size(app, server, cli):
 
     lines = out.splitlines()
     assert len(lines) == 1 + 5 + 1
-    assert lines[-1] == "first 5 threads shown; more exist (`celery threads stats` counts them)"
+    hint = "`celery -A tests.support.proj threads stats` counts them"
+    assert lines[-1] == f"first 5 threads shown; more exist ({hint})"
     rows = json.loads(data)
     assert len(rows) == 5 and len({r["thread_id"] for r in rows}) == 5
     assert all(r["thread_id"].startswith("ls-") and r["members"] >= 1 for r in rows)
