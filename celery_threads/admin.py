@@ -430,13 +430,12 @@ class Threads:
         bound = 2 * self.reads.waiting_count(thread_id) + 1
         total = 0
         while total < bound:
-            # Their stored messages: a chord counts its parts, an extended result names them.
-            grouped: dict[str, bytes] = {}
-            dropped, left = self.gate.purge(
-                thread_id, grouped=grouped, every=bool(self.app.conf.result_extended)
-            )
+            # Their stored messages, their requests in the result backend: a chord counts its
+            # parts, an extended result names them, the rpc:// backend replies to their caller.
+            messages: dict[str, bytes] = {}
+            dropped, left = self.gate.purge(thread_id, messages=messages)
             for task_id in dropped:
-                self.runtime.mark_revoked(task_id, "purged from its thread", grouped.get(task_id))
+                self.runtime.mark_revoked(task_id, "purged from its thread", messages.get(task_id))
             if dropped:
                 # task-revoked for Flower, sent by one worker per member (Runtime.revoke_unstarted)
                 self.gate.note_deleted(thread_id, *dropped)

@@ -218,9 +218,20 @@ def member_request(app: Celery, task_id: str, envelope: bytes) -> Optional[dict[
     )
     if not isinstance(embed, dict):
         embed = {}
-    # Where it was published, as a worker's request has it (an extended result's queue).
+    # Where it was published, as a worker's request has it (an extended result's queue), and
+    # where its result goes (the rpc:// backend replies to reply_to under correlation_id).
     delivery = {"exchange": header.get("exchange") or "", "routing_key": header.get("routing_key") or ""}
-    return {**headers, **embed, "id": task_id, "args": args, "kwargs": kwargs, "delivery_info": delivery}
+    properties = header.get("properties") or {}
+    return {
+        **headers,
+        **embed,
+        "id": task_id,
+        "args": args,
+        "kwargs": kwargs,
+        "delivery_info": delivery,
+        "reply_to": properties.get("reply_to"),
+        "correlation_id": properties.get("correlation_id") or task_id,
+    }
 
 
 def task_name(envelope: bytes) -> str:

@@ -473,8 +473,7 @@ class Runtime:
 def unreachable(config: ThreadsConfig) -> Optional[BaseException]:
     """Why the gate's Redis does not answer a PING at once (``None`` when it does): one attempt,
     a few seconds at most, where the gate's own client retries for ~15 s (right for a worker's
-    transitions, not for telling a person at start).  A :class:`ConfigurationError` when it
-    answered that the URL is wrong (TLS on one side only, credentials, database)."""
+    transitions, not for telling a person at start)."""
     quick = {
         "socket_connect_timeout": 3,
         "socket_timeout": 5,
@@ -487,8 +486,7 @@ def unreachable(config: ThreadsConfig) -> Optional[BaseException]:
     try:
         probe.ping()
     except redis.RedisError as exc:
-        found = transport.refusal(exc)  # it answered: wrong credentials, or no such database
-        return ConfigurationError(f"threads_redis_url {config.shown_url}: {found}") if found else exc
+        return exc
     finally:
         probe.close()
     return None

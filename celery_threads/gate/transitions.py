@@ -595,20 +595,15 @@ class Gate:
         return [Redriven(c) for c in outcome.info], outcome.release
 
     def purge(
-        self,
-        thread_id: str,
-        limit: int = OPERATOR_BATCH,
-        grouped: Optional[dict[str, bytes]] = None,
-        every: bool = False,
+        self, thread_id: str, limit: int = OPERATOR_BATCH, messages: Optional[dict[str, bytes]] = None
     ) -> tuple[list[str], int]:
         """Drop at most ``limit`` waiting members of ``thread_id``, the last in release order
-        first (lua/purge.lua): the task ids dropped, and how many still wait.  ``grouped`` is
-        given the stored message of each dropped member that a group (a chord) may count, or
-        with ``every`` of each dropped member."""
-        _, left, dropped, *rest = self._run("purge", thread_id, limit, "1" if every else "")
-        if grouped is not None and rest:
+        first (lua/purge.lua): the task ids dropped, and how many still wait.  ``messages`` is
+        given the stored message of each dropped member (its request in the result backend)."""
+        _, left, dropped, *rest = self._run("purge", thread_id, limit)
+        if messages is not None and rest:
             pairs = rest[0]
-            grouped.update((_text(t), parse_record(r).envelope) for t, r in zip(pairs[::2], pairs[1::2]))
+            messages.update((_text(t), parse_record(r).envelope) for t, r in zip(pairs[::2], pairs[1::2]))
         return [_text(t) for t in dropped], int(left)
 
     def trim_dead(

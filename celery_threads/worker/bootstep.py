@@ -19,6 +19,7 @@ from celery import bootsteps
 from .. import seams
 from ..config import read_config
 from ..errors import ConfigurationError
+from ..gate import transport
 from ..logs import get_logger
 from ..runtime import get_runtime, unreachable
 from . import handoff, lease, processes, shared
@@ -54,7 +55,10 @@ class ThreadsWorkerStep(bootsteps.StartStopStep):
             config = read_config(worker.app)
             problem = unreachable(config)
             if isinstance(problem, ConfigurationError):
-                raise problem  # TLS on one side only, credentials: a setting to fix
+                raise problem  # TLS on one side only: a setting to fix
+            found = None if problem is None else transport.refusal(problem)
+            if found is not None:  # it answered: wrong credentials, or no such database
+                raise ConfigurationError(f"threads_redis_url {config.shown_url}: {found}")
         if problem is not None:
             # As Celery's own "Cannot connect to ...": at once, then the dispatch loop goes on
             # saying so while the gate does not answer.

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
+import uuid
 
 import pytest
 
@@ -152,3 +153,34 @@ def test_members_ended_unrun_have_an_extended_result_that_names_them(proj, isola
             assert meta.get("name") == proj.record.name, meta
             assert (list(meta.get("args") or []), meta.get("kwargs")) == (args, kwargs), meta
             assert meta.get("queue") == "celery", meta
+
+
+def test_a_member_removed_unrun_is_revoked_to_an_rpc_caller(proj, isolated_app):
+    """The ``rpc://`` result backend replies to the caller's queue (the message's ``reply_to``,
+    ``correlation_id``): a member deleted or purged while it waits raises TaskRevokedError in the
+    caller's ``get()``, as a plain task revoked while it waits does.  Its request had neither
+    property, so the backend refused it and ``get()`` waited for good.  No worker: the first
+    member holds the thread (its message waits in a queue of the test's own, deleted after)."""
+    from celery.exceptions import TaskRevokedError
+    from kombu import Connection
+
+    from tests.conftest import rabbitmq_url
+    from tests.support.isolated import pointed_at
+
+    queue = f"ct-rpc-{uuid.uuid4().hex[:8]}"
+    settings = {"broker_url": rabbitmq_url(), "result_backend": "rpc://", "task_default_queue": queue}
+    try:
+        with pointed_at(isolated_app, **settings):
+            thread = tid("rpc")
+            proj.record.apply_async((thread, "holder"))
+            deleted = proj.record.apply_async((thread, "deleted"))
+            purged = proj.record.apply_async((thread, "purged"))
+            threads = Threads(isolated_app)
+            assert threads.delete(deleted.id)
+            assert threads.purge(thread) == 1
+            for result in (deleted, purged):
+                with pytest.raises(TaskRevokedError):
+                    result.get(timeout=20)
+    finally:
+        with Connection(rabbitmq_url()) as conn:
+            conn.default_channel.queue_delete(queue)

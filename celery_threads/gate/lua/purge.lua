@@ -4,14 +4,12 @@
 -- gate as any ending does (its record, its queue entry, the ended index); the thread's keys
 -- vanish with its last member.  Nothing is released.
 --   ARGV[6] most members dropped by this call
---   ARGV[7] "1": return every dropped member's record (its caller stores extended results)
--- Returns {1, how many still wait, {task ids dropped}, {task id, record, ...}}: the last, of
--- the dropped members whose record names a group (a chord's part, maybe: the caller decodes it),
--- or of every dropped member with ARGV[7].
+-- Returns {1, how many still wait, {task ids dropped}, {task id, record, ...}}: the last, every
+-- dropped member's record, its request in the result backend (its chord, an extended result,
+-- the rpc:// backend's reply_to).
 local limit = tonumber(ARGV[6])
-local every = ARGV[7] == '1'
 local tail = redis.call('ZRANGE', K_Q, -limit, -1)
-local dropped, grouped = {}, {}
+local dropped, records = {}, {}
 for i = #tail, 1, -1 do
   local field = member_field(tail[i])
   local rec = redis.call('HGET', K_TASKS, field)
@@ -21,14 +19,12 @@ for i = #tail, 1, -1 do
     redis.call('HDEL', K_TASKS, field)
     mark_ended(task)
     dropped[#dropped + 1] = task
-    if every or string.find(rec, '"group":"', 1, true) then
-      grouped[#grouped + 1] = task
-      grouped[#grouped + 1] = rec
-    end
+    records[#records + 1] = task
+    records[#records + 1] = rec
   end
 end
 if #tail > 0 then redis.call('ZREMRANGEBYRANK', K_Q, -#tail, -1) end
 if #dropped > 0 then count_ending('deleted', #dropped) end
 local left = redis.call('ZCARD', K_Q)
 if left == 0 and #tail > 0 and redis.call('EXISTS', K_A) == 0 then index_idle(false, {}) end
-return { 1, left, dropped, grouped }
+return { 1, left, dropped, records }
