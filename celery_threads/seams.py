@@ -396,11 +396,20 @@ def _check_revoke_command(app: Any = None) -> Optional[str]:
 
 
 def revoke_command() -> tuple[Callable[..., Any], Callable[[Any], None]]:
-    """``(Celery's revoke command, a setter for its replacement)``."""
+    """``(Celery's revoke command, a setter for its replacement)``.  The replacement serves the
+    ``terminate`` command too (``celery control terminate``), which Celery's own calls its
+    module's ``revoke`` function directly, past the registry."""
     from celery.worker.control import Panel
 
     def install(replacement: Any) -> None:
         Panel.data["revoke"] = replacement
+        if "terminate" in Panel.data:
+
+            def terminate(state: Any, signal: Any, task_id: Any, **kwargs: Any) -> Any:
+                return replacement(state, task_id, terminate=True, signal=signal)
+
+            terminate.__doc__ = Panel.data["terminate"].__doc__
+            Panel.data["terminate"] = terminate
 
     return Panel.data["revoke"], install
 

@@ -243,10 +243,12 @@ def assert_serial_but_for_the_killed(r, thread: str) -> None:
         assert e.kind == ("start" if i % 2 == 0 else "end"), f"overlap in {thread}: {evs}"
 
 
-@pytest.mark.parametrize("how", ["revoke", "delete"])
+@pytest.mark.parametrize("how", ["revoke", "terminate", "delete"])
 def test_terminating_a_handed_off_member(proj, make_deployment, r, how):
-    """revoke(terminate=True), or Threads.delete, of a member run by handoff (which Celery's own
-    revoke cannot find): its process is signalled, it ends REVOKED, once, and the next runs."""
+    """revoke(terminate=True), the terminate command (``celery control terminate SIGTERM ID``,
+    which went past the package's revoke), or Threads.delete, of a member run by handoff (which
+    Celery's own revoke cannot find): its process is signalled, it ends REVOKED, once, and the
+    next runs."""
     from celery_threads import Threads
 
     d = make_deployment(CT_EVENTS="0")
@@ -262,6 +264,8 @@ def test_terminating_a_handed_off_member(proj, make_deployment, r, how):
     t0 = time.time()
     if how == "revoke":
         proj.app.control.revoke(long.id, terminate=True)
+    elif how == "terminate":  # as the CLI sends it
+        proj.app.control.broadcast("terminate", arguments={"signal": "SIGTERM", "task_id": long.id})
     else:
         assert Threads(proj.app).delete(long.id) is True
     assert nxt.get(timeout=20) == "next"
