@@ -7,7 +7,7 @@ import inspect
 import types
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
-from typing import Any, Callable, NamedTuple, Optional, Union
+from typing import Any, Callable, NamedTuple, NoReturn, Optional, Union
 
 import redis
 from celery import Task
@@ -19,6 +19,7 @@ from .config import ThreadsConfig, read_config
 from .errors import (
     ConfigurationError,
     GateUnavailable,
+    InvalidArgument,
     InvalidThreadId,
     NotReplicated,
     ThreadFull,
@@ -417,6 +418,25 @@ class ThreadedTask(Task):
         a call or from the member's ending (:func:`celery_threads.worker.member.reenter`); a
         subclass may watch it here."""
         return member.reenter(self, runtime, thread_id, task_id, token, reentry, caller)
+
+    # -- canvas that would run outside any thread ---------------------------------------------
+    def map(self, it: Any) -> Any:
+        self._not_in_one_task("map")
+
+    def starmap(self, it: Any) -> Any:
+        self._not_in_one_task("starmap")
+
+    def chunks(self, it: Any, n: int) -> Any:
+        self._not_in_one_task("chunks")
+
+    def _not_in_one_task(self, how: str) -> NoReturn:
+        """Celery's ``map``, ``starmap`` and ``chunks`` call the task's body as a function inside a
+        task of their own (``celery.map``...): outside any thread, beside its members."""
+        raise InvalidArgument(
+            f"{self.name}.{how}() would run the task's body inside one Celery task of its own, "
+            "outside any thread, beside the thread's members; nothing was sent. Send a group of "
+            f"calls instead: group({self.name.rsplit('.', 1)[-1]}.s(*args) for args in items)"
+        )
 
     # -- running ------------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:

@@ -366,3 +366,19 @@ def test_custom_headers_reach_every_member_as_they_were_sent(proj, worker, r):
     expected = ["datetime", "UUID", "Decimal"]
     assert first.get(timeout=30) == expected
     assert [x.get(timeout=30) for x in waited] == [expected] * 3
+
+
+def test_map_starmap_and_chunks_are_refused_and_send_nothing(proj):
+    """Celery runs them as one task of its own that calls the body as a function: outside any
+    thread, beside the thread's members (two chunks ran at once, beside a running member)."""
+    from celery_threads import InvalidArgument
+
+    thread = tid("chunks")
+    for make in (
+        lambda: proj.record.map([(thread, "a")]),
+        lambda: proj.record.starmap([(thread, "a")]),
+        lambda: proj.record.chunks([(thread, f"c{i}") for i in range(4)], 2),
+    ):
+        with pytest.raises(InvalidArgument, match=r"outside any thread.*group\(record.s\(\*args\)"):
+            make()
+    assert Threads(proj.app).get(thread) is None
