@@ -191,6 +191,13 @@ def _terminate_handed_off(runtime: Runtime, task_id: str, signal: Any) -> None:
                 os.kill(pid, signum)
         except ProcessLookupError:
             pass  # it has just exited: the main process fails its member as lost
+        else:
+            # As Celery announces a task it terminated (Request._announce_revoked): Flower
+            # showed the member started for good.
+            if runtime.send_task_event is not None:
+                runtime.send_task_event(
+                    "task-revoked", uuid=task_id, terminated=True, signum=signum, expired=False
+                )
         if marked:
             _delete_once_stopped(runtime, thread_id, task_id, token, pid, marked=True)
     finally:

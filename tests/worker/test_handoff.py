@@ -243,6 +243,32 @@ def assert_serial_but_for_the_killed(r, thread: str) -> None:
         assert e.kind == ("start" if i % 2 == 0 else "end"), f"overlap in {thread}: {evs}"
 
 
+def test_a_terminated_handed_off_member_is_announced_revoked(proj, make_deployment, r):
+    """With task events on (Flower), terminating a member run by handoff sends its task-revoked
+    (terminated), as Celery announces a task it terminated: Flower showed it started for good."""
+    d = make_deployment()
+    d.worker("term-ev", concurrency=2, extra=["-E"])
+    got, stop = collect_events(proj.app)
+    try:
+        thread = tid("term-ev")
+        proj.where.apply_async((thread, "first"), {"until": f"go:{thread}"})
+        wait_for(lambda: starts(r, thread) == ["first"], what="the first member")
+        long = proj.where.apply_async((thread, "long"), {"sleep": 30})
+        r.set(f"go:{thread}", 1)
+        wait_for(lambda: starts(r, thread) == ["first", "long"], what="the handed-off member")
+        assert len(set(pids(r, thread))) == 1, "long was not handed off"
+        proj.app.control.revoke(long.id, terminate=True)
+        wait_for(
+            lambda: any(e.get("type") == "task-revoked" and e.get("uuid") == long.id for e in got),
+            timeout=30,
+            what="long's task-revoked event",
+        )
+        [revoked] = [e for e in got if e.get("type") == "task-revoked" and e.get("uuid") == long.id]
+        assert revoked.get("terminated") is True, revoked
+    finally:
+        stop()
+
+
 @pytest.mark.parametrize("how", ["revoke", "terminate", "delete"])
 def test_terminating_a_handed_off_member(proj, make_deployment, r, how):
     """revoke(terminate=True), the terminate command (``celery control terminate SIGTERM ID``,
