@@ -32,6 +32,8 @@ app.conf.update(
     worker_send_task_events=True,
     task_send_sent_event=True,
     broker_connection_retry_on_startup=True,
+    # Its results under the prefix too, so that clear() leaves nothing of a run behind.
+    result_backend_transport_options={"global_keyprefix": f"{PREFIX}:"},
 )
 
 _redis: redis.Redis[bytes] | None = None

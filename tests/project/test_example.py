@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+import redis
+
 from tests.conftest import ROOT
 
 
@@ -25,6 +27,9 @@ def test_demo_report_checks_pass(redis_server):
     assert "[FAIL]" not in report
     assert report.count("[ok]") == 5
     assert "deleted" in report and "died" in report and "retry" in report
+    # "A Redis of the user's: leave nothing of this run behind" (its results were left).
+    left = [k for k in redis.Redis.from_url(redis_server.url(9)).keys() if not k.startswith(b"_kombu.")]
+    assert left == [], left
 
 
 def test_demo_with_embedded_redis():
