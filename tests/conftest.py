@@ -22,6 +22,8 @@ from typing import Any, Optional
 import pytest
 import redis
 
+from tests.support.helpers import terminate
+
 ROOT = Path(__file__).resolve().parent.parent
 IN_CI = os.environ.get("CI") == "1"
 
@@ -137,9 +139,11 @@ class RedisServer:
         raise RuntimeError("redis-server did not start")
 
     def stop(self, kill: bool = False) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL if kill else signal.SIGTERM)
+        if self.proc is not None and kill and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
             self.proc.wait(10)
+        elif self.proc is not None:
+            terminate(self.proc)
         self.proc = None
 
 

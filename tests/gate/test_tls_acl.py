@@ -12,7 +12,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import socket
 import ssl
 import subprocess
@@ -49,7 +48,7 @@ from tests.conftest import (
     free_port,
     redis_binaries,
 )
-from tests.support.helpers import assert_serial, starts, tid, wait_for
+from tests.support.helpers import assert_serial, starts, terminate, tid, wait_for
 from tests.support.isolated import point_app, pointed_at
 from tests.support.scenarios import crash_recovery, mixed_load
 from tests.support.topologies import MASTER, RedisClusterServers, SentinelSetup
@@ -183,9 +182,7 @@ class TlsRedis:
         return f"rediss://127.0.0.1:{self.tls_port}/{db}"
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            self.proc.wait(10)
+        terminate(self.proc)
         shutil.rmtree(self.dir, ignore_errors=True)
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 
@@ -12,7 +11,7 @@ import requests
 
 from celery_threads import Threads
 from tests.conftest import ROOT, free_port
-from tests.support.helpers import starts, tid, wait_for, within
+from tests.support.helpers import starts, terminate, tid, wait_for, within
 
 
 @pytest.fixture
@@ -52,8 +51,7 @@ def flower(make_deployment, proj):
         wait_for(shows_a_probe, timeout=90, interval=0.1, what="flower to receive events")
         yield base, d
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(10)
+        terminate(proc, group=True)
 
 
 def _up(base: str) -> bool:

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Callable, TypeVar
+from typing import Any, Callable, TypeVar
 
 T = TypeVar("T")
 
@@ -96,3 +99,23 @@ def last_beat(r, thread: str, label: str, quiet: float = 0.5, timeout: float = 5
 def started_at(r, thread: str, label: str) -> int:
     [at] = [e.at_us for e in events(r, thread) if e.kind == "start" and e.label == label]
     return at
+
+
+def terminate(proc: subprocess.Popen[Any], group: bool = False, grace: float = 30.0) -> None:
+    """SIGTERM ``proc`` (its process group with ``group``) and wait for it; SIGKILL after
+    ``grace`` seconds: how long a server or Flower takes to stop on a loaded machine is no test's."""
+    if proc.poll() is not None:
+        return
+
+    def send(signum: int) -> None:
+        try:
+            os.killpg(proc.pid, signum) if group else proc.send_signal(signum)
+        except ProcessLookupError:
+            pass
+
+    send(signal.SIGTERM)
+    try:
+        proc.wait(grace)
+    except subprocess.TimeoutExpired:
+        send(signal.SIGKILL)
+        proc.wait(grace)

@@ -16,7 +16,7 @@ import redis
 
 from bench.cluster import cluster_node_args, cluster_port
 from tests.conftest import default_redis_binary, free_port, redis_binaries
-from tests.support.helpers import wait_for
+from tests.support.helpers import terminate, wait_for
 
 MASTER = "ctmaster"
 
@@ -320,7 +320,5 @@ class RedisClusterServers:
 
     def stop(self) -> None:
         for proc in self.procs:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-                proc.wait(10)
+            terminate(proc)
         shutil.rmtree(self.dir, ignore_errors=True)
