@@ -192,8 +192,9 @@ def _redis_error(url: str, exc: BaseException) -> CommandError:
         )
     if isinstance(exc, TransportMismatch):
         return BadSettings(f"threads_redis_url {maybe_sanitize_url(url)!r}: {reason}.")
-    if isinstance(exc, redis.ResponseError) and transport.refusal(exc):  # a database it lacks
-        return BadSettings(f"threads_redis_url {maybe_sanitize_url(url)!r}: {transport.refusal(exc)}.")
+    refused = transport.refusal(exc) if isinstance(exc, redis.ResponseError) else None
+    if refused is not None:  # a database the server lacks (credentials: a permission, above)
+        return BadSettings(f"threads_redis_url {maybe_sanitize_url(url)!r}: {refused}.")
     if isinstance(exc, (redis.ConnectionError, redis.TimeoutError)):
         return _unreachable(url, exc)
     return CommandError(f"{where} answered with an error: {reason}.", "redis_error", EX_PROTOCOL)

@@ -26,15 +26,12 @@ OUR_HEADERS = (THREAD_HEADER, TOKEN_HEADER, REPUBLISHED_HEADER)
 GATE_HEADER = "thread_gate"
 
 
-def foreign_gate(headers: Any, prefix: str) -> Optional[str]:
-    """The key prefix of the gate a delivery came from (``headers``: its message's headers, or a
-    request), when it is not ``prefix``, this process's; else ``None``."""
+def foreign_gate(headers: Any, ours: str) -> Optional[str]:
+    """What a worker whose gate's key prefix is ``ours`` says of a delivery (``headers``: its
+    message's headers, or a request) that another gate released, else ``None``."""
     theirs = headers.get(GATE_HEADER) if isinstance(headers, dict) else getattr(headers, GATE_HEADER, None)
-    return theirs if isinstance(theirs, str) and theirs != prefix else None
-
-
-def foreign_gate_text(theirs: str, ours: str) -> str:
-    """What a worker says of a release from a gate whose key prefix is not its own."""
+    if not isinstance(theirs, str) or theirs == ours:
+        return None
     return (
         f"its release came from the gate with threads_key_prefix={theirs!r}, and this worker's gate "
         f"has {ours!r}: it cannot run here. Give producers and workers the same "

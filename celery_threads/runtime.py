@@ -18,7 +18,7 @@ from celery.utils.saferepr import saferepr
 
 from . import seams
 from .config import ThreadsConfig, forget_config, read_config
-from .errors import ConfigurationError, ReleaseExpired, TransportMismatch, UndecodableEnvelope
+from .errors import ReleaseExpired, TransportMismatch, UndecodableEnvelope
 from .gate import (
     DELETED,
     ENDED,
@@ -104,9 +104,9 @@ class Runtime:
         except TransportMismatch:
             raise  # a setting to fix, as a right the gate's user lacks
         except redis.RedisError as exc:
-            found = transport.refusal(exc)  # wrong credentials, or a database the server lacks
-            if found is not None:
-                raise ConfigurationError(f"threads_redis_url {self.config.shown_url}: {found}") from exc
+            refused = transport.refused(self.config.shown_url, exc)  # credentials, or no such database
+            if refused is not None:
+                raise refused from exc
             if not isinstance(exc, (redis.ConnectionError, redis.TimeoutError)):
                 raise
             self._unanswered_at_start(exc, said)

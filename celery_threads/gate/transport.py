@@ -19,7 +19,7 @@ from typing import Any, Optional
 
 import redis
 
-from ..errors import TransportMismatch
+from ..errors import ConfigurationError, TransportMismatch
 
 #: How long the probe waits for the server's answer (at most the caller's remaining bound).
 PROBE_WAIT = 1.0
@@ -89,10 +89,18 @@ def refusal(error: BaseException) -> Optional[str]:
     """What the server's answer to a connection's first commands says is wrong with the URL (a
     setting to fix: no retry makes it right), else ``None``."""
     if isinstance(error, redis.AuthenticationError):
-        return f"the server refused the URL's credentials ({error}): set the user and password it expects"
+        said = str(error).rstrip(".")
+        return f"the server refused the URL's credentials ({said}): set the user and password it expects"
     if isinstance(error, redis.ResponseError) and "DB index is out of range" in str(error):
         return (
             "the server has no database of the URL's number (its `databases` setting): "
             "name one below it, such as /0"
         )
     return None
+
+
+def refused(shown_url: str, error: BaseException) -> Optional[ConfigurationError]:
+    """:func:`refusal` as the :class:`ConfigurationError` a process raises for it (``shown_url``:
+    the gate's URL with its password masked), else ``None``."""
+    found = refusal(error)
+    return None if found is None else ConfigurationError(f"threads_redis_url {shown_url}: {found}")

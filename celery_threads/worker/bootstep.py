@@ -56,9 +56,9 @@ class ThreadsWorkerStep(bootsteps.StartStopStep):
             problem = unreachable(config)
             if isinstance(problem, ConfigurationError):
                 raise problem  # TLS on one side only: a setting to fix
-            found = None if problem is None else transport.refusal(problem)
-            if found is not None:  # it answered: wrong credentials, or no such database
-                raise ConfigurationError(f"threads_redis_url {config.shown_url}: {found}")
+            refused = None if problem is None else transport.refused(config.shown_url, problem)
+            if refused is not None:  # it answered: wrong credentials, or no such database
+                raise refused
         if problem is not None:
             # As Celery's own "Cannot connect to ...": at once, then the dispatch loop goes on
             # saying so while the gate does not answer.

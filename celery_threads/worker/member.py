@@ -19,7 +19,7 @@ from celery.exceptions import Ignore, Reject, Retry
 
 from ..gate import DELETED, Claim, Gate, Outcome, deadline
 from ..logs import get_logger
-from ..protocol import THREAD_HEADER, TOKEN_HEADER, foreign_gate, foreign_gate_text
+from ..protocol import THREAD_HEADER, TOKEN_HEADER, foreign_gate
 from ..runtime import Runtime, get_runtime
 from . import handoff
 from .lease import Keeper, Lease, new_claimant, stoppable
@@ -198,18 +198,15 @@ def _claim(
         raise Ignore() from exc
     if status != Claim.CLAIMED:
         # Another delivery of this release started first (or it went stale in between).
-        theirs = foreign_gate(task.request, runtime.config.key_prefix)
+        foreign = foreign_gate(task.request, runtime.config.key_prefix)
         logger.log(
-            logging.WARNING if theirs is not None else logging.INFO,
+            logging.WARNING if foreign is not None else logging.INFO,
             "celery-threads: not running %s[%s] of thread %s: %s",
             task.name,
             task_id,
             thread_id,
-            foreign_gate_text(theirs, runtime.config.key_prefix)
-            if theirs is not None
-            else "claimed by another delivery"
-            if status == Claim.ALREADY_CLAIMED
-            else "stale release",
+            foreign
+            or ("claimed by another delivery" if status == Claim.ALREADY_CLAIMED else "stale release"),
         )
         raise Ignore()
     return claimed_ms, keeper.lease(thread_id, task_id, token, claimant, sent)

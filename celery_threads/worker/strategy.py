@@ -33,7 +33,6 @@ from ..protocol import (
     TOKEN_HEADER,
     eta_ms,
     foreign_gate,
-    foreign_gate_text,
     retry_settings,
 )
 from ..publish import encode_envelope
@@ -121,12 +120,10 @@ def threaded_strategy(task: Any, app: Any, consumer: Any, **kwargs: Any) -> Any:
         if state != "RELEASED":
             # RUNNING under this token: a redelivery of a member another attempt has started;
             # anything else: a stale release.  Either way the live task is not touched.
-            why = "a duplicate delivery" if state == "RUNNING" else "a stale release"
-            theirs = foreign_gate(headers, runtime.config.key_prefix)
-            if theirs is not None:
-                why = foreign_gate_text(theirs, runtime.config.key_prefix)
+            foreign = foreign_gate(headers, runtime.config.key_prefix)
+            why = foreign or ("a duplicate delivery" if state == "RUNNING" else "a stale release")
             logger.log(
-                logging.WARNING if theirs is not None else logging.INFO,
+                logging.WARNING if foreign is not None else logging.INFO,
                 "celery-threads: dropped %s[%s] of thread %s: %s (token %s)",
                 task.name,
                 task_id,
