@@ -11,7 +11,10 @@ hands each delivery to :func:`run`; ``ThreadedTask.apply_async`` asks :func:`cur
 from __future__ import annotations
 
 import logging
+import math
+import numbers
 import time
+from datetime import datetime
 from typing import Any, Callable, NamedTuple, Optional
 
 import redis
@@ -19,7 +22,7 @@ from celery.exceptions import Ignore, Reject, Retry
 
 from ..gate import DELETED, Claim, Gate, Outcome, deadline
 from ..logs import get_logger
-from ..protocol import THREAD_HEADER, TOKEN_HEADER, foreign_gate
+from ..protocol import THREAD_HEADER, TOKEN_HEADER, eta_ms, foreign_gate, retry_settings
 from ..runtime import Runtime, get_runtime
 from . import handoff
 from .lease import Keeper, Lease, new_claimant, stoppable
@@ -140,6 +143,8 @@ def run(task: Any, body: Callable[[], Any]) -> Any:
                 failure = exc
             finally:
                 _running.pop(key, None)
+        if isinstance(failure, Retry) and member.reentry is None:
+            failure = _spent(task, failure, retries)
         # The member's code has returned (its lease's end is no longer watched): its ending.
         ending = handoff.Ending(lease.claimant, new_claimant(hostname))
         deleted = _record_end(
@@ -235,9 +240,19 @@ def _ended(
     elif exc is None or isinstance(exc, Ignore):
         return handoff.finish(runtime, task, thread_id, task_id, token, ending)
     elif isinstance(exc, Retry):
-        # Retry raised by hand, without self.retry() publishing: re-enter now.
+        # Retry raised by hand (self.retry() was not called, so no re-entry is held): it
+        # re-enters as self.retry() would, after the Retry's `when` or default_retry_delay.
+        delay_ms, at_ms = _retry_when(task, exc.when)
         outcome = runtime.publish_outcome(
-            gate.requeue(thread_id, task_id, token, retries=retries + 1, caller=ending.caller)
+            gate.requeue(
+                thread_id,
+                task_id,
+                token,
+                retries=retries + 1,
+                delay_ms=delay_ms,
+                at_ms=at_ms,
+                caller=ending.caller,
+            )
         )
     elif isinstance(exc, Reject) and exc.requeue:
         outcome = runtime.publish_outcome(
@@ -258,6 +273,32 @@ def _ended(
     # Anything else (SystemExit, ...): the process is going away; the lease lapses and the
     # gate counts a failed attempt.
     return outcome is not None and outcome.info == DELETED
+
+
+def _spent(task: Any, exc: Retry, retries: int) -> BaseException:
+    """A ``Retry`` raised by hand, as ``self.retry()`` would have ended: the ``Retry`` itself
+    while ``max_retries`` allows one more attempt, else what ``self.retry()`` raises then (the
+    Retry's own exception, or ``MaxRetriesExceededError``), with which the member dies."""
+    if task.max_retries is None or retries < task.max_retries:
+        return exc
+    if isinstance(exc.exc, BaseException):
+        return exc.exc
+    request = task.request
+    return task.MaxRetriesExceededError(
+        f"Can't retry {task.name}[{request.id}] args:{request.args} kwargs:{request.kwargs}",
+        task_args=request.args,
+        task_kwargs=request.kwargs,
+    )
+
+
+def _retry_when(task: Any, when: Any) -> tuple[int, Optional[int]]:
+    """``(delay ms, scheduled_at ms or None)`` of a Retry's ``when``: seconds, an eta (a datetime
+    or its ISO text), or ``None`` for the task's ``default_retry_delay``."""
+    if isinstance(when, (datetime, str)):
+        return 0, eta_ms(when)
+    if isinstance(when, numbers.Real) and not isinstance(when, bool) and math.isfinite(when):
+        return max(0, int(float(when) * 1000)), None
+    return retry_settings(task)[1], None
 
 
 def _record_end(runtime: Runtime, lease: Lease, end: Callable[[], bool]) -> Optional[bool]:

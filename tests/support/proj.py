@@ -16,7 +16,7 @@ from typing import Optional
 
 import redis
 from celery import Celery
-from celery.exceptions import Ignore, Reject
+from celery.exceptions import Ignore, Reject, Retry
 from celery.worker.request import Request
 
 from celery_threads import ThreadedTask
@@ -277,6 +277,21 @@ def ignorer(self, thread, label):
     with _Span(self, thread, label):
         pass
     raise Ignore()
+
+
+@app.task(base=ThreadedTask, bind=True, thread_key="thread", max_retries=2, default_retry_delay=0.05)
+def retried_by_hand(self, thread, label, fail_times=0, when=None):
+    """Raises Retry itself (not self.retry()) on its first `fail_times` attempts: `when` as
+    Retry's (seconds, or None for default_retry_delay)."""
+    with _Span(self, thread, label):
+        pass
+    if self.request.retries < fail_times:
+        raise Retry(
+            f"{label} by hand",
+            exc=ValueError(label) if when == "exc" else None,
+            when=None if when == "exc" else when,
+        )
+    return label
 
 
 @app.task(base=ThreadedTask, bind=True, thread_key="thread", soft_time_limit=0.5, max_retries=0)

@@ -72,6 +72,36 @@ def test_retries_exhausted_dies(proj, worker, r):
     _next_runs(proj, r, thread)
 
 
+def test_retry_raised_by_hand_waits_its_when(proj, worker, r):
+    """``raise Retry(when=1)`` without self.retry(): the next attempt starts no earlier than a
+    second after the first ended (it re-entered at once before, whatever `when` said)."""
+    thread = tid()
+    result = proj.retried_by_hand.delay(thread, "later", fail_times=1, when=1.0)
+    assert result.get(timeout=30) == "later"
+    first_end, second_start = [e.at_us for e in events(r, thread)][1:3]
+    assert second_start - first_end >= 1_000_000
+    _next_runs(proj, r, thread)
+
+
+def test_retry_raised_by_hand_stops_at_max_retries(proj, worker, r):
+    """Raised by hand on every attempt, it runs 1 + max_retries times (2) and dies as
+    self.retry() would: with the Retry's exception, else MaxRetriesExceededError (it ran on
+    with no limit before)."""
+    thread = tid()
+    spent = proj.retried_by_hand.delay(thread, "spent", fail_times=10)
+    with pytest.raises(proj.retried_by_hand.MaxRetriesExceededError):
+        spent.get(timeout=30)
+    own = proj.retried_by_hand.delay(thread, "own", fail_times=10, when="exc")
+    with pytest.raises(ValueError):
+        own.get(timeout=30)
+    _next_runs(proj, r, thread)
+    assert starts(r, thread) == ["spent"] * 3 + ["own"] * 3 + ["next"]
+    [dead] = _dead(proj, spent.id)
+    assert dead.retries == 2 and "MaxRetriesExceededError" in dead.exception
+    assert "ValueError" in _dead(proj, own.id)[0].exception
+    assert_serial(r, thread)
+
+
 def test_exception_without_retry_dies(proj, worker, r):
     thread = tid()
     result = proj.boom.delay(thread, "boom")
