@@ -67,8 +67,11 @@ class CapturingProducer:
         else:
             self._held.append((body, kwargs))
 
-    def flush(self) -> None:
+    def flush(self, send: bool = True) -> None:
+        """Publish what is held, or (``send`` false) drop it: the call stored nothing."""
         held, self._held = self._held, []
+        if not send:
+            return
         for body, kwargs in held:
             try:
                 self._real.publish(body, **kwargs)

@@ -207,7 +207,9 @@ class ThreadedTask(Task):
                     stored = self._retry_now(runtime, call, call.token, task_id, message)
                 else:
                     stored = self._enqueue(runtime, call, task_id, message)
-                capture.flush()
+                # A repeated call of a member's task id adds nothing: its task-sent event (with
+                # this call's arguments) would show a call that never runs.
+                capture.flush(send=stored.added or call.token is not None or call.replaced is not None)
                 _publish_stored(runtime, call, task_id, stored, producer, capture)
         return result
 

@@ -119,3 +119,38 @@ def terminate(proc: subprocess.Popen[Any], group: bool = False, grace: float = 3
     except subprocess.TimeoutExpired:
         send(signal.SIGKILL)
         proc.wait(grace)
+
+
+def collect_events(app):
+    """Start a receiver of every event on the broker; returns (events list, stop) once it
+    received an event sent after it started."""
+    import threading
+    import uuid
+
+    got: list[dict] = []
+    conn = app.connection_for_read()
+    recv = app.events.Receiver(conn, handlers={"*": got.append})
+
+    def run() -> None:
+        try:
+            recv.capture(limit=None, timeout=None, wakeup=False)
+        except Exception:
+            pass
+
+    threading.Thread(target=run, daemon=True).start()
+    probe = uuid.uuid4().hex
+    with app.events.default_dispatcher() as dispatcher:  # until its queue is bound
+        wait_for(
+            lambda: (
+                dispatcher.send("probe-receiver", probe=probe) or any(e.get("probe") == probe for e in got)
+            ),
+            timeout=60,
+            interval=0.2,
+            what="the event receiver to be bound",
+        )
+
+    def stop() -> None:
+        recv.should_stop = True
+        conn.release()
+
+    return got, stop

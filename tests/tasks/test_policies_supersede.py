@@ -21,8 +21,16 @@ from celery_threads.errors import ConfigurationError
 from celery_threads.gate import Gate, make_client
 from celery_threads.keys import Keys
 from celery_threads.runtime import get_runtime
-from tests.support.helpers import assert_serial, events, now_us, started_at, starts, tid, wait_for
-from tests.worker.test_handoff import collect_events
+from tests.support.helpers import (
+    assert_serial,
+    collect_events,
+    events,
+    now_us,
+    started_at,
+    starts,
+    tid,
+    wait_for,
+)
 
 WAIT = 60  # condition waits on a busy 2-core machine
 

@@ -12,7 +12,7 @@ from kombu.exceptions import EncodeError
 
 from celery_threads import InvalidThreadId, Threads, ThreadsError
 from celery_threads.errors import ConfigurationError, UnknownTask
-from tests.support.helpers import assert_serial, gate_keys, starts, tid, wait_for
+from tests.support.helpers import assert_serial, collect_events, gate_keys, starts, tid, wait_for
 
 
 @pytest.fixture
@@ -200,6 +200,23 @@ def test_same_task_id_is_not_enqueued_twice(proj, r):
     assert [m.task_id for m in info.waiting] == [first.id]
     assert Threads(proj.app).delete(first.id)
     assert Threads(proj.app).get(thread) is None
+
+
+def test_a_repeated_task_id_sends_no_task_sent_event(proj):
+    """The repeated call stores nothing: its task-sent event (Flower then showed its arguments
+    as the member's, though they never run) is dropped; the first call's is sent."""
+    thread = tid()
+    got, stop = collect_events(proj.app)
+    try:
+        first = proj.record.apply_async((thread, "first"), countdown=30)
+        proj.record.apply_async((thread, "again"), countdown=30, task_id=first.id)
+        after = proj.record.apply_async((thread, "after"), countdown=30)
+        wait_for(lambda: any(e.get("uuid") == after.id for e in got), what="the last call's task-sent")
+        sent = [e for e in got if e["type"] == "task-sent" and e.get("uuid") == first.id]
+        assert len(sent) == 1 and "first" in sent[0]["args"]
+    finally:
+        stop()
+        Threads(proj.app).purge(thread)
 
 
 def test_a_task_id_that_just_ended_is_not_enqueued_again(proj, worker, r):

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from tests.support.helpers import assert_serial, events, starts, tid, wait_for, within
+from tests.support.helpers import assert_serial, collect_events, events, starts, tid, wait_for, within
 
 
 @pytest.fixture
@@ -95,41 +95,6 @@ def test_a_claimed_member_that_cannot_run_here_is_given_back(proj, make_deployme
     wait_for(
         lambda: not list(r.scan_iter(match=f"*:t:{thread}:*")) or None, what="the thread's keys to vanish"
     )
-
-
-def collect_events(app):
-    """Start a receiver of every event on the broker; returns (events list, stop) once it
-    received an event sent after it started."""
-    import threading
-    import uuid
-
-    got: list[dict] = []
-    conn = app.connection_for_read()
-    recv = app.events.Receiver(conn, handlers={"*": got.append})
-
-    def run() -> None:
-        try:
-            recv.capture(limit=None, timeout=None, wakeup=False)
-        except Exception:
-            pass
-
-    threading.Thread(target=run, daemon=True).start()
-    probe = uuid.uuid4().hex
-    with app.events.default_dispatcher() as dispatcher:  # until its queue is bound
-        wait_for(
-            lambda: (
-                dispatcher.send("probe-receiver", probe=probe) or any(e.get("probe") == probe for e in got)
-            ),
-            timeout=60,
-            interval=0.2,
-            what="the event receiver to be bound",
-        )
-
-    def stop() -> None:
-        recv.should_stop = True
-        conn.release()
-
-    return got, stop
 
 
 def handed_off_burst(proj, worker, n: int, thread: str):
