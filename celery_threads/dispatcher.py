@@ -122,16 +122,11 @@ class Dispatcher:
             report.died += 1
             record = self.runtime.gate.reads.dead_record(outcome.info)
             exception = record.meta.get("exception", "") if record else "LeaseExpired"
+            retries = int(record.meta.get("retries", 0)) if record else 0
             self.runtime.mark_failed(
-                outcome.info, LeaseExpired(exception), record.envelope if record else None
+                outcome.info, LeaseExpired(exception), record.envelope if record else None, retries
             )
-            self.runtime.announce_death(
-                thread_id,
-                outcome.info,
-                exception,
-                int(record.meta.get("retries", 0)) if record else 0,
-                record,
-            )
+            self.runtime.announce_death(thread_id, outcome.info, exception, retries, record)
         self.runtime.publish(outcome.release, republish=outcome.status == Lapse.REPUBLISH)
 
 

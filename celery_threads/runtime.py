@@ -371,16 +371,22 @@ class Runtime:
         except Exception:
             logger.debug("celery-threads: no result backend to mark %s revoked", task_id, exc_info=True)
 
-    def mark_failed(self, task_id: str, exc: BaseException, envelope: Optional[bytes] = None) -> None:
+    def mark_failed(
+        self, task_id: str, exc: BaseException, envelope: Optional[bytes] = None, retries: int = 0
+    ) -> None:
         """``FAILURE`` in the result backend for a member that died where no worker's request
         ends it (its lease lapsed, its pool process was lost while it ran by handoff), as Celery
-        ends a failed task: with its stored message (``envelope``) as the request, so that its
-        errbacks are called, its chord fails, its chain fails with it and the result names it;
-        and ``task-failed`` for Flower where this is a worker that sends task events."""
-        request = None if not envelope else member_request(self.app, task_id, envelope)
-        try:
-            from celery.app.task import Context
+        ends a failed task: with its stored message (``envelope``) as the request, its
+        ``retries`` (the attempts before the last) in it, so that its errbacks are called, its
+        chord fails, its chain fails with it and the result names it; the ``task_failure``
+        signal; and ``task-failed`` for Flower where this is a worker that sends task events."""
+        from celery import signals
+        from celery.app.task import Context
 
+        request = None if not envelope else member_request(self.app, task_id, envelope)
+        if request is not None:
+            request["retries"] = retries
+        try:
             self.app.backend.mark_as_failure(
                 task_id, exc, request=Context(request) if request is not None else None
             )
@@ -388,6 +394,16 @@ class Runtime:
             logger.debug(
                 "celery-threads: could not mark %s failed in the result backend", task_id, exc_info=True
             )
+        name = (request or {}).get("task")
+        signals.task_failure.send(
+            sender=self.app.tasks.get(name, name),
+            task_id=task_id,
+            exception=exc,
+            args=(request or {}).get("args", ()),
+            kwargs=(request or {}).get("kwargs", {}),
+            traceback=None,
+            einfo=None,
+        )
         if self.send_task_event is not None:
             self.send_task_event("task-failed", uuid=task_id, exception=saferepr(exc), traceback="")
 
@@ -424,7 +440,7 @@ class Runtime:
         if outcome.done and outcome.info != DELETED:  # DELETED: deleted while it ran, not dead
             record = self.announce_death(thread_id, task_id, exception, retries)
             if report:
-                self.mark_failed(task_id, exc, record.envelope if record is not None else None)
+                self.mark_failed(task_id, exc, record.envelope if record is not None else None, retries)
         return outcome
 
     def announce_death(

@@ -249,8 +249,9 @@ def _fail_handed_off(request: Any, exc: BaseException) -> None:
         # final only when it died.
         if outcome.status == Lapse.DIED:
             record = runtime.gate.reads.dead_record(task_id)
-            runtime.announce_death(thread_id, task_id, f"WorkerLostError: {exc}", 0, record)
-            runtime.mark_failed(task_id, exc, record.envelope if record else None)
+            retries = int(record.meta.get("retries", 0)) if record else 0
+            runtime.announce_death(thread_id, task_id, f"WorkerLostError: {exc}", retries, record)
+            runtime.mark_failed(task_id, exc, record.envelope if record else None, retries)
         elif outcome.status == Lapse.RETRIED:
             request.task.backend.mark_as_retry(task_id, exc)
             if runtime.send_task_event is not None:  # as for the member's own request

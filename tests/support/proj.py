@@ -17,6 +17,7 @@ from typing import Optional
 import redis
 from celery import Celery
 from celery.exceptions import Ignore, Reject, Retry
+from celery.signals import task_failure
 from celery.worker.request import Request
 
 from celery_threads import ThreadedTask
@@ -367,6 +368,14 @@ def suicide(self, thread, label):
     return label
 
 
+@app.task(base=ThreadedTask, bind=True, thread_key="thread", max_retries=1, default_retry_delay=0.1)
+def doomed(self, thread, label, until=None):
+    """Kills its own pool child on every attempt, the first once the key `until` exists."""
+    with _Span(self, thread, label):
+        _await_key(until if self.request.retries == 0 else None)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 @app.task(base=ThreadedTask, bind=True, thread_key="thread")
 def where(self, thread, label, sleep=0.0, until=None):
     """Records the pool process it ran in (list pid:<thread>); then waits until the key `until`
@@ -525,8 +534,14 @@ from celery_threads.signals import member_dead  # noqa: E402
 
 
 @member_dead.connect
-def _remember_death(sender=None, task_id=None, thread_id=None, exception=None, **kwargs):
+def _remember_death(sender=None, task_id=None, thread_id=None, exception=None, retries=None, **kwargs):
     history().rpush(f"dead_signal:{thread_id}", f"{task_id}|{exception}")
+    history().rpush(f"dead_retries:{task_id}", str(retries))
+
+
+@task_failure.connect
+def _remember_failure(sender=None, task_id=None, exception=None, **kwargs):
+    history().rpush(f"failure_signal:{task_id}", type(exception).__name__)
 
 
 @app.task(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 import pytest
+from billiard.exceptions import WorkerLostError
 from celery.exceptions import TimeLimitExceeded
 
 from celery_threads import Threads
@@ -219,6 +220,28 @@ def test_pool_child_killed_counts_as_a_failed_attempt(proj, worker, r):
     assert nxt.get(timeout=30) == "next"
     assert starts(r, thread)[0] == f"suicide-{thread}"
     assert sorted(starts(r, thread)) == sorted([f"suicide-{thread}"] * 2 + ["next"])
+
+
+def test_a_member_lost_while_run_by_handoff_dies_with_its_retries_and_task_failure(proj, worker, r):
+    """Its second attempt runs by handoff (its thread's next member's finish releases it to the
+    same pool process) and loses that process too: it dies, counted with its one retry (0
+    before) in the dead record, member_dead and the result, and with the task_failure signal
+    (none before)."""
+    thread = tid()
+    go = f"go:{thread}"
+    lost = proj.doomed.delay(thread, "doomed", until=go)
+    wait_for(lambda: starts(r, thread) == ["doomed"], what="the first attempt to start")
+    proj.record.delay(thread, "between", sleep=0.5)
+    r.set(go, 1)
+    with pytest.raises(WorkerLostError):
+        lost.get(timeout=30)
+    _next_runs(proj, r, thread)
+    assert starts(r, thread) == ["doomed", "between", "doomed", "next"]
+    assert _dead(proj, lost.id)[0].retries == 1
+    assert r.lrange(f"dead_retries:{lost.id}", 0, -1) == [b"1"]
+    wait_for(
+        lambda: r.lrange(f"failure_signal:{lost.id}", 0, -1) == [b"WorkerLostError"], what="task_failure"
+    )
 
 
 def test_revoke_terminate_of_running_member_promotes_the_next(proj, worker, r):
