@@ -363,8 +363,10 @@ class ThreadedTask(Task):
     def _retry_now(
         self, runtime: Runtime, call: _Call, token: str, task_id: str, message: _Message
     ) -> _Stored:
-        """A retry of Celery's current member whose body no longer runs here (it returned; a
-        handler such as ``on_failure`` retries it): it re-enters its thread at once."""
+        """A retry of Celery's current member whose body no longer runs here: it re-enters its
+        thread at once while the member still holds it.  One that has ended already (an
+        ``on_failure`` handler runs once its exception has ended it) is refused by the gate,
+        and the worker logs why (:func:`member.reenter`)."""
         reentry = member.Reentry(message.retries, message.delay_ms, message.at_ms, message.envelope)
         outcome = self._reenter(runtime, call.thread_id, task_id, token, reentry)
         return _Stored(outcome.release, False, [])

@@ -399,14 +399,34 @@ def reenter(
         caller=caller,
     )
     if not outcome.done:
-        logger.warning(
-            "celery-threads: retry of %s[%s] ignored: it no longer holds thread %s "
-            "(deleted, or its lease lapsed)",
-            task.name,
-            task_id,
-            thread_id,
-        )
+        if _died(runtime, task_id):
+            logger.warning(
+                "celery-threads: retry of %s[%s] ignored: it died already in thread %s (an "
+                "on_failure or task_failure handler runs once the exception has ended it). Retry "
+                "from the task's body or with autoretry_for; `celery -A <app> threads restart %s` "
+                "runs it again",
+                task.name,
+                task_id,
+                thread_id,
+                task_id,
+            )
+        else:
+            logger.warning(
+                "celery-threads: retry of %s[%s] ignored: it no longer holds thread %s "
+                "(deleted, or its lease lapsed)",
+                task.name,
+                task_id,
+                thread_id,
+            )
     return outcome
+
+
+def _died(runtime: Runtime, task_id: str) -> bool:
+    """Whether ``task_id`` is in the dead-letter store (``False`` when the gate does not say)."""
+    try:
+        return runtime.gate.reads.dead_record(task_id) is not None
+    except redis.RedisError:
+        return False
 
 
 def _replace_elsewhere(

@@ -368,6 +368,18 @@ def suicide(self, thread, label):
     return label
 
 
+class RetriesOnFailure(ThreadedTask):
+    def on_failure(self, exc, task_id, args, kwargs, einfo):
+        self.retry(exc=exc, countdown=0, throw=False)
+
+
+@app.task(base=RetriesOnFailure, bind=True, thread_key="thread", max_retries=2)
+def retried_on_failure(self, thread, label):
+    """Fails; its on_failure calls self.retry(), which comes after its death."""
+    with _Span(self, thread, label):
+        raise ValueError(label)
+
+
 @app.task(base=ThreadedTask, bind=True, thread_key="thread", max_retries=1, default_retry_delay=0.1)
 def doomed(self, thread, label, until=None):
     """Kills its own pool child on every attempt, the first once the key `until` exists."""

@@ -103,6 +103,23 @@ def test_retry_raised_by_hand_stops_at_max_retries(proj, worker, r):
     assert_serial(r, thread)
 
 
+def test_a_retry_from_on_failure_is_told_the_member_died_already(proj, worker, r):
+    """on_failure runs once the exception has ended the member: its self.retry() is refused,
+    and the worker says why (it blamed a delete or a lapsed lease) and what to do instead."""
+    thread = tid()
+    result = proj.retried_on_failure.delay(thread, "late")
+    _next_runs(proj, r, thread)
+    assert starts(r, thread) == ["late", "next"]
+    assert _dead(proj, result.id)
+    wait_for(
+        lambda: (
+            f"retry of tests.support.proj.retried_on_failure[{result.id}] ignored: it died already"
+            in worker.output()
+        ),
+        what="the warning",
+    )
+
+
 def test_exception_without_retry_dies(proj, worker, r):
     thread = tid()
     result = proj.boom.delay(thread, "boom")
