@@ -648,19 +648,23 @@ class Gate:
             replies = pipe.execute(raise_on_error=False)
         return cluster.rerun_unrun(replies, lambda i: self._run(name, calls[i][0], *calls[i][1]))
 
-    def note_deleted(self, thread_id: str, *task_ids: str, ttl: int = 600) -> None:
-        """Note members of ``thread_id`` that left it unstarted, for :meth:`take_deleted_note`."""
+    def note_deleted(self, thread_id: str, *task_ids: str, ttl: int = 600, expired: bool = False) -> None:
+        """Note members of ``thread_id`` that left it unstarted (``expired``: their ``expires``
+        passed), for :meth:`take_deleted_note`."""
         shard = self.keys.thread(thread_id).shard
         pipe = self.client.pipeline(transaction=False)
         for task_id in task_ids:
-            pipe.set(shard.deleted_note(task_id), 1, ex=ttl)
+            pipe.set(shard.deleted_note(task_id), "expired" if expired else 1, ex=ttl)
         pipe.execute()
 
-    def take_deleted_note(self, task_id: str) -> bool:
-        """True once per note: elects the one worker that announces a deleted member."""
-        return any(
-            self.client.getdel(shard.deleted_note(task_id)) is not None for shard in self.keys.all_shards()
-        )
+    def take_deleted_note(self, task_id: str) -> Optional[bool]:
+        """Once per note, whether its member expired (else ``None``): elects the one worker that
+        announces a deleted member."""
+        for shard in self.keys.all_shards():
+            note = self.client.getdel(shard.deleted_note(task_id))
+            if note is not None:
+                return note == b"expired"
+        return None
 
     def forget(self, task_id: str) -> Outcome:
         """Drop a dead letter (lua/forget.lua): ``DONE`` if it was in the store, with the release

@@ -135,10 +135,13 @@ def _end_revoked_member(runtime: Runtime, consumer: Any, task_id: str) -> None:
         deleted = runtime.publish_outcome(outcome).done
         if deleted:
             runtime.mark_revoked(task_id, envelope=record.envelope)
-    if deleted or runtime.gate.take_deleted_note(task_id):
+    expired = None if deleted else runtime.gate.take_deleted_note(task_id)
+    if deleted or expired is not None:
         dispatcher = consumer.event_dispatcher
         if dispatcher is not None and dispatcher.enabled:
-            dispatcher.send("task-revoked", uuid=task_id, terminated=False, signum=None, expired=False)
+            dispatcher.send(
+                "task-revoked", uuid=task_id, terminated=False, signum=None, expired=bool(expired)
+            )
 
 
 def _terminate_handed_off(runtime: Runtime, task_id: str, signal: Any) -> None:
@@ -203,7 +206,7 @@ def _terminate_handed_off(runtime: Runtime, task_id: str, signal: Any) -> None:
     finally:
         if pidfd is not None:
             os.close(pidfd)
-    runtime.mark_revoked(task_id)
+    runtime.mark_revoked(task_id, "terminated")
 
 
 def wrap_revoke_command() -> None:

@@ -230,6 +230,8 @@ def test_a_terminated_handed_off_member_is_announced_revoked(proj, make_deployme
         )
         [revoked] = [e for e in got if e.get("type") == "task-revoked" and e.get("uuid") == long.id]
         assert revoked.get("terminated") is True, revoked
+        wait_for(lambda: long.state == "REVOKED", what="long to read REVOKED")
+        assert "terminated" in str(long.result), long.result  # as Celery's reason for it
     finally:
         stop()
 
