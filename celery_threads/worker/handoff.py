@@ -132,6 +132,24 @@ def prepare(worker: Any) -> None:
     _allowed = shared.handoff_flag()
     _allowed.value = EVENTS if getattr(worker, "task_events", False) else ON
     _reported.clear()
+    _stop_before_soft_shutdown(worker)
+
+
+def _stop_before_soft_shutdown(worker: Any) -> None:
+    """A cold shutdown (SIGQUIT) with ``worker_soft_shutdown_timeout`` (Celery 5.5+) first waits
+    that long for the running tasks, and only then sends ``worker_shutting_down``: meanwhile a
+    pool process would take the next member by handoff, which the shutdown then cuts off (a
+    lost attempt, or a death).  The flag is lowered as that wait begins."""
+    soft = getattr(worker, "wait_for_soft_shutdown", None)
+    if soft is None or getattr(soft, "_celery_threads", False):
+        return
+
+    def wait_for_soft_shutdown(*args: Any, **kwargs: Any) -> Any:
+        shutting_down()
+        return soft(*args, **kwargs)
+
+    wait_for_soft_shutdown._celery_threads = True  # type: ignore[attr-defined]
+    worker.wait_for_soft_shutdown = wait_for_soft_shutdown
 
 
 def _slot_members(patience: float = _PATIENCE) -> Iterator[tuple[int, int, int, Member]]:
@@ -218,7 +236,8 @@ def sync(worker: Any, stopping: bool = False) -> None:
     global _stopping
     if _allowed is None:
         return
-    _stopping = _stopping or stopping
+    # A stop that sends no worker_shutting_down (SIGHUP's restart) sets Celery's flags only.
+    _stopping = _stopping or stopping or _told_to_stop()
     dispatcher = getattr(getattr(worker, "consumer", None), "event_dispatcher", None)
     events = getattr(worker, "task_events", False)
     if dispatcher is not None:
@@ -227,6 +246,13 @@ def sync(worker: Any, stopping: bool = False) -> None:
     _allowed.value = OFF if _stopping else (EVENTS if events else ON)
     if _stopping:  # set meanwhile by shutting_down, in the main thread: it wins
         _allowed.value = OFF
+
+
+def _told_to_stop() -> bool:
+    """Whether Celery's worker state says the worker stops (warm, cold, or restarting)."""
+    from celery.worker import state
+
+    return any(flag is not None and flag is not False for flag in (state.should_stop, state.should_terminate))
 
 
 # -- a pool process -----------------------------------------------------------------------------

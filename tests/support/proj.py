@@ -61,6 +61,7 @@ app.conf.update(
         "visibility_timeout": float(os.environ.get("CT_VISIBILITY", "3600")),
     },
     worker_send_task_events=os.environ.get("CT_EVENTS", "1") == "1",
+    worker_soft_shutdown_timeout=float(os.environ.get("CT_SOFT_SHUTDOWN", "0")),  # Celery 5.5+
     task_send_sent_event=True,
     broker_connection_retry_on_startup=True,
 )

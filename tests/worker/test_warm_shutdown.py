@@ -8,15 +8,25 @@ from __future__ import annotations
 import os
 import signal
 
+import pytest
+from celery.worker import WorkController
+
 from celery_threads import Threads
 from tests.support.helpers import assert_serial, starts, tid, wait_for
 from tests.worker.test_handoff import pids
 
 
-def test_a_stopping_worker_hands_off_no_member(proj, make_deployment):
+@pytest.mark.parametrize("how", ["warm", "soft"])
+def test_a_stopping_worker_hands_off_no_member(proj, make_deployment, how):
+    """``soft``: a cold shutdown (SIGQUIT) with worker_soft_shutdown_timeout (Celery 5.5+),
+    which waits that long for the running tasks before it sends worker_shutting_down: the
+    running member's pool process ran the next one by handoff meanwhile, and the shutdown then
+    cut it off (a lost attempt, or a death)."""
+    if how == "soft" and not hasattr(WorkController, "wait_for_soft_shutdown"):
+        pytest.skip("this Celery has no soft shutdown")
     r = proj.history()
     # The handoff is on, with a budget longer than the first member's run.
-    d = make_deployment(CT_EVENTS="0", CT_LOCAL_HANDOFF="30")
+    d = make_deployment(CT_EVENTS="0", CT_LOCAL_HANDOFF="30", CT_SOFT_SHUTDOWN="5" if how == "soft" else "0")
     stopping = d.worker("stopping", concurrency=2)
     thread = tid("warm")
     ended = f"ended:{thread}"
@@ -28,10 +38,11 @@ def test_a_stopping_worker_hands_off_no_member(proj, make_deployment):
         what="the next member to wait",
     )
     pool = set(stopping.children())
-    os.kill(stopping.proc.pid, signal.SIGTERM)  # the main process only: a warm shutdown
+    # The main process only: a warm shutdown, or a cold one that waits for the running member.
+    os.kill(stopping.proc.pid, signal.SIGTERM if how == "warm" else signal.SIGQUIT)
     wait_for(
         lambda: "take no more members by handoff" in stopping.output(),
-        what="the worker to begin its warm shutdown",
+        what="the worker to begin its shutdown",
     )
     r.set(ended, 1)  # the first member ends now
     stopping.proc.wait(60)
