@@ -22,7 +22,7 @@ from ..errors import ConfigurationError
 from ..gate import transport
 from ..logs import get_logger
 from ..runtime import get_runtime, unreachable
-from . import handoff, lease, processes, shared
+from . import handoff, lease, member, processes, shared
 from .noack import hand_back_on_pool_close
 from .renewer import LeaseRenewer
 from .revoke import wrap_revoke_command
@@ -96,6 +96,8 @@ class ThreadsWorkerStep(bootsteps.StartStopStep):
             self.loop = DispatchLoop(runtime)
             self.loop.start()
         pool = type(getattr(worker, "pool", None)).__module__
+        if pool == "celery.concurrency.solo":
+            member.cut_off_on_cold_shutdown(worker.pool)
         if "eventlet" in pool:
             logger.warning(
                 "celery-threads: the eventlet pool is not covered: a member that holds "

@@ -18,7 +18,7 @@ from datetime import datetime
 from typing import Any, Callable, NamedTuple, Optional
 
 import redis
-from celery.exceptions import Ignore, Reject, Retry
+from celery.exceptions import Ignore, Reject, Retry, WorkerTerminate
 
 from ..gate import DELETED, Claim, Gate, Outcome, deadline
 from ..logs import get_logger
@@ -89,6 +89,27 @@ _running: dict[tuple[str, str], Running] = {}
 def running(task_id: str, token: str) -> Optional[Running]:
     """The member (task id, token) when its body runs in this process, else ``None``."""
     return _running.get((task_id, token))
+
+
+def cut_off_on_cold_shutdown(pool: Any) -> None:
+    """The solo pool runs a task's body in the worker's main thread, where Celery's cold
+    shutdown (SIGQUIT) runs too, inside the body: it cancels the running task with the pool's
+    ``terminate_job``, which the solo pool does not have, and the ``NotImplementedError`` came
+    out of the body as its own failure (the member died, its retries unused).  While a member
+    runs here, it is cut off as the process going away instead (Celery's ``WorkerTerminate``,
+    which its pool lets through and its worker terminates on): a lost attempt, which
+    re-enters once its lease lapses while it has retries, as under any other pool."""
+    original = pool.terminate_job
+    if getattr(original, "_celery_threads", False):
+        return
+
+    def terminate_job(pid: Any, signal: Any = None) -> Any:
+        if _running:
+            raise WorkerTerminate("celery-threads: a cold shutdown cuts off the member this solo worker runs")
+        return original(pid, signal)
+
+    terminate_job._celery_threads = True  # type: ignore[attr-defined]
+    pool.terminate_job = terminate_job
 
 
 def current(app: Any) -> Optional[tuple[str, str]]:

@@ -45,3 +45,29 @@ def test_threads_run_serially_in_order_with_retries_and_deaths(
         wait_for(lambda t=t: threads_api.get(t) is None, what="thread to vanish")
     for task_id in doomed:
         threads_api.forget(task_id)
+
+
+def test_a_cold_shutdown_of_a_solo_worker_is_a_lost_attempt(proj, make_deployment):
+    """SIGQUIT runs Celery's cold shutdown inside the member's body (the solo pool runs it in the
+    main thread); its cancel of the running task raised NotImplementedError there, which ended
+    the member as its own failure: dead, its retries unused.  It is a lost attempt: it runs
+    again on the next worker."""
+    import os
+    import signal
+
+    r = proj.history()
+    d = make_deployment(CT_KEEPALIVE="2", CT_DISPATCH_INTERVAL="0.2")
+    solo = d.worker("solo-quit", pool="solo", concurrency=1)
+    thread = tid("solo-quit")
+    go = f"go:{thread}"
+    cut = proj.record.delay(thread, "cut", until=go)  # max_retries=3; waits for go
+    wait_for(lambda: starts(r, thread) == ["cut"], what="the member to start")
+    os.kill(solo.proc.pid, signal.SIGQUIT)
+    solo.proc.wait(60)
+    assert cut.id not in {x.task_id for x in Threads(proj.app).dead()}
+    history = Threads(proj.app).get(thread)
+    assert history is not None and history.active is not None and history.active.task_id == cut.id
+    r.set(go, 1)
+    d.worker("solo-next", pool="solo", concurrency=1)
+    assert cut.get(timeout=60) == "cut"
+    assert starts(r, thread) == ["cut", "cut"]
