@@ -209,12 +209,31 @@ class ThreadedRequest(Request):
             self.send_event("task-failed", exception=saferepr(exc), traceback=exc_info.traceback)
 
     def _announce_lost_retry(self, exc: BaseException, exc_info: Any) -> None:
-        """What Celery does for a retried task: RETRY state, ``task-retried`` event, ack."""
+        """What Celery does for a retried task: a log line, RETRY state, ``on_retry`` and the
+        ``task_retry`` signal, ``task-retried`` event, ack."""
+        from celery import signals
 
+        logger.warning(
+            "celery-threads: %s[%s] of thread %s lost its pool process (%s); it runs again "
+            "(its retries allow it)",
+            self.task.name,
+            self.id,
+            request_member(self)[0],
+            exc,
+        )
+        context = seams.request_context(self)
         if self.store_errors:
-            self.task.backend.mark_as_retry(
-                self.id, exc, exc_info.traceback, request=seams.request_context(self)
-            )
+            self.task.backend.mark_as_retry(self.id, exc, exc_info.traceback, request=context)
+        if context is not None:
+            self.task.request_stack.push(context)  # for on_retry and task_retry handlers
+        try:
+            self.task.on_retry(exc, self.id, self.args, self.kwargs, exc_info)
+            signals.task_retry.send(sender=self.task, request=context, reason=exc, einfo=exc_info)
+        except Exception:
+            logger.exception("celery-threads: on_retry or a task_retry handler of %s failed", self.id)
+        finally:
+            if context is not None:
+                self.task.request_stack.pop()
         if self.task.acks_late:
             self.acknowledge()
         self.send_event("task-retried", exception=saferepr(exc), traceback=exc_info.traceback)

@@ -17,7 +17,7 @@ from typing import Optional
 import redis
 from celery import Celery
 from celery.exceptions import Ignore, Reject, Retry
-from celery.signals import task_failure
+from celery.signals import task_failure, task_retry
 from celery.worker.request import Request
 
 from celery_threads import ThreadedTask
@@ -550,6 +550,11 @@ from celery_threads.signals import member_dead  # noqa: E402
 def _remember_death(sender=None, task_id=None, thread_id=None, exception=None, retries=None, **kwargs):
     history().rpush(f"dead_signal:{thread_id}", f"{task_id}|{exception}")
     history().rpush(f"dead_retries:{task_id}", str(retries))
+
+
+@task_retry.connect
+def _remember_retry(sender=None, request=None, reason=None, **kwargs):
+    history().rpush(f"retry_signal:{getattr(request, 'id', None)}", type(reason).__name__)
 
 
 @task_failure.connect

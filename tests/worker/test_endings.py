@@ -237,6 +237,9 @@ def test_pool_child_killed_counts_as_a_failed_attempt(proj, worker, r):
     assert nxt.get(timeout=30) == "next"
     assert starts(r, thread)[0] == f"suicide-{thread}"
     assert sorted(starts(r, thread)) == sorted([f"suicide-{thread}"] * 2 + ["next"])
+    # Told as Celery tells a retry (it was silent): a log line, the task_retry signal.
+    assert f"suicide[{result.id}] of thread {thread} lost its pool process" in worker.output()
+    assert r.lrange(f"retry_signal:{result.id}", 0, -1) == [b"WorkerLostError"]
 
 
 def test_a_member_lost_while_run_by_handoff_dies_with_its_retries_and_task_failure(proj, worker, r):
