@@ -286,8 +286,13 @@ class Runtime:
         outcome = self.publish_outcome(self.gate.delete(task_id, stop=True, thread_id=thread_id))
         if not outcome.done:
             return None
-        if outcome.info in ("RUNNING", STOPPING):
+        if outcome.info == STOPPING:
             self.app.control.revoke(task_id, terminate=True)
+        elif outcome.info == "RUNNING":
+            # Detached at once: its pool (threads, solo, gevent) cannot stop it (a terminate
+            # would only fail in its worker); its body runs on, and ends as revoked there.
+            self.mark_revoked(task_id, envelope=record.envelope)
+            self.app.control.revoke(task_id)
         else:
             # ENDED: the call was replayed after its reply was lost, and the member may have
             # been running: revoke with terminate (a no-op where it does not run).

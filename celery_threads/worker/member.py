@@ -19,6 +19,7 @@ from typing import Any, Callable, NamedTuple, Optional
 
 import redis
 from celery.exceptions import Ignore, Reject, Retry, WorkerTerminate
+from celery.worker import state as worker_state
 
 from ..gate import DELETED, Claim, Gate, Outcome, deadline
 from ..logs import get_logger
@@ -164,6 +165,18 @@ def run(task: Any, body: Callable[[], Any]) -> Any:
                 failure = exc
             finally:
                 _running.pop(key, None)
+        if not isinstance(failure, (SystemExit, KeyboardInterrupt)) and _deleted_meanwhile(
+            runtime, thread_id, task_id
+        ):
+            # Threads.delete detached it while it ran where it could not be stopped (a threads,
+            # solo or gevent pool): REVOKED, which its ending must not overwrite.
+            logger.info(
+                "celery-threads: %s[%s] of thread %s was deleted while it ran; revoked",
+                task.name,
+                task_id,
+                thread_id,
+            )
+            raise Ignore()
         if isinstance(failure, Retry) and member.reentry is None:
             failure = _spent(task, failure, retries)
         # The member's code has returned (its lease's end is no longer watched): its ending.
@@ -294,6 +307,18 @@ def _ended(
     # Anything else (SystemExit, ...): the process is going away; the lease lapses and the
     # gate counts a failed attempt.
     return outcome is not None and outcome.info == DELETED
+
+
+def _deleted_meanwhile(runtime: Runtime, thread_id: str, task_id: str) -> bool:
+    """Whether a member running where it cannot be stopped was deleted meanwhile: its worker
+    (this process, outside a prefork pool) took the delete's revoke, and it no longer holds its
+    thread.  A plain revoke leaves it holding its thread, to finish."""
+    if stoppable() or task_id not in worker_state.revoked:
+        return False
+    try:
+        return not runtime.gate.reads.holds(thread_id, task_id)
+    except redis.RedisError:
+        return False
 
 
 def _spent(task: Any, exc: Retry, retries: int) -> BaseException:

@@ -117,7 +117,7 @@ def test_under_the_threads_pool_the_next_member_starts_at_once(proj, make_deploy
     """The threads pool cannot stop a member's body: the delete detaches it at once and the next
     member starts while the deleted body runs on to its end (README, caveats)."""
     d = make_deployment(CT_EVENTS="0")
-    d.worker("threads", pool="threads", concurrency=4)
+    worker = d.worker("threads", pool="threads", concurrency=4)
     thread = tid("thr")
     long = proj.beater.delay(thread, "long", seconds=4)
     nxt = proj.beater.delay(thread, "next", seconds=0.3)
@@ -127,6 +127,14 @@ def test_under_the_threads_pool_the_next_member_starts_at_once(proj, make_deploy
     assert time.monotonic() - t0 < 4, "the delete waited for a body it cannot stop"
     assert nxt.get(timeout=20) == "next"
     assert last_beat(r, thread, "long", timeout=10) > started_at(r, thread, "next")
+    # REVOKED, as under prefork, once its body has ended too (it stored SUCCESS over it, and
+    # its worker logged the terminate the threads pool cannot do).
+    wait_for(
+        lambda: f"{long.id}] of thread {thread} was deleted while it ran" in worker.output(),
+        what="the deleted body to end",
+    )
+    assert long.state == "REVOKED"
+    assert "does not implement kill_job" not in worker.output()
     vanishes(proj, r, thread)
 
 
