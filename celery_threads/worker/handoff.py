@@ -181,6 +181,11 @@ def runs_another(pid: Any, task_id: str) -> bool:
     return any(found == int(pid) and not member.matches(task_id) for _, _, found, member in _slot_members())
 
 
+def runs_by_handoff(pid: Any) -> bool:
+    """Whether pool process ``pid`` runs a member by handoff now (its job's own member ended)."""
+    return bool(pid) and any(found == int(pid) for _, _, found, _ in _slot_members())
+
+
 def lost_member(pid: Any) -> Optional[tuple[str, str, str]]:
     """``(thread id, task id, token)`` of the member the dead pool process ``pid`` was running by
     handoff, if any (reported once)."""

@@ -43,6 +43,21 @@ class ThreadedRequest(Request):
     fenced by the token and by that pool process's claims (``pool_holder``): after lost gate
     writes another worker may run the member under the same token."""
 
+    def cancel(self, pool: Any, signal: Any = None, *args: Any, **kwargs: Any) -> None:
+        """Celery's cold shutdown cancels the running tasks.  A pool job that has gone on to run
+        a member by handoff still holds this request, whose member succeeded: Celery announced
+        that one as cancelled (RETRY over its success, ``on_retry``, ``task_retry``).  Only the
+        process is stopped then: the member it runs is failed as lost once the process has exited
+        (or when its lease lapses)."""
+        if not handoff.runs_by_handoff(self.worker_pid):
+            return super().cancel(pool, signal, *args, **kwargs)
+        from celery.platforms import signals as platform_signals
+        from celery.worker.control import TERM_SIGNAME
+
+        pool.terminate_job(self.worker_pid, platform_signals.signum(signal or TERM_SIGNAME))
+        worker_state.task_ready(self)
+        return None
+
     def on_timeout(self, soft: bool, timeout: float) -> None:
         thread_id, token = request_member(self)
         if not soft and token and not worker_state.should_terminate:

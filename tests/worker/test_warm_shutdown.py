@@ -60,3 +60,31 @@ def test_a_stopping_worker_hands_off_no_member(proj, make_deployment, how):
     # The stopping worker may still receive it from the broker before its consumer stops; it
     # hands it back unstarted then.
     assert f"[{nxt.id}] succeeded" not in stopping.output()
+
+
+def test_a_cold_shutdown_during_a_handoff_cancels_the_member_that_runs(proj, make_deployment):
+    """SIGQUIT while a pool job runs a member by handoff: Celery cancels the job's request, whose
+    member succeeded before; it announced that one as retried (on_retry, task_retry, RETRY
+    over SUCCESS).  Only the process is stopped: the member it ran is a lost attempt."""
+    r = proj.history()
+    d = make_deployment(CT_EVENTS="0", CT_KEEPALIVE="3", CT_DISPATCH_INTERVAL="0.2")
+    quitting = d.worker("quitting", concurrency=2)
+    thread = tid("cold")
+    go = f"go:{thread}"
+    first = proj.where.apply_async((thread, "first"), {"until": go})
+    wait_for(lambda: starts(r, thread) == ["first"], what="the first member")
+    cut = proj.where.apply_async((thread, "cut"), {"sleep": 60})
+    r.set(go, 1)
+    wait_for(lambda: starts(r, thread) == ["first", "cut"], what="the handed-off member")
+    assert len(set(pids(r, thread))) == 1, "cut was not handed off"
+    os.kill(quitting.proc.pid, signal.SIGQUIT)
+    quitting.proc.wait(60)
+    assert first.state == "SUCCESS"
+    assert r.lrange(f"retry_signal:{first.id}", 0, -1) == []
+    d.worker("after", concurrency=2)
+
+    def waits_again() -> bool:  # its lease lapsed: a lost attempt (its retry delay is Celery's 180 s)
+        info = Threads(proj.app).get(thread)
+        return info is not None and [m.task_id for m in info.waiting] == [cut.id]
+
+    wait_for(waits_again, timeout=60, what="cut to wait for its retry")
