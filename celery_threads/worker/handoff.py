@@ -279,6 +279,8 @@ def _wrap(original: Callable[..., Any]) -> Callable[..., Any]:
         job = _job = _Job()
         try:
             result = original(*args, **kwargs)
+            if job.pending is not None and len(args) > 1:
+                result = _ended_now(str(args[1]), result)
             # A member claimed before the worker began to stop, but not started yet, is given
             # back (below) once it is: it goes through the broker.
             while job.pending is not None and _allowed.value != OFF:
@@ -297,6 +299,29 @@ def _wrap(original: Callable[..., Any]) -> Callable[..., Any]:
     run_job._celery_threads = True  # type: ignore[attr-defined]
     run_job.__name__ = getattr(original, "__name__", "run_job")
     return run_job
+
+
+class EventSent(float):
+    """A pool job's runtime, when this pool process has sent the job's own member's ending
+    event already (see :func:`_ended_now`): the worker's main process sends none."""
+
+
+def _ended_now(task_id: str, result: Any) -> Any:
+    """The job's own member ended, and the job goes on to run the next member of its thread:
+    its ending event is sent now (while the worker sends task events), not when the job ends,
+    a handed-off run later (Flower showed both members started meanwhile, and the first one
+    started for good when the next was terminated).  Returns the job's result, its runtime
+    marked :class:`EventSent`."""
+    if _allowed is None or _allowed.value != EVENTS or _app is None:
+        return result
+    try:
+        failed, retval, runtime = result
+    except (TypeError, ValueError):
+        return result
+    dispatcher = _dispatcher(None)
+    _Events(dispatcher, task_id).ended(result)
+    _flush_events()
+    return (failed, retval, EventSent(runtime))
 
 
 def finish(runtime: Runtime, task: Any, thread_id: str, task_id: str, token: str, ending: Ending) -> bool:
@@ -526,10 +551,12 @@ class _Events:
     ``celery events`` then see it as any task): task-received, task-started, then task-succeeded,
     task-failed or task-retried."""
 
-    def __init__(self, dispatcher: Any, taken: Taken) -> None:
+    def __init__(self, dispatcher: Any, taken: Any) -> None:
+        """``taken``: the :class:`Taken` member, or the task id of the job's own member (whose
+        ending alone is sent here)."""
         self.dispatcher = dispatcher
         self.taken = taken
-        self.uuid = taken.release.task_id
+        self.uuid = taken if isinstance(taken, str) else taken.release.task_id
 
     def send(self, kind: str, **fields: Any) -> None:
         try:
@@ -589,18 +616,23 @@ def _events(taken: Taken) -> Optional[_Events]:
     task = _app.tasks.get(taken.name)
     if task is None or not getattr(task, "send_events", True):
         return None
+    return _Events(_dispatcher(taken.request.get("hostname")), taken)
+
+
+def _dispatcher(hostname: Any) -> Any:
+    """This pool process's event dispatcher, made at its first use."""
+    assert _app is not None
     if not _dispatchers:
-        hostname = seams.pool_hostname(taken.request.get("hostname"))
         _dispatchers.append(
             _app.events.Dispatcher(
                 _app.connection_for_write(),
-                hostname=hostname,
+                hostname=seams.pool_hostname(hostname),
                 enabled=True,
                 buffer_group=["task"],
                 buffer_limit=1000,
             )
         )
-    return _Events(_dispatchers[0], taken)
+    return _dispatchers[0]
 
 
 def _flush_events() -> None:

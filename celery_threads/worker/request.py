@@ -43,6 +43,20 @@ class ThreadedRequest(Request):
     fenced by the token and by that pool process's claims (``pool_holder``): after lost gate
     writes another worker may run the member under the same token."""
 
+    _ending_sent = False
+
+    def on_success(self, failed__retval__runtime: Any, **kwargs: Any) -> Any:
+        # A pool job that went on to run members by handoff sent its own member's ending event
+        # when that member ended (handoff.EventSent): not again, a handed-off run later.
+        runtime = failed__retval__runtime[2] if isinstance(failed__retval__runtime, tuple) else None
+        self._ending_sent = isinstance(runtime, handoff.EventSent)
+        return super().on_success(failed__retval__runtime, **kwargs)
+
+    def send_event(self, type: str, **fields: Any) -> None:
+        if self._ending_sent and type in ("task-succeeded", "task-failed", "task-retried"):
+            return
+        super().send_event(type, **fields)
+
     def cancel(self, pool: Any, signal: Any = None, *args: Any, **kwargs: Any) -> None:
         """Celery's cold shutdown cancels the running tasks.  A pool job that has gone on to run
         a member by handoff still holds this request, whose member succeeded: Celery announced

@@ -216,12 +216,19 @@ def test_a_terminated_handed_off_member_is_announced_revoked(proj, make_deployme
     got, stop = collect_events(proj.app)
     try:
         thread = tid("term-ev")
-        proj.where.apply_async((thread, "first"), {"until": f"go:{thread}"})
+        first = proj.where.apply_async((thread, "first"), {"until": f"go:{thread}"})
         wait_for(lambda: starts(r, thread) == ["first"], what="the first member")
         long = proj.where.apply_async((thread, "long"), {"sleep": 30})
         r.set(f"go:{thread}", 1)
         wait_for(lambda: starts(r, thread) == ["first", "long"], what="the handed-off member")
         assert len(set(pids(r, thread))) == 1, "long was not handed off"
+
+        def first_succeeded() -> list:
+            return [e for e in got if e.get("type") == "task-succeeded" and e.get("uuid") == first.id]
+
+        # While long runs: first's ending came when it ended, not when the pool job ends (Flower
+        # showed both started; and first started for good once long was terminated).
+        wait_for(first_succeeded, timeout=30, what="first's task-succeeded while long runs")
         proj.app.control.revoke(long.id, terminate=True)
         wait_for(
             lambda: any(e.get("type") == "task-revoked" and e.get("uuid") == long.id for e in got),
@@ -232,6 +239,7 @@ def test_a_terminated_handed_off_member_is_announced_revoked(proj, make_deployme
         assert revoked.get("terminated") is True, revoked
         wait_for(lambda: long.state == "REVOKED", what="long to read REVOKED")
         assert "terminated" in str(long.result), long.result  # as Celery's reason for it
+        assert len(first_succeeded()) == 1
     finally:
         stop()
 
