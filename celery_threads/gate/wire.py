@@ -89,7 +89,7 @@ class ScriptLine:
             packed = command(local.functions)
             sock.sendall(packed + self._then)
             deadline.note_sent(packed)
-            data = sock.recv(65536)
+            data: Any = sock.recv(65536)
             replies: list[Any] = []
             end = 0
             while len(replies) < (2 if self._then else 1):
@@ -97,9 +97,13 @@ class ScriptLine:
                     reply, end = _parse_reply(data, end)
                     replies.append(reply)
                 except _Incomplete:
-                    more = sock.recv(65536)
+                    more = sock.recv(1 << 20)
                     if not more:  # closed in the middle of a reply (or before it)
                         raise ConnectionError("connection closed by the server") from None
+                    # A bytearray grows in place: bytes joined chunk by chunk took quadratic
+                    # time (a 150 MB message held the GIL for minutes, and its lease lapsed).
+                    if not isinstance(data, bytearray):
+                        data = bytearray(data)
                     data += more
         except OSError as exc:
             deadline.note_failed(exc)
@@ -225,9 +229,10 @@ class _ErrorReply(NamedTuple):
     message: str
 
 
-def _parse_reply(data: bytes, at: int) -> tuple[Any, int]:
-    """One RESP2/RESP3 reply of the kinds a script returns, from ``data[at:]``: ``(value, end)``.
-    Bulk strings are bytes, as redis-py returns them without ``decode_responses``."""
+def _parse_reply(data: Any, at: int) -> tuple[Any, int]:
+    """One RESP2/RESP3 reply of the kinds a script returns, from ``data[at:]`` (bytes or a
+    bytearray): ``(value, end)``.  Bulk strings are bytes, as redis-py returns them without
+    ``decode_responses``."""
     nl = data.find(b"\r\n", at)
     if nl < 0:
         raise _Incomplete
@@ -238,7 +243,7 @@ def _parse_reply(data: bytes, at: int) -> tuple[Any, int]:
             return None, at
         if at + n + 2 > len(data):
             raise _Incomplete
-        return data[at : at + n], at + n + 2
+        return bytes(data[at : at + n]), at + n + 2
     if kind == 42:  # * array
         n = int(line)
         if n < 0:
@@ -251,7 +256,7 @@ def _parse_reply(data: bytes, at: int) -> tuple[Any, int]:
     if kind == 58:  # : integer
         return int(line), at
     if kind == 43:  # + status
-        return line, at
+        return bytes(line), at
     if kind == 45:  # - error
         return _ErrorReply(line.decode("utf-8", "replace")), at
     if kind == 95:  # _ null (RESP3)
