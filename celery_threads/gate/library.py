@@ -55,6 +55,30 @@ class Library(NamedTuple):
     functions: dict[str, str]
 
 
+#: Transitions that run when the server is at its ``maxmemory`` (the ``allow-oom`` flag):
+#: those that end, hand out or keep members already stored, which hold or free memory.  A full
+#: ``noeviction`` gate refused them too: a member that had run could not end (its lease lapsed
+#: and it ran again), and nothing drained the gate.  New work (``enqueue``, and the operator's
+#: ``restart``, ``redrive``, ``pause``, ``resume``) is still refused with the server's error.
+#: (Scripts, the way without functions, keep Redis's own rule.)
+ALLOW_OOM = frozenset(
+    (
+        "release",
+        "claim",
+        "renew",
+        "finish",
+        "requeue",
+        "kill",
+        "delete",
+        "expire",
+        "fail",
+        "handback",
+        "purge",
+        "forget",
+    )
+)
+
+
 @functools.cache
 def function_library() -> Library:
     """The library of this version of the transitions (built once per process).  Its name
@@ -62,12 +86,17 @@ def function_library() -> Library:
     each call their own."""
     common = _prelude().replace("if redis.replicate_commands then pcall(redis.replicate_commands) end", "")
     bodies = {name: _load_lua(f"{name}.lua") for name in SCRIPT_NAMES}
-    digest = hashlib.sha1("\0".join([common, *bodies.values()]).encode()).hexdigest()[:12]
+    flags = ",".join(sorted(ALLOW_OOM))  # part of what a version's library is
+    digest = hashlib.sha1("\0".join([common, *bodies.values(), flags]).encode()).hexdigest()[:12]
     lib = f"celery_threads_{digest}"
     functions = {name: f"{lib}_{name}" for name in SCRIPT_NAMES}
     registered = "".join(
-        f"\nredis.register_function('{functions[name]}', function(KEYS, ARGV)\n"
-        f"begin(KEYS, ARGV)\n{body}\nend)\n"
+        f"\nredis.register_function{{function_name='{functions[name]}', callback=function(KEYS, ARGV)\n"
+        f"begin(KEYS, ARGV)\n{body}\nend{_flags(name)}}}\n"
         for name, body in bodies.items()
     )
     return Library(lib, f"#!lua name={lib}\n{common}\n{registered}", functions)
+
+
+def _flags(name: str) -> str:
+    return ", flags={'allow-oom'}" if name in ALLOW_OOM else ""

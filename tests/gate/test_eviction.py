@@ -344,3 +344,29 @@ def test_a_sentinel_gate_is_checked_on_its_master(sentinel_setup: Any) -> None:
         "allkeys-random",
         "error",
     )
+
+
+def test_a_full_noeviction_gate_still_ends_and_renews_what_it_holds() -> None:
+    """At its maxmemory a noeviction server refuses new members, but the members it holds still
+    renew their leases, end and release the next: it refused those too, so a member that had
+    run could not end (its lease lapsed and it ran again) and nothing drained the gate."""
+    from celery_threads.gate import Gate
+    from celery_threads.keys import Keys
+
+    for full in _server("--maxmemory-policy", "noeviction"):
+        client = make_client(full.url())
+        if int(client.info("server")["redis_version"].split(".")[0]) < 7:
+            pytest.skip("function flags need Redis 7")
+        gate = Gate(client, Keys("oom"), release_timeout_ms=60_000, keepalive_ms=30_000)
+        first = gate.enqueue("t", "first", b"m1").release
+        gate.enqueue("t", "second", b"m2")
+        assert first is not None and gate.claim("t", "first", first.token, "w") == 1
+        client.config_set("maxmemory", max(1, int(client.info("memory")["used_memory"]) - 100_000))
+        with pytest.raises(redis.exceptions.OutOfMemoryError):
+            gate.enqueue("t", "third", b"m3")
+        assert gate.renew("t", "first", first.token) == 1
+        second = gate.finish("t", "first", first.token).release
+        assert second is not None and second.task_id == "second"
+        assert gate.claim("t", "second", second.token, "w") == 1
+        assert gate.finish("t", "second", second.token).done
+        assert not client.keys("oom:*:t:t:*")  # the thread's keys are gone
