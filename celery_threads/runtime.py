@@ -314,8 +314,8 @@ class Runtime:
         """A member that left its thread before it ran: ``REVOKED`` in the result backend (and
         in its chord: see :meth:`mark_revoked`), and one worker (elected by a note in the gate)
         sends the ``task-revoked`` event, so Flower shows it without a phantom worker."""
-        self.gate.note_deleted(thread_id, task_id, expired=reason == "expired")
         self.mark_revoked(task_id, reason, envelope)
+        self.gate.note_deleted(thread_id, task_id, expired=reason == "expired")
         self.app.control.revoke(task_id, terminate=terminate)
 
     def revoke_superseded(self, thread_id: str, task_ids: list[str], envelope: bytes = b"") -> None:

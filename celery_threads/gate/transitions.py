@@ -655,7 +655,18 @@ class Gate:
         pipe = self.client.pipeline(transaction=False)
         for task_id in task_ids:
             pipe.set(shard.deleted_note(task_id), "expired" if expired else 1, ex=ttl)
-        pipe.execute()
+        try:
+            pipe.execute()
+        except redis.RedisError as exc:
+            # After the members left (a full gate refuses the notes): only Flower's task-revoked
+            # event is missed, which must not make the caller think nothing was done.
+            logger.warning(
+                "celery-threads: could not note %d member(s) that left thread %s for the "
+                "task-revoked event (%s); their results read REVOKED all the same",
+                len(task_ids),
+                thread_id,
+                exc,
+            )
 
     def take_deleted_note(self, task_id: str) -> Optional[bool]:
         """Once per note, whether its member expired (else ``None``): elects the one worker that

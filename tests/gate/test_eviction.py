@@ -370,3 +370,23 @@ def test_a_full_noeviction_gate_still_ends_and_renews_what_it_holds() -> None:
         assert gate.claim("t", "second", second.token, "w") == 1
         assert gate.finish("t", "second", second.token).done
         assert not client.keys("oom:*:t:t:*")  # the thread's keys are gone
+
+
+def test_a_delete_on_a_full_gate_is_done_and_says_so(isolated_app: Any) -> None:
+    """The member left, but the note for Flower's task-revoked event (a plain SET) was refused:
+    the delete raised as if nothing was done, and REVOKED was never stored (PENDING for good)."""
+    for full in _server("--maxmemory-policy", "noeviction"):
+        client = make_client(full.url())
+        if int(client.info("server")["redis_version"].split(".")[0]) < 7:
+            pytest.skip("function flags need Redis 7")
+        with pointed_at(isolated_app, threads_redis_url=full.url()):
+            thread = tid("oom")
+            holder = Threads(isolated_app)
+            from tests.support.proj import record
+
+            first = record.apply_async((thread, "first"))
+            doomed = record.apply_async((thread, "doomed"))
+            client.config_set("maxmemory", max(1, int(client.info("memory")["used_memory"]) - 100_000))
+            assert holder.delete(doomed.id) is True
+            assert doomed.state == "REVOKED"
+            assert holder.delete(first.id) is True
