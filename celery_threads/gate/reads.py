@@ -320,15 +320,25 @@ class GateReads:
         ``members``, ``dead`` tasks, ``lapsed`` deadlines and ``overdue_heads`` at or before
         ``overdue_before_ms``, and ``oldest_due``, the idle thread whose head has been due the
         longest at ``now_ms`` as ``(thread id, scheduled_at ms)`` or ``None``."""
-        pipe = self.client.pipeline(transaction=True)
-        pipe.zcard(shard.due)
-        pipe.zcard(shard.leases)
-        pipe.hlen(shard.tasks)
-        pipe.zcard(shard.dead)
-        pipe.zcount(shard.leases, "-inf", overdue_before_ms)
-        pipe.zcount(shard.due, "-inf", overdue_before_ms)
-        pipe.zrangebyscore(shard.due, "-inf", now_ms, start=0, num=1, withscores=True)
-        idle, active, members, dead, lapsed, overdue_heads, oldest = pipe.execute()
+
+        def read(transaction: bool) -> list[Any]:
+            pipe = self.client.pipeline(transaction=transaction)
+            pipe.zcard(shard.due)
+            pipe.zcard(shard.leases)
+            pipe.hlen(shard.tasks)
+            pipe.zcard(shard.dead)
+            pipe.zcount(shard.leases, "-inf", overdue_before_ms)
+            pipe.zcount(shard.due, "-inf", overdue_before_ms)
+            pipe.zrangebyscore(shard.due, "-inf", now_ms, start=0, num=1, withscores=True)
+            return list(pipe.execute())
+
+        try:
+            counts = read(True)  # one snapshot
+        except redis.exceptions.OutOfMemoryError:
+            # A server at its maxmemory refuses whatever a MULTI queues, reads too: the health
+            # check is wanted most then.
+            counts = read(False)
+        idle, active, members, dead, lapsed, overdue_heads, oldest = counts
         return {
             "idle": int(idle),
             "active": int(active),

@@ -692,8 +692,17 @@ class Gate:
         ids = [_text(t) for t in self.client.zrangebyscore(shard.dead, "-inf", up_to, start=0, num=limit)]
         if not ids:
             return []
-        pipe = self.client.pipeline(transaction=True)
-        pipe.zrem(shard.dead, *ids)
-        pipe.hdel(shard.dead_records, *ids)
-        pipe.execute()
+        for transaction in (True, False):
+            pipe = self.client.pipeline(transaction=transaction)
+            pipe.zrem(shard.dead, *ids)
+            pipe.hdel(shard.dead_records, *ids)
+            try:
+                pipe.execute()
+                break
+            except redis.exceptions.OutOfMemoryError:
+                # A full server refuses whatever a MULTI queues, these deletes too, which free
+                # memory: they go one after the other (the index first: a record left by a
+                # cut between them is never listed).
+                if not transaction:
+                    raise
         return ids

@@ -358,6 +358,8 @@ def test_a_full_noeviction_gate_still_ends_and_renews_what_it_holds() -> None:
         if int(client.info("server")["redis_version"].split(".")[0]) < 7:
             pytest.skip("function flags need Redis 7")
         gate = Gate(client, Keys("oom"), release_timeout_ms=60_000, keepalive_ms=30_000)
+        dying = gate.enqueue("d", "dead", b"m0").release
+        assert dying is not None and gate.kill("d", "dead", dying.token, {"exception": "x"}).done
         first = gate.enqueue("t", "first", b"m1").release
         gate.enqueue("t", "second", b"m2")
         assert first is not None and gate.claim("t", "first", first.token, "w") == 1
@@ -370,6 +372,11 @@ def test_a_full_noeviction_gate_still_ends_and_renews_what_it_holds() -> None:
         assert gate.claim("t", "second", second.token, "w") == 1
         assert gate.finish("t", "second", second.token).done
         assert not client.keys("oom:*:t:t:*")  # the thread's keys are gone
+        # The health check's counts, and forgetting dead letters (which frees memory), too:
+        # whatever a MULTI queues was refused.
+        shard = gate.keys.shard(0)
+        assert gate.reads.index_counts(shard, 0, 0)["dead"] == 1
+        assert gate.forget_batch(shard, gate.reads.last_death(shard), 10) == ["dead"]
 
 
 def test_a_delete_on_a_full_gate_is_done_and_says_so(isolated_app: Any) -> None:
