@@ -325,16 +325,20 @@ def _spent(task: Any, exc: Retry, retries: int) -> BaseException:
     """A ``Retry`` raised by hand, as ``self.retry()`` would have ended: the ``Retry`` itself
     while ``max_retries`` allows one more attempt, else what ``self.retry()`` raises then (the
     Retry's own exception, or ``MaxRetriesExceededError``), with which the member dies."""
-    if task.max_retries is None or retries < task.max_retries:
-        return exc
-    if isinstance(exc.exc, BaseException):
-        return exc.exc
+    limit: Optional[int] = task.max_retries
+    kept: BaseException = exc
+    if limit is None or retries < limit:
+        return kept
+    own: Any = exc.exc
+    if isinstance(own, BaseException):
+        return own
     request = task.request
-    return task.MaxRetriesExceededError(
+    spent: BaseException = task.MaxRetriesExceededError(
         f"Can't retry {task.name}[{request.id}] args:{request.args} kwargs:{request.kwargs}",
         task_args=request.args,
         task_kwargs=request.kwargs,
     )
+    return spent
 
 
 def _retry_when(task: Any, when: Any) -> tuple[int, Optional[int]]:

@@ -64,13 +64,13 @@ class ThreadedRequest(Request):
         process is stopped then: the member it runs is failed as lost once the process has exited
         (or when its lease lapses)."""
         if not handoff.runs_by_handoff(self.worker_pid):
-            return super().cancel(pool, signal, *args, **kwargs)
+            super().cancel(pool, signal, *args, **kwargs)
+            return
         from celery.platforms import signals as platform_signals
         from celery.worker.control import TERM_SIGNAME
 
         pool.terminate_job(self.worker_pid, platform_signals.signum(signal or TERM_SIGNAME))
         worker_state.task_ready(self)
-        return None
 
     def on_timeout(self, soft: bool, timeout: float) -> None:
         thread_id, token = request_member(self)
