@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import difflib
 import math
-import re
 from dataclasses import dataclass, field
 from typing import Any, Optional
 from urllib.parse import parse_qs, urlparse
@@ -191,8 +190,19 @@ def _checked_url(url: str, setting: str) -> str:
             if db and not db.isdigit():
                 raise ValueError(f"the database must be a number, as in /0, not {db!r}")
     except ValueError as exc:
+        # A password with '/', '#' or '?' in it is misread (its '@' is not in the URL's network
+        # location): the parser's own words would quote part of it.
+        misread = any(
+            "@" in part.partition("://")[2] and "@" not in urlparse(part.strip()).netloc
+            for part in url.split(";")
+        )
+        why = (
+            "a password holding '/', '#', '?' or '@' must be percent-encoded, e.g. '/' as %2F"
+            if misread
+            else exc
+        )
         raise ConfigurationError(
-            f"{setting}={sanitized_url(url)!r} is not a Redis URL the gate can use ({exc}): "
+            f"{setting}={sanitized_url(url)!r} is not a Redis URL the gate can use ({why}): "
             "write redis://[user:password@]host:6379/0, rediss://... for TLS, "
             "unix:///path/to/redis.sock or sentinel://host:26379[;sentinel://host2:26379]/0"
         ) from None
@@ -200,11 +210,22 @@ def _checked_url(url: str, setting: str) -> str:
 
 
 def sanitized_url(url: str) -> str:
-    """``url`` with its password masked, whatever its shape."""
-    try:
-        return str(maybe_sanitize_url(url))
-    except ValueError:
-        return re.sub(r"(://[^:/@;]*:)[^@/;]*@", r"\1**@", url)
+    """``url`` with its password masked, whatever its shape: everything between the user's name
+    and the last ``@`` of each URL (a password written with an unencoded ``/``, ``#`` or ``?``
+    is not where a URL parser looks for it)."""
+    return ";".join(_masked(part) for part in url.split(";"))
+
+
+def _masked(url: str) -> str:
+    scheme, sep, rest = url.partition("://")
+    if not sep or "@" not in rest:
+        try:
+            return str(maybe_sanitize_url(url))
+        except ValueError:
+            return url
+    userinfo, _, host = rest.rpartition("@")
+    user, colon, _ = userinfo.partition(":")
+    return f"{scheme}://{user}{':**' if colon else ''}@{host}"
 
 
 def _redis_url(app: Celery) -> str:

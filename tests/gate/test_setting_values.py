@@ -111,3 +111,19 @@ def test_a_broker_that_is_not_redis_is_named_without_its_password() -> None:
     with pytest.raises(ConfigurationError, match="threads_redis_url") as info:
         read_config(app)
     assert "secretpw" not in str(info.value) and "amqp://guest:**@localhost:5672//" in str(info.value)
+
+
+@pytest.mark.parametrize("password", ["xq7/zk9", "Tr0ub4dor#3x", "pq8?rt5"])
+def test_a_password_written_unencoded_is_never_shown(password: str) -> None:
+    """A '/', '#' or '?' in a password makes the URL parser misread it: the error printed the
+    URL in full, or quoted part of the password in the parser's own words.  It masks it and
+    says to percent-encode it."""
+    app = Celery("t", set_as_current=False)
+    app.conf.threads_redis_url = f"redis://gate:{password}@127.0.0.1:6399/0"
+    with pytest.raises(ConfigurationError, match="must be percent-encoded") as info:
+        read_config(app)
+    shown = str(info.value)
+    assert "redis://gate:**@127.0.0.1:6399/0" in shown
+    assert not any(
+        part in shown for part in password.replace("/", " ").replace("#", " ").replace("?", " ").split()
+    )
