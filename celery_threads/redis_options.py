@@ -21,7 +21,7 @@ from __future__ import annotations
 import ssl
 from collections.abc import Mapping
 from typing import Any, Optional
-from urllib.parse import urlsplit
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import redis
 from celery import Celery
@@ -121,6 +121,19 @@ def cert_reqs(value: Any) -> Any:
         f"ssl_cert_reqs={value!r}: use ssl.CERT_REQUIRED, ssl.CERT_OPTIONAL, ssl.CERT_NONE, or "
         "one of the strings 'required', 'optional', 'none'."
     )
+
+
+def url_cert_reqs(url: str) -> str:
+    """``url`` with its ``ssl_cert_reqs`` query value as redis-py reads it (``CERT_REQUIRED``, the
+    form Celery's docs show for a broker URL, as ``required``): redis-py refused it at the first
+    connection, as an outage ("could not reach").  A value no form matches is refused here."""
+    if "ssl_cert_reqs=" not in url or ";" in url:
+        return url
+    parts = urlsplit(url)
+    query = parse_qsl(parts.query, keep_blank_values=True)
+    words = {value: name for name, value in _CERT_REQS.items()}
+    fixed = [(k, words[cert_reqs(v)] if k == "ssl_cert_reqs" else v) for k, v in query]
+    return urlunsplit(parts._replace(query=urlencode(fixed)))
 
 
 def _positive(value: Any) -> bool:

@@ -14,7 +14,7 @@ from redis.retry import Retry
 from ..config import sanitized_url
 from ..errors import DeadlinePassed, TransportMismatch
 from ..logs import get_logger
-from ..redis_options import checked, client_kwargs
+from ..redis_options import checked, client_kwargs, url_cert_reqs
 from ..seams import health_check_interval
 from . import cluster, deadline
 from .sentinel import is_sentinel_url, master_client
@@ -136,6 +136,7 @@ def make_client(url: str, options: Optional[dict[str, Any]] = None) -> redis.Red
     }
     cluster_mode = bool((options or {}).get("cluster"))
     kwargs.update(client_kwargs(options))
+    url = url_cert_reqs(url)
     if cluster_mode:
         return cluster.make_cluster_client(url, kwargs, RETRY_BUDGET)  # type: ignore[return-value]
     if is_sentinel_url(url):
