@@ -40,7 +40,9 @@ from .errors import (
     ConfigurationError,
     GateUnavailable,
     InvalidThreadId,
+    MissingRights,
     NotReplicated,
+    ReadOnlyGate,
     ThreadsError,
     TransportMismatch,
     UnknownTask,
@@ -217,6 +219,10 @@ def _command_error(exc: Exception) -> CommandError:
         return CommandError(exc.format_message(), kind, exc.exit_code)
     if isinstance(exc, redis.RedisError):
         return _redis_error(_gate_url(), exc)
+    if isinstance(exc, MissingRights):
+        return CommandError(_message(exc), "permission", EX_NOPERM)
+    if isinstance(exc, ReadOnlyGate):
+        return CommandError(_message(exc), "unavailable", EX_UNAVAILABLE)
     if isinstance(exc, ConfigurationError):
         return BadSettings(str(exc))
     if isinstance(exc, GateUnavailable):

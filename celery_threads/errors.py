@@ -42,6 +42,14 @@ class TransportMismatch(ConfigurationError, redis.ConnectionError):
     cannot reach handles it, with this message."""
 
 
+class MissingRights(ConfigurationError):
+    """The gate's Redis user lacks rights (ACL) the gate needs: which ones, and the grant."""
+
+
+class ReadOnlyGate(ConfigurationError):
+    """The gate's Redis is a read-only replica: point the URL at its master."""
+
+
 class GateUnavailable(ThreadsError):
     """The gate's Redis could not be reached; the message says which URL was tried.
 

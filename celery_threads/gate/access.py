@@ -33,7 +33,7 @@ from redis.exceptions import SlotNotCoveredError
 from redis.retry import Retry
 from redis.sentinel import SentinelConnectionPool
 
-from ..errors import ConfigurationError
+from ..errors import MissingRights, ReadOnlyGate
 from ..keys import Keys
 from ..logs import get_logger
 from .cluster import is_cluster
@@ -132,7 +132,7 @@ def check_access(client: Any, keys: Keys, url: str) -> bool:
             state = _refused_for_state(found or [])
             if state == "READONLY":
                 where = f" ({server.name})" if server.name else ""
-                raise ConfigurationError(
+                raise ReadOnlyGate(
                     f"celery-threads: the gate's Redis at {maybe_sanitize_url(url)}{where} is a "
                     "read-only replica: it refuses the gate's writes (READONLY). Point "
                     "threads_redis_url at its master, or use a sentinel:// URL "
@@ -153,7 +153,7 @@ def check_access(client: Any, keys: Keys, url: str) -> bool:
                 refused[server.name] = found
         if refused:
             user = str(target[-2] or "default")
-            raise ConfigurationError(_message(refused, keys.prefix, user, url))
+            raise MissingRights(_message(refused, keys.prefix, user, url))
         if not unchecked:
             _checked.add(target)
         return not unchecked
@@ -274,8 +274,15 @@ def _probe(client: Any, base: str) -> Optional[list[tuple[str, str]]]:
         except redis.exceptions.NoPermissionError as exc:
             named = re.search(r"'([a-z|]+)' command", str(exc))
             refused.append((named.group(1) if named else "multi", str(exc)))
-        except redis.ResponseError:
-            pass
+        except redis.ResponseError as exc:
+            # A refused MULTI leaves EXEC alone ("EXEC without MULTI"); a refused EXEC
+            # discards the transaction (NOPERM).
+            text = str(exc)
+            if "EXEC without MULTI" in text:
+                refused.append(("multi", text))
+            elif "NOPERM" in text or "no permissions" in text:
+                named = re.search(r"'([a-z|]+)' command", text)
+                refused.append((named.group(1) if named else "exec", text))
         pubsub = client.pubsub()
         try:
             pubsub.subscribe(channel)

@@ -504,7 +504,7 @@ def test_a_user_missing_a_right_is_told_which_at_start(
         with pytest.raises(ConfigurationError, match=r"\+hset"):
             Threads(proj.app)
         refused = cli("ls")
-        assert refused.exit_code == 78 and "command 'hset'" in refused.stderr
+        assert refused.exit_code == 77 and "command 'hset'" in refused.stderr  # as --help says
         worker = start_worker(d, wait=False)
         assert worker.proc is not None
         worker.proc.wait(60)

@@ -17,6 +17,8 @@ from celery.bin.celery import celery as celery_command
 from click.testing import CliRunner, Result
 
 from celery_threads import Threads
+from celery_threads.gate import access
+from celery_threads.runtime import reset
 from tests.conftest import RedisServer
 from tests.operations.test_cli import celery_process
 from tests.support.helpers import tid
@@ -155,6 +157,10 @@ def test_a_redis_user_without_rights_is_a_clear_error_not_a_traceback(app, serve
             # A right taken away after that check: Redis itself refuses the command (NOPERM).
             admin.execute_command("ACL", "SETUSER", "ct-op", "-@scripting")
             text, as_json = cli("resume", thread), cli("resume", thread, "--json")
+            # Checked at start (a new process): the rights it names are permissions, 77 (78).
+            access._checked.clear()
+            reset(app)
+            missing = cli("ls", "--json")
         with pointed_at(app, threads_redis_url=user_url.format("wrong")):
             wrong = cli("ls", "--json")
     finally:
@@ -164,6 +170,7 @@ def test_a_redis_user_without_rights_is_a_clear_error_not_a_traceback(app, serve
     assert "refused the command for its user" in line and "no permissions" in line
     assert "secret" not in line
     json_error(as_json, "permission", 77)
+    assert "+evalsha" in json_error(missing, "permission", 77)["error"]
     error = json_error(wrong, "permission", 77)  # a wrong password (WRONGPASS)
     assert "ct-op:**@" in error["error"] and ":wrong@" not in error["error"]
 
