@@ -1100,7 +1100,9 @@ def metrics(ctx: click.Context, port: int, address: str, top: int, once: bool) -
         ) from None
     t = _threads(ctx)
     if once:
-        click.echo(exporter.render(t, top), nl=False)
+        # color=True: click strips what looks like a terminal's escape sequence from a pipe's
+        # output, from the thread ids too (another id; the textfile collector reads a pipe).
+        click.echo(exporter.render(t, top), nl=False, color=True)
         return
     try:
         server = exporter.listen(t, address, port, top)
