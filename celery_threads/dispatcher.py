@@ -12,6 +12,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
+import redis
+
 from .errors import LeaseExpired  # imported here too: results stored before it moved name this module
 from .gate import Lapse, Outcome
 from .keys import ShardKeys
@@ -201,6 +203,20 @@ class DispatchLoop:
             self._reported = now
             log = logger.warning
         else:
+            logger.debug("celery-threads: dispatcher tick failure", exc_info=True)
+            return
+        if isinstance(exc, redis.ResponseError):  # it answered: out of memory, a script's error
+            log(
+                "celery-threads: the gate's Redis at %s refused the dispatcher's tick: %s; %d "
+                "failure(s) in %.0fs. Free memory or raise maxmemory if it is full; `celery threads "
+                "stats` says whether it evicts keys, which breaks the gate's records. Trying again "
+                "every %ss",
+                self.runtime.config.shown_url,
+                f"{type(exc).__name__}: {exc}",
+                self._failures,
+                now - self._failing_since,
+                interval,
+            )
             logger.debug("celery-threads: dispatcher tick failure", exc_info=True)
             return
         log(

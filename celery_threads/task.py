@@ -589,6 +589,14 @@ def gate_errors(
             raise ConfigurationError(
                 f"threads_redis_url {config.shown_url}: {found}; task {task_id} was neither stored nor sent."
             ) from exc
+        if isinstance(exc, redis.ResponseError) and not isinstance(exc, NotReplicated):
+            # It answered, with an error: no outage (a script's error where keys were evicted).
+            raise GateUnavailable(
+                f"the gate's Redis at {config.shown_url} (threads_redis_url) answered the call "
+                f"for task {task_id} with an error: {exc}. Nothing was sent to the broker; "
+                "`celery threads stats` says whether that Redis evicts keys (which breaks the "
+                "gate's records)."
+            ) from exc
         where = (
             f"could not reach the gate's Redis at {config.shown_url} (threads_redis_url)"
             + (f" within {limit.seconds:g}s (threads_publish_timeout)" if limit else "")

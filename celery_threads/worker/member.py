@@ -225,13 +225,13 @@ def _claim(
         )
     except redis.RedisError as exc:
         logger.warning(
-            "celery-threads: not running %s[%s] of thread %s: the gate at %s did "
-            "not answer its claim (%s); the gate hands it out again once its "
-            "release or lease lapses",
+            "celery-threads: not running %s[%s] of thread %s: the gate at %s %s its "
+            "claim (%s); the gate hands it out again once its release or lease lapses",
             task.name,
             task_id,
             thread_id,
             runtime.config.shown_url,
+            "refused" if isinstance(exc, redis.ResponseError) else "did not answer",
             exc,
         )
         raise Ignore() from exc

@@ -303,3 +303,23 @@ def test_a_call_without_a_bound_of_its_own_gives_up_within_the_gates_bound(
         gate.fail("t", "task", "token", "why")
     elapsed = time.monotonic() - started
     assert elapsed < 2 * 1.5, f"{elapsed:.1f}s"
+
+
+def test_a_gate_that_answers_with_an_error_is_not_called_unreachable(proj: Any, isolated_app: Any) -> None:
+    """A script's error (here a key of another type, as where keys were evicted and written
+    again) is an answer: the producer said it could not reach the gate, and to call again once
+    it was back."""
+    from celery_threads.runtime import get_runtime
+
+    keys = get_runtime(isolated_app).keys
+    client = redis.Redis.from_url(isolated_app.conf.threads_redis_url)
+    client.delete(keys.shard(0).seq)
+    client.hset(keys.shard(0).seq, "x", 1)  # WRONGTYPE for the enqueue's INCR
+    try:
+        with pytest.raises(GateUnavailable) as info:
+            proj.record.apply_async((f"answers-{uuid.uuid4().hex[:8]}", "x"))
+    finally:
+        client.delete(keys.shard(0).seq)
+    message = str(info.value)
+    assert "answered the call" in message and "WRONGTYPE" in message, message
+    assert "could not reach" not in message
