@@ -113,9 +113,11 @@ class ThreadsWorkerStep(bootsteps.StartStopStep):
             if runtime.config.worker_dispatch
             else "no dispatch here (threads_worker_dispatch is off: celery beat releases retries "
             "and countdown/eta members)",
-            "every fast path available"
-            if not self.fallen
-            else f"{self.fallen} fast path(s) fell back to Celery's public API (see the warning above)",
+            f"{self.fallen} fast path(s) fell back to Celery's public API (see the warning above)"
+            if self.fallen
+            else "every fast path available"
+            if runtime.checked
+            else "the gate's own fast path judged once the gate answers",
         )
 
     def stop(self, worker: Any) -> None:
