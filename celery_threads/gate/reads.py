@@ -55,6 +55,15 @@ class GateReads:
                 return parse_record(value)
         return None
 
+    def knows(self, thread_id: str, task_id: str) -> bool:
+        """Whether ``task_id`` is a member of ``thread_id``'s shard, or ended there within the
+        ended window (lua/_common.lua ``ENDED_WINDOW``, 30 s; longer for one whose id is
+        remembered so)."""
+        shard = self.keys.thread(thread_id).shard
+        if self.record(task_id, thread_id) is not None:
+            return True
+        return self.client.zscore(shard.ended, task_id) is not None
+
     def snapshot(self, thread_id: str) -> Optional[ThreadSnapshot]:
         """A consistent read of one thread (a read-only script: its members' records live in the
         shard's tasks hash, under ids the thread's own keys name)."""

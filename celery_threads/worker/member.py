@@ -238,6 +238,15 @@ def _claim(
     if status != Claim.CLAIMED:
         # Another delivery of this release started first (or it went stale in between).
         foreign = foreign_gate(task.request, runtime.config.key_prefix)
+        if foreign is None and status == Claim.STALE and not _known(runtime, thread_id, task_id):
+            foreign = (
+                f"the gate at {runtime.config.shown_url} does not know it (no member of that "
+                "id, nor one that ended in the last 30 s). If every threaded task says so, its "
+                "producers use another gate (threads_redis_url's server or database, or "
+                "threads_key_prefix, differ from this worker's), or this gate lost its data (a "
+                "restart without persistence); a late copy of a member that ended long ago is "
+                "dropped so too"
+            )
         logger.log(
             logging.WARNING if foreign is not None else logging.INFO,
             "celery-threads: not running %s[%s] of thread %s: %s",
@@ -307,6 +316,14 @@ def _ended(
     # Anything else (SystemExit, ...): the process is going away; the lease lapses and the
     # gate counts a failed attempt.
     return outcome is not None and outcome.info == DELETED
+
+
+def _known(runtime: Runtime, thread_id: str, task_id: str) -> bool:
+    """Whether the gate knows ``task_id`` (``True`` when it does not say)."""
+    try:
+        return runtime.gate.reads.knows(thread_id, task_id)
+    except redis.RedisError:
+        return True
 
 
 def _deleted_meanwhile(runtime: Runtime, thread_id: str, task_id: str) -> bool:

@@ -271,3 +271,17 @@ def test_a_release_no_worker_consumes_says_its_routing_key(proj, make_deployment
     assert "routing key" in shown.output and nobody in shown.output, shown.output
     assert "does a worker consume the queue of its routing key?" in shown.output
     Threads(proj.app).purge(thread)
+
+
+def test_a_worker_on_another_gate_than_its_producers_says_so(proj, make_deployment, redis_server, r):
+    """Its gate's database is not the producers' (a typo): every threaded task was dropped as a
+    'stale release' at INFO, and nothing ran, with nothing to say why."""
+    d = make_deployment()
+    elsewhere = d.worker("elsewhere", concurrency=1, env={"CT_REDIS_URL": redis_server.url(7)})
+    lost = proj.record.delay(tid("elsewhere"), "x")
+    wait_for(
+        lambda: f"{lost.id}] of thread" in elsewhere.output() and "does not know it" in elsewhere.output(),
+        what="the worker to say its gate does not know the member",
+    )
+    assert "WARNING" in next(line for line in elsewhere.output().splitlines() if "does not know it" in line)
+    Threads(proj.app).delete(lost.id)
