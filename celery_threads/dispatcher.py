@@ -206,24 +206,19 @@ class DispatchLoop:
             logger.debug("celery-threads: dispatcher tick failure", exc_info=True)
             return
         if isinstance(exc, redis.ResponseError):  # it answered: out of memory, a script's error
-            log(
-                "celery-threads: the gate's Redis at %s refused the dispatcher's tick: %s; %d "
-                "failure(s) in %.0fs. Free memory or raise maxmemory if it is full; `celery threads "
-                "stats` says whether it evicts keys, which breaks the gate's records. Trying again "
-                "every %ss",
-                self.runtime.config.shown_url,
-                f"{type(exc).__name__}: {exc}",
-                self._failures,
-                now - self._failing_since,
-                interval,
+            what = (
+                "the gate's Redis at %s refused the dispatcher's tick: %s; %d failure(s) in %.0fs. "
+                "Free memory or raise maxmemory if it is full; `celery threads stats` says whether "
+                "it evicts keys, which breaks the gate's records."
             )
-            logger.debug("celery-threads: dispatcher tick failure", exc_info=True)
-            return
+        else:
+            what = (
+                "cannot reach the gate's Redis at %s (threads_redis_url): %s; %d failure(s) in "
+                "%.0fs. Check that the server runs and accepts connections from here, and the "
+                "URL's host, port, password and TLS options (threads_redis_options)."
+            )
         log(
-            "celery-threads: cannot reach the gate's Redis at %s (threads_redis_url): %s; %d "
-            "failure(s) in %.0fs. Check that the server runs and accepts connections from here, "
-            "and the URL's host, port, password and TLS options (threads_redis_options). "
-            "Trying again every %ss",
+            f"celery-threads: {what} Trying again every %ss",
             self.runtime.config.shown_url,
             f"{type(exc).__name__}: {exc}",
             self._failures,

@@ -61,22 +61,7 @@ class Library(NamedTuple):
 #: and it ran again), and nothing drained the gate.  New work (``enqueue``, and the operator's
 #: ``restart``, ``redrive``, ``pause``, ``resume``) is still refused with the server's error.
 #: (Scripts, the way without functions, keep Redis's own rule.)
-ALLOW_OOM = frozenset(
-    (
-        "release",
-        "claim",
-        "renew",
-        "finish",
-        "requeue",
-        "kill",
-        "delete",
-        "expire",
-        "fail",
-        "handback",
-        "purge",
-        "forget",
-    )
-)
+ALLOW_OOM = frozenset(SCRIPT_NAMES) - {"enqueue", "restart", "redrive", "pause", "resume"}
 
 
 @functools.cache

@@ -318,6 +318,8 @@ def _ended_now(task_id: str, result: Any) -> Any:
         failed, retval, runtime = result
     except (TypeError, ValueError):
         return result
+    if failed or not isinstance(runtime, (int, float)):
+        return result  # an Ignore (a replaced member's): its worker says it as before
     dispatcher = _dispatcher(None)
     _Events(dispatcher, task_id).ended(result)
     _flush_events()

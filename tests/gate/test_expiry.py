@@ -16,7 +16,7 @@ from celery_threads.gate import Gate, Release
 from celery_threads.publish import CapturingProducer, release_message
 from celery_threads.runtime import get_runtime
 from tests.conftest import rabbitmq_url
-from tests.support.helpers import assert_serial, collect_events, starts, tid, wait_for
+from tests.support.helpers import assert_serial, collect_events, starts, the_event, tid, wait_for
 
 
 @pytest.fixture
@@ -170,12 +170,7 @@ def test_a_member_that_expired_while_waiting_is_announced_expired(proj, make_dep
         wait_for(lambda: starts(r, thread) == ["first"], what="the first member to start")
         late = proj.record.apply_async((thread, "late"), expires=0.5)
         assert first.get(timeout=30) == "first"
-        wait_for(
-            lambda: any(e.get("type") == "task-revoked" and e.get("uuid") == late.id for e in got),
-            timeout=30,
-            what="late's task-revoked event",
-        )
-        [revoked] = [e for e in got if e.get("type") == "task-revoked" and e.get("uuid") == late.id]
+        revoked = the_event(got, "task-revoked", late.id)
         assert revoked.get("expired") is True, revoked
         assert_expired(late)
     finally:

@@ -154,3 +154,15 @@ def collect_events(app):
         conn.release()
 
     return got, stop
+
+
+def the_event(got: list, kind: str, task_id: str, timeout: float = 30) -> dict:
+    """The one event of ``kind`` about ``task_id`` among those :func:`collect_events` gathers,
+    once it has come."""
+
+    def found() -> list:
+        return [e for e in got if e.get("type") == kind and e.get("uuid") == task_id]
+
+    wait_for(found, timeout=timeout, what=f"{kind} of {task_id}")
+    [event] = found()
+    return event

@@ -11,7 +11,16 @@ import time
 
 import pytest
 
-from tests.support.helpers import assert_serial, collect_events, events, starts, tid, wait_for, within
+from tests.support.helpers import (
+    assert_serial,
+    collect_events,
+    events,
+    starts,
+    the_event,
+    tid,
+    wait_for,
+    within,
+)
 
 
 @pytest.fixture
@@ -230,12 +239,7 @@ def test_a_terminated_handed_off_member_is_announced_revoked(proj, make_deployme
         # showed both started; and first started for good once long was terminated).
         wait_for(first_succeeded, timeout=30, what="first's task-succeeded while long runs")
         proj.app.control.revoke(long.id, terminate=True)
-        wait_for(
-            lambda: any(e.get("type") == "task-revoked" and e.get("uuid") == long.id for e in got),
-            timeout=30,
-            what="long's task-revoked event",
-        )
-        [revoked] = [e for e in got if e.get("type") == "task-revoked" and e.get("uuid") == long.id]
+        revoked = the_event(got, "task-revoked", long.id)
         assert revoked.get("terminated") is True, revoked
         wait_for(lambda: long.state == "REVOKED", what="long to read REVOKED")
         assert "terminated" in str(long.result), long.result  # as Celery's reason for it
