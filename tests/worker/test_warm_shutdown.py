@@ -26,7 +26,7 @@ def test_a_stopping_worker_hands_off_no_member(proj, make_deployment, how):
         pytest.skip("this Celery has no soft shutdown")
     r = proj.history()
     # The handoff is on, with a budget longer than the first member's run.
-    d = make_deployment(CT_EVENTS="0", CT_LOCAL_HANDOFF="30", CT_SOFT_SHUTDOWN="5" if how == "soft" else "0")
+    d = make_deployment(CT_EVENTS="0", CT_LOCAL_HANDOFF="30", CT_SOFT_SHUTDOWN="10" if how == "soft" else "0")
     stopping = d.worker("stopping", concurrency=2)
     thread = tid("warm")
     ended = f"ended:{thread}"
