@@ -228,7 +228,8 @@ def _command_error(exc: Exception) -> CommandError:
     if isinstance(exc, GateUnavailable):
         return CommandError(_message(exc), "unavailable", EX_UNAVAILABLE)
     if isinstance(exc, InvalidThreadId):
-        return CommandError(_message(exc), "usage", EX_USAGE)
+        # Its text is written for a call (apply_async): a command stores and sends nothing anyway.
+        return CommandError(_message(exc).replace("; nothing was stored or sent", ""), "usage", EX_USAGE)
     if isinstance(exc, UnknownTask):
         return CommandError(_message(exc), "not_found", EX_NOTHING)
     if isinstance(exc, ThreadsError):
@@ -598,11 +599,18 @@ class _Counted(Generic[T]):
 @_guarded
 def show(ctx: click.Context, thread_id: str, as_json: bool) -> None:
     """Show a thread: active member, waiting members in release order."""
-    status = _threads(ctx).status(thread_id)
+    threads = _threads(ctx)
+    status = threads.status(thread_id)
     if status is None:
+        member = threads.reads.record(thread_id)  # a task id given for a thread id?
+        hint = (
+            f"{thread_id!r} is the task id of a member of thread {member.thread_id!r}: "
+            f"`{_celery()} show {shlex.quote(member.thread_id)}`"
+            if member is not None
+            else f"`{_celery()} ls` lists the existing threads"
+        )
         raise CommandError(
-            f"no thread {thread_id!r}: a thread exists only while it has members or is paused. "
-            f"`{_celery()} ls` lists the existing threads."
+            f"no thread {thread_id!r}: a thread exists only while it has members or is paused. {hint}."
         )
     if as_json:
         _echo_json({**_jsonable(status), "members": status.members})

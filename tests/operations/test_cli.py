@@ -185,6 +185,20 @@ def test_show_lists_the_active_member_then_waiting_ones_in_release_order(proj, c
     )
 
 
+def test_show_of_a_task_id_names_its_thread(proj, cli):
+    """A task id given where a thread id goes: "no thread" said nothing of the member it is."""
+    thread = tid("cli-show-task")
+    member = proj.record.apply_async((thread, "x"), countdown=60).id
+    result = cli("show", member)
+    assert result.exit_code == 1
+    assert f"is the task id of a member of thread '{thread}'" in result.stderr
+    assert f"threads show {thread}" in result.stderr
+    # An empty thread id: the usage error of a call, without "nothing was stored or sent".
+    empty = cli("show", "")
+    assert empty.exit_code == 2 and "thread id is empty" in empty.stderr
+    assert "stored or sent" not in empty.stderr
+
+
 def test_show_a_running_member_names_its_worker_and_lease_expiry(proj, app, cli):
     thread = tid("cli-run")
     proj.record.delay(thread, "a")
