@@ -397,7 +397,7 @@ class Threads:
             name=task_name(record.envelope),
             args=args,
             kwargs=kwargs,
-            retries=int(record.meta.get("retries", 0)),
+            retries=record.retries,
             exception=str(record.meta.get("exception", "")),
             died_at=_utc(record.died_at_ms),  # type: ignore[arg-type]
         )

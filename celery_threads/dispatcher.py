@@ -124,7 +124,7 @@ class Dispatcher:
             report.died += 1
             record = self.runtime.gate.reads.dead_record(outcome.info)
             exception = record.meta.get("exception", "") if record else "LeaseExpired"
-            retries = int(record.meta.get("retries", 0)) if record else 0
+            retries = record.retries if record else 0
             self.runtime.mark_failed(
                 outcome.info, LeaseExpired(exception), record.envelope if record else None, retries
             )

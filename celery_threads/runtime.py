@@ -399,13 +399,13 @@ class Runtime:
             logger.debug(
                 "celery-threads: could not mark %s failed in the result backend", task_id, exc_info=True
             )
-        name = (request or {}).get("task")
+        called = request or {}
         signals.task_failure.send(
-            sender=self.app.tasks.get(name, name),
+            sender=self.app.tasks.get(called.get("task"), called.get("task")),
             task_id=task_id,
             exception=exc,
-            args=(request or {}).get("args", ()),
-            kwargs=(request or {}).get("kwargs", {}),
+            args=called.get("args", ()),
+            kwargs=called.get("kwargs", {}),
             traceback=None,
             einfo=None,
         )

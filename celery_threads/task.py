@@ -199,6 +199,7 @@ class ThreadedTask(Task):
             with bound as limit, gate_errors(config, task_id, limit):
                 runtime = get_runtime(app)
                 retried = member.running(task_id, call.token) if call.token is not None else None
+                added = True  # a retry or a replacement is the member's own: its event goes
                 if call.replaced is not None:
                     stored = self._replace_once_unwound(runtime, call, call.replaced, message)
                 elif retried is not None:
@@ -207,9 +208,10 @@ class ThreadedTask(Task):
                     stored = self._retry_now(runtime, call, call.token, task_id, message)
                 else:
                     stored = self._enqueue(runtime, call, task_id, message)
-                # A repeated call of a member's task id adds nothing: its task-sent event (with
-                # this call's arguments) would show a call that never runs.
-                capture.flush(send=stored.added or call.token is not None or call.replaced is not None)
+                    # A repeated call of a member's task id adds nothing: its task-sent event
+                    # (with this call's arguments) would show a call that never runs.
+                    added = stored.added
+                capture.flush(send=added)
                 _publish_stored(runtime, call, task_id, stored, producer, capture)
         return result
 

@@ -173,3 +173,8 @@ class DeadRecord:
         it, lua/_common.lua ``kill_active``)."""
         died_at, meta, envelope = raw.split(b"\n", 2)
         return cls(task_id, json.loads(meta), envelope, int(died_at.split(b"|", 1)[0]))
+
+    @property
+    def retries(self) -> int:
+        """The attempts it made before the one it died of."""
+        return int(self.meta.get("retries", 0))

@@ -8,6 +8,8 @@ tasks.
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, Optional
 
 import redis
@@ -53,7 +55,7 @@ class ThreadedRequest(Request):
         return super().on_success(failed__retval__runtime, **kwargs)
 
     def send_event(self, type: str, **fields: Any) -> None:
-        if self._ending_sent and type in ("task-succeeded", "task-failed", "task-retried"):
+        if self._ending_sent and type == "task-succeeded":
             return
         super().send_event(type, **fields)
 
@@ -218,9 +220,7 @@ class ThreadedRequest(Request):
             exc = WorkerLostError(f"Worker exited prematurely: {type(exc).__name__}.")
         context = seams.request_context(self)
         self.task.backend.mark_as_failure(self.id, exc, request=context, store_result=self.store_errors)
-        if context is not None:
-            self.task.request_stack.push(context)  # for task_failure handlers, as Celery does
-        try:
+        with self._current(context):
             signals.task_failure.send(
                 sender=self.task,
                 task_id=self.id,
@@ -230,12 +230,21 @@ class ThreadedRequest(Request):
                 traceback=exc_info.traceback,
                 einfo=exc_info,
             )
-        finally:
-            if context is not None:
-                self.task.request_stack.pop()
         self.acknowledge()
         if not worker_state.should_terminate:  # cold shutdown: Celery sends no event either
             self.send_event("task-failed", exception=saferepr(exc), traceback=exc_info.traceback)
+
+    @contextmanager
+    def _current(self, context: Any) -> Iterator[None]:
+        """The member's request as its task's current one, for its handlers and signal
+        receivers, as Celery runs them (``context``: ``None`` leaves the stack alone)."""
+        if context is not None:
+            self.task.request_stack.push(context)
+        try:
+            yield
+        finally:
+            if context is not None:
+                self.task.request_stack.pop()
 
     def _announce_lost_retry(self, exc: BaseException, exc_info: Any) -> None:
         """What Celery does for a retried task: a log line, RETRY state, ``on_retry`` and the
@@ -253,16 +262,12 @@ class ThreadedRequest(Request):
         context = seams.request_context(self)
         if self.store_errors:
             self.task.backend.mark_as_retry(self.id, exc, exc_info.traceback, request=context)
-        if context is not None:
-            self.task.request_stack.push(context)  # for on_retry and task_retry handlers
         try:
-            self.task.on_retry(exc, self.id, self.args, self.kwargs, exc_info)
-            signals.task_retry.send(sender=self.task, request=context, reason=exc, einfo=exc_info)
+            with self._current(context):
+                self.task.on_retry(exc, self.id, self.args, self.kwargs, exc_info)
+                signals.task_retry.send(sender=self.task, request=context, reason=exc, einfo=exc_info)
         except Exception:
             logger.exception("celery-threads: on_retry or a task_retry handler of %s failed", self.id)
-        finally:
-            if context is not None:
-                self.task.request_stack.pop()
         if self.task.acks_late:
             self.acknowledge()
         self.send_event("task-retried", exception=saferepr(exc), traceback=exc_info.traceback)
@@ -297,7 +302,7 @@ def _fail_handed_off(request: Any, exc: BaseException) -> None:
         # final only when it died.
         if outcome.status == Lapse.DIED:
             record = runtime.gate.reads.dead_record(task_id)
-            retries = int(record.meta.get("retries", 0)) if record else 0
+            retries = record.retries if record else 0
             runtime.announce_death(thread_id, task_id, f"WorkerLostError: {exc}", retries, record)
             runtime.mark_failed(task_id, exc, record.envelope if record else None, retries)
         elif outcome.status == Lapse.RETRIED:
