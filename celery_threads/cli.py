@@ -171,7 +171,7 @@ def _redis_error(url: str, exc: BaseException) -> CommandError:
             "not_replicated",
             EX_TEMPFAIL,
         )
-    if isinstance(exc, (redis.AuthenticationError, redis.exceptions.NoPermissionError)):
+    if isinstance(exc, redis.AuthenticationError) or transport.missing_right(exc):
         return CommandError(
             f"{where} refused the command for its user: {reason}. Grant that user the gate's "
             "rights (docs/redis-tls-acl.md), or set threads_redis_url with the right credentials.",

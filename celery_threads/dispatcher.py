@@ -15,7 +15,7 @@ from typing import Any, Optional
 import redis
 
 from .errors import LeaseExpired  # imported here too: results stored before it moved name this module
-from .gate import Lapse, Outcome
+from .gate import Lapse, Outcome, transport
 from .keys import ShardKeys
 from .logs import get_logger
 from .publish import route_of
@@ -205,7 +205,12 @@ class DispatchLoop:
         else:
             logger.debug("celery-threads: dispatcher tick failure", exc_info=True)
             return
-        if isinstance(exc, redis.ResponseError):  # it answered: out of memory, a script's error
+        if transport.missing_right(exc):  # a right revoked since the process checked them
+            what = (
+                "the gate's Redis at %s refused the dispatcher's tick for its user's rights: %s; "
+                "%d failure(s) in %.0fs. Grant the user the rules docs/redis-tls-acl.md lists."
+            )
+        elif isinstance(exc, redis.ResponseError):  # it answered: out of memory, a script's error
             what = (
                 "the gate's Redis at %s refused the dispatcher's tick: %s; %d failure(s) in %.0fs. "
                 "Free memory or raise maxmemory if it is full; `celery threads stats` says whether "

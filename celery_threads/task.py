@@ -21,6 +21,7 @@ from .errors import (
     GateUnavailable,
     InvalidArgument,
     InvalidThreadId,
+    MissingRights,
     NotReplicated,
     ThreadFull,
     TransportMismatch,
@@ -590,6 +591,15 @@ def gate_errors(
         if found is not None:
             raise ConfigurationError(
                 f"threads_redis_url {config.shown_url}: {found}; task {task_id} was neither stored nor sent."
+            ) from exc
+        if transport.missing_right(exc):  # revoked since this process checked its rights
+            raise MissingRights(
+                f"the gate's Redis at {config.shown_url} (threads_redis_url) refused the call for "
+                f"task {task_id}: its user lacks a right the gate needs ({str(exc).rstrip('.')}), "
+                "revoked since this process checked them. Nothing was sent to the broker, but the "
+                "gate's script may have stopped part-way (Redis keeps what a script wrote before a "
+                "refused command): grant the user the rules docs/redis-tls-acl.md lists, then call "
+                "again with a new task id (docs/redis-tls-acl.md, 'Rights revoked while running')."
             ) from exc
         if isinstance(exc, redis.ResponseError) and not isinstance(exc, NotReplicated):
             # It answered, with an error: no outage (a script's error where keys were evicted).

@@ -8,7 +8,9 @@ as a server that could not be reached.  After such a failure, :func:`mismatch` a
 the other way, once and briefly: a plain ``PING`` answered in RESP, or a TLS handshake that the
 server answers, names the mismatch (:class:`~celery_threads.errors.TransportMismatch`).  A
 server that refuses the URL's credentials, or has no database of the URL's number, answers at
-once: :func:`refusal` says which, for the callers that report it as a setting to fix.
+once: :func:`refusal` says which, for the callers that report it as a setting to fix.  A user's
+right revoked after the process checked its rights is met inside a call: :func:`missing_right`
+tells that refusal from the other errors a server answers with.
 """
 
 from __future__ import annotations
@@ -97,6 +99,20 @@ def refusal(error: BaseException) -> Optional[str]:
             "name one below it, such as /0"
         )
     return None
+
+
+#: How Redis words a refused right: a command's own (``NOPERM``, redis-py's ``NoPermissionError``),
+#: and a command or key a script ran (Redis 7.0: "The user executing the script can't run this
+#: command or subcommand"; "No permissions to access a key").
+_NO_RIGHT = ("NOPERM", "can't run this command", "no permissions to ")
+
+
+def missing_right(error: BaseException) -> bool:
+    """Whether ``error`` is the server refusing the user a right (ACL)."""
+    if isinstance(error, redis.exceptions.NoPermissionError):
+        return True
+    text = str(error).lower()
+    return isinstance(error, redis.ResponseError) and any(part.lower() in text for part in _NO_RIGHT)
 
 
 def refused(shown_url: str, error: BaseException) -> Optional[ConfigurationError]:

@@ -31,7 +31,7 @@ from click.testing import CliRunner, Result
 
 from celery_threads import Threads
 from celery_threads.config import read_config
-from celery_threads.errors import ConfigurationError, TransportMismatch
+from celery_threads.errors import ConfigurationError, MissingRights, TransportMismatch
 from celery_threads.gate import Gate, access, make_client
 from celery_threads.gate.access import acl_rules, check_access
 from celery_threads.gate.client import RETRY_BUDGET
@@ -512,6 +512,24 @@ def test_a_user_missing_a_right_is_told_which_at_start(
         worker.stop()
         assert "command 'hset'" in worker.output()
     assert tls_redis.admin.keys(f"{prefix}:*") == []
+
+
+def test_a_right_taken_away_after_the_check_is_named_as_a_right(
+    tls_redis: TlsRedis, redis_server: Any, proj: Any
+) -> None:
+    """The rights are checked once per process: one revoked later (an operator's ACL change)
+    is met inside a call.  The producer says it is a right, not a gate whose keys were evicted."""
+    prefix = f"ct-acl-{uuid.uuid4().hex[:6]}"
+    url = _acl_user(tls_redis, prefix)
+    with deployed(redis_server, proj, url, redis_server.url(1), {}, prefix):
+        proj.record.apply_async((tid("acl-later"), "m0"))  # checked and stored
+        user = url.split("//")[1].split(":")[0]
+        tls_redis.admin.execute_command("ACL", "SETUSER", user, "-hset")
+        with pytest.raises(MissingRights, match=r"lacks a right.*redis-tls-acl\.md") as refused:
+            proj.record.apply_async((tid("acl-later"), "m1"))
+        assert "evict" not in str(refused.value) and "new task id" in str(refused.value)
+        paused = cli("pause", tid("acl-later"))  # this process checked its rights already
+        assert paused.exit_code == 77 and "docs/redis-tls-acl.md" in paused.stderr, paused.stderr
 
 
 def test_one_acl_user_for_the_broker_and_the_gate_pushes_releases_itself(
