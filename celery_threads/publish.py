@@ -67,6 +67,14 @@ class CapturingProducer:
         else:
             self._held.append((body, kwargs))
 
+    def schedule_sent_event(self, due_ms: int) -> None:
+        """The held ``task-sent`` event's ``eta``: when the gate scheduled the member (ms, the
+        Redis server's clock), where that is later than the caller's countdown or eta said."""
+        eta = datetime.fromtimestamp(due_ms / 1000, tz=timezone.utc).isoformat()
+        for body, _ in self._held:
+            if isinstance(body, dict) and body.get("type") == "task-sent":
+                body["eta"] = eta
+
     def flush(self, send: bool = True) -> None:
         """Publish what is held, or (``send`` false) drop it: the call stored nothing."""
         held, self._held = self._held, []

@@ -212,6 +212,8 @@ class ThreadedTask(Task):
                     # A repeated call of a member's task id adds nothing: its task-sent event
                     # (with this call's arguments) would show a call that never runs.
                     added = stored.added
+                if stored.due_ms is not None:  # a debounce put it off: Flower shows when
+                    capture.schedule_sent_event(stored.due_ms)
                 capture.flush(send=added)
                 _publish_stored(runtime, call, task_id, stored, producer, capture)
         return result
@@ -410,7 +412,9 @@ class ThreadedTask(Task):
                 task_id,
                 call.thread_id,
             )
-        return _Stored(outcome.release, outcome.done, outcome.superseded, outcome.superseded_envelope)
+        return _Stored(
+            outcome.release, outcome.done, outcome.superseded, outcome.superseded_envelope, outcome.due_ms
+        )
 
     def _reenter(
         self,
@@ -482,6 +486,7 @@ class _Stored(NamedTuple):
     added: bool
     superseded: list[str]
     superseded_envelope: bytes = b""  # the stored message of superseded[0], when the gate gave it
+    due_ms: Optional[int] = None  # when the gate scheduled a debounced member (Outcome.due_ms)
 
 
 _NOTHING_STORED = _Stored(None, False, [])

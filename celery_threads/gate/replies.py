@@ -130,6 +130,9 @@ class Outcome:
     release: Optional[Release]
     # An enqueue's that superseded a waiting member: that member's stored message (for its chord).
     superseded_envelope: bytes = b""
+    # An enqueue's under coalesce or debounce, when its member is due later than now: its
+    # scheduled_at (ms, the server's clock).
+    due_ms: Optional[int] = None
 
     @property
     def done(self) -> bool:

@@ -222,9 +222,12 @@ class Gate:
         """``name``'s reply; ``own``: the envelope the call sent, which a reply releasing it
         leaves out."""
         status, info = REPLIES.get(name, Done)(int(reply[0])), _text(reply[1])
-        gone = b""
-        if len(reply) > 6:  # an enqueue that superseded a waiting member: its record, last
-            gone = parse_record(reply[6]).envelope
+        gone, due_ms = b"", None
+        if len(reply) > 6:  # an enqueue's under coalesce or debounce (lua/enqueue.lua)
+            if reply[6]:  # it superseded a waiting member: that member's record
+                gone = parse_record(reply[6]).envelope
+            if len(reply) > 7:  # its member is due later than now
+                due_ms = int(reply[7])
             reply = reply[:2] if not reply[2] else reply[:5] if not reply[5] else reply[:6]
         release = None
         if len(reply) > 5:
@@ -235,7 +238,7 @@ class Gate:
         elif len(reply) > 2:
             record = parse_record(reply[4])
             release = Release(thread_id, _text(reply[2]), _text(reply[3]), record.retries, record.envelope)
-        return Outcome(status, info, release, gone)
+        return Outcome(status, info, release, gone, due_ms)
 
     def _call(self, name: str, thread_id: str, *args: Any) -> Outcome:
         return self._outcome(name, thread_id, self._run(name, thread_id, *args))

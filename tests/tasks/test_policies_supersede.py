@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 import uuid
+from datetime import datetime
 
 import pytest
 from celery.exceptions import TaskRevokedError
@@ -28,6 +29,7 @@ from tests.support.helpers import (
     now_us,
     started_at,
     starts,
+    the_event,
     tid,
     wait_for,
 )
@@ -134,6 +136,25 @@ def test_debounce_runs_a_burst_once_after_its_last_call(proj, make_deployment, r
     # The thread's keys: its policy hash lingers for replays, with an expiry (30 s).
     policy = Threads(proj.app).runtime.gate.keys.thread(thread).policy
     assert 0 < r.pttl(policy) <= 30_000
+
+
+def test_a_debounced_calls_task_sent_event_says_when_it_is_due(proj, r):
+    """Flower shows a waiting member's eta from its task-sent event: a debounced call is due a
+    debounce (1 s) after it reached the gate, on the gate's clock, though its caller gave no
+    countdown; a call superseding it is due as late again."""
+    thread = tid("debounce-eta")
+    got, stop = collect_events(proj.app)
+    try:
+        for label in ("d0", "d1"):
+            before = now_us(r)
+            call = proj.debounced.delay(thread, label)
+            after = now_us(r)
+            eta = datetime.fromisoformat(the_event(got, "task-sent", call.id)["eta"]).timestamp() * 1e6
+            # scheduled_at is whole ms on the gate's clock
+            assert before + 1_000_000 - 1_000 <= eta <= after + 1_000_000 + 1_000, (label, before, eta, after)
+    finally:
+        stop()
+        Threads(proj.app).purge(thread)
 
 
 def test_debounce_max_runs_a_steady_stream(proj, make_deployment, r):

@@ -29,7 +29,8 @@
 -- Returns {1, superseded} added (plus the release, if any: without the record when it is this
 -- member's; and when the call superseded a waiting member, that member's stored record as a 7th
 -- element, the release's five before it '' when there is none, so that its caller can count it
--- in its chord), {0, ''} when the task id is already a member; when that member is RELEASED (an
+-- in its chord; a call with ARGV[15] scheduled in the future has its scheduled_at as an 8th,
+-- the 7th '' when it superseded none), {0, ''} when the task id is already a member; when that member is RELEASED (an
 -- enqueue replayed after its reply was lost, which released it), {0, ''} plus its release with
 -- its stored record, for the caller to publish (a second copy loses the claim); {2, 'full'}
 -- when max_waiting refused it (nothing stored).  superseded: '' or the task ids the call
@@ -106,8 +107,10 @@ else
   released = add_member(task, sched, 0, ARGV[9], ARGV[10], ARGV[11], false, nil, own .. 'c')
 end
 local out = reply(1, superseded, released, released ~= nil and released[1] == task)
-if gone then
+if gone or sched > NOW then
   for i = #out + 1, 6 do out[i] = '' end
-  out[7] = gone
+  out[7] = gone or ''
+  -- When it is due, if later than now: its caller's task-sent event says so (a debounce).
+  if sched > NOW then out[8] = string.format('%d', sched) end
 end
 return out
