@@ -121,13 +121,28 @@ def current(app: Any) -> Optional[tuple[str, str]]:
     return (str(task_id), str(token)) if token and task_id else None
 
 
+#: Celery's tasks that call a task's body as a function, one item after another (the canvas's
+#: ``chunks``, ``xmap`` and ``xstarmap``; the task's own methods refuse before sending them).
+_BATCHES = frozenset({"celery.map", "celery.starmap", "celery.chunks"})
+
+
+def _not_inside_a_batch(task: Any) -> None:
+    """Refuse a direct call from inside one of :data:`_BATCHES`: the body would run outside
+    any thread, beside its thread's members.  That task fails with the error."""
+    outer = task.app.current_worker_task
+    if outer is not None and outer.name in _BATCHES:
+        task._not_in_one_task(outer.name.rsplit(".", 1)[-1])
+
+
 def run(task: Any, body: Callable[[], Any]) -> Any:
     """Run ``body`` (the task's own ``__call__`` with its arguments) for the delivery in
     ``task.request``.  A released member's delivery runs only once claimed, and only while its
     lease holds; its ending then reaches the gate.  Anything else (a direct or eager call) is
-    just ``body()``."""
+    just ``body()``, except a call from inside Celery's ``map``, ``starmap`` or ``chunks`` task."""
     request = task.request
     headers = request.headers or {}
+    if request.called_directly:
+        _not_inside_a_batch(task)
     if request.is_eager and not request.called_directly:
         # ThreadedTask.apply resolved its thread id; a worker's request has it from the headers.
         request.thread_id, request.thread_token = headers.get(THREAD_HEADER), None

@@ -399,3 +399,27 @@ def test_map_starmap_and_chunks_are_refused_and_send_nothing(proj):
         with pytest.raises(InvalidArgument, match=r"outside any thread.*group\(record.s\(\*args\)"):
             make()
     assert Threads(proj.app).get(thread) is None
+
+
+def test_canvas_chunks_xmap_and_xstarmap_of_a_threaded_task_never_run_its_body(proj, worker, r):
+    """Celery's own constructors (``celery.chunks``, ``xstarmap``; ``xmap`` is the same) skip the task's
+    methods and send one task of Celery's that calls the body as a function: it ran beside the
+    thread's running member.  That task fails, and the body never runs."""
+    from celery import chunks, xstarmap
+
+    from celery_threads import InvalidArgument
+
+    thread = tid("canvas-chunks")
+    go = f"go:{thread}"
+    blocker = proj.record.apply_async((thread, "blocker"), {"until": go})
+    wait_for(lambda: starts(r, thread) == ["blocker"], what="the blocker to start")
+    sent = [
+        chunks(proj.record.s(), [(thread, "chunked")], 1).apply_async(),
+        xstarmap(proj.record.s(), [(thread, "starmapped")]).apply_async(),
+    ]
+    for result in sent:
+        with pytest.raises(InvalidArgument, match=r"outside any thread"):
+            result.get(timeout=30, propagate=True)
+    r.set(go, 1)
+    assert blocker.get(timeout=30) == "blocker"
+    assert starts(r, thread) == ["blocker"]
