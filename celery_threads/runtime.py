@@ -377,14 +377,20 @@ class Runtime:
             logger.debug("celery-threads: no result backend to mark %s revoked", task_id, exc_info=True)
 
     def mark_failed(
-        self, task_id: str, exc: BaseException, envelope: Optional[bytes] = None, retries: int = 0
+        self,
+        task_id: str,
+        exc: BaseException,
+        envelope: Optional[bytes] = None,
+        retries: int = 0,
+        event: bool = True,
     ) -> None:
         """``FAILURE`` in the result backend for a member that died where no worker's request
         ends it (its lease lapsed, its pool process was lost while it ran by handoff), as Celery
         ends a failed task: with its stored message (``envelope``) as the request, its
         ``retries`` (the attempts before the last) in it, so that its errbacks are called, its
         chord fails, its chain fails with it and the result names it; the ``task_failure``
-        signal; and ``task-failed`` for Flower where this is a worker that sends task events."""
+        signal; and (``event``) ``task-failed`` for Flower where this is a worker that sends task
+        events."""
         from celery import signals
         from celery.app.task import Context
 
@@ -409,7 +415,7 @@ class Runtime:
             traceback=None,
             einfo=None,
         )
-        if self.send_task_event is not None:
+        if event and self.send_task_event is not None:
             self.send_task_event("task-failed", uuid=task_id, exception=saferepr(exc), traceback="")
 
     def kill(

@@ -511,6 +511,7 @@ def _run(original: Callable[..., Any], taken: Taken) -> None:
         result = original(
             taken.name, release.task_id, taken.request, taken.body, taken.content_type, taken.content_encoding
         )
+        _rejected(release, result)
         if events is not None:
             events.ended(result)
     except Exception:
@@ -526,6 +527,23 @@ def _run(original: Callable[..., Any], taken: Taken) -> None:
     finally:
         _claimed = None
         keeper(get_runtime(_app)).drop(lease)  # when the trace never reached the task's call
+
+
+def _rejected(release: Release, result: Any) -> None:
+    """A member run here that raised ``Reject(requeue=False)`` died (its ending killed it), but
+    Celery's tracer leaves that failure to the worker's main process (``Request.on_failure``),
+    which never hears of a member run here: marked ``FAILURE`` here, with its stored message as
+    the request (its errbacks run, its chord fails), and the ``task_failure`` signal sent.  Its
+    ``task-failed`` event is :class:`_Events`'s."""
+    from billiard.einfo import ExceptionWithTraceback
+    from celery.exceptions import Reject
+
+    failed, retval, _ = result
+    exc = getattr(retval, "exception", None) if failed else None
+    if isinstance(exc, ExceptionWithTraceback):
+        exc = exc.exc
+    if isinstance(exc, Reject) and not exc.requeue:
+        get_runtime(_app).mark_failed(release.task_id, exc, release.envelope, release.retries, event=False)
 
 
 def _note(release: Optional[Release]) -> None:

@@ -10,6 +10,8 @@ import re
 import time
 
 import pytest
+from celery import chord
+from celery.exceptions import ChordError
 
 from tests.support.helpers import (
     assert_serial,
@@ -63,6 +65,31 @@ def test_the_next_members_run_in_the_finishing_pool_process(proj, make_deploymen
     wait_for(
         lambda: not list(r.scan_iter(match=f"*:t:{thread}:*")) or None, what="the thread's keys to vanish"
     )
+
+
+def test_a_handed_off_member_that_rejects_without_requeue_fails_with_its_chord(proj, make_deployment, r):
+    """Celery's tracer leaves a Reject's FAILURE to the worker's main process, which never hears
+    of a member run by handoff: its result read PENDING for ever, its link_error never ran and
+    its chord never ended.  Now as through the broker: FAILURE, the errback, the chord's error."""
+    w = make_deployment(CT_EVENTS="0").worker("handoff", concurrency=2)
+    thread = tid("ho-reject")
+    go = f"go:{thread}"
+    first = proj.where.apply_async((thread, "first"), {"until": go})
+    wait_for(lambda: starts(r, thread) == ["first"], what="the first member")
+    rejected = proj.rejecter.apply_async((thread, "rej"), link_error=proj.errback_log.s())
+    joined = chord([proj.where.si(thread, "ok"), proj.rejecter.si(thread, "part")])(
+        proj.plain.si(thread, "body")
+    )
+    r.set(go, 1)
+    assert first.get(timeout=30) == "first"
+    wait_for(lambda: proj.app.AsyncResult(rejected.id).state == "FAILURE", what="the rejected member FAILURE")
+    wait_for(lambda: r.llen(f"errbacks:{rejected.id}") == 1, what="its link_error")
+    wait_for(lambda: proj.app.AsyncResult(joined.id).state == "FAILURE", what="the chord's body FAILURE")
+    assert isinstance(proj.app.AsyncResult(joined.id).result, ChordError)
+    assert starts(r, thread) == ["first", "rej", "ok", "part"]
+    assert r.llen(f"errbacks:{rejected.id}") == 1
+    assert not received(w, rejected.id), "it went through the broker: not the handoff's way"
+    assert_serial(r, thread)
 
 
 @pytest.mark.parametrize("case", ["time_limit", "worker_time_limit", "off"])
