@@ -23,7 +23,7 @@ from celery.exceptions import NotRegistered
 from celery.worker.strategy import default as default_strategy
 
 from .. import policies
-from ..errors import ConfigurationError
+from ..errors import ConfigurationError, ThreadFull
 from ..gate import NO_HOLDER, Enqueue
 from ..logs import get_logger
 from ..protocol import (
@@ -208,28 +208,12 @@ def on_unrunnable_message(sender: Any = None, message: Any = None, exc: Any = No
 
 def _enter_gate_from_worker(task: Any, runtime: Runtime, message: Any, ack: Any, reject: Any) -> None:
     """A threaded task's message that did not come through the gate (``send_task`` by name from
-    another program, a dead letter sent back): the worker enqueues it into its thread."""
+    another program, a dead letter sent back): the worker enqueues it into its thread.  Its
+    thread id is the ``thread_id`` header, else the message property that ``send_task(...,
+    thread_id=X)`` makes of it (kombu's for an option it does not know), else its arguments'.
+    A message that cannot enter (no thread id, a task's invalid option, a full thread) is
+    rejected, and its result says why, as Celery's is for an unregistered task."""
     headers = dict(message.headers or {})
-    try:
-        max_retries, retry_delay_ms = retry_settings(task)
-        policy = policies.resolve(task, {})  # the task's own: a call's options are not known
-    except ConfigurationError as exc:
-        logger.error("celery-threads: rejected %s[%s]: %s", task.name, headers.get("id"), exc)
-        reject()
-        return
-    try:
-        args, kwargs, _ = message.decode()
-        thread_id = task.resolve_thread_id(args, kwargs, headers.get(THREAD_HEADER))
-    except Exception as exc:
-        logger.error(
-            "celery-threads: rejected %s[%s]: it came without a thread id (%s). Publish "
-            "it with apply_async(thread_id=...) or give the task a thread_key.",
-            task.name,
-            headers.get("id"),
-            exc,
-        )
-        reject()
-        return
     delivery = message.delivery_info or {}
     props = message.properties or {}
     envelope = encode_envelope(
@@ -243,6 +227,27 @@ def _enter_gate_from_worker(task: Any, runtime: Runtime, message: Any, ack: Any,
             **{k: props.get(k) for k in ("correlation_id", "reply_to", "priority")},
         },
     )
+
+    def refuse(exc: BaseException, why: str) -> None:
+        logger.error("celery-threads: rejected %s[%s]: %s", task.name, headers.get("id"), why)
+        runtime.mark_failed(str(headers.get("id")), exc, envelope, int(headers.get("retries") or 0))
+        reject()
+
+    try:
+        max_retries, retry_delay_ms = retry_settings(task)
+        policy = policies.resolve(task, {})  # the task's own: a call's options are not known
+    except ConfigurationError as exc:
+        return refuse(exc, str(exc))
+    try:
+        args, kwargs, _ = message.decode()
+        given = headers.get(THREAD_HEADER)
+        thread_id = task.resolve_thread_id(args, kwargs, props.get(THREAD_HEADER) if given is None else given)
+    except Exception as exc:
+        return refuse(
+            exc,
+            f"it came without a thread id ({exc}). Publish it with apply_async(thread_id=...) "
+            "or give the task a thread_key.",
+        )
     eta = headers.get("eta")
     outcome = runtime.gate.enqueue(
         thread_id,
@@ -255,14 +260,7 @@ def _enter_gate_from_worker(task: Any, runtime: Runtime, message: Any, ack: Any,
         max_waiting=policy.max_waiting,
     )
     if outcome.status == Enqueue.FULL:
-        logger.error(
-            "celery-threads: rejected %s[%s]: thread %s already has %s waiting members (max_waiting)",
-            task.name,
-            headers["id"],
-            thread_id,
-            policy.max_waiting,
-        )
-        reject()
-        return
+        why = f"thread {thread_id!r} already has {policy.max_waiting} waiting members (max_waiting)"
+        return refuse(ThreadFull(f"{why}: {headers['id']} was not stored", thread_id, headers["id"]), why)
     runtime.publish(outcome.release)
     ack()

@@ -192,6 +192,36 @@ def test_send_task_by_name_enters_the_gate_at_the_worker(proj, worker, r):
     blocker.get(timeout=10)
 
 
+def test_send_task_by_name_joins_the_thread_id_it_is_given(proj, worker, r):
+    """``send_task(name, ..., thread_id=X)`` as ``apply_async(thread_id=X)``: kombu sends an
+    unknown option as a message property, where the worker did not look (it joined the thread of
+    its arguments, beside X's running member)."""
+    thread, other = tid(), tid()
+    go = f"go:{thread}"
+    blocker = proj.record.apply_async((thread, "blocker"), {"until": go})
+    wait_for(lambda: starts(r, thread) == ["blocker"], what="blocker")
+    sent = proj.app.send_task("tests.support.proj.record", (other, "by-name"), thread_id=thread)
+
+    def waits_there() -> bool:
+        info = Threads(proj.app).get(thread)
+        return info is not None and sent.id in [m.task_id for m in info.waiting]
+
+    wait_for(waits_there, what="the call to wait in the thread it was given")
+    assert starts(r, other) == []
+    r.set(go, 1)
+    assert sent.get(timeout=30) == "by-name" and blocker.get(timeout=30) == "blocker"
+    assert Threads(proj.app).get(other) is None
+
+
+def test_a_message_sent_by_name_without_a_thread_id_fails_its_result(proj, worker):
+    """A message by name whose thread id cannot be resolved is rejected with a log line, and
+    its result says why (it read PENDING for ever), as Celery does for an unregistered task."""
+    sent = proj.app.send_task("tests.support.proj.keyed", (tid(), "no-suffix"))
+    with pytest.raises(InvalidThreadId):
+        sent.get(timeout=30)
+    assert proj.app.AsyncResult(sent.id).state == "FAILURE"
+
+
 def test_same_task_id_is_not_enqueued_twice(proj, r):
     thread = tid()
     first = proj.record.apply_async((thread, "a"), countdown=30)
@@ -356,6 +386,8 @@ def test_a_message_sent_by_name_with_invalid_retry_settings_is_rejected(proj, ma
         what="the worker to reject the message",
     )
     assert "default_retry_delay=-1" in w.output()
+    with pytest.raises(ConfigurationError, match="default_retry_delay"):
+        sent.get(timeout=30)
     threads = Threads(proj.app)
     assert threads.get(thread) is None and threads.gate.reads.thread_of(sent.id) is None
 
