@@ -405,9 +405,12 @@ class ThreadedTask(Task):
                 task_id,
             )
         if not outcome.done:
-            logger.info(
-                "celery-threads: %s[%s] is already a member of thread %s, or "
-                "ended less than 30 s ago; not enqueued twice",
+            # A replay of a call whose reply was lost, or a task id used again: the second
+            # call's arguments never run, and its result is the first call's.
+            logger.warning(
+                "celery-threads: %s[%s] is already a member of thread %s, or ended less than "
+                "30 s ago: this call was not enqueued again, and its result is that member's. "
+                "Give a new call a new task id.",
                 self.name,
                 task_id,
                 call.thread_id,

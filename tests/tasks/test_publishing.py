@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import uuid
 from datetime import datetime, timezone
 
@@ -222,10 +223,16 @@ def test_a_message_sent_by_name_without_a_thread_id_fails_its_result(proj, worke
     assert proj.app.AsyncResult(sent.id).state == "FAILURE"
 
 
-def test_same_task_id_is_not_enqueued_twice(proj, r):
+def test_same_task_id_is_not_enqueued_twice(proj, r, caplog):
     thread = tid()
     first = proj.record.apply_async((thread, "a"), countdown=30)
-    proj.record.apply_async((thread, "a"), countdown=30, task_id=first.id)
+    with caplog.at_level(logging.WARNING, logger="celery_threads"):
+        proj.record.apply_async((thread, "a"), countdown=30, task_id=first.id)
+    # A task id used again says so where a producer's log shows it (it was an INFO line).
+    assert any(
+        rec.levelno == logging.WARNING and "Give a new call a new task id" in rec.getMessage()
+        for rec in caplog.records
+    )
     info = Threads(proj.app).get(thread)
     assert [m.task_id for m in info.waiting] == [first.id]
     assert Threads(proj.app).delete(first.id)
