@@ -88,7 +88,11 @@ class ThreadsWorkerStep(bootsteps.StartStopStep):
         runtime.send_task_event = _task_event_sender(worker)
         wrap_revoke_command()
         hand_back_on_pool_close(worker)
-        self.renewer = LeaseRenewer(runtime, tick=lambda: handoff.sync(worker))
+        self.renewer = LeaseRenewer(
+            runtime,
+            tick=lambda: handoff.sync(worker),
+            buckets=lambda: getattr(getattr(worker, "consumer", None), "task_buckets", None),
+        )
         self.renewer.start()
         self.watchdog = lease.Watchdog(runtime.config.keepalive)
         self.watchdog.start()

@@ -32,6 +32,9 @@ nothing more to it. Otherwise its release is published as before. The conditions
   outlast that budget by more than one member's run;
 * neither member has a time limit, nor the worker (``--time-limit``, ``task_time_limit``: the pool
   enforces limits per job);
+* the next member's task has no ``rate_limit`` (the worker's main process holds its deliveries in
+  Celery's bucket); a limit set at run time (``celery control rate_limit``) on any threaded task
+  turns the handoff off while it lasts;
 * the next member's task is a threaded task registered here, with the package's own
   ``Request`` class (a task's own is for its worker to make), its queue is one this worker
   consumes, its content type is accepted, and it carries no ``expires``.
@@ -62,6 +65,7 @@ _app: Any = None
 _allowed: Any = None  # the shared flag (:func:`.shared.handoff_flag`): OFF, ON, EVENTS
 OFF, ON, EVENTS = 0, 1, 2  # EVENTS: on, and the pool process sends the task events
 _stopping = False
+_limited = [False]  # in the main process: whether a rate limit set at run time turned it off
 _main_pid = 0  # the worker's main process (prepare's)
 #: In the main process: the slots (index -> sequence number) whose member it has failed as lost,
 #: so that a later read does not report that member again (a slot is written by its pool process
@@ -248,7 +252,17 @@ def sync(worker: Any, stopping: bool = False) -> None:
     if dispatcher is not None:
         groups = getattr(dispatcher, "groups", None)
         events = bool(dispatcher.enabled) and (not groups or "task" in groups)
-    _allowed.value = OFF if _stopping else (EVENTS if events else ON)
+    limited = _limited_at_run_time(_app) if _app is not None else []
+    if bool(limited) != _limited[0]:
+        _limited[0] = bool(limited)
+        if limited:
+            logger.info(
+                "celery-threads: in-process handoff off while a rate limit set at run time holds (%s)",
+                ", ".join(limited),
+            )
+        else:
+            logger.info("celery-threads: in-process handoff on again: no rate limit set at run time")
+    _allowed.value = OFF if _stopping or limited else (EVENTS if events else ON)
     if _stopping:  # set meanwhile by shutting_down, in the main thread: it wins
         _allowed.value = OFF
 
@@ -444,6 +458,25 @@ def _time_limited(task: Any, timelimit: Any) -> bool:
     return bool(timelimit) and any(timelimit)
 
 
+def _rate_limited(task: Any) -> bool:
+    """Whether the worker's main process would hold the task in Celery's rate-limit bucket: a
+    member run here would skip it.  A limit set at run time (``celery control rate_limit``)
+    reaches the main process only: :func:`sync` turns the handoff off for it."""
+    return bool(task.rate_limit) and not task.app.conf.worker_disable_rate_limits
+
+
+def _limited_at_run_time(app: Any) -> list[str]:
+    """The threaded tasks with a rate limit other than their own (``celery control rate_limit``,
+    which sets it in the worker's main process, not in its pool processes)."""
+    if app.conf.worker_disable_rate_limits:
+        return []
+    return [
+        task.name
+        for task in list(app.tasks.values())
+        if is_threaded(task) and task.rate_limit and task.rate_limit != type(task).rate_limit
+    ]
+
+
 def _runnable(runtime: Runtime, release: Release) -> Optional[Taken]:
     """The pool job's arguments for running ``release`` here, or ``None`` when a broker delivery
     must take it (see the module's conditions)."""
@@ -464,6 +497,7 @@ def _runnable(runtime: Runtime, release: Release) -> Optional[Taken]:
         or not isinstance(content_type, str)
         or content_type not in _worker_facts(app).accepted
         or _time_limited(task, headers.get("timelimit"))
+        or _rate_limited(task)
         or (header.get("exchange") or "", header.get("routing_key")) not in _worker_facts(app).routes
     ):
         return None

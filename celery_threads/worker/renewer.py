@@ -1,7 +1,8 @@
-"""The release deadlines of the members a worker holds unstarted (prefetched, not yet claimed),
-renewed by the worker's main process; a claimed member's lease is its pool process's to renew
-(:mod:`celery_threads.worker.lease`).  The renewer's thread also runs the worker's tick every
-second: the bootstep's, which keeps the handoff's flag in step with the worker.
+"""The release deadlines of the members a worker holds unstarted (prefetched, or waiting in
+Celery's rate-limit bucket of their task; not yet claimed), renewed by the worker's main process;
+a claimed member's lease is its pool process's to renew (:mod:`celery_threads.worker.lease`).  The
+renewer's thread also runs the worker's tick every second: the bootstep's, which keeps the
+handoff's flag in step with the worker.
 """
 
 from __future__ import annotations
@@ -28,9 +29,11 @@ class LeaseRenewer:
     thread (:mod:`celery_threads.worker.native`): under gevent, a member's code holding the hub
     does not hold up these renewals either."""
 
-    def __init__(self, runtime: Runtime, tick: Any = None) -> None:
+    def __init__(self, runtime: Runtime, tick: Any = None, buckets: Any = None) -> None:
+        """``buckets``: returns the worker consumer's rate-limit buckets (``task_buckets``)."""
         self.runtime = runtime
         self.tick = tick
+        self.buckets = buckets
         self._stop = native.Flag()
         self._thread: Optional[native.NativeThread] = None
 
@@ -43,11 +46,29 @@ class LeaseRenewer:
 
     def held(self) -> list[tuple[str, str, str]]:
         members = []
-        for request in list(worker_state.reserved_requests):
+        for request in [*worker_state.reserved_requests, *self._bucketed()]:
             thread_id, token = request_member(request)
             if token:
                 members.append((thread_id, request.id, token))
         return members
+
+    def _bucketed(self) -> list[Any]:
+        """The requests a task's rate limit holds in its bucket (kombu's ``TokenBucket``, whose
+        ``contents`` are ``(request, tokens)``): received, not reserved until the bucket lets
+        them go.  Read from this thread while the consumer's changes them: a read that meets a
+        change is made again."""
+        buckets = self.buckets() if self.buckets is not None else None
+        for _ in range(3):
+            try:
+                return [
+                    item[0]
+                    for bucket in list((buckets or {}).values())
+                    if bucket is not None
+                    for item in list(getattr(bucket, "contents", ()))
+                ]
+            except RuntimeError:  # changed during the read
+                continue
+        return []
 
     def _renew(self, gate: Any, members: list[tuple[str, str, str]]) -> None:
         try:

@@ -244,6 +244,14 @@ def ledger(self, thread, label):
     return label
 
 
+@app.task(base=ThreadedTask, bind=True, thread_key="thread", rate_limit="2/s")
+def celery_rated(self, thread, label):
+    """Celery's own rate_limit="2/s": the worker's token bucket holds its deliveries."""
+    with _Span(self, thread, label):
+        pass
+    return label
+
+
 @app.task(base=ThreadedTask, bind=True, thread_key="thread", thread_rate_limit="4/s")
 def rated(self, thread, label):
     """thread_rate_limit="4/s": its thread's members are claimed at least 250 ms apart.  Keeps
