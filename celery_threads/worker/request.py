@@ -59,6 +59,21 @@ class ThreadedRequest(Request):
             return
         super().send_event(type, **fields)
 
+    def terminate(self, pool: Any, signal: Any = None) -> None:
+        """Celery's terminate of this request (``revoke(terminate=True)``, ``celery control
+        terminate``, ``revoke_by_stamped_headers(..., terminate=True)``, which matches the
+        requests Celery holds as active): where this member's body has returned and its pool job
+        goes on running the next member of its thread by handoff, its signal would kill that
+        other member.  It is not sent, as for a task that has ended."""
+        if handoff.runs_another(self.worker_pid, self.id):
+            logger.info(
+                "celery-threads: not terminating %s: its body has returned, and its pool process "
+                "runs the next member of its thread by handoff",
+                self.id,
+            )
+            return
+        super().terminate(pool, signal)
+
     def cancel(self, pool: Any, signal: Any = None, *args: Any, **kwargs: Any) -> None:
         """Celery's cold shutdown cancels the running tasks.  A pool job that has gone on to run
         a member by handoff still holds this request, whose member succeeded: Celery announced

@@ -321,16 +321,24 @@ def test_terminating_a_handed_off_member(proj, make_deployment, r, how):
     wait_for(lambda: Threads(proj.app).get(thread) is None, what="the thread to vanish")
 
 
-def test_terminating_a_member_that_has_returned_leaves_the_one_handed_off_after_it(proj, make_deployment, r):
+@pytest.mark.parametrize("how", ["revoke", "stamped"])
+def test_terminating_a_member_that_has_returned_leaves_the_one_handed_off_after_it(
+    proj, make_deployment, r, how
+):
     """revoke(terminate=True) of a member that has succeeded while its pool job goes on with the
     next member by handoff (GroupResult.revoke over a batch that is partly done): Celery still
     holds the first member's request, and its terminate signalled the process, killing the next
     member, whose lease then lapsed and which ran again after the one behind it.  Nothing is
-    signalled: as for any task that has ended, the revoke only flags it."""
+    signalled: as for any task that has ended, the revoke only flags it.  ``stamped``: the same
+    by ``revoke_by_stamped_headers(..., terminate=True)`` of the first member's stamp."""
     d = make_deployment(CT_EVENTS="0")
     w = d.worker("term", concurrency=2)
     thread = tid("term")
-    first = proj.where.apply_async((thread, "first"), {"until": f"go:{thread}"})
+    stamp = {"batch": thread}
+    signature = proj.where.si(thread, "first", until=f"go:{thread}")
+    if how == "stamped":
+        signature.stamp(**stamp)
+    first = signature.apply_async()
     wait_for(lambda: starts(r, thread) == ["first"], what="the first member")
     second = proj.where.apply_async((thread, "second"), {"until": f"go2:{thread}"})
     third = proj.where.delay(thread, "third")
@@ -338,7 +346,11 @@ def test_terminating_a_member_that_has_returned_leaves_the_one_handed_off_after_
     wait_for(lambda: starts(r, thread) == ["first", "second"], what="the handed-off member")
     assert len(set(pids(r, thread))) == 1, "second was not handed off"
     assert first.get(timeout=1) == "first"  # stored before the handed-off run starts
-    assert proj.app.control.revoke(first.id, terminate=True, reply=True, timeout=10)  # done by then
+    if how == "stamped":
+        replies = proj.app.control.revoke_by_stamped_headers(stamp, terminate=True, reply=True, timeout=10)
+    else:
+        replies = proj.app.control.revoke(first.id, terminate=True, reply=True, timeout=10)  # done by then
+    assert replies
     r.set(f"go2:{thread}", 1)
     assert third.get(timeout=30) == "third"
     assert second.get(timeout=5) == "second"
