@@ -124,10 +124,10 @@ class Dispatcher:
             report.died += 1
             record = self.runtime.gate.reads.dead_record(outcome.info)
             exception = record.meta.get("exception", "") if record else "LeaseExpired"
+            # The dead letter's text names its class (lua/expire.lua): the result's, once.
+            lapsed = LeaseExpired(exception.removeprefix("LeaseExpired: ") or "its lease lapsed")
             retries = record.retries if record else 0
-            self.runtime.mark_failed(
-                outcome.info, LeaseExpired(exception), record.envelope if record else None, retries
-            )
+            self.runtime.mark_failed(outcome.info, lapsed, record.envelope if record else None, retries)
             self.runtime.announce_death(thread_id, outcome.info, exception, retries, record)
         self.runtime.publish(outcome.release, republish=outcome.status == Lapse.REPUBLISH)
 

@@ -78,6 +78,7 @@ def test_lapsed_lease_without_retries_dies_naming_the_keepalive(proj, make_deplo
     [dead] = [x for x in Threads(proj.app).dead() if x.task_id == doomed.id]
     assert "LeaseExpired" in dead.exception and "1.5s" in dead.exception
     assert doomed.state == "FAILURE" and type(doomed.result).__name__ == "LeaseExpired"
+    assert str(doomed.result).startswith("the worker running it"), doomed.result  # named once
     assert r.lrange(f"failure_signal:{doomed.id}", 0, -1) == [b"LeaseExpired"]  # task_failure
     wait_for(lambda: r.llen(f"errbacks:{doomed.id}"), what="the errback to run")
     res.get(timeout=30, propagate=False)
