@@ -119,7 +119,7 @@ class Dispatcher:
                 outcome.info,
                 thread_id,
             )
-            self.runtime.mark_revoked(outcome.info)
+            self.runtime.mark_revoked(outcome.info, envelope=outcome.gone_envelope or None)
         elif outcome.status == Lapse.DIED:
             report.died += 1
             record = self.runtime.gate.reads.dead_record(outcome.info)

@@ -416,7 +416,7 @@ class ThreadedTask(Task):
                 call.thread_id,
             )
         return _Stored(
-            outcome.release, outcome.done, outcome.superseded, outcome.superseded_envelope, outcome.due_ms
+            outcome.release, outcome.done, outcome.superseded, outcome.gone_envelope, outcome.due_ms
         )
 
     def _reenter(
@@ -488,7 +488,7 @@ class _Stored(NamedTuple):
     release: Optional[Release]
     added: bool
     superseded: list[str]
-    superseded_envelope: bytes = b""  # the stored message of superseded[0], when the gate gave it
+    gone_envelope: bytes = b""  # the stored message of superseded[0], when the gate gave it
     due_ms: Optional[int] = None  # when the gate scheduled a debounced member (Outcome.due_ms)
 
 
@@ -521,7 +521,7 @@ def _publish_stored(
     own = release is not None and release.task_id == task_id and stored.added
     runtime.publish(release, producer, parts=capture.parts if own else None)
     if stored.superseded:
-        runtime.revoke_superseded(call.thread_id, stored.superseded, stored.superseded_envelope)
+        runtime.revoke_superseded(call.thread_id, stored.superseded, stored.gone_envelope)
 
 
 _signatures: dict[tuple[Any, bool], inspect.Signature] = {}

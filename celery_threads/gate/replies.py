@@ -128,8 +128,9 @@ class Outcome:
     status: int  # the script's status, as its enum (:data:`REPLIES`)
     info: str
     release: Optional[Release]
-    # An enqueue's that superseded a waiting member: that member's stored message (for its chord).
-    superseded_envelope: bytes = b""
+    # The stored message of a member that left the gate in this call, for its chord and result
+    # backend: the waiting member an enqueue superseded, the deleted one whose lease lapsed.
+    gone_envelope: bytes = b""
     # An enqueue's under coalesce or debounce, when its member is due later than now: its
     # scheduled_at (ms, the server's clock).
     due_ms: Optional[int] = None

@@ -223,8 +223,8 @@ class Gate:
         leaves out."""
         status, info = REPLIES.get(name, Done)(int(reply[0])), _text(reply[1])
         gone, due_ms = b"", None
-        if len(reply) > 6:  # an enqueue's under coalesce or debounce (lua/enqueue.lua)
-            if reply[6]:  # it superseded a waiting member: that member's record
+        if len(reply) > 6:  # an enqueue's under coalesce or debounce, an expire's of a deleted member
+            if reply[6]:  # the record of the member that left (gone_envelope)
                 gone = parse_record(reply[6]).envelope
             if len(reply) > 7:  # its member is due later than now
                 due_ms = int(reply[7])

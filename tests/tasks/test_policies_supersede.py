@@ -276,7 +276,7 @@ def test_coalescing_on_a_cluster_gate(redis_cluster):
             outcomes = [gate.enqueue(thread, c, b"sync", coalesce="sync") for c in calls]
             assert [o.superseded for o in outcomes] == [[], [calls[0]], [calls[1], calls[0]]]
             # The superseded member's stored message, for its chord (mark_revoked).
-            assert [o.superseded_envelope for o in outcomes] == [b"", b"sync", b"sync"]
+            assert [o.gone_envelope for o in outcomes] == [b"", b"sync", b"sync"]
             assert gate.enqueue(thread, calls[2], b"sync", coalesce="sync").superseded == [
                 calls[1],
                 calls[0],

@@ -286,3 +286,25 @@ def test_a_worker_on_another_gate_than_its_producers_says_so(proj, make_deployme
     )
     assert "WARNING" in next(line for line in elsewhere.output().splitlines() if "does not know it" in line)
     Threads(proj.app).delete(lost.id)
+
+
+def test_a_running_member_deleted_while_its_worker_is_gone_ends_its_chord(proj, make_deployment, r):
+    """Threads.delete of a running member whose worker was SIGKILLed marks it deleted; no worker
+    is left to stop it, so it ends as deleted when its lease lapses.  It was marked REVOKED
+    without its request: its chord waited for it for ever (and rpc://, which needs the request,
+    stored nothing).  Now its chord fails as for any revoked part."""
+    d = make_deployment(CT_KEEPALIVE="1.5", CT_DISPATCH_INTERVAL="0.2")
+    victim = d.worker("victim", concurrency=2)
+    thread = tid("deleted-lapse")
+    header = [proj.record.si(thread, "doomed", sleep=30), proj.plain.si(tid("other"), "part")]
+    res = chord(header)(proj.plain.si(tid("body"), "body"))
+    doomed, part = res.parent.results
+    wait_for(lambda: starts(r, thread) == ["doomed"], what="doomed to start")
+    assert part.get(timeout=30) == "part"  # the chord waits for doomed alone
+    victim.kill(signal.SIGKILL)
+    Threads(proj.app).delete(doomed.id)  # marked deleted: no worker is left to stop it
+    d.worker("rescuer", concurrency=1)
+    res.get(timeout=30, propagate=False)
+    assert res.state == "FAILURE" and isinstance(res.result, ChordError), (res.state, res.result)
+    assert proj.app.AsyncResult(doomed.id).state == "REVOKED"
+    assert Threads(proj.app).get(thread) is None

@@ -8,7 +8,7 @@
 -- ends).
 -- Returns {0, ''} nothing to do, {2, 'republish'} with the release to publish again,
 -- {3, task} retried, {4, task} died, {5, task} ended as deleted; 3, 4 and 5 carry the next
--- release, if any.
+-- release, if any, and 5 the member's stored record (7th).
 local a = redis.call('HMGET', K_A, 'task', 'token', 'state', 'deadline', 'n')
 if a[1] == false then
   -- Another dispatcher handled this thread since our scan; its head may be due by now.
@@ -27,8 +27,14 @@ end
 count('lapses')
 if marked_deleted() then
   count_ending('deleted')
-  drop_active(task)
-  return reply(DELETED_LAPSE, task, release_head(true))
+  local field, rec = find_member(K_TASKS, task)
+  drop_active(task, field)
+  -- Its stored record, 7th (the release's five before it '' when there is none): the
+  -- dispatcher marks it revoked with its request, which its chord and backend need.
+  local out = reply(DELETED_LAPSE, task, release_head(true))
+  for i = #out + 1, 6 do out[i] = '' end
+  out[7] = rec or ''
+  return out
 end
 local status = fail_active(task, 'LeaseExpired: the worker running it sent no keepalive for ' ..
   ARGV[7] .. ' (worker lost?), and no retries were left')
