@@ -144,7 +144,7 @@ def _end_revoked_member(runtime: Runtime, consumer: Any, task_id: str) -> None:
             )
 
 
-def _terminate_handed_off(runtime: Runtime, task_id: str, signal: Any) -> None:
+def _terminate_handed_off(runtime: Runtime, task_id: str, signal: Any) -> bool:
     """``revoke(terminate=True)`` of a member a pool process runs by handoff (handoff.py), which
     Celery's own revoke does not know of.  As for a terminated task: the member is marked deleted
     (fenced by its token), its process gets the signal, the member leaves its thread once the
@@ -167,7 +167,7 @@ def _terminate_handed_off(runtime: Runtime, task_id: str, signal: Any) -> None:
 
     found = handoff.running(task_id)
     if found is None:
-        return
+        return False
     pid, (thread_id, _, token) = found
     pidfd = open_pidfd(pid)  # from here on, the signal reaches that process or none
     try:
@@ -179,7 +179,7 @@ def _terminate_handed_off(runtime: Runtime, task_id: str, signal: Any) -> None:
                 pid,
                 token,
             )
-            return
+            return False
         signum = platform_signals.signum(signal or TERM_SIGNAME)
         logger.info(
             "celery-threads: terminating %s, run by handoff in pool process %s (%s)",
@@ -193,7 +193,7 @@ def _terminate_handed_off(runtime: Runtime, task_id: str, signal: Any) -> None:
             else:
                 os.kill(pid, signum)
         except ProcessLookupError:
-            pass  # it has just exited: the main process fails its member as lost
+            return False  # it has just exited: the main process fails its member as lost
         else:
             # As Celery announces a task it terminated (Request._announce_revoked): Flower
             # showed the member started for good.
@@ -207,6 +207,16 @@ def _terminate_handed_off(runtime: Runtime, task_id: str, signal: Any) -> None:
         if pidfd is not None:
             os.close(pidfd)
     runtime.mark_revoked(task_id, "terminated")
+    return True
+
+
+def _terminated_reply(reply: Any, task_ids: list[str]) -> Any:
+    """Celery's ``terminate: ...`` reply with ``task_ids`` (run by handoff) named too."""
+    from celery.worker.control import ok
+
+    said = reply.get("ok", "") if isinstance(reply, dict) else ""
+    known = [] if not said.startswith("terminate: ") or said == "terminate: tasks unknown" else [said[11:]]
+    return ok("terminate: {}".format(", ".join([*known, *task_ids])))
 
 
 def wrap_revoke_command() -> None:
@@ -238,13 +248,16 @@ def wrap_revoke_command() -> None:
         consumer = state.consumer
         if getattr(consumer.app, "_celery_threads_installed", False):
             runtime = get_runtime(consumer.app)
+            handed_off = []
             for one in maybe_list(task_id) or []:
                 try:
                     _end_revoked_member(runtime, consumer, one)
-                    if terminate:
-                        _terminate_handed_off(runtime, one, signal)
+                    if terminate and _terminate_handed_off(runtime, one, signal):
+                        handed_off.append(one)
                 except Exception:
                     logger.exception("celery-threads: could not end revoked member %s", one)
+            if handed_off:  # Celery's reply knew only of the tasks it terminated itself
+                reply = _terminated_reply(reply, handed_off)
         return reply
 
     revoke._celery_threads = True  # type: ignore[attr-defined]

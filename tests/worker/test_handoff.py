@@ -301,7 +301,9 @@ def test_terminating_a_handed_off_member(proj, make_deployment, r, how):
     assert len(set(pids(r, thread))) == 1, "long was not handed off"
     t0 = time.time()
     if how == "revoke":
-        proj.app.control.revoke(long.id, terminate=True)
+        replies = proj.app.control.revoke(long.id, terminate=True, reply=True, timeout=10)
+        # The reply names it, as for a task Celery terminated itself (it said "tasks unknown").
+        assert [x for x in replies if f"terminate: {long.id}" in str(x)], replies
     elif how == "terminate":  # as the CLI sends it
         proj.app.control.broadcast("terminate", arguments={"signal": "SIGTERM", "task_id": long.id})
     else:
