@@ -260,7 +260,8 @@ def _claim(
                 "producers use another gate (threads_redis_url's server or database, or "
                 "threads_key_prefix, differ from this worker's), or this gate lost its data (a "
                 "restart without persistence); a late copy of a member that ended long ago is "
-                "dropped so too"
+                "dropped so too, and so is a message sent by name with a thread_token header "
+                "copied from a member's request (send thread_id alone: a new call has no token)"
             )
         logger.log(
             logging.WARNING if foreign is not None else logging.INFO,
