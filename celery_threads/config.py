@@ -302,15 +302,21 @@ def read_config(app: Celery) -> ThreadsConfig:
 
 def _warn_unknown(app: Celery) -> None:
     """Warn of each ``threads_*`` setting in ``app.conf`` that is none of this package's (a typo
-    would be ignored without a word, the setting's default used), naming the likely one."""
+    would be ignored without a word, the setting's default used), naming the likely one; and of
+    a ``thread_*`` one that is a setting's name but for its ``s`` (``thread_redis_url``)."""
     for key in list(app.conf.keys()):
         name = str(key).lower()
-        name = name[len("celery_") :] if name.startswith("celery_threads_") else name
-        if not name.startswith("threads_") or name in DEFAULTS:
+        name = name[len("celery_") :] if name.startswith(("celery_threads_", "celery_thread_")) else name
+        namespace = str(key)[: len(str(key)) - len(name)]  # "CELERY_" in Django's settings
+        if name.startswith("thread_") and "threads_" + name[len("thread_") :] in DEFAULTS:
+            name = "threads_" + name[len("thread_") :]
+            close = [name]
+        elif not name.startswith("threads_") or name in DEFAULTS:
             continue
-        close = difflib.get_close_matches(name, DEFAULTS, n=1, cutoff=0.75)
+        else:
+            close = difflib.get_close_matches(name, DEFAULTS, n=1, cutoff=0.75)
         if close and str(key).isupper():  # CELERY_THREADS_*, as Django settings name them
-            close = [str(key)[: len(str(key)) - len(name)] + close[0].upper()]
+            close = [namespace + close[0].upper()]
         logger.warning(
             "celery-threads: app.conf has %s, which is no celery-threads setting; it is ignored%s "
             "(the settings: docs/settings.md)",

@@ -126,9 +126,17 @@ def test_a_misspelled_setting_is_warned_of_with_the_likely_one(caplog):
     class Django:
         CELERY_BROKER_URL = "redis://127.0.0.1:1/0"
         CELERY_THREADS_KEEP_ALIVE = 10
+        CELERY_THREAD_KEY_PREFIX = "mine"  # a setting but for its s
 
     plain = Celery("typo", broker="redis://127.0.0.1:1/0", set_as_current=False)
-    plain.conf.update(threads_keep_alive=10, threads_dispatch_intervall=2, threads_keepalive=5, threads_xyz=1)
+    plain.conf.update(
+        threads_keep_alive=10,
+        threads_dispatch_intervall=2,
+        threads_keepalive=5,
+        threads_xyz=1,
+        thread_redis_url="redis://127.0.0.1:2/0",
+        thread_pool_size=4,  # not one of ours, nor one but for its s: the user's own
+    )
     django = Celery("typo-django", set_as_current=False)
     django.config_from_object(Django, namespace="CELERY")
     with caplog.at_level("WARNING", logger="celery_threads.config"):
@@ -141,7 +149,11 @@ def test_a_misspelled_setting_is_warned_of_with_the_likely_one(caplog):
     )
     assert any("threads_xyz, which is no celery-threads setting; it is ignored (" in m for m in said), said
     assert any("did you mean CELERY_THREADS_KEEPALIVE?" in m for m in said), said
-    assert len(said) == 4 and not any("threads_keepalive," in m for m in said), said
+    assert any("thread_redis_url" in m and "did you mean threads_redis_url?" in m for m in said), said
+    assert any(
+        "CELERY_THREAD_KEY_PREFIX" in m and "did you mean CELERY_THREADS_KEY_PREFIX?" in m for m in said
+    )
+    assert len(said) == 6 and not any("threads_keepalive," in m for m in said), said
 
 
 def test_a_wrong_password_or_database_is_a_setting_to_fix_not_an_outage(redis_server, proj, isolated_app):
