@@ -9,7 +9,7 @@ from celery import shared_task, signals
 
 from .config import dispatch_interval
 from .logs import get_logger
-from .protocol import BEAT_ENTRY, DISPATCH_TASK
+from .protocol import BEAT_ENTRY, DISPATCH_TASK, THREAD_HEADER, warn_unthreaded
 
 logger = get_logger(__name__)
 
@@ -79,6 +79,19 @@ def _dispatch(self: Any) -> dict[str, int]:
         "retried": report.retried,
         "died": report.died,
     }
+
+
+@signals.before_task_publish.connect
+def _on_publish(sender: Any = None, headers: Any = None, properties: Any = None, **kwargs: Any) -> None:
+    from celery import current_app
+
+    thread_id = (properties or {}).get(THREAD_HEADER)
+    if thread_id is None:
+        thread_id = (headers or {}).get(THREAD_HEADER)
+    try:
+        warn_unthreaded(current_app.tasks.get(sender) if isinstance(sender, str) else None, thread_id)
+    except Exception:  # a warning must never stop a publish
+        logger.debug("celery-threads: could not check %s for a thread_key", sender, exc_info=True)
 
 
 @signals.worker_init.connect

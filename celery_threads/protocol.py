@@ -15,6 +15,9 @@ from uuid import UUID
 from celery.utils.saferepr import saferepr
 
 from .errors import ConfigurationError, InvalidArgument, InvalidThreadId
+from .logs import get_logger
+
+logger = get_logger(__name__)
 
 #: Message headers a threaded delivery carries (and the ones ``apply_async`` takes as options).
 THREAD_HEADER = "thread_id"
@@ -53,6 +56,32 @@ THREADED_MARK = "__celery_threads__"
 def is_threaded(task: Any) -> bool:
     """Whether ``task`` is a threaded task (an instance of ``ThreadedTask``)."""
     return getattr(task, THREADED_MARK, False) is True
+
+
+#: The plain tasks already warned of in this process (:func:`warn_unthreaded`).
+_warned_unthreaded: set[str] = set()
+
+
+def warn_unthreaded(task: Any, thread_id: Any = None) -> None:
+    """Warn, once per task and process, of a plain task (not a ``ThreadedTask``) declared with a
+    ``thread_key`` or called with ``thread_id``: a ``base=ThreadedTask`` left out, whose calls
+    run in no thread, beside the members of the thread they name (Celery keeps an unknown
+    decorator option as an attribute, and sends an unknown call option as a message property,
+    without a word)."""
+    if task is None or is_threaded(task) or task.name in _warned_unthreaded:
+        return
+    if getattr(task, "thread_key", None) is None and thread_id is None:
+        return
+    _warned_unthreaded.add(task.name)
+    how = (
+        "called with thread_id" if getattr(task, "thread_key", None) is None else "declared with a thread_key"
+    )
+    logger.warning(
+        "celery-threads: task %s is %s but is not a ThreadedTask: its calls are in no thread, and "
+        "run beside that thread's members. Declare it with base=ThreadedTask.",
+        task.name,
+        how,
+    )
 
 
 MAX_THREAD_ID_BYTES = 1024

@@ -21,6 +21,7 @@ from ..config import read_config
 from ..errors import ConfigurationError
 from ..gate import transport
 from ..logs import get_logger
+from ..protocol import warn_unthreaded
 from ..runtime import get_runtime, unreachable
 from . import handoff, lease, member, processes, shared
 from .noack import hand_back_on_pool_close
@@ -85,6 +86,8 @@ class ThreadsWorkerStep(bootsteps.StartStopStep):
         from ..dispatcher import DispatchLoop
 
         runtime = get_runtime(worker.app)
+        for task in list(worker.app.tasks.values()):
+            warn_unthreaded(task)
         runtime.send_task_event = _task_event_sender(worker)
         wrap_revoke_command()
         hand_back_on_pool_close(worker)

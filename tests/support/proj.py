@@ -244,6 +244,12 @@ def ledger(self, thread, label):
     return label
 
 
+@app.task(thread_key="thread")
+def unthreaded(thread, label):
+    """A base=ThreadedTask left out: a plain task, in no thread."""
+    return label
+
+
 @app.task(base=ThreadedTask, bind=True, thread_key="thread", rate_limit="2/s")
 def celery_rated(self, thread, label):
     """Celery's own rate_limit="2/s": the worker's token bucket holds its deliveries."""

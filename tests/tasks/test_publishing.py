@@ -223,6 +223,17 @@ def test_a_message_sent_by_name_without_a_thread_id_fails_its_result(proj, worke
     assert proj.app.AsyncResult(sent.id).state == "FAILURE"
 
 
+def test_a_plain_task_with_a_thread_key_is_warned_of(proj, worker, caplog):
+    """A ``base=ThreadedTask`` left out: Celery keeps ``thread_key`` as an attribute and sends
+    ``thread_id`` as a message property, without a word, and the calls run in no thread, beside
+    its members.  The producer and the worker say so."""
+    said = "unthreaded is declared with a thread_key but is not a ThreadedTask"
+    with caplog.at_level(logging.WARNING, logger="celery_threads"):
+        assert proj.unthreaded.apply_async((tid(), "x"), thread_id="acct").get(timeout=30) == "x"
+    assert any(said in rec.getMessage() for rec in caplog.records), caplog.records
+    assert said in worker.output()
+
+
 def test_same_task_id_is_not_enqueued_twice(proj, r, caplog):
     thread = tid()
     first = proj.record.apply_async((thread, "a"), countdown=30)
