@@ -385,9 +385,9 @@ class Model:
         """on_death="hold": the thread is paused by the death (lua/_common.lua hold_thread)."""
         reason = f"on_death=hold: {task_id} died" + (f": {exception}" if isinstance(exception, str) else "")
         before = self.paused.get(thread_id)
-        if before is not None:
-            shown = before.split("\0", 2)[-1] if before.startswith("\0") else before
-            reason += f" (paused before: {shown})"
+        if before is not None:  # paused already: it stays whose it is
+            self.paused[thread_id] = f"{before} (then {reason})"
+            return
         self.paused[thread_id] = f"\0{task_id}\0{reason}"
 
     def _lift_hold(self, thread_id: str, task_id: str) -> bool:

@@ -235,10 +235,11 @@ def flaky(self, thread, label):
 
 
 @app.task(base=ThreadedTask, bind=True, thread_key="thread", max_retries=0, on_death="hold")
-def ledger(self, thread, label):
+def ledger(self, thread, label, until=None):
     """on_death="hold": fails for good (holding its thread) while flaky:<thread> exists, else
-    succeeds."""
+    succeeds; first waits until the key `until` exists (when given)."""
     with _Span(self, thread, label):
+        _await_key(until)
         if history().exists(f"flaky:{thread}"):
             raise ValueError(f"{label} failed: flaky:{thread} is set")
     return label

@@ -146,6 +146,32 @@ def test_an_operator_pause_over_a_hold_stays_until_resume(proj, make_deployment,
     assert starts(r, thread) == ["d", "d", "l1", "l2"]
 
 
+def test_a_death_under_an_operators_pause_leaves_it_the_operators(proj, make_deployment, r):
+    """A member with on_death="hold" dies while an operator's pause is in place: the pause stays
+    the operator's, telling of the death.  The death made it a hold, which the dead member's
+    forget then lifted: the member behind it ran in the operator's pause (a migration window)."""
+    make_deployment(CT_EVENTS="0").worker("hold-under-pause", concurrency=2)
+    thread, go = tid("hold-under-pause"), f"go:{tid()}"
+    r.set(f"flaky:{thread}", 1)
+    dead = proj.ledger.apply_async((thread, "d"), {"until": go})
+    later = proj.record.delay(thread, "l1")
+    wait_for(lambda: starts(r, thread) == ["d"], what="the member to start")
+    threads = Threads(proj.app)
+    assert threads.pause(thread, "migration window") is True
+    r.set(go, 1)
+    wait_for(lambda: state(proj, dead) == "FAILURE", what="the member to die", timeout=60)
+    said = "migration window (then on_death=hold: "
+    wait_for(lambda: (threads.get(thread).paused or "").startswith(said), what="the death told", timeout=60)
+    assert dead.id in threads.get(thread).paused
+    assert threads.forget(dead.id) is True
+    info = threads.get(thread)
+    assert info.paused.startswith(said) and [m.task_id for m in info.waiting] == [later.id]
+    assert threads.resume(thread) is True
+    assert later.get(timeout=30) == "l1"
+    assert starts(r, thread) == ["d", "l1"]
+    r.delete(f"flaky:{thread}")
+
+
 def test_max_waiting_admits_exactly_n_of_concurrent_calls(proj, make_deployment, r):
     """Twelve producers call at once into a thread whose member is running: exactly
     max_waiting=3 are admitted, the others raise ThreadFull and leave nothing in the result

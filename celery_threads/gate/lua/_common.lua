@@ -241,7 +241,13 @@ local function hold_thread(task, meta_json)
   local reason = 'on_death=hold: ' .. task .. ' died' ..
     (type(exception) == 'string' and ': ' .. exception or '')
   local before = redis.call('HGET', K_PAUSED, TID)
-  if before then reason = reason .. ' (paused before: ' .. string.gsub(before, HOLD_MARK, '') .. ')' end
+  if before then
+    -- Paused already (an operator's pause, which stays until resume): the pause stays whose it
+    -- is, its reason telling of the death too; the dead member's restart, redrive or forget
+    -- does not lift it.
+    redis.call('HSET', K_PAUSED, TID, before .. ' (then ' .. reason .. ')')
+    return
+  end
   redis.call('HSET', K_PAUSED, TID, '\0' .. task .. '\0' .. reason)
 end
 
