@@ -619,7 +619,15 @@ def show(ctx: click.Context, thread_id: str, as_json: bool) -> None:
     click.echo(
         f"Thread {_id(status.thread_id)}: {n} member{'s' if n != 1 else ''} (Redis time {_when(status.now)})"
     )
-    if status.paused is not None:
+    if status.paused is not None and status.paused.startswith("on_death=hold: "):
+        # resume alone goes on without the dead member, which the hold is there to prevent
+        click.echo(
+            f"PAUSED: {_printable(status.paused)}. Nothing more of it is released until its dead "
+            f"member is redriven ({_command('redrive', status.thread_id)}), restarted or forgotten "
+            f"(`{_celery()} dead` lists it), or {_command('resume', status.thread_id)} goes on "
+            "without it."
+        )
+    elif status.paused is not None:
         click.echo(
             f"PAUSED: {_printable(status.paused)}. Nothing more of it is released until "
             f"{_command('resume', status.thread_id)}."

@@ -83,6 +83,9 @@ def held_thread(proj, make_deployment, r, name: str, per_call: bool):
     ).items()
     shown = cli_json("show", thread)
     assert shown["paused"] == reason, shown
+    # A hold's way out is its dead member's, not resume alone (which goes on without it).
+    text = CliRunner().invoke(celery_command, ["-A", "tests.support.proj", "threads", "show", thread]).output
+    assert "its dead member is redriven (`celery -A tests.support.proj threads redrive" in text, text
     r.delete(f"flaky:{thread}")
     return thread, dead, later
 
