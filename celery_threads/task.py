@@ -155,7 +155,7 @@ class ThreadedTask(Task):
         """
         explicit = options.pop("thread_id", None)
         # Never seen by Celery (in eager mode too): the gate applies them.
-        supersede_options = [options.pop(option, getattr(self, option)) for option in SUPERSEDE_OPTIONS]
+        supersede_options = _supersede_options(self, options)
         policy = policies.resolve(self, options)
         app = self._get_app()
         if task_id is not None:
@@ -479,6 +479,16 @@ class _Message(NamedTuple):
     delay_ms: int
     at_ms: Optional[int]
     retries: int  # a retry's (Celery's ``retries`` option); 0 for any other call
+
+
+def _supersede_options(task: Any, options: dict[str, Any]) -> list[Any]:
+    """The call's ``coalesce``, ``debounce`` and ``debounce_max`` (popped from ``options``), each
+    the task's where the call gives none.  A call's ``debounce=None`` turns the task's debounce
+    off, and its ``debounce_max`` with it (which bounds only a debounce)."""
+    given = {option: options.pop(option) for option in SUPERSEDE_OPTIONS if option in options}
+    if given.get("debounce", 0) is None:
+        given.setdefault("debounce_max", None)
+    return [given.get(option, getattr(task, option)) for option in SUPERSEDE_OPTIONS]
 
 
 class _Stored(NamedTuple):

@@ -157,6 +157,18 @@ def test_a_debounced_calls_task_sent_event_says_when_it_is_due(proj, r):
         Threads(proj.app).purge(thread)
 
 
+def test_debounce_none_at_the_call_turns_the_tasks_debounce_off(proj, r):
+    """``debounce=None`` at the call (documented to turn the task's option off) raised "debounce_max
+    without a debounce", for the task's own debounce_max: it goes with the debounce."""
+    thread = tid("no-debounce")
+    call = proj.debounced.apply_async((thread, "now"), debounce=None)
+    try:
+        info = Threads(proj.app).get(thread)
+        assert info is not None and info.active is not None and info.active.task_id == call.id  # due now
+    finally:
+        Threads(proj.app).delete(call.id)
+
+
 def test_debounce_max_runs_a_steady_stream(proj, make_deployment, r):
     """debounce=1.0, debounce_max=1.5, a call every 0.2 s for 4 s: without the bound nothing
     would run until the stream stops; with it, a run starts within about 1.5 s of each burst's
