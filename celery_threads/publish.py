@@ -67,10 +67,9 @@ class CapturingProducer:
         else:
             self._held.append((body, kwargs))
 
-    def schedule_sent_event(self, due_ms: int) -> None:
-        """The held ``task-sent`` event's ``eta``: when the gate scheduled the member (ms, the
-        Redis server's clock), where that is later than the caller's countdown or eta said."""
-        eta = datetime.fromtimestamp(due_ms / 1000, tz=timezone.utc).isoformat()
+    def set_sent_eta(self, eta: Optional[str]) -> None:
+        """The held ``task-sent`` event's ``eta`` (ISO 8601): the call's countdown or eta, which
+        Celery never sees, or when the gate scheduled the member where that is later."""
         for body, _ in self._held:
             if isinstance(body, dict) and body.get("type") == "task-sent":
                 body["eta"] = eta
@@ -85,6 +84,11 @@ class CapturingProducer:
                 self._real.publish(body, **kwargs)
             except Exception:  # an event is best effort, as in Celery
                 logger.warning("celery-threads: could not publish a held event", exc_info=True)
+
+
+def eta_text(ms: int) -> str:
+    """A time on the gate's clock (ms since 1970) as an event's ``eta``."""
+    return datetime.fromtimestamp(ms / 1000, tz=timezone.utc).isoformat()
 
 
 def _name(entity: Any) -> Any:

@@ -7,6 +7,7 @@ import inspect
 import types
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
+from datetime import datetime, timedelta
 from typing import Any, Callable, NamedTuple, NoReturn, Optional, Union
 
 import redis
@@ -42,7 +43,7 @@ from .protocol import (
     retry_settings,
     supersede_policy,
 )
-from .publish import CapturingProducer
+from .publish import CapturingProducer, eta_text
 from .runtime import Runtime, get_runtime
 from .worker import member
 
@@ -178,8 +179,10 @@ class ThreadedTask(Task):
         bound = nullcontext(None) if call.from_member else deadline.within(config.publish_timeout)
         with app.producer_or_acquire(producer) as real:
             capture = CapturingProducer(real)
-            # countdown and eta reach Celery only for its task-sent event (Flower shows when the
-            # member is due); the stored message leaves them out, and the gate schedules it.
+            # countdown and eta do not reach Celery, which would route the message to RabbitMQ's
+            # delayed delivery (with a quorum queue behind a topic or fanout exchange, Celery
+            # 5.5+): the gate schedules it.  Only the task-sent event tells them (Flower shows
+            # when the member is due).
             result = super().apply_async(
                 args,
                 kwargs,
@@ -189,11 +192,10 @@ class ThreadedTask(Task):
                 link_error=link_error,
                 shadow=shadow,
                 headers=headers,
-                countdown=countdown,
-                eta=eta,
                 **options,
             )
             message = _message(capture, countdown, eta, call, options)
+            capture.set_sent_eta(_event_eta(app, countdown, eta))
             # The gate's part, bounded from here: what Celery's own part took (its result
             # backend's subscription, signal handlers) does not spend the gate's time, and its
             # errors are not reported as the gate's.
@@ -213,7 +215,7 @@ class ThreadedTask(Task):
                     # (with this call's arguments) would show a call that never runs.
                     added = stored.added
                 if stored.due_ms is not None:  # a debounce put it off: Flower shows when
-                    capture.schedule_sent_event(stored.due_ms)
+                    capture.set_sent_eta(eta_text(stored.due_ms))
                 capture.flush(send=added)
                 _publish_stored(runtime, call, task_id, stored, producer, capture)
         return result
@@ -516,6 +518,16 @@ def _message(
     delay_ms = int(float(countdown or 0) * 1000)
     retries = int(options.get("retries") or 0) if call.token is not None else 0
     return _Message(capture.envelope, delay_ms, at_ms, retries)
+
+
+def _event_eta(app: Any, countdown: Any, eta: Any) -> Optional[str]:
+    """The ``eta`` of a call's task-sent event, as Celery writes it (``AMQP.as_task_v2``): a
+    countdown wins over an eta."""
+    if countdown:
+        eta = app.now() + timedelta(seconds=float(countdown))
+    if isinstance(eta, datetime):
+        return eta.isoformat()
+    return None if eta is None else str(eta)
 
 
 def _publish_stored(

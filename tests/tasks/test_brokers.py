@@ -82,3 +82,44 @@ class TestRabbitMQBroker(BrokerContract):
 
     def broker_url(self, redis_server) -> str:
         return rabbitmq_url()
+
+
+def test_a_countdown_to_a_quorum_queue_behind_a_topic_exchange_keeps_its_route(redis_server):
+    """Celery 5.5+ routes a call with a countdown or eta to RabbitMQ's native delayed delivery
+    (the ``celery_delayed_27`` exchange) where the app has a quorum queue and the route's exchange
+    is not direct.  The gate holds the countdown itself: the stored message kept that route, and
+    its release went to an exchange no worker had declared (stuck RELEASED), or would have been
+    delayed twice; a countdown under a second raised kombu's ValueError.  Nothing is published
+    here: the member waits in the gate."""
+    import uuid
+
+    from celery import Celery
+    from kombu import Exchange, Queue
+
+    from celery_threads import ThreadedTask
+    from celery_threads.publish import decode_envelope
+
+    app = Celery("quorum", broker=rabbitmq_url(), backend=redis_server.url(1), set_as_current=False)
+    exchange = Exchange("ct_quorum_topic", type="topic")
+    app.conf.update(
+        threads_redis_url=redis_server.url(2),
+        threads_key_prefix=f"ct-quorum-{uuid.uuid4().hex[:6]}",
+        task_queues=[Queue("ct_quorum", exchange, "ct.#", queue_arguments={"x-queue-type": "quorum"})],
+        task_default_queue="ct_quorum",
+        task_default_exchange="ct_quorum_topic",
+        task_default_exchange_type="topic",
+        task_default_routing_key="ct.call",
+    )
+
+    @app.task(base=ThreadedTask, thread_key="thread", shared=False)
+    def quorum_call(thread):
+        return thread
+
+    threads = Threads(app)
+    for options in ({"countdown": 30}, {"countdown": 0.5}):
+        call = quorum_call.apply_async((tid("quorum"),), **options)
+        try:
+            header, _ = decode_envelope(threads.gate.reads.record(call.id).envelope)
+            assert (header["exchange"], header["routing_key"]) == ("ct_quorum_topic", "ct.#"), header
+        finally:
+            threads.delete(call.id)
