@@ -121,8 +121,10 @@ class BadSettings(CommandError):
 
 def _app(ctx: click.Context) -> Any:
     app = getattr(ctx.obj, "app", None)
-    if app is None or (
-        not app.conf.get("threads_redis_url")
+    named = ctx.find_root().params.get("app")  # -A; an app named so whose settings lack a URL
+    if app is None or (  # is told so by read_config, not asked to name itself
+        not named
+        and not app.conf.get("threads_redis_url")
         and not app.conf.broker_url
         and not getattr(app, "_celery_threads_installed", False)
     ):
@@ -1041,7 +1043,7 @@ def stats(ctx: click.Context, stuck_after: Optional[float], as_json: bool) -> No
         elif waiting:
             oldest = (
                 f"none (the {waiting} waiting wait behind an active member of their "
-                "thread, or are not due yet)"
+                "thread, in a paused thread, or are not due yet)"
             )
         else:
             oldest = "none"

@@ -740,3 +740,20 @@ def test_without_an_app_it_says_to_name_one(tmp_path):
     assert done.returncode == 2
     assert "name your Celery app" in done.stderr and "celery -A proj threads" in done.stderr
     assert "threads_redis_url" not in done.stderr
+
+
+def test_a_named_app_without_a_redis_url_is_told_so(tmp_path):
+    """An app named with -A whose broker URL comes from an environment variable left unset: it
+    was told to name its app."""
+    (tmp_path / "envapp.py").write_text('from celery import Celery\n\napp = Celery("envapp")\n')
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("CELERY_", "CT_"))}
+    done = subprocess.run(
+        [sys.executable, "-m", "celery", "-A", "envapp", "threads", "ls"],
+        cwd=tmp_path,
+        env={**env, "PYTHONPATH": str(tmp_path)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert "name your Celery app" not in done.stderr, done.stderr
+    assert done.returncode == 78 and "needs a Redis server" in done.stderr, (done.returncode, done.stderr)
