@@ -100,7 +100,7 @@ class ThreadedTask(Task):
     # -- publishing ---------------------------------------------------------------------------
     def resolve_thread_id(self, args: Any, kwargs: Any, explicit: Any = None) -> str:
         if explicit is not None:
-            return normalize_thread_id(explicit)
+            return self._thread_id_from(explicit, "its thread_id=")
         key = self.thread_key
         args, kwargs = tuple(args or ()), dict(kwargs or {})
         if callable(key):
@@ -110,16 +110,16 @@ class ThreadedTask(Task):
                 raise InvalidThreadId(
                     f"task {self.name}'s thread_key raised {exc!r} for this call; nothing was stored or sent"
                 ) from exc
-            return normalize_thread_id(found)
+            return self._thread_id_from(found, "its thread_key's value")
         if isinstance(key, str):
             if key in kwargs:
-                return normalize_thread_id(kwargs[key])
+                return self._thread_id_from(kwargs[key], f"its argument {key!r} (thread_key)")
             try:
                 bound = _signature(self.run).bind_partial(*args, **kwargs)
             except TypeError:
                 bound = None
             if bound is not None and key in bound.arguments:
-                return normalize_thread_id(bound.arguments[key])
+                return self._thread_id_from(bound.arguments[key], f"its argument {key!r} (thread_key)")
             problem = _thread_key_problem(type(self))
             if problem is not None:  # a typo the task's binding reported once already
                 raise ConfigurationError(problem)
@@ -130,6 +130,13 @@ class ThreadedTask(Task):
             f"task {self.name} needs a thread id: pass apply_async(..., thread_id=...) or declare "
             "the task with thread_key='<argument name>'"
         )
+
+    def _thread_id_from(self, value: Any, where: str) -> str:
+        """``value`` as a thread id; refused, the error names the task and where it came from."""
+        try:
+            return normalize_thread_id(value)
+        except InvalidThreadId as exc:
+            raise InvalidThreadId(f"task {self.name}, {where}: {exc}") from None
 
     def apply_async(
         self,
@@ -400,9 +407,9 @@ class ThreadedTask(Task):
         if outcome.status == Enqueue.FULL:
             # Nothing stored; leaving here also drops the held task-sent event.
             raise ThreadFull(
-                f"thread {call.thread_id!r} already has {policy.max_waiting} waiting members "
-                f"(max_waiting of {self.name}): {task_id} was not stored nor sent; call "
-                "again later",
+                f"thread {call.thread_id!r} already has {policy.max_waiting} or more waiting "
+                f"members (max_waiting of {self.name}): {task_id} was not stored nor sent; call "
+                "again once it has drained (`celery threads show` says whether it is paused)",
                 call.thread_id,
                 task_id,
             )
@@ -596,6 +603,11 @@ def _amqp_broker(app: Any) -> bool:
     return scheme in ("amqp", "amqps", "pyamqp", "librabbitmq")
 
 
+def _said(exc: BaseException) -> str:
+    """An error's text inside a sentence: without its own closing period."""
+    return str(exc).rstrip(".") or type(exc).__name__
+
+
 @contextmanager
 def gate_errors(
     config: ThreadsConfig, task_id: str, limit: Optional[deadline.Deadline] = None
@@ -635,14 +647,14 @@ def gate_errors(
             # It answered, with an error: no outage (a script's error where keys were evicted).
             raise GateUnavailable(
                 f"the gate's Redis at {config.shown_url} (threads_redis_url) answered the call "
-                f"for task {task_id} with an error: {exc}. Nothing was sent to the broker; "
+                f"for task {task_id} with an error: {_said(exc)}. Nothing was sent to the broker; "
                 "`celery threads stats` says whether that Redis evicts keys (which breaks the "
                 "gate's records)."
             ) from exc
         where = (
             f"could not reach the gate's Redis at {config.shown_url} (threads_redis_url)"
             + (f" within {limit.seconds:g}s (threads_publish_timeout)" if limit else "")
-            + f" to publish task {task_id}: {exc}. Nothing was sent to the broker."
+            + f" to publish task {task_id}: {_said(exc)}. Nothing was sent to the broker."
         )
         if limit is not None and not limit.unanswered and not isinstance(exc, NotReplicated):
             raise GateUnavailable(

@@ -166,6 +166,9 @@ def test_a_thread_id_python_cannot_make_text_of_raises_invalid_thread_id(
         text.encode("utf-8")  # loggable: the surrogate itself is not in it
         if how != "Threads.get" and how != "Threads.status":
             assert "nothing was stored or sent" in text, text
+            # Which task, and where its thread id came from (it said only "thread id None is...").
+            named = "its thread_id=" if how == "thread_id=" else "its argument 'thread' (thread_key)"
+            assert text.startswith("task tests.support.proj.") and named in text, text
     _nothing_stored_or_sent(isolated_app)
 
 
