@@ -130,6 +130,11 @@ def _on_beat_start(sender: Any = None, **kwargs: Any) -> None:
         # Exception is only logged by Celery; SystemExit stops beat.
         logger.critical("%s", exc)
         raise SystemExit(78) from None  # EX_CONFIG, as `celery threads` exits on it
+    every = ((app.conf.beat_schedule or {}).get(BEAT_ENTRY) or {}).get("schedule")
+    every = getattr(every, "run_every", every)  # a celery.schedules.schedule: its timedelta
+    every = every.total_seconds() if hasattr(every, "total_seconds") else every
+    # Its ticks are logged at DEBUG (_TickAtDebug): say once that the entry is there.
+    logger.info("celery-threads: beat sends %s every %ss, the dispatcher's safety net", DISPATCH_TASK, every)
     client = make_client(config.redis_url, config.redis_options)
     try:
         check_eviction(client, config.redis_url)

@@ -203,7 +203,13 @@ def on_unrunnable_message(sender: Any = None, message: Any = None, exc: Any = No
         return
     if kwargs.get("name"):
         exc = NotRegistered(kwargs["name"])
-    kill_unrunnable(get_runtime(app), headers, exc or RuntimeError("message refused"))
+    runtime = get_runtime(app)
+    foreign = foreign_gate(headers, runtime.config.key_prefix)
+    if foreign is not None:  # not this gate's member: its own gate republishes it
+        name = kwargs.get("name") or "a member"
+        logger.warning("celery-threads: %s[%s]: %s", name, headers.get("id"), foreign)
+        return
+    kill_unrunnable(runtime, headers, exc or RuntimeError("message refused"))
 
 
 def _enter_gate_from_worker(task: Any, runtime: Runtime, message: Any, ack: Any, reject: Any) -> None:
@@ -260,7 +266,7 @@ def _enter_gate_from_worker(task: Any, runtime: Runtime, message: Any, ack: Any,
         max_waiting=policy.max_waiting,
     )
     if outcome.status == Enqueue.FULL:
-        why = f"thread {thread_id!r} already has {policy.max_waiting} waiting members (max_waiting)"
+        why = f"thread {thread_id!r} already has {policy.max_waiting} or more waiting members (max_waiting)"
         return refuse(ThreadFull(f"{why}: {headers['id']} was not stored", thread_id, headers["id"]), why)
     runtime.publish(outcome.release)
     ack()

@@ -116,6 +116,8 @@ def test_a_worker_and_beat_on_a_noeviction_redis_say_nothing_of_it(
         assert proj.record.delay(tid("quiet"), "runs").get(timeout=30) == "runs"
         for proc in (worker, beat):
             assert "maxmemory-policy" not in proc.output()
+        # Its ticks are logged at DEBUG: beat says once, at INFO, that its entry is there.
+        assert "celery-threads: beat sends celery_threads.dispatch every " in beat.output()
     finally:
         d.stop()
         configure_client(proj.app, **deployment_env(redis_server))

@@ -11,6 +11,7 @@ import pytest
 import redis
 from celery import Celery
 
+from celery_threads import Threads
 from celery_threads.config import read_config
 from celery_threads.errors import ConfigurationError
 from tests.conftest import Deployment, RedisServer, configure_client, deployment_env
@@ -236,4 +237,33 @@ def test_a_worker_whose_gate_has_another_prefix_says_so(proj, make_deployment):
     wait_for(lambda: "threads_key_prefix=" in worker.output(), timeout=60, what="the worker to say why")
     line = next(x for x in worker.output().splitlines() if "threads_key_prefix=" in x)
     assert "WARNING" in line and result.id in line, line
+    assert f"threads_key_prefix={theirs!r}" in line and f"has {ours!r}" in line, line
+
+
+def test_a_worker_that_does_not_know_a_task_of_another_gate_says_so(proj, make_deployment):
+    """The same mismatch, for a task this worker does not register: Celery logs only "Received
+    unregistered task", and the worker tried to dead-letter the member in its own gate, which
+    does not hold it (its gate keeps it released and republishes it).  It names both prefixes."""
+    from celery_threads import ThreadedTask
+    from tests.support.isolated import pointed_at
+
+    d = make_deployment()
+    worker = d.worker("prefix-unknown", concurrency=1)
+    ours = d.env["CT_KEY_PREFIX"]
+    theirs = f"{ours}-elsewhere"
+
+    @proj.app.task(base=ThreadedTask, thread_key="thread", name="tests.only_in_this_process", shared=False)
+    def only_here(thread):
+        return thread
+
+    with pointed_at(proj.app, threads_key_prefix=theirs):
+        result = only_here.delay(tid("prefix-unknown"))
+        try:
+            wait_for(
+                lambda: "threads_key_prefix=" in worker.output(), timeout=60, what="the worker to say why"
+            )
+        finally:
+            Threads(proj.app).delete(result.id)
+    line = next(x for x in worker.output().splitlines() if "threads_key_prefix=" in x)
+    assert "WARNING" in line and result.id in line and "tests.only_in_this_process" in line, line
     assert f"threads_key_prefix={theirs!r}" in line and f"has {ours!r}" in line, line
