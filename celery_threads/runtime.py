@@ -355,15 +355,22 @@ class Runtime:
             return None
         return None if record is None else record.envelope
 
+    def _stores_errors(self, request: Optional[dict[str, Any]]) -> bool:
+        """Whether an ending of the request's task is stored, as Celery's worker decides it
+        (``Request.store_errors``): not for a task that ignores its results, unless it stores
+        errors even so.  Its chord and errbacks are told either way.  Unknown task: stored."""
+        task = self.app.tasks.get((request or {}).get("task") or "")
+        return task is None or not task.ignore_result or bool(task.store_errors_even_if_ignored)
+
     def mark_revoked(
         self, task_id: str, reason: str = "deleted from its thread", envelope: Optional[bytes] = None
     ) -> None:
-        """``REVOKED`` in the result backend.  ``envelope``: the member's stored message, read
-        before it left the gate, is the request Celery ends a revoked task with: an extended
-        result (``result_extended``) names its task, arguments and queue, and when a chord counts
-        the member (its request has the chord and its group) the chord counts it revoked, as a
-        worker's revoke of a chord's part does (the chord ends with a ChordError, and its body
-        never runs with a part missing)."""
+        """``REVOKED`` in the result backend (where its task stores it).  ``envelope``: the
+        member's stored message, read before it left the gate, is the request Celery ends a
+        revoked task with: an extended result (``result_extended``) names its task, arguments
+        and queue, and when a chord counts the member (its request has the chord and its group)
+        the chord counts it revoked, as a worker's revoke of a chord's part does (the chord ends
+        with a ChordError, and its body never runs with a part missing)."""
         request = None if not envelope else member_request(self.app, task_id, envelope)
         if request is not None and not (request.get("group") and request.get("chord")):
             request["chord"] = None  # Celery counts a part of any request with a chord
@@ -371,7 +378,10 @@ class Runtime:
             from celery.app.task import Context
 
             self.app.backend.mark_as_revoked(
-                task_id, reason, request=Context(request) if request is not None else None
+                task_id,
+                reason,
+                request=Context(request) if request is not None else None,
+                store_result=self._stores_errors(request),
             )
         except Exception:
             logger.debug("celery-threads: no result backend to mark %s revoked", task_id, exc_info=True)
@@ -399,7 +409,10 @@ class Runtime:
             request["retries"] = retries
         try:
             self.app.backend.mark_as_failure(
-                task_id, exc, request=Context(request) if request is not None else None
+                task_id,
+                exc,
+                request=Context(request) if request is not None else None,
+                store_result=self._stores_errors(request),
             )
         except Exception:  # no result backend, or it is down: the dead-letter store has it
             logger.debug(

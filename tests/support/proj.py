@@ -245,6 +245,14 @@ def ledger(self, thread, label, until=None):
     return label
 
 
+@app.task(base=ThreadedTask, bind=True, thread_key="thread", max_retries=0, ignore_result=True)
+def fire_and_forget(self, thread, label, sleep=0.0):
+    """ignore_result=True: Celery stores none of its endings."""
+    with _Span(self, thread, label):
+        time.sleep(sleep)
+    return label
+
+
 @app.task(thread_key="thread")
 def unthreaded(thread, label):
     """A base=ThreadedTask left out: a plain task, in no thread."""

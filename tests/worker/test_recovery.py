@@ -308,3 +308,22 @@ def test_a_running_member_deleted_while_its_worker_is_gone_ends_its_chord(proj, 
     assert res.state == "FAILURE" and isinstance(res.result, ChordError), (res.state, res.result)
     assert proj.app.AsyncResult(doomed.id).state == "REVOKED"
     assert Threads(proj.app).get(thread) is None
+
+
+def test_a_lapsed_lease_of_a_task_that_ignores_results_stores_nothing(proj, make_deployment, r):
+    """As Celery's worker decides for any ending (``Request.store_errors``): a task with
+    ``ignore_result=True`` has no FAILURE stored when its lease lapses (LeaseExpired was stored,
+    where a plain twin stores nothing); its errback is still called."""
+    d = make_deployment(CT_KEEPALIVE="1.5", CT_DISPATCH_INTERVAL="0.2")
+    victim = d.worker("victim", concurrency=2)
+    thread = tid("ignored")
+    doomed = proj.fire_and_forget.apply_async(
+        (thread, "doomed"), {"sleep": 30}, link_error=proj.errback_log.s()
+    )
+    wait_for(lambda: starts(r, thread) == ["doomed"], what="doomed to start")
+    victim.kill(signal.SIGKILL)
+    d.worker("rescuer", concurrency=1)
+    wait_for(lambda: [x for x in Threads(proj.app).dead() if x.task_id == doomed.id], what="its death")
+    wait_for(lambda: r.llen(f"errbacks:{doomed.id}") == 1, what="its errback")
+    backend = proj.app.backend
+    assert backend.get(backend.get_key_for_task(doomed.id)) is None
