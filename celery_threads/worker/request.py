@@ -81,13 +81,55 @@ class ThreadedRequest(Request):
         process is stopped then: the member it runs is failed as lost once the process has exited
         (or when its lease lapses)."""
         if not handoff.runs_by_handoff(self.worker_pid):
+            thread_id, token = request_member(self)
+            pid, running = process_of(self), bool(self.time_start)
             super().cancel(pool, signal, *args, **kwargs)
+            if token and running:
+                # Celery stored RETRY and leaves the message to the broker, whose redelivery the
+                # claim refuses: the gate hears of it now, once its process has exited.
+                ended = functools.partial(self._end_cancelled_attempt, thread_id, token)
+                when_gone(pid, ended, get_runtime(self.task.app).config.keepalive, what=self.id)
             return
         from celery.platforms import signals as platform_signals
         from celery.worker.control import TERM_SIGNAME
 
         pool.terminate_job(self.worker_pid, platform_signals.signum(signal or TERM_SIGNAME))
         worker_state.task_ready(self)
+
+    def _end_cancelled_attempt(self, thread_id: str, token: str) -> None:
+        """A running member Celery cancelled (``worker_cancel_long_running_tasks_on_connection_loss``
+        when the broker connection is lost, or a cold shutdown), its process now gone: a failed
+        attempt, as for a lost process, reported at once (its lease would lapse only after
+        ``threads_keepalive``).  Celery announced a retry; a death is stored as one."""
+        runtime = get_runtime(self.task.app)
+        reason = "WorkerLostError: cancelled by Celery (its worker lost the broker, or shut down cold)"
+        try:
+            outcome = runtime.publish_outcome(
+                runtime.gate.fail(
+                    thread_id, self.id, token, f"{reason}; no retries were left", holder=pool_holder(self)
+                )
+            )
+        except redis.RedisError as error:
+            logger.warning(
+                "celery-threads: could not report the cancelled attempt of %s[%s] of thread %s to the "
+                "gate (%s); it counts when its lease lapses",
+                self.task.name,
+                self.id,
+                thread_id,
+                error,
+            )
+            return
+        if outcome.status == Lapse.DIED:
+            retries = int(self.request_dict.get("retries") or 0)
+            record = runtime.announce_death(thread_id, self.id, reason, retries)
+            runtime.mark_failed(
+                self.id,
+                WorkerLostError(reason),
+                record.envelope if record else None,
+                record.retries if record else retries,
+            )
+        elif outcome.status == Lapse.DELETED:
+            runtime.mark_revoked(self.id, envelope=outcome.gone_envelope or None)
 
     def on_timeout(self, soft: bool, timeout: float) -> None:
         thread_id, token = request_member(self)

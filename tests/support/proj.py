@@ -56,6 +56,7 @@ app.conf.update(
     threads_dead_letter_ttl=os.environ.get("CT_DEAD_LETTER_TTL") or None,
     task_default_queue=os.environ.get("CT_QUEUE", "celery"),
     task_acks_late=os.environ.get("CT_ACKS_LATE") == "1",
+    worker_cancel_long_running_tasks_on_connection_loss=os.environ.get("CT_CANCEL_ON_LOSS") == "1",
     worker_prefetch_multiplier=int(os.environ.get("CT_PREFETCH", "4")),
     broker_transport_options={
         "visibility_timeout": float(os.environ.get("CT_VISIBILITY", "3600")),

@@ -327,3 +327,38 @@ def test_a_lapsed_lease_of_a_task_that_ignores_results_stores_nothing(proj, make
     wait_for(lambda: r.llen(f"errbacks:{doomed.id}") == 1, what="its errback")
     backend = proj.app.backend
     assert backend.get(backend.get_key_for_task(doomed.id)) is None
+
+
+def _cut_connections(pid: int, port: int) -> int:
+    """Close, on the Redis server's side, every connection process ``pid`` holds to ``port``
+    (its broker's among them); how many."""
+    import subprocess
+
+    listing = subprocess.run(["ss", "-tnpH", "state", "established"], capture_output=True, text=True).stdout
+    admin = redis.Redis(port=port)
+    cut = 0
+    for line in listing.splitlines():
+        fields = line.split()
+        if f"pid={pid}," in line and fields[-2].endswith(f":{port}"):
+            cut += admin.client_kill_filter(addr=fields[-3], skipme=False)
+    return cut
+
+
+def test_a_member_celery_cancels_on_a_lost_broker_connection_is_reported_at_once(
+    proj, make_deployment, redis_server, r
+):
+    """``worker_cancel_long_running_tasks_on_connection_loss`` (Celery 6's planned default), with
+    acks_late: Celery terminates a running member when its worker loses the broker, stores RETRY
+    and leaves the message to the broker (whose redelivery the claim refuses).  The gate heard of
+    it only when its lease lapsed: its thread stood still for threads_keepalive.  It is a failed
+    attempt once its process has exited, retried as a lost one is."""
+    d = make_deployment(CT_KEEPALIVE="120", CT_ACKS_LATE="1", CT_CANCEL_ON_LOSS="1")
+    w = d.worker("cancel", concurrency=2)
+    thread = tid("cancel")
+    proj.record.apply_async((thread, "long"), {"sleep": 60})
+    nxt = proj.record.delay(thread, "next")
+    wait_for(lambda: starts(r, thread) == ["long"], what="long to start")
+    assert w.proc is not None and _cut_connections(w.proc.pid, redis_server.port) > 0
+    assert nxt.get(timeout=60) == "next"  # its lease alone would have held the thread 120 s
+    wait_for(lambda: starts(r, thread)[:3] == ["long", "next", "long"], what="long's retry", timeout=60)
+    assert_serial(r, thread)
