@@ -10,7 +10,7 @@ from datetime import datetime, timezone
 from typing import Any, Callable, NamedTuple, Optional, TypeVar
 
 import redis
-from celery import Celery
+from celery import Celery, states
 
 from .config import read_config
 from .errors import InvalidArgument, UnknownTask
@@ -280,15 +280,22 @@ class Threads:
         if record is None:
             raise UnknownTask(f"{task_id} is not in the dead-letter store (see Threads.dead())")
         max_retries, retry_delay_ms = self._retry_settings(record)
-        self._forget_result(task_id)
+        dropped = self._forget_result(task_id)
         outcome = self.gate.restart(
             task_id,
             max_retries=max_retries,
             retry_delay_ms=retry_delay_ms,
             thread_id=str(record.meta["thread_id"]),
         )
-        if outcome.status == Restart.ALREADY_MEMBER:
-            raise UnknownTask(f"{task_id} is a live member again; it cannot be restarted twice")
+        if outcome.status != Restart.RESTARTED:
+            # Another call took the letter meanwhile (forget, restart, redrive): not restarted.
+            self._restore_result(task_id, dropped)
+            raise UnknownTask(
+                f"{task_id} was not restarted: it is a live member again"
+                if outcome.status == Restart.ALREADY_MEMBER
+                else f"{task_id} was not restarted: it left the dead-letter store meanwhile "
+                "(forgotten, restarted or redriven by another call)"
+            )
         self.runtime.publish_outcome(outcome)
         return self.app.AsyncResult(task_id)
 
@@ -352,12 +359,13 @@ class Threads:
             for at in range(0, len(records), OPERATOR_BATCH):
                 batch = records[at : at + OPERATOR_BATCH]
                 settings = [(r.task_id, *self._retry_settings(r)) for r in batch]
-                for record in batch:
-                    self._forget_result(record.task_id)
+                dropped = [self._forget_result(record.task_id) for record in batch]
                 codes, release = self.gate.redrive(thread, settings)
                 self.runtime.publish(release)
                 done = sum(1 for c in codes if c in (Redriven.AT_PLACE, Redriven.NEW_ARRIVAL))
-                for record, code in zip(batch, codes):
+                for record, code, meta in zip(batch, codes, dropped):
+                    if code not in (Redriven.AT_PLACE, Redriven.NEW_ARRIVAL):
+                        self._restore_result(record.task_id, meta)  # another call took it
                     if code == Redriven.NEW_ARRIVAL:
                         logger.warning(
                             "celery-threads: dead letter %s of thread %s was stored "
@@ -370,17 +378,35 @@ class Threads:
                     progress(len(batch))
         return redriven
 
-    def _forget_result(self, task_id: str) -> None:
+    def _forget_result(self, task_id: str) -> Optional[dict[str, Any]]:
         """A dead letter about to wait in the gate again (redrive, restart): its stored FAILURE
         goes, so that its ``AsyncResult`` is ``PENDING`` until it runs.  It goes before the gate
         call that can release it: once released, a worker may run it and store its new result
-        before a later forget, which would then drop that result (``PENDING`` for good).  A
-        letter that another operator's call took back meanwhile (the gate refuses it here) has
-        its stored result forgotten all the same."""
+        before a later forget, which would then drop that result (``PENDING`` for good).
+        Returns what was stored (for :meth:`_restore_result`), ``None`` when nothing was."""
+        backend = self.app.backend
         try:
-            self.app.backend.forget(task_id)
+            meta = backend.get_task_meta(task_id, cache=False)
+            backend.forget(task_id)
         except Exception:  # no result backend, or it is down: its next run overwrites it
             logger.debug("celery-threads: could not forget the result of %s", task_id, exc_info=True)
+            return None
+        return meta if meta.get("status") in states.READY_STATES else None
+
+    def _restore_result(self, task_id: str, meta: Optional[dict[str, Any]]) -> None:
+        """A letter the gate refused after its stored result was forgotten (another operator's
+        call took it first): that result back, unless one was stored since (the other call's run
+        ended) or the task waits or runs again now (``PENDING`` is its truth then).  It read
+        ``PENDING`` for good where the other call forgot the letter, or its run ended first."""
+        if meta is None or self.reads.record(task_id) is not None:
+            return
+        backend = self.app.backend
+        try:
+            if backend.get_task_meta(task_id, cache=False).get("status") != states.PENDING:
+                return
+            backend.store_result(task_id, meta.get("result"), meta["status"], traceback=meta.get("traceback"))
+        except Exception:
+            logger.debug("celery-threads: could not restore the result of %s", task_id, exc_info=True)
 
     def _retry_settings(self, record: DeadRecord) -> tuple[Optional[int], int]:
         task = self.app.tasks.get(task_name(record.envelope))

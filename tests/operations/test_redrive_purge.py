@@ -139,6 +139,49 @@ def test_a_letter_s_stored_failure_goes_before_its_redrive_or_restart_can_releas
     assert starts(r, thread) == ["d1", "d2", "d3", "d1", "d2", "d3"]
 
 
+@pytest.mark.parametrize("first", ["forget", "restart-and-run"])
+def test_a_restart_or_redrive_another_call_beat_says_so_and_keeps_the_result(
+    proj, make_deployment, r, monkeypatch, first
+):
+    """Two operators on one dead letter: between one's read of the letter and its gate call,
+    the other forgets it, or restarts it and its run ends.  Restart said it had restarted it,
+    and both it and redrive left its stored result forgotten: PENDING for good, the letter
+    gone (forgotten) or its new SUCCESS dropped.  The result is put back, and restart raises."""
+    from celery_threads.errors import UnknownTask
+
+    d = make_deployment(CT_EVENTS="0")
+    d.worker("operators", concurrency=2)
+    thread = tid("operators")
+    dying = die_three(proj, r, thread)
+    r.delete(f"flaky:{thread}")
+    threads, other = Threads(proj.app), Threads(proj.app)
+    for how, task in (("restart", dying[0]), ("redrive", dying[1])):
+        real, real_restart = getattr(threads.gate, how), threads.gate.restart
+        inside: list[bool] = []  # the other operator's own calls (one gate per app) go through
+
+        def beaten(*args, real=real, real_restart=real_restart, task=task, inside=inside, **kwargs):
+            if inside:
+                return real_restart(*args, **kwargs)
+            inside.append(True)
+            if first == "forget":
+                assert other.forget(task.id) is True
+            else:
+                other.restart(task.id)
+                wait_for(lambda: state(proj, task) == "SUCCESS", what="the other's run", timeout=60)
+            inside.clear()
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(threads.gate, how, beaten)
+        if how == "restart":
+            with pytest.raises(UnknownTask, match="was not restarted"):
+                threads.restart(task.id)
+        else:
+            assert threads.redrive(thread, limit=1) == 0
+        monkeypatch.undo()
+        assert state(proj, task) == ("FAILURE" if first == "forget" else "SUCCESS"), (how, first)
+    assert dead_of(proj, thread) == [dying[2].id]
+
+
 def test_purge_drops_waiting_members_and_lets_the_running_one_finish(proj, make_deployment, r):
     """Purge of one thread, then of every thread: the waiting members never start and show
     REVOKED; the running member of each thread finishes SUCCESS; the keys vanish; another
