@@ -27,8 +27,8 @@ class _TickAtDebug(logging.Filter):
         args = record.args
         if isinstance(args, dict):
             tick = args.get("name") == DISPATCH_TASK
-        else:
-            tick = isinstance(args, tuple) and DISPATCH_TASK in args
+        else:  # only its str arguments: another object's __eq__ may raise (redbeat's entries)
+            tick = isinstance(args, tuple) and any(isinstance(a, str) and a == DISPATCH_TASK for a in args)
         if not tick or record.levelno <= logging.DEBUG:
             return True
         if not logging.getLogger(record.name).isEnabledFor(logging.DEBUG):
@@ -51,18 +51,19 @@ def install(app: Any) -> None:
     app._celery_threads_installed = True
     _add_steps(app)
     _quiet_tick_logs()
-    interval = dispatch_interval(app)
     schedule = dict(app.conf.beat_schedule or {})
-    schedule.setdefault(
-        BEAT_ENTRY,
-        {
-            "task": DISPATCH_TASK,
-            "schedule": interval,
-            # A tick that waited longer than a few intervals is useless: a newer one is coming.
-            "options": {"expires": max(interval * 5, 5.0)},
-        },
-    )
+    schedule.setdefault(BEAT_ENTRY, _beat_entry(app))
     app.conf.beat_schedule = schedule
+
+
+def _beat_entry(app: Any) -> dict[str, Any]:
+    interval = dispatch_interval(app)
+    return {
+        "task": DISPATCH_TASK,
+        "schedule": interval,
+        # A tick that waited longer than a few intervals is useless: a newer one is coming.
+        "options": {"expires": max(interval * 5, 5.0)},
+    }
 
 
 @shared_task(name=DISPATCH_TASK, bind=True, ignore_result=True, send_events=False)
@@ -130,16 +131,50 @@ def _on_beat_start(sender: Any = None, **kwargs: Any) -> None:
         # Exception is only logged by Celery; SystemExit stops beat.
         logger.critical("%s", exc)
         raise SystemExit(78) from None  # EX_CONFIG, as `celery threads` exits on it
-    every = ((app.conf.beat_schedule or {}).get(BEAT_ENTRY) or {}).get("schedule")
-    every = getattr(every, "run_every", every)  # a celery.schedules.schedule: its timedelta
-    every = every.total_seconds() if hasattr(every, "total_seconds") else every
-    # Its ticks are logged at DEBUG (_TickAtDebug): say once that the entry is there.
-    logger.info("celery-threads: beat sends %s every %ss, the dispatcher's safety net", DISPATCH_TASK, every)
+    _keep_beat_entry(app, sender)
     client = make_client(config.redis_url, config.redis_options)
     try:
         check_eviction(client, config.redis_url)
     finally:
         client.close()
+
+
+def _keep_beat_entry(app: Any, service: Any) -> None:
+    """Beat's scheduler holds the dispatcher's entry, put back when a ``beat_schedule`` assigned
+    after the app was finalized (``on_after_finalize``) replaced it; and it says so once (its
+    ticks log at DEBUG: _TickAtDebug)."""
+    scheduler: Any = getattr(service, "scheduler", None)
+    held: Any = getattr(scheduler, "schedule", None)
+    if isinstance(held, dict) and BEAT_ENTRY not in held:
+        added = _beat_entry(app)
+        app.conf.beat_schedule = {**(app.conf.beat_schedule or {}), BEAT_ENTRY: added}
+        try:
+            scheduler.update_from_dict({BEAT_ENTRY: added})
+        except Exception:
+            logger.error(
+                "celery-threads: beat's schedule lacks the entry %s (%s every %ss), and it could not "
+                "be added: without a worker's own dispatch loop, countdowns and lapsed members wait. "
+                "Keep it when you set beat_schedule.",
+                BEAT_ENTRY,
+                DISPATCH_TASK,
+                added["schedule"],
+                exc_info=True,
+            )
+            return
+        logger.warning(
+            "celery-threads: beat_schedule was replaced after the app was finalized, without the entry "
+            "%s: it is added back",
+            BEAT_ENTRY,
+        )
+    held = getattr(scheduler, "schedule", None)
+    entry = held.get(BEAT_ENTRY) if isinstance(held, dict) else None
+    every: Any = getattr(getattr(entry, "schedule", None), "run_every", None)  # a ScheduleEntry's
+    if every is None:
+        every = ((app.conf.beat_schedule or {}).get(BEAT_ENTRY) or {}).get("schedule")
+    seconds = every.total_seconds() if hasattr(every, "total_seconds") else every
+    logger.info(
+        "celery-threads: beat sends %s every %ss, the dispatcher's safety net", DISPATCH_TASK, seconds
+    )
 
 
 @signals.worker_process_init.connect

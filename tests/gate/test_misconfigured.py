@@ -267,3 +267,55 @@ def test_a_worker_that_does_not_know_a_task_of_another_gate_says_so(proj, make_d
     line = next(x for x in worker.output().splitlines() if "threads_key_prefix=" in x)
     assert "WARNING" in line and result.id in line and "tests.only_in_this_process" in line, line
     assert f"threads_key_prefix={theirs!r}" in line and f"has {ours!r}" in line, line
+
+
+def test_beat_keeps_the_dispatchers_entry_when_beat_schedule_is_replaced_after_finalize(
+    redis_server, tmp_path, caplog
+):
+    """A ``beat_schedule`` assigned in an ``on_after_finalize`` handler replaced the entry the
+    first ThreadedTask added: beat sent no tick (countdowns waited where workers do not dispatch)
+    and said it sent one "every Nones".  Beat's scheduler gets it back, with a warning."""
+    from celery import Celery
+    from celery.beat import Service
+
+    from celery_threads import ThreadedTask
+    from celery_threads.install import _on_beat_start
+    from celery_threads.protocol import BEAT_ENTRY
+
+    app = Celery("late-schedule", broker=redis_server.url(0), set_as_current=False)
+
+    @app.task(base=ThreadedTask, thread_key="thread", shared=False)
+    def periodic(thread):
+        return thread
+
+    @app.on_after_finalize.connect
+    def schedule(sender, **kwargs):
+        sender.conf.beat_schedule = {"mine": {"task": periodic.name, "schedule": 60.0, "args": ("t",)}}
+
+    app.finalize()
+    assert BEAT_ENTRY not in app.conf.beat_schedule
+    service = Service(app, schedule_filename=str(tmp_path / "schedule"))
+    with caplog.at_level("INFO", logger="celery_threads"):
+        _on_beat_start(sender=service)
+    assert {"mine", BEAT_ENTRY} <= set(service.scheduler.schedule)
+    said = [r.getMessage() for r in caplog.records]
+    assert any("is added back" in m for m in said), said
+    assert any("beat sends celery_threads.dispatch every 1.0s" in m for m in said), said
+    service.scheduler.close()
+
+
+def test_the_tick_log_filter_leaves_other_log_arguments_alone():
+    """redbeat logs its ScheduleEntry objects on celery.beat; comparing each argument with the
+    tick's name raised (a ScheduleEntry's __eq__ reads .task), and beat died at --loglevel DEBUG."""
+    import logging
+
+    from celery import Celery
+    from celery.beat import ScheduleEntry
+
+    from celery_threads.install import _TickAtDebug
+
+    entry = ScheduleEntry(name="x", task="y", schedule=1.0, app=Celery("f", set_as_current=False))
+    record = logging.LogRecord(
+        "celery.beat", logging.INFO, __file__, 1, "beat: Stored entry: %s", (entry,), None
+    )
+    assert _TickAtDebug().filter(record) is True and record.levelno == logging.INFO
