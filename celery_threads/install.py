@@ -84,11 +84,14 @@ def _dispatch(self: Any) -> dict[str, int]:
 
 @signals.before_task_publish.connect
 def _on_publish(sender: Any = None, headers: Any = None, properties: Any = None, **kwargs: Any) -> None:
+    """``send_task(name, ..., thread_id=X)``: Celery passes the unknown option to kombu as a
+    message property, which AMQP does not carry; it goes in the headers, where a worker reads a
+    message's thread id.  Then: a plain task given one is warned of."""
     from celery import current_app
 
-    thread_id = (properties or {}).get(THREAD_HEADER)
-    if thread_id is None:
-        thread_id = (headers or {}).get(THREAD_HEADER)
+    if isinstance(properties, dict) and isinstance(headers, dict) and THREAD_HEADER in properties:
+        headers.setdefault(THREAD_HEADER, properties.pop(THREAD_HEADER))
+    thread_id = (headers or {}).get(THREAD_HEADER)
     try:
         warn_unthreaded(current_app.tasks.get(sender) if isinstance(sender, str) else None, thread_id)
     except Exception:  # a warning must never stop a publish

@@ -123,3 +123,34 @@ def test_a_countdown_to_a_quorum_queue_behind_a_topic_exchange_keeps_its_route(r
             assert (header["exchange"], header["routing_key"]) == ("ct_quorum_topic", "ct.#"), header
         finally:
             threads.delete(call.id)
+
+
+def test_send_task_with_a_thread_id_carries_it_in_the_headers_on_rabbitmq():
+    """``send_task(name, ..., thread_id=X)``: Celery passes the option to kombu as a message
+    property, and AMQP carries no such property: the worker saw no thread id, and the call joined
+    its arguments' thread.  It travels in the headers, read here from the queue itself."""
+    import uuid
+
+    from celery import Celery
+    from kombu import Connection, Queue
+
+    queue = f"ct_by_name_{uuid.uuid4().hex[:8]}"
+    app = Celery("by-name", broker=rabbitmq_url(), set_as_current=False)
+    app.conf.task_default_queue = queue
+    with Connection(rabbitmq_url()) as conn:
+        declared = Queue(queue, auto_delete=False)(conn.default_channel)
+        declared.declare()
+        try:
+            app.send_task("elsewhere.threaded", ("arg-thread",), thread_id="the-thread")
+            got: list = []
+
+            def fetched() -> bool:
+                message = declared.get(no_ack=True)
+                if message is not None:
+                    got.append(message)
+                return bool(got)
+
+            wait_for(fetched, what="the message in its queue")
+            assert got[0].headers.get("thread_id") == "the-thread", got[0].headers
+        finally:
+            declared.delete()
