@@ -46,6 +46,7 @@ from .errors import (
     ThreadsError,
     TransportMismatch,
     UnknownTask,
+    error_text,
 )
 from .gate import transport
 from .gate.eviction import Eviction
@@ -141,7 +142,7 @@ def _redis_url(ctx: click.Context) -> str:
 
 
 def _unreachable(url: str, exc: BaseException) -> GateUnreachable:
-    reason = str(exc).rstrip(".") or type(exc).__name__
+    reason = error_text(exc)
     return GateUnreachable(
         f"cannot reach the gate's Redis at {maybe_sanitize_url(url)}: {reason}.\n"
         "Start that server, or set threads_redis_url in the app's configuration to the Redis "
@@ -166,7 +167,7 @@ def _threads(ctx: click.Context) -> Threads:
 def _redis_error(url: str, exc: BaseException) -> CommandError:
     """What a Redis error means to an operator, and the exit status it deserves."""
     where = f"the gate's Redis at {maybe_sanitize_url(url)}"
-    reason = str(exc).rstrip(".") or type(exc).__name__
+    reason = error_text(exc)
     if isinstance(exc, NotReplicated):  # a redis.TimeoutError, but the master did answer
         return CommandError(
             f"{reason}: the change may not be durable; run the command again (it is safe to)",

@@ -126,9 +126,7 @@ class Dispatcher:
             exception = record.meta.get("exception", "") if record else "LeaseExpired"
             # The dead letter's text names its class (lua/expire.lua): the result's, once.
             lapsed = LeaseExpired(exception.removeprefix("LeaseExpired: ") or "its lease lapsed")
-            retries = record.retries if record else 0
-            self.runtime.mark_failed(outcome.info, lapsed, record.envelope if record else None, retries)
-            self.runtime.announce_death(thread_id, outcome.info, exception, retries, record)
+            self.runtime.end_death(thread_id, outcome.info, lapsed, exception, record=record)
         self.runtime.publish(outcome.release, republish=outcome.status == Lapse.REPUBLISH)
 
 

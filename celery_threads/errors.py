@@ -112,3 +112,9 @@ class ReleaseExpired(ThreadsError):
 class DeadlinePassed(ThreadsError, redis.TimeoutError):
     """The caller's bound ran out before a wait could start (retried as a timeout would be, and
     reported as the attempt before it failed: see ``BoundedRetry``)."""
+
+
+def error_text(exc: BaseException) -> str:
+    """An error's text inside a sentence: without its own closing period (its class's name when
+    it has none)."""
+    return str(exc).rstrip(".") or type(exc).__name__

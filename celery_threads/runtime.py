@@ -392,15 +392,14 @@ class Runtime:
         exc: BaseException,
         envelope: Optional[bytes] = None,
         retries: int = 0,
-        event: bool = True,
     ) -> None:
         """``FAILURE`` in the result backend for a member that died where no worker's request
         ends it (its lease lapsed, its pool process was lost while it ran by handoff), as Celery
         ends a failed task: with its stored message (``envelope``) as the request, its
         ``retries`` (the attempts before the last) in it, so that its errbacks are called, its
         chord fails, its chain fails with it and the result names it; the ``task_failure``
-        signal; and (``event``) ``task-failed`` for Flower where this is a worker that sends task
-        events."""
+        signal; and ``task-failed`` for Flower where this is a worker's main process that sends
+        task events."""
         from celery import signals
         from celery.app.task import Context
 
@@ -428,7 +427,7 @@ class Runtime:
             traceback=None,
             einfo=None,
         )
-        if event and self.send_task_event is not None:
+        if self.send_task_event is not None:
             self.send_task_event("task-failed", uuid=task_id, exception=saferepr(exc), traceback="")
 
     def kill(
@@ -487,6 +486,26 @@ class Runtime:
             exception=exception,
             retries=retries,
         )
+        return record
+
+    def end_death(
+        self,
+        thread_id: str,
+        task_id: str,
+        exc: BaseException,
+        exception: str,
+        retries: int = 0,
+        record: Optional[DeadRecord] = None,
+    ) -> Optional[DeadRecord]:
+        """A member the gate killed where no worker's request ends it (a lapsed lease, a pool
+        process lost, a cancelled attempt): its death announced (:meth:`announce_death`, with
+        ``exception``, its text), and ``exc`` stored as its failure (:meth:`mark_failed`), both
+        with its dead record's message and retries (``retries`` when it is not kept; ``record``:
+        read already)."""
+        record = record or self.gate.reads.dead_record(task_id)
+        retries = record.retries if record else retries
+        self.announce_death(thread_id, task_id, exception, retries, record)
+        self.mark_failed(task_id, exc, record.envelope if record else None, retries)
         return record
 
     def _send_dead_letter(self, thread_id: str, task_id: str, exception: str, envelope: bytes) -> None:

@@ -26,6 +26,7 @@ from .errors import (
     NotReplicated,
     ThreadFull,
     TransportMismatch,
+    error_text,
 )
 from .gate import Enqueue, Outcome, Release, deadline, transport
 from .install import install
@@ -603,11 +604,6 @@ def _amqp_broker(app: Any) -> bool:
     return scheme in ("amqp", "amqps", "pyamqp", "librabbitmq")
 
 
-def _said(exc: BaseException) -> str:
-    """An error's text inside a sentence: without its own closing period."""
-    return str(exc).rstrip(".") or type(exc).__name__
-
-
 @contextmanager
 def gate_errors(
     config: ThreadsConfig, task_id: str, limit: Optional[deadline.Deadline] = None
@@ -637,7 +633,7 @@ def gate_errors(
         if transport.missing_right(exc):  # revoked since this process checked its rights
             raise MissingRights(
                 f"the gate's Redis at {config.shown_url} (threads_redis_url) refused the call for "
-                f"task {task_id}: its user lacks a right the gate needs ({str(exc).rstrip('.')}), "
+                f"task {task_id}: its user lacks a right the gate needs ({error_text(exc)}), "
                 "revoked since this process checked them. Nothing was sent to the broker, but the "
                 "gate's script may have stopped part-way (Redis keeps what a script wrote before a "
                 "refused command): grant the user the rules docs/redis-tls-acl.md lists, then call "
@@ -647,14 +643,14 @@ def gate_errors(
             # It answered, with an error: no outage (a script's error where keys were evicted).
             raise GateUnavailable(
                 f"the gate's Redis at {config.shown_url} (threads_redis_url) answered the call "
-                f"for task {task_id} with an error: {_said(exc)}. Nothing was sent to the broker; "
+                f"for task {task_id} with an error: {error_text(exc)}. Nothing was sent to the broker; "
                 "`celery threads stats` says whether that Redis evicts keys (which breaks the "
                 "gate's records)."
             ) from exc
         where = (
             f"could not reach the gate's Redis at {config.shown_url} (threads_redis_url)"
             + (f" within {limit.seconds:g}s (threads_publish_timeout)" if limit else "")
-            + f" to publish task {task_id}: {_said(exc)}. Nothing was sent to the broker."
+            + f" to publish task {task_id}: {error_text(exc)}. Nothing was sent to the broker."
         )
         if limit is not None and not limit.unanswered and not isinstance(exc, NotReplicated):
             raise GateUnavailable(

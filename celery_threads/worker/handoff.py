@@ -65,7 +65,7 @@ _app: Any = None
 _allowed: Any = None  # the shared flag (:func:`.shared.handoff_flag`): OFF, ON, EVENTS
 OFF, ON, EVENTS = 0, 1, 2  # EVENTS: on, and the pool process sends the task events
 _stopping = False
-_limited = [False]  # in the main process: whether a rate limit set at run time turned it off
+_limited = False  # in the main process: whether a rate limit set at run time turned it off
 _main_pid = 0  # the worker's main process (prepare's)
 #: In the main process: the slots (index -> sequence number) whose member it has failed as lost,
 #: so that a later read does not report that member again (a slot is written by its pool process
@@ -242,7 +242,7 @@ def shutting_down() -> None:
 def sync(worker: Any, stopping: bool = False) -> None:
     """Keep the flag in step with the worker: off once it stops; EVENTS while it sends task
     events (which ``celery control enable_events``, or Flower, can turn on at any time)."""
-    global _stopping
+    global _stopping, _limited
     if _allowed is None:
         return
     # A stop that sends no worker_shutting_down (SIGHUP's restart) sets Celery's flags only.
@@ -253,8 +253,8 @@ def sync(worker: Any, stopping: bool = False) -> None:
         groups = getattr(dispatcher, "groups", None)
         events = bool(dispatcher.enabled) and (not groups or "task" in groups)
     limited = _limited_at_run_time(_app) if _app is not None else []
-    if bool(limited) != _limited[0]:
-        _limited[0] = bool(limited)
+    if bool(limited) != _limited:
+        _limited = bool(limited)
         if limited:
             logger.info(
                 "celery-threads: in-process handoff off while a rate limit set at run time holds (%s)",
@@ -568,7 +568,7 @@ def _rejected(release: Release, result: Any) -> None:
     Celery's tracer leaves that failure to the worker's main process (``Request.on_failure``),
     which never hears of a member run here: marked ``FAILURE`` here, with its stored message as
     the request (its errbacks run, its chord fails), and the ``task_failure`` signal sent.  Its
-    ``task-failed`` event is :class:`_Events`'s."""
+    ``task-failed`` event is :class:`_Events`'s (a pool process sends none through the runtime)."""
     from billiard.einfo import ExceptionWithTraceback
     from celery.exceptions import Reject
 
@@ -577,7 +577,7 @@ def _rejected(release: Release, result: Any) -> None:
     if isinstance(exc, ExceptionWithTraceback):
         exc = exc.exc
     if isinstance(exc, Reject) and not exc.requeue:
-        get_runtime(_app).mark_failed(release.task_id, exc, release.envelope, release.retries, event=False)
+        get_runtime(_app).mark_failed(release.task_id, exc, release.envelope, release.retries)
 
 
 def _note(release: Optional[Release]) -> None:

@@ -121,13 +121,7 @@ class ThreadedRequest(Request):
             return
         if outcome.status == Lapse.DIED:
             retries = int(self.request_dict.get("retries") or 0)
-            record = runtime.announce_death(thread_id, self.id, reason, retries)
-            runtime.mark_failed(
-                self.id,
-                WorkerLostError(reason),
-                record.envelope if record else None,
-                record.retries if record else retries,
-            )
+            runtime.end_death(thread_id, self.id, WorkerLostError(reason), reason, retries)
         elif outcome.status == Lapse.DELETED:
             runtime.mark_revoked(self.id, envelope=outcome.gone_envelope or None)
 
@@ -358,10 +352,7 @@ def _fail_handed_off(request: Any, exc: BaseException) -> None:
         # No request of it reaches Celery's handling in this process: its state is stored here,
         # final only when it died.
         if outcome.status == Lapse.DIED:
-            record = runtime.gate.reads.dead_record(task_id)
-            retries = record.retries if record else 0
-            runtime.announce_death(thread_id, task_id, f"WorkerLostError: {exc}", retries, record)
-            runtime.mark_failed(task_id, exc, record.envelope if record else None, retries)
+            runtime.end_death(thread_id, task_id, exc, f"WorkerLostError: {exc}")
         elif outcome.status == Lapse.RETRIED:
             request.task.backend.mark_as_retry(task_id, exc)
             if runtime.send_task_event is not None:  # as for the member's own request

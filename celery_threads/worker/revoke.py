@@ -187,14 +187,16 @@ def _terminate_handed_off(runtime: Runtime, task_id: str, signal: Any) -> bool:
             pid,
             signal or TERM_SIGNAME,
         )
+        signalled = False
         try:
             if pidfd is not None:
                 _signal.pidfd_send_signal(pidfd, signum)
             else:
                 os.kill(pid, signum)
         except ProcessLookupError:
-            return False  # it has just exited: the main process fails its member as lost
+            pass  # it has just exited: the main process fails its member as lost
         else:
+            signalled = True
             # As Celery announces a task it terminated (Request._announce_revoked): Flower
             # showed the member started for good.
             if runtime.send_task_event is not None:
@@ -207,16 +209,17 @@ def _terminate_handed_off(runtime: Runtime, task_id: str, signal: Any) -> bool:
         if pidfd is not None:
             os.close(pidfd)
     runtime.mark_revoked(task_id, "terminated")
-    return True
+    return signalled
 
 
 def _terminated_reply(reply: Any, task_ids: list[str]) -> Any:
     """Celery's ``terminate: ...`` reply with ``task_ids`` (run by handoff) named too."""
     from celery.worker.control import ok
 
+    prefix = "terminate: "
     said = reply.get("ok", "") if isinstance(reply, dict) else ""
-    known = [] if not said.startswith("terminate: ") or said == "terminate: tasks unknown" else [said[11:]]
-    return ok("terminate: {}".format(", ".join([*known, *task_ids])))
+    known = [said[len(prefix) :]] if said.startswith(prefix) and said != prefix + "tasks unknown" else []
+    return ok(prefix + ", ".join([*known, *task_ids]))
 
 
 def wrap_revoke_command() -> None:

@@ -30,8 +30,9 @@
 -- member's; and when the call superseded a waiting member, that member's stored record as a 7th
 -- element, the release's five before it '' when there is none, so that its caller can count it
 -- in its chord; a call with ARGV[15] scheduled in the future has its scheduled_at as an 8th,
--- the 7th '' when it superseded none), {0, ''} when the task id is already a member; when that member is RELEASED (an
--- enqueue replayed after its reply was lost, which released it), {0, ''} plus its release with
+-- the 7th '' when it superseded none), {0, ''} when the task id is already a member; when that
+-- member is RELEASED (an enqueue replayed after its reply was lost, which released it), {0, ''}
+-- plus its release with
 -- its stored record, for the caller to publish (a second copy loses the claim); {2, 'full'}
 -- when max_waiting refused it (nothing stored).  superseded: '' or the task ids the call
 -- superseded as above (a replayed call's, while it is its task's latest call in the thread, the
