@@ -76,7 +76,7 @@ class GateReads:
             return None
         return ThreadSnapshot(
             thread_id=thread_id,
-            active={_text(k): _text(v) for k, v in zip(active[::2], active[1::2])},
+            active=_active_fields(active),
             waiting=[(_text(t), int(score)) for t, score in zip(queue[::2], queue[1::2])],
             records={_text(t): r for t, r in zip(records[::2], records[1::2])},
             due_at=None if due_at in (b"", "", None) else int(due_at),
@@ -305,7 +305,7 @@ class GateReads:
         for indexes, replies in zip(by_shard.values(), results):
             for i, (active, waiting, head, at, due) in zip(indexes, replies):
                 rows[i] = (
-                    {_text(k): _text(v) for k, v in zip(active[::2], active[1::2])},
+                    _active_fields(active),
                     int(waiting),
                     (_text(head), int(at)) if at not in (b"", "") else None,
                     int(float(due)) if due not in (b"", "") else None,
@@ -398,3 +398,9 @@ def _scan_position(cursor: int) -> int:
     """Where the ZSCAN that returned ``cursor`` stopped, in the order it walks hashes (the
     bit-reversed bucket: the same order for tables of any size)."""
     return SCAN_END if cursor == 0 else _reverse_bits(cursor)
+
+
+def _active_fields(flat: Any) -> dict[str, str]:
+    """An active hash as HGETALL gives it, as text, without 'f' (the member's tasks-hash field,
+    bytes a UUID's is kept as: lua/_common.lua, activate)."""
+    return {_text(k): _text(v) for k, v in zip(flat[::2], flat[1::2]) if k not in (b"f", "f")}

@@ -9,7 +9,7 @@
 --   KEYS[6] deadrec  HASH    task id -> died_at_ms "\n" meta_json "\n" envelope
 --   KEYS[7] queue    ZSET    this thread's waiting members (seq, field) -> scheduled_at (ms)
 --   KEYS[8] active   HASH    this thread's active member: task, token, state, since, deadline,
---                            worker, by (the claimant), n, l, prev and pst (see DETACHED),
+--                            worker, by (the claimant), n, f (l before it), prev and pst (see DETACHED),
 --                            stop and del (see marked_deleted)
 --   KEYS[9] ended    ZSET    task id -> ended_at (ms) of members that ended in the last
 --                            ENDED_WINDOW; +inf: a UUID member keyed by its long form (add_member)
@@ -45,7 +45,12 @@ if redis.replicate_commands then pcall(redis.replicate_commands) end  -- Redis 6
 -- the library loaded.
 local K_SEQ, K_DUE, K_LEASES, K_TASKS, K_DEAD, K_DEADREC, K_Q, K_A, K_ENDED, K_PAUSED
 local K_STATS, K_POLICY
-local NOW, NOW_US, TID, RELEASE_TIMEOUT, WAKE, DIRECT
+-- NOW: the server's clock in ms (a number), NOW_TEXT the same as text, NOW_US_TEXT in µs (text).
+-- A number passed to redis.call, or joined to a string, costs Redis a printf: the hot paths pass
+-- text (these, int_text's and ms_text's).
+local NOW, NOW_TEXT, NOW_US_TEXT, TID, RELEASE_TIMEOUT, WAKE, DIRECT
+-- Whether this call has taken a value of the shard counter (next_seq).
+local SEQ_TAKEN
 -- Whether NOW is the Redis server's clock (else a test's, which Redis's key expiry cannot follow).
 local SERVER_CLOCK
 -- {keepalive ms, worker, claimant, stop}: a script whose caller runs what it releases (finish
@@ -66,15 +71,36 @@ local function begin(keys, argv)
   K_SEQ, K_DUE, K_LEASES, K_TASKS = keys[1], keys[2], keys[3], keys[4]
   K_DEAD, K_DEADREC, K_Q, K_A, K_ENDED = keys[5], keys[6], keys[7], keys[8], keys[9]
   K_PAUSED, K_STATS, K_POLICY = keys[10], keys[11], keys[12]
-  NOW, NOW_US = server_clock(argv[1])
+  NOW, NOW_TEXT, NOW_US_TEXT = server_clock(argv[1])
   SERVER_CLOCK = argv[1] == ''
   TID = argv[2]
-  RELEASE_TIMEOUT = tonumber(argv[3])
+  RELEASE_TIMEOUT = argv[3]   -- ms as text: a number where arithmetic needs it
   WAKE = argv[4]
   DIRECT = argv[5]
   CLAIM = nil
   DETACHED = nil
   CALLER = ''
+  SEQ_TAKEN = false
+end
+
+-- Texts of small integers, each made once (per library load; per call as a script).
+local SMALL = {}
+
+-- An integer as text (%d: Lua's own number format would print 15 digits or more as '1e+14').
+local function int_text(n)
+  local text = SMALL[n]
+  if text then return text end
+  if type(n) == 'string' then return n end
+  text = string.format('%d', n)
+  if n >= 0 and n < 4096 then SMALL[n] = text end
+  return text
+end
+
+-- A time in ms as text (NOW's without formatting it again; a text as it is).
+local function ms_text(ms)
+  if ms == NOW then return NOW_TEXT end
+  if type(ms) == 'string' then return ms end
+  return string.format('%d', ms)
 end
 
 -- Metrics: the shard's counters in K_STATS, kept by the transitions themselves, so a scrape is
@@ -88,7 +114,7 @@ end
 -- Every count sits in the branch that changes the member, never in a replay's, so a call sent
 -- again after its reply was lost counts nothing twice.
 local function count(field, n)
-  redis.call('HINCRBY', K_STATS, field, n or 1)
+  redis.call('HINCRBY', K_STATS, field, n or '1')
 end
 
 -- A member ended as `outcome`: 'succeeded', 'dead' or 'deleted' (deleted, purged, expired,
@@ -100,6 +126,10 @@ end
 -- The wait histogram's bounds (ms), the same as celery_threads.metrics.WAIT_BUCKETS_MS.
 local WAIT_BUCKETS = { 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 30000, 60000,
                        300000, 900000, 3600000 }
+-- Their fields, 'w:<bound>' (written out: a function library's loading cannot call ipairs).
+local WAIT_FIELDS = { 'w:5', 'w:10', 'w:25', 'w:50', 'w:100', 'w:250', 'w:500', 'w:1000', 'w:2500',
+                      'w:5000', 'w:10000', 'w:30000', 'w:60000', 'w:300000', 'w:900000',
+                      'w:3600000' }
 
 -- The active member's body starts now (its claim): its wait from its due time `sched` (ms) is
 -- counted once per release: `w` in the active hash marks it, so a member a worker gave back
@@ -107,15 +137,15 @@ local WAIT_BUCKETS = { 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 30
 local function observe_wait(sched)
   if not sched then return end
   local wait = math.max(0, NOW - tonumber(sched))
-  local bucket = 'inf'
-  for _, bound in ipairs(WAIT_BUCKETS) do
+  local field = 'w:inf'
+  for i, bound in ipairs(WAIT_BUCKETS) do
     if wait <= bound then
-      bucket = bound
+      field = WAIT_FIELDS[i]
       break
     end
   end
-  redis.call('HINCRBY', K_STATS, 'w:' .. bucket, 1)
-  redis.call('HINCRBY', K_STATS, 'w:sum', wait)
+  redis.call('HINCRBY', K_STATS, field, '1')
+  redis.call('HINCRBY', K_STATS, 'w:sum', int_text(wait))
 end
 
 -- How long an ended member's task id is remembered, so that an enqueue replayed after a lost reply
@@ -123,6 +153,7 @@ end
 -- give up 15 s after a call's first failure, and an attempt waits at most 5 s for its reply
 -- (gate.make_client).
 local ENDED_WINDOW = 30000
+local ENDED_WINDOW_TEXT = '30000'
 
 -- The shard counter's next value: arrival order, death order and fencing tokens.  Never below the
 -- server's clock in microseconds, so that a counter whose last increments were lost (a crash with
@@ -131,13 +162,19 @@ local ENDED_WINDOW = 30000
 -- far more than a microsecond, so the counter follows the clock and stays within a few units of
 -- it (a script's own increments).  The clock alone would not do: a step back of the server's
 -- clock would make a thread's next token smaller.  Microseconds since 1970 stay below 2^53 (exact
--- in Lua's numbers) until the year 2255.
+-- in Lua's numbers) until the year 2255.  Returns the value as text.
+-- One command each: a call's first value sets the counter to the clock and reads what it held
+-- (SET .. GET, Redis 6.2+), which is below the clock but for a step back of the clock, or values
+-- taken within a microsecond: then the counter goes on from what it held.  A call's later values
+-- are increments of the one it set.
 local function next_seq()
-  local n = redis.call('INCR', K_SEQ)
-  if n < NOW_US then
-    n = NOW_US
-    redis.call('SET', K_SEQ, string.format('%d', n))
-  end
+  if SEQ_TAKEN then return int_text(redis.call('INCR', K_SEQ)) end
+  SEQ_TAKEN = true
+  local held = redis.call('SET', K_SEQ, NOW_US_TEXT, 'GET')
+  held = held and tonumber(held)
+  if not held or held < tonumber(NOW_US_TEXT) then return NOW_US_TEXT end
+  local n = string.format('%d', held + 1)
+  redis.call('SET', K_SEQ, n)
   return n
 end
 
@@ -164,9 +201,9 @@ local function parse_record(rec)
 end
 
 local function make_record(seq, retries, maxr, delay, envelope, tail, policy)
-  return (tail and '\2' .. tail or '') .. seq .. '|' .. retries .. '|' .. maxr .. '|' .. delay ..
-    '|' .. #TID .. ((policy and policy ~= '') and '|' .. policy .. '|' or '') .. '\n' .. TID ..
-    envelope
+  return (tail and '\2' .. tail or '') .. seq .. '|' .. int_text(retries) .. '|' .. maxr .. '|' ..
+    delay .. '|' .. int_text(#TID) .. ((policy and policy ~= '') and '|' .. policy .. '|' or '') ..
+    '\n' .. TID .. envelope
 end
 
 -- The policy of a record ('' for none): a plain member's costs a find and a byte compare.
@@ -301,7 +338,7 @@ local function index_idle(detached, head, paused)
   end
   redis.call('ZADD', K_DUE, head[2], TID)
   if tonumber(head[2]) > NOW then
-    local first = redis.call('ZRANGE', K_DUE, 0, 0)
+    local first = redis.call('ZRANGE', K_DUE, '0', '0')
     if first[1] == TID then redis.call('PUBLISH', WAKE, head[2]) end
   end
 end
@@ -312,24 +349,19 @@ end
 -- With CLAIM set, the member is RUNNING at once, claimed for CLAIM's worker (as claim.lua does).
 local function activate(task, field, sched, in_due, rec)
   left_waiting(task, rec)
-  -- %d, not tostring: Lua prints a number of 15 digits or more as '1e+14', and tokens would
-  -- repeat once the shard counter passes 10^14.
-  local token = string.format('%d', next_seq())
+  local token = next_seq()
   local deadline
-  -- 'l': whether the member is keyed by its long form, so that its end deletes its field without
-  -- looking for that form in the tasks hash (see active_field).
-  local long = string.byte(field, 1) == 1 and #field == 37 and 1 or 0
   if CLAIM then
-    deadline = NOW + CLAIM[1]
-    redis.call('HSET', K_A, 'task', task, 'token', token, 'state', 'RUNNING', 'since', NOW,
-      'deadline', deadline, 'sched', sched, 'n', 0, 'l', long, 'claimed', NOW, 'worker', CLAIM[2],
-      'by', CLAIM[3], 'stop', CLAIM[4] or '', 'w', 1)
+    deadline = ms_text(NOW + CLAIM[1])
+    redis.call('HSET', K_A, 'task', task, 'token', token, 'state', 'RUNNING', 'since', NOW_TEXT,
+      'deadline', deadline, 'sched', ms_text(sched), 'n', '0', 'f', field, 'claimed', NOW_TEXT,
+      'worker', CLAIM[2], 'by', CLAIM[3], 'stop', CLAIM[4] or '', 'w', '1')
     count('running')
     observe_wait(sched)
   else
-    deadline = NOW + RELEASE_TIMEOUT
-    redis.call('HSET', K_A, 'task', task, 'token', token, 'state', 'RELEASED', 'since', NOW,
-      'deadline', deadline, 'sched', sched, 'n', 0, 'l', long)
+    deadline = ms_text(NOW + RELEASE_TIMEOUT)
+    redis.call('HSET', K_A, 'task', task, 'token', token, 'state', 'RELEASED', 'since', NOW_TEXT,
+      'deadline', deadline, 'sched', ms_text(sched), 'n', '0', 'f', field)
   end
   if DETACHED then
     redis.call('HSET', K_A, 'prev', DETACHED[1], 'pst', DETACHED[2] .. '|' .. DETACHED[3])
@@ -344,7 +376,7 @@ end
 -- the read of its record when it is the head.  Returns {task, token, record} or nil.
 -- Every release of a waiting member comes here: a paused thread releases nothing.
 local function release_idle(detached, known)
-  local head = redis.call('ZRANGE', K_Q, 0, 0, 'WITHSCORES')
+  local head = redis.call('ZRANGE', K_Q, '0', '0', 'WITHSCORES')
   local paused = head[1] ~= nil and thread_paused()
   if head[1] == nil or paused or tonumber(head[2]) > NOW then
     index_idle(detached, head, paused)
@@ -487,20 +519,24 @@ local function active_state(task)
   return a[2]
 end
 
--- The tasks-hash field of the active member `task`, given its 'l' (written by activate; nil in
--- an active member written before it was, whose field is then looked for).
-local function active_field(task, long)
+-- The tasks-hash field of the active member `task`, given its 'f' (its field, written by
+-- activate) or else its 'l' (written before 'f' was; nil in an active member written before
+-- either, whose field is then looked for).
+local function active_field(task, long, field)
+  if field then return field end
   if long == '0' then return (task_field(task)) end
   if long == '1' then return '\1' .. task end
   return member_field_of(K_TASKS, task)
 end
 
 -- The state of the active member when it is (task, token), else nil: the fencing check.  Also
--- returns its 'l' (for active_field).  (claim.lua reads the same fields with its own.)
+-- returns, from the same read, its 'l' and 'f' (for active_field), its claimant ('by', for
+-- not_the_claimants) and whether it is marked deleted (for marked_deleted).  (claim.lua reads
+-- the same fields with its own.)
 local function is_active(task, token)
-  local a = redis.call('HMGET', K_A, 'task', 'token', 'state', 'l')
+  local a = redis.call('HMGET', K_A, 'task', 'token', 'state', 'l', 'f', 'by', 'del')
   if a[1] ~= task or a[2] ~= token then return nil end
-  return a[3], a[4]
+  return a[3], a[4], a[5] or nil, a[6] or '', a[7] == '1'
 end
 
 -- Whether a finish or requeue of the active member, in `state`, comes from another delivery than
@@ -510,9 +546,10 @@ end
 -- not end the second's run and release the next member beside it.  kill only when its caller says
 -- it is the claimant (kill.lua ARGV[11]): a worker's main process and a producer kill a member
 -- without knowing the claim.
-local function not_the_claimants(state)
+-- `by`: the claimant, when the caller has read it (is_active).
+local function not_the_claimants(state, by)
   if state ~= 'RUNNING' or CALLER == '' then return false end
-  local by = redis.call('HGET', K_A, 'by')
+  if by == nil then by = redis.call('HGET', K_A, 'by') end
   return by and by ~= '' and by ~= CALLER
 end
 
@@ -542,14 +579,19 @@ end
 -- A member left the gate for good: remember its task id for ENDED_WINDOW (and forget older ones).
 -- The index itself vanishes ENDED_WINDOW after the last ending, unless it holds a +inf entry (a
 -- live member's, add_member), which must stay while that member lives.
+-- Entries older than the window only take room (every read of the index checks the window): the
+-- endings whose clock reading ends in 0 or 8 µs, one in five, drop them (every ending, with a
+-- test's clock).
 local function mark_ended(task)
-  redis.call('ZADD', K_ENDED, NOW, task)
-  redis.call('ZREMRANGEBYSCORE', K_ENDED, '-inf', '(' .. (NOW - ENDED_WINDOW))
-  local last = redis.call('ZRANGE', K_ENDED, -1, -1, 'WITHSCORES')
+  redis.call('ZADD', K_ENDED, NOW_TEXT, task)
+  if string.byte(NOW_US_TEXT, -1) % 8 == 0 then   -- '0' is byte 48, '8' 56
+    redis.call('ZREMRANGEBYSCORE', K_ENDED, '-inf', '(' .. int_text(NOW - ENDED_WINDOW))
+  end
+  local last = redis.call('ZRANGE', K_ENDED, '-1', '-1', 'WITHSCORES')
   if last[2] == 'inf' then
     redis.call('PERSIST', K_ENDED)
   else
-    redis.call('PEXPIRE', K_ENDED, ENDED_WINDOW)
+    redis.call('PEXPIRE', K_ENDED, ENDED_WINDOW_TEXT)
   end
 end
 
@@ -602,7 +644,9 @@ end
 -- ends it when its pool process has exited (delete.lua with its token).  Every other ending of
 -- such a member ends it as deleted: no retry, no dead letter (finish, requeue, kill: info
 -- DELETED; fail, expire, handback: DELETED_LAPSE).
-local function marked_deleted()
+-- `del`: whether it is, when the caller has read it (is_active).
+local function marked_deleted(del)
+  if del ~= nil then return del end
   return redis.call('HGET', K_A, 'del') == '1'
 end
 local DELETED_LAPSE = 5
@@ -610,7 +654,7 @@ local DELETED_LAPSE = 5
 -- The active member leaves the active hash (it ended, or waits again): one RUNNING fewer when
 -- it ran (the 'running' count).  `state`: its state, when the caller has read it.
 local function leave_active(state)
-  if (state or redis.call('HGET', K_A, 'state')) == 'RUNNING' then count('running', -1) end
+  if (state or redis.call('HGET', K_A, 'state')) == 'RUNNING' then count('running', '-1') end
   redis.call('DEL', K_A)
 end
 
@@ -655,7 +699,7 @@ local function kill_active(task, keep, meta_json, field, rec)
       meta_json = string.sub(meta_json, 1, -2) .. ',' .. place .. '}'
     end
     -- Scored by the shard counter, so deaths in one millisecond keep their order.
-    redis.call('ZADD', K_DEAD, string.format('%d', next_seq()), task)
+    redis.call('ZADD', K_DEAD, next_seq(), task)
     -- The first line: when it died, and the call that killed it (killed_by_caller).
     local died = string.format('%d', NOW) .. (CALLER ~= '' and '|' .. CALLER or '')
     redis.call('HSET', K_DEADREC, task, died .. '\n' .. meta_json .. '\n' ..
@@ -692,7 +736,7 @@ local function add_member(task, sched, retries, maxr, delay, envelope, again, se
     redis.call('ZREM', K_ENDED, task)
   end
   local queued = seq ~= nil
-  seq = seq or string.format('%d', next_seq())
+  seq = seq or next_seq()
   local rec = make_record(seq, retries, maxr, delay, envelope, tail, policy)
   if redis.call('HSETNX', K_TASKS, field, rec) == 0 then
     if not tail or string.sub(redis.call('HGET', K_TASKS, field), 2, 3) == tail then
@@ -740,6 +784,7 @@ end
 
 local function schedule(mode, value)
   if mode == 'at' then return tonumber(value) end
+  if value == '0' then return NOW end
   return NOW + tonumber(value)
 end
 

@@ -27,7 +27,8 @@ end
 
 -- The short field of a task id, and for a UUID the two bytes its record keeps (else nil).
 local function task_field(task)
-  if #task == 36 and string.find(task, UUID_FORM) and not string.find(task, '%u') then
+  -- (string.lower: the form admits A-F; a new string only when the id has capitals.)
+  if #task == 36 and string.find(task, UUID_FORM) and string.lower(task) == task then
     local sub = string.sub
     local a1, a2, a3, a4 = split4(tonumber(sub(task, 1, 8), 16))
     local b1, b2, b3, b4 = split4(tonumber(sub(task, 10, 13) .. sub(task, 15, 18), 16))

@@ -16,14 +16,14 @@ local state = a[1] == task and a[2] == token and a[3] or nil
 local every = a[6]
 if state == 'RELEASED' then
   if every then rate_stamp(tonumber(every)) end
-  local deadline = NOW + tonumber(ARGV[8])
+  local deadline = ms_text(NOW + ARGV[8])
   -- Its body starts: its wait ends, unless a claim of this release (given back unstarted) counted it.
   if not a[5] then observe_wait(a[4]) end
-  redis.call('HSET', K_A, 'state', 'RUNNING', 'claimed', NOW, 'deadline', deadline, 'worker', ARGV[9],
-    'by', claimant, 'stop', ARGV[11] or '', 'w', 1)
+  redis.call('HSET', K_A, 'state', 'RUNNING', 'claimed', NOW_TEXT, 'deadline', deadline,
+    'worker', ARGV[9], 'by', claimant, 'stop', ARGV[11] or '', 'w', '1')
   count('running')
   redis.call('ZADD', K_LEASES, deadline, TID)
-  return reply(1, tostring(NOW))
+  return reply(1, NOW_TEXT)
 elseif state == 'RUNNING' then
   if claimant ~= '' then
     local c = redis.call('HMGET', K_A, 'by', 'claimed')

@@ -27,23 +27,23 @@ if ARGV[8] == '1' then
     CLAIM = { tonumber(ARGV[9]), ARGV[10], claimant, ARGV[13] or '' }
   end
 end
-local state, long = is_active(task, token)
+local state, long, field, by, del = is_active(task, token)
 if not state then
   local again = replayed('f', task, token, claimant)
   if again then return again end
   if ended_lately(task) then return reply(1, '') end
   return reply(0, '')
 end
-if not_the_claimants(state) then return reply(0, '') end
-if marked_deleted() then
+if not_the_claimants(state, by) then return reply(0, '') end
+if marked_deleted(del) then
   CLAIM, DIRECT = nil, direct
   count_ending('deleted')
-  drop_active(task, active_field(task, long))
+  drop_active(task, active_field(task, long, field))
   detached('f', task, token, 1, 'DELETED')
   return reply(1, 'DELETED', release_head(true))
 end
 count_ending('succeeded')
-drop_active(task, active_field(task, long), state)
+drop_active(task, active_field(task, long, field), state)
 detached('f', task, token, 1, '')
 local released = release_head(true)
-return reply(1, (released and CLAIM) and tostring(NOW) or '', released)
+return reply(1, (released and CLAIM) and NOW_TEXT or '', released)
