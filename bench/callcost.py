@@ -18,7 +18,6 @@ same server, alternating: what a change costs the calls that do not use it.
 from __future__ import annotations
 
 import argparse
-import subprocess
 import time
 import uuid
 from collections.abc import Iterator
@@ -26,7 +25,6 @@ from contextlib import contextmanager
 from typing import Any, Callable, Optional
 
 from bench import harness as h
-from celery_threads.gate import library
 
 ENVELOPE = b'{"headers":{"task":"bench.noop"}}\n' + b"x" * 900
 STEPS = ("enqueue", "claim", "finish")
@@ -95,25 +93,11 @@ def _measured(
 @contextmanager
 def _lua_of(rev: Optional[str]) -> Iterator[None]:
     """Gates made inside load the Lua of git revision ``rev`` (None: this tree's)."""
-    if rev is None:
-        yield
-        return
-    original = library._load_lua
-
-    def load(name: str) -> str:
-        done = subprocess.run(
-            ["git", "show", f"{rev}:celery_threads/gate/lua/{name}"], capture_output=True, text=True
-        )
-        # A script the revision did not have yet: one that refuses to run (never called here).
-        return done.stdout if done.returncode == 0 else f"error('{name}: not in {rev}')"
-
-    library._load_lua = load
-    library.function_library.cache_clear()
+    h.use_lua_of(rev)
     try:
         yield
     finally:
-        library._load_lua = original
-        library.function_library.cache_clear()
+        h.use_lua_of(None)
 
 
 def main(argv: list[str] | None = None) -> int:

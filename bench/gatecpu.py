@@ -61,6 +61,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tasks", type=int, default=None, help="tasks per side (default 4,000)")
     p.add_argument("--threads", type=int, default=None, help="threads (default 400)")
     p.add_argument("--concurrency", type=int, default=2)
+    p.add_argument(
+        "--against",
+        metavar="REV",
+        default=None,
+        help="also run the one-Redis side with the gate's Lua of git revision REV (the 'before' "
+        "of a change; its producer and worker otherwise this tree's), alternating in the same run",
+    )
+
+
+def _label(side: str, args: argparse.Namespace) -> str:
+    return f"one Redis gate, Lua of {args.against}" if side == "before" else LABELS[side]
 
 
 def _redis_cpu(node: redis.Redis) -> float:
@@ -168,6 +179,8 @@ def _side(
     from bench import tasks
 
     extra: dict[str, Any] = {"BENCH_PROBE_URL": probe.url()}
+    if side == "before":
+        extra["BENCH_LUA_REV"] = args.against
     if side == "cluster":
         extra.update(BENCH_SHARDS=6, BENCH_REDIS_OPTIONS=json.dumps({"cluster": True}))
     env = h.celery_env(broker, **extra)
@@ -272,7 +285,8 @@ def run(args: argparse.Namespace) -> int:
     threads = args.threads or (20 if args.quick else 400)
     from bench import tasks
 
-    runs: dict[str, list[dict[str, Any]]] = {side: [] for side in SIDES}
+    sides = SIDES + (("before",) if args.against else ())
+    runs: dict[str, list[dict[str, Any]]] = {side: [] for side in sides}
     with h.Stack("gatecpu") as stack:
         broker = stack.redis("broker")
         probe = stack.redis("probe")
@@ -284,10 +298,11 @@ def run(args: argparse.Namespace) -> int:
             "cluster": (f"redis://127.0.0.1:{ports[0]}/0", [redis.Redis(port=p) for p in ports]),
             "plain": (probe.url(), []),
             "floor": (single.url(), [single.client()]),
+            "before": (single.url(), [single.client()]),
         }
         single.client().function_load(tasks.FLOOR_LIBRARY, replace=True)
         for rep in range(args.repeats):
-            for side in SIDES if rep % 2 == 0 else SIDES[::-1]:
+            for side in sides if rep % 2 == 0 else sides[::-1]:
                 if args.repeats > 1:
                     h.progress(f"repeat {rep + 1}/{args.repeats}")
                 url, nodes = gates[side]
@@ -295,7 +310,7 @@ def run(args: argparse.Namespace) -> int:
         problems = stack.celery_problems()
         spread = _threads_per_master(ports, 6, [f"clusterrun-{i}" for i in range(threads)])
 
-    out = {side: _median_side(runs[side]) for side in SIDES}
+    out = {side: _median_side(runs[side]) for side in sides}
     s, c, p, f = out["single"], out["cluster"], out["plain"], out["floor"]
     busiest = max(c["masters_us"])
     # The floor: what one Redis's script calls per task cost when each is a round trip alone.
@@ -451,7 +466,7 @@ def run(args: argparse.Namespace) -> int:
 
     notes = [
         "worker CPU per task, main process / pool processes (µs): "
-        + "; ".join(f"{LABELS[k]} {out[k]['main_us']:.0f} / {out[k]['pool_us']:.0f}" for k in SIDES)
+        + "; ".join(f"{_label(k, args)} {out[k]['main_us']:.0f} / {out[k]['pool_us']:.0f}" for k in sides)
         + ".",
         f"medians over {args.repeats} repeat(s), the sides' order alternating; the breakdowns "
         "below are of the repeat with the median gate CPU.  Inside the scripts: their Redis time "
@@ -480,6 +495,20 @@ def run(args: argparse.Namespace) -> int:
         "Its broker work is plain Celery's.  Any transitions making the same round trips cost at "
         "least the floor, whatever their scripts do.",
     ]
+    if args.against:
+        b = out["before"]
+        notes.append(
+            f"the before of a change: the one-Redis side with the gate's Lua of {args.against} "
+            "(its producer and worker this tree's), in the same run: gate Redis CPU per task "
+            f"{b['gate_us']:.0f} µs against this tree's {s['gate_us']:.0f} "
+            f"({h.ratio(s['gate_us'], b['gate_us']):.2f}x); inside its scripts "
+            f"{b['scripts'] * b['script_us']:.0f} µs against {s['scripts'] * s['script_us']:.0f} "
+            f"({b['scripts']:.2f} and {s['scripts']:.2f} script calls per task, "
+            f"{b['script_us']:.1f} and {s['script_us']:.1f} µs per call); worker CPU per task "
+            f"{b['worker_us']:.0f} against {s['worker_us']:.0f} µs.  Its commandstats per task: "
+            + breakdown(b)
+            + "."
+        )
     h.report(
         "gatecpu (gate cost per task)",
         "gatecpu",

@@ -382,6 +382,39 @@ def celery_env(
     return env
 
 
+_LUA_OF_TREE: list[Callable[[str], str]] = []  # the package's own Lua loader, once replaced
+
+
+def use_lua_of(rev: Optional[str]) -> None:
+    """Gates made from now on in this process run the Lua of git revision ``rev`` (None: this
+    tree's): the 'before' of a change, measured beside it in one run.  Python stays this tree's,
+    so ``rev`` must keep the scripts' arguments and replies (``callcost``, ``gatecpu --against``;
+    a worker takes it from ``BENCH_LUA_REV``, bench.tasks)."""
+    from celery_threads.gate import library
+
+    if not _LUA_OF_TREE:
+        _LUA_OF_TREE.append(library._load_lua)
+    if rev is None:
+        library._load_lua = _LUA_OF_TREE[0]
+    else:
+        root = Path(__file__).resolve().parent.parent
+        texts: dict[str, str] = {}
+
+        def load(name: str) -> str:
+            if name not in texts:
+                done = subprocess.run(
+                    ["git", "-C", str(root), "show", f"{rev}:celery_threads/gate/lua/{name}"],
+                    capture_output=True,
+                    text=True,
+                )
+                # A script the revision did not have yet: one that refuses to run.
+                texts[name] = done.stdout if done.returncode == 0 else f"error('{name}: not in {rev}')"
+            return texts[name]
+
+        library._load_lua = load
+    library.function_library.cache_clear()
+
+
 def cpu_seconds(pid: int) -> float:
     """User + system CPU time a process has used so far (0 when it is gone)."""
     try:

@@ -65,6 +65,10 @@ def configure(env: Optional[dict[str, str]] = None) -> Celery:
     else:
         app.conf.task_queues = None
         app.conf.task_routes = None
+    # gatecpu --against: this process's gates run that revision's Lua.
+    from bench.harness import use_lua_of
+
+    use_lua_of(env.get("BENCH_LUA_REV") or None)
     # Drop what was built from earlier settings (gate runtime, broker pools).
     from celery_threads.runtime import reset
 
