@@ -792,8 +792,12 @@ def dead(ctx: click.Context, limit: int, as_json: bool) -> None:
     """List the dead-letter store, newest last, with exceptions."""
     t = _threads(ctx)
     tasks = t.dead(limit or None)
+    total = t.dead_count() if limit and len(tasks) == limit else len(tasks)
+    shown = f"the {len(tasks)} latest of " if total > len(tasks) else ""
     if as_json:
         _echo_json(tasks)
+        if shown:  # the JSON stays a list; what it leaves out is said beside it
+            click.echo(f"{shown}{total} dead tasks listed; --limit 0 lists them all", err=True)
         return
     if not tasks:
         click.echo("The dead-letter store is empty.")
@@ -810,8 +814,6 @@ def dead(ctx: click.Context, limit: int, as_json: bool) -> None:
         exception = (d.exception.strip().splitlines() or ["?"])[0]
         retries = f"{d.retries} retr{'y' if d.retries == 1 else 'ies'}"
         click.echo(_fit(_printable(f"    {d.name or '?'}, {retries}: {exception}"), width))
-    total = t.dead_count() if limit and len(tasks) == limit else len(tasks)
-    shown = f"the {len(tasks)} latest of " if total > len(tasks) else ""
     click.echo(
         f"{shown}{total} dead task{'s' if total != 1 else ''}; "
         f"`{_celery()} restart TASK_ID` runs one again" + ("; --limit 0 lists them all" if shown else "")

@@ -310,7 +310,11 @@ def test_dead_lists_the_latest_deaths_up_to_a_limit(app, cli):
     assert [line.split()[1] for line in lines[1:5:2]] == ["dead-3", "dead-4"]
     assert lines[-1].startswith("the 2 latest of 5 dead tasks") and "--limit 0" in lines[-1]
     assert ok(cli("dead", "--limit", "0")).splitlines()[-1].startswith("5 dead tasks")
-    assert [d["task_id"] for d in as_json(cli("dead", "--limit", "3", "--json"))] == everything[2:]
+    cut = cli("dead", "--limit", "3", "--json")
+    assert [d["task_id"] for d in as_json(cut)] == everything[2:]
+    # The list a script reads says nothing of the two left out: stderr does.
+    assert cut.stderr == "the 3 latest of 5 dead tasks listed; --limit 0 lists them all\n"
+    assert cli("dead", "--limit", "5", "--json").stderr == ""
 
 
 def test_dead_when_empty(cli):
