@@ -579,14 +579,9 @@ end
 -- A member left the gate for good: remember its task id for ENDED_WINDOW (and forget older ones).
 -- The index itself vanishes ENDED_WINDOW after the last ending, unless it holds a +inf entry (a
 -- live member's, add_member), which must stay while that member lives.
--- Entries older than the window only take room (every read of the index checks the window): the
--- endings whose clock reading ends in 0 or 8 µs, one in five, drop them (every ending, with a
--- test's clock).
 local function mark_ended(task)
   redis.call('ZADD', K_ENDED, NOW_TEXT, task)
-  if string.byte(NOW_US_TEXT, -1) % 8 == 0 then   -- '0' is byte 48, '8' 56
-    redis.call('ZREMRANGEBYSCORE', K_ENDED, '-inf', '(' .. int_text(NOW - ENDED_WINDOW))
-  end
+  redis.call('ZREMRANGEBYSCORE', K_ENDED, '-inf', '(' .. int_text(NOW - ENDED_WINDOW))
   local last = redis.call('ZRANGE', K_ENDED, '-1', '-1', 'WITHSCORES')
   if last[2] == 'inf' then
     redis.call('PERSIST', K_ENDED)
