@@ -521,5 +521,6 @@ def run(args: argparse.Namespace) -> int:
         rows,
         notes,
         problems,
+        options=f" --against {args.against}" if args.against else "",
     )
     return 0

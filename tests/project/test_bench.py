@@ -56,7 +56,7 @@ def _run(module_argv: list[str], timeout: float) -> str:
         ["gateunavailable"],
         ["lspage"],
         ["metrics"],
-        ["gatecpu"],
+        ["gatecpu", "--against", "HEAD"],
     ],
     ids=lambda argv: "-".join(argv).replace("--broker-", ""),
 )
@@ -74,6 +74,9 @@ def test_benchmark_runs_and_prints_its_table(argv: list[str], tmp_path: Path) ->
     rows = [line for line in lines[header + 2 :] if line.startswith("| ")]
     assert rows, out
     assert "command: `python -m bench " in out and "machine: " in out
+    if argv[0] == "gatecpu":  # --against: the fifth side, the one-Redis gate with HEAD's Lua
+        assert "command: `python -m bench gatecpu --quick --against HEAD`" in out, out
+        assert "the before of a change: the one-Redis side with the gate's Lua of HEAD" in out, out
     if argv == ["scale"] and "gives no DEBUG HTSTATS-KEY" not in out:
         # --quick fills the large case just past a power of two: the growth's path runs too
         assert "tasks hash growing (transient)" in out and "the growth amortized" in out, out
