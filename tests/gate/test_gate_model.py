@@ -1660,6 +1660,40 @@ def test_uuid_prefix_collisions(gate_url: str) -> None:
         client.close()
 
 
+def test_active_members_written_before_their_field_was_kept(gate_url: str) -> None:
+    """An active hash written by an earlier version (a gate's processes may run two versions
+    against one Redis) has 'l' instead of 'f', or neither: its ending finds its field all the
+    same (a UUID's short form, a UUID's long form, another id), and leaves nothing behind."""
+    client = redis.Redis.from_url(gate_url)
+    client.flushdb()
+    gate = Gate(
+        client, Keys(PREFIX), release_timeout_ms=RELEASE_TIMEOUT, keepalive_ms=1000, clock=lambda: START
+    )
+    tasks = gate.keys.shard(0).tasks
+    prefix = "0b6f3c1e-9a2d-4c57-8e1f-2a3b4c5d"
+    holder, long_one = prefix + "6e7f", prefix + "0000"  # the second takes its long form
+    try:
+        assert gate.enqueue("h", holder, b"holds the short field").release is not None
+        for thread, task, old in (
+            ("u", str(uuid.UUID(int=7)), "0"),
+            ("x", long_one, "1"),
+            ("t", "plain-id", None),
+            ("v", str(uuid.UUID(int=9)), None),
+        ):
+            released = gate.enqueue(thread, task, b"body").release
+            assert released is not None and gate.claim(thread, task, released.token, "w") == 1
+            active = gate.keys.thread(thread).active
+            assert client.hget(active, "f") is not None
+            client.hdel(active, "f")
+            if old is not None:
+                client.hset(active, "l", old)
+            assert gate.finish(thread, task, released.token).done
+            assert gate.reads.thread_of(task) is None, (task, client.hkeys(tasks))
+        assert client.hkeys(tasks) == [task_field(holder)[0]]
+    finally:
+        client.close()
+
+
 def test_dead_records_latest_across_shards(gate_url: str) -> None:
     """``dead_records(limit)``: the latest deaths, oldest first, merged across shards, however the
     limit compares with how many there are."""

@@ -557,9 +557,10 @@ end
 -- does not begin with `holder` (a process's claimant prefix, 'hostname/pid/').  A worker's main
 -- process ends what its pool process ran with that process's prefix (it does not know the claim
 -- itself), and with a prefix no claimant has ("\0") a message that no process started.
-local function held_elsewhere(state, holder)
+-- `by`: the claimant, when the caller has read it (is_active).
+local function held_elsewhere(state, holder, by)
   if state ~= 'RUNNING' or not holder or holder == '' then return false end
-  local by = redis.call('HGET', K_A, 'by')
+  if by == nil then by = redis.call('HGET', K_A, 'by') end
   return by and by ~= '' and string.sub(by, 1, #holder) ~= holder
 end
 

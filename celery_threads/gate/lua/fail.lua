@@ -11,7 +11,7 @@
 -- worker's report of a pool process it lost must not count what the process reported itself).
 local task, token = ARGV[6], ARGV[7]
 CALLER = ARGV[9] or ''
-local state = is_active(task, token)
+local state, long, field, by, del = is_active(task, token)
 if state ~= 'RUNNING' then
   if state then return reply(0, '') end
   local again = replayed('x', task, token, '')
@@ -19,13 +19,13 @@ if state ~= 'RUNNING' then
   if killed_by_caller(task) then return reply(4, task) end
   return reply(0, '')
 end
-if held_elsewhere(state, ARGV[10]) then return reply(0, '') end
+if held_elsewhere(state, ARGV[10], by) then return reply(0, '') end
 local status = DELETED_LAPSE
 -- A lost pool process counts as a lapse (its lease would have lapsed), unless its worker
 -- stopped it because the member was deleted.
-if marked_deleted() then
+if marked_deleted(del) then
   count_ending('deleted')
-  drop_active(task)
+  drop_active(task, active_field(task, long, field))
 else
   count('lapses')
   status = fail_active(task, ARGV[8])

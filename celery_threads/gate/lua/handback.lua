@@ -10,10 +10,10 @@
 -- no longer holds the thread under that token or has been claimed (unless ARGV[8]).  A member
 -- marked deleted (marked_deleted) that its claimant gives back never started: it ends as
 -- deleted, {5, task} plus the next release.
-local state = is_active(ARGV[6], ARGV[7])
-if state == 'RUNNING' and ARGV[8] == '1' and marked_deleted() then
+local state, long, field, _, del = is_active(ARGV[6], ARGV[7])
+if state == 'RUNNING' and ARGV[8] == '1' and marked_deleted(del) then
   count_ending('deleted')
-  drop_active(ARGV[6])
+  drop_active(ARGV[6], active_field(ARGV[6], long, field))
   return reply(DELETED_LAPSE, ARGV[6], release_head(true))
 elseif state == 'RUNNING' and ARGV[8] == '1' then
   redis.call('HSET', K_A, 'state', 'RELEASED')

@@ -16,18 +16,18 @@
 -- the dead-letter store by this call; one dropped without keep is not told from another's kill).
 local task, token = ARGV[6], ARGV[7]
 CALLER = ARGV[10] or ''
-local state = is_active(task, token)
+local state, long, field, by, del = is_active(task, token)
 if not state then
   local again = replayed('k', task, token, '')
   if again then return again end
   if killed_by_caller(task) then return reply(1, '') end
   return reply(0, '')
 end
-if ARGV[11] == '1' and not_the_claimants(state) then return reply(0, '') end
-if held_elsewhere(state, ARGV[12]) then return reply(0, '') end
-if marked_deleted() then
+if ARGV[11] == '1' and not_the_claimants(state, by) then return reply(0, '') end
+if held_elsewhere(state, ARGV[12], by) then return reply(0, '') end
+if marked_deleted(del) then
   count_ending('deleted')
-  drop_active(task)
+  drop_active(task, active_field(task, long, field))
   detached('k', task, token, 1, 'DELETED')
   return reply(1, 'DELETED', release_head(true))
 end

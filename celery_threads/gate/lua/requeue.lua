@@ -14,16 +14,16 @@
 -- lapse of its lease, which this call must not be told it did.
 local task, token = ARGV[6], ARGV[7]
 CALLER = ARGV[14] or ''
-local state = is_active(task, token)
+local state, long, kept, by, del = is_active(task, token)
 if not state then
   local again = replayed('r', task, token, '')
   if again then return again end
   return reply(0, '')
 end
-if not_the_claimants(state) then return reply(0, '') end
-if marked_deleted() then
+if not_the_claimants(state, by) then return reply(0, '') end
+if marked_deleted(del) then
   count_ending('deleted')
-  drop_active(task)
+  drop_active(task, active_field(task, long, kept))
   detached('r', task, token, 1, 'DELETED')
   return reply(1, 'DELETED', release_head(true))
 end
