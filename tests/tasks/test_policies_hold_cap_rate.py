@@ -19,6 +19,7 @@ from celery_threads import ThreadFull, Threads, ThreadsError
 from celery_threads.errors import ConfigurationError
 from celery_threads.gate import Claim, Gate, make_client
 from celery_threads.keys import Keys
+from celery_threads.policies import rate_interval_ms
 from tests.support.helpers import assert_serial, events, gate_keys, starts, tid, wait_for
 
 
@@ -281,8 +282,12 @@ def test_a_coalescing_call_does_not_cut_a_rates_memory_short(redis_server):
     assert client.pttl(policy_key) > 55_000, client.pttl(policy_key)
 
 
-def test_policy_values_are_checked(proj):
-    """A value a policy does not take is refused at the call, naming the option."""
+def test_policy_values_are_checked(proj, r):
+    """A value a policy does not take is refused at the call, naming the option, and nothing of
+    the call is stored.  A rate slower than one release per 100 years is refused: ``"1e-15/h"``
+    made an interval the gate's enqueue could not add to its clock, and it failed halfway with a
+    Redis error, its member left in the thread's queue and never released."""
+    thread = tid("refused")
     for options in (
         {"on_death": "stop"},
         {"max_waiting": 0},
@@ -290,9 +295,33 @@ def test_policy_values_are_checked(proj):
         {"thread_rate_limit": "fast"},
         {"thread_rate_limit": "0/s"},
         {"thread_rate_limit": True},
+        {"thread_rate_limit": "1e-15/h"},
+        {"thread_rate_limit": "5e-324/s"},
+        {"thread_rate_limit": 0.99 / (100 * 365 * 86400)},  # just slower than the slowest
     ):
         with pytest.raises(ConfigurationError, match=next(iter(options))):
-            proj.record.apply_async(("t", "x"), **options)
+            proj.record.apply_async((thread, "x"), **options)
+    assert gate_keys(r, thread) == []
+
+
+def test_a_rate_of_one_release_per_decades_is_kept(redis_server):
+    """The slowest rates the gate keeps work as any: ``"1e-9/s"`` (one release per 31.7 years)
+    releases the first member and holds the next for the interval."""
+    interval = rate_interval_ms("1e-9/s", "test")
+    assert interval == 10**12
+    gate = Gate(
+        make_client(redis_server.url()), Keys(f"rs-{uuid.uuid4().hex[:6]}"), release_timeout_ms=60_000
+    )
+    thread, first, second = tid("rate-slow"), str(uuid.uuid4()), str(uuid.uuid4())
+    release = gate.enqueue(thread, first, b"rated", policy=f"r{interval}").release
+    assert release is not None
+    assert gate.claim(thread, first, release.token, "test") == Claim.CLAIMED
+    assert gate.finish(thread, first, release.token).done
+    assert gate.enqueue(thread, second, b"rated", policy=f"r{interval}").release is None
+    client = redis.Redis.from_url(redis_server.url())
+    assert client.pttl(gate.keys.thread(thread).policy) > interval - 60_000
+    (head,) = client.zrange(gate.keys.shard(0).due, 0, -1, withscores=True)
+    assert head[1] > client.time()[0] * 1000 + interval - 60_000
 
 
 def test_a_head_held_by_its_rate_shows_when_it_is_released(isolated_app):
