@@ -10,14 +10,11 @@ from typing import Any, NamedTuple, Optional
 from celery.utils.time import rate
 
 from .errors import ConfigurationError
+from .protocol import MAX_DELAY_MS
 
 ON_DEATH = ("advance", "hold")
 #: The options, each a task attribute and an ``apply_async`` option of the same name.
 OPTIONS = ("on_death", "max_waiting", "thread_rate_limit")
-#: The longest interval a ``thread_rate_limit`` may ask for: one release per 100 years.  The
-#: gate adds the interval to its clock in ms and gives the thread's policy hash that expiry; far
-#: beyond this (``"1e-15/h"``) the sum is no integer Redis takes, and the call failed halfway.
-MAX_RATE_INTERVAL_MS = 100 * 365 * 86_400_000
 
 
 class Policy(NamedTuple):
@@ -73,7 +70,7 @@ def rate_interval_ms(value: Any, where: str) -> Optional[int]:
             f"{where}: thread_rate_limit must allow more than 0 releases (None for no limit), not {value!r}"
         )
     interval = 1000 / per_second  # inf for the smallest floats
-    if interval > MAX_RATE_INTERVAL_MS:
+    if interval > MAX_DELAY_MS:
         raise ConfigurationError(
             f"{where}: thread_rate_limit {value!r} allows fewer than one release per 100 years, "
             "the slowest rate the gate keeps"

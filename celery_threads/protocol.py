@@ -137,6 +137,13 @@ def normalize_thread_id(value: Any) -> str:
     return text
 
 
+#: The longest delay the gate keeps, 100 years in ms: a ``thread_rate_limit``'s interval and a
+#: ``default_retry_delay`` beyond it are refused, a ``Retry(when=...)`` raised by hand waits at
+#: most that long.  The gate adds delays to its clock in ms: far beyond this the sum is no integer
+#: Redis takes (a call failed halfway) or no datetime (``threads ls`` and ``Threads.get`` failed).
+MAX_DELAY_MS = 100 * 365 * 86_400_000
+
+
 def retry_settings(task: Any) -> tuple[Optional[int], int]:
     """A threaded task's ``(max_retries, default_retry_delay in ms)`` as the gate stores them with
     each member, or :class:`ConfigurationError` when either cannot be: the gate keeps them in the
@@ -159,11 +166,12 @@ def retry_settings(task: Any) -> tuple[Optional[int], int]:
         or not isinstance(delay, (int, float))
         or not math.isfinite(delay)
         or delay < 0
+        or delay * 1000 > MAX_DELAY_MS
     ):
         raise ConfigurationError(
             f"task {task.name} has default_retry_delay={delay!r}: a threaded task needs a number "
-            "of seconds, 0 or more. Fix the task's default_retry_delay; nothing was stored or "
-            "sent"
+            "of seconds, 0 or more (at most 100 years). Fix the task's default_retry_delay; "
+            "nothing was stored or sent"
         )
     return max_retries, int(float(delay) * 1000)
 

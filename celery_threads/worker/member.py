@@ -23,7 +23,7 @@ from celery.worker import state as worker_state
 
 from ..gate import DELETED, Claim, Gate, Outcome, deadline
 from ..logs import get_logger
-from ..protocol import THREAD_HEADER, TOKEN_HEADER, eta_ms, foreign_gate, retry_settings
+from ..protocol import MAX_DELAY_MS, THREAD_HEADER, TOKEN_HEADER, eta_ms, foreign_gate, retry_settings
 from ..runtime import Runtime, get_runtime
 from . import handoff
 from .lease import Keeper, Lease, new_claimant, stoppable
@@ -375,12 +375,13 @@ def _spent(task: Any, exc: Retry, retries: int) -> BaseException:
 
 
 def _retry_when(task: Any, when: Any) -> tuple[int, Optional[int]]:
-    """``(delay ms, scheduled_at ms or None)`` of a Retry's ``when``: seconds, an eta (a datetime
-    or its ISO text), or ``None`` for the task's ``default_retry_delay``."""
+    """``(delay ms, scheduled_at ms or None)`` of a Retry's ``when``: seconds (at most
+    :data:`~celery_threads.protocol.MAX_DELAY_MS`, 100 years), an eta (a datetime or its ISO
+    text), or ``None`` for the task's ``default_retry_delay``."""
     if isinstance(when, (datetime, str)):
         return 0, eta_ms(when)
     if isinstance(when, numbers.Real) and not isinstance(when, bool) and math.isfinite(when):
-        return max(0, int(float(when) * 1000)), None
+        return min(MAX_DELAY_MS, max(0, int(float(when) * 1000))), None
     return retry_settings(task)[1], None
 
 

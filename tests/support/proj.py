@@ -378,6 +378,12 @@ def negative_retry_delay(self, thread, label):
     return label
 
 
+@app.task(base=ThreadedTask, bind=True, thread_key="thread", default_retry_delay=1e16)
+def endless_retry_delay(self, thread, label):
+    """Declared with a retry delay of 317 million years, past the gate's 100: never enqueued."""
+    return label
+
+
 @app.task(base=ThreadedTask, bind=True, thread_key="thread", max_retries=-2)
 def negative_max_retries(self, thread, label):
     """Declared with a retry count the gate cannot store: never enqueued."""

@@ -366,7 +366,7 @@ def _gate_and_broker_are_empty(app) -> None:
     assert [k for k in broker.keys() if broker.type(k) == b"list"] == []
 
 
-@pytest.mark.parametrize("name", ["negative_retry_delay", "negative_max_retries"])
+@pytest.mark.parametrize("name", ["negative_retry_delay", "endless_retry_delay", "negative_max_retries"])
 def test_invalid_retry_settings_store_and_send_nothing(proj, isolated_app, name):
     """The gate stores max_retries and default_retry_delay with each member; values its record
     cannot hold are refused at publish time, with what to fix."""

@@ -84,6 +84,33 @@ def test_retry_raised_by_hand_waits_its_when(proj, worker, r):
     _next_runs(proj, r, thread)
 
 
+def test_a_retry_raised_by_hand_for_ever_waits_where_the_cli_can_show_it(proj, worker, r):
+    """``raise Retry(when=1e16)`` (317 million years): the member waits 100 years, a schedule
+    the gate keeps as an integer of ms and a datetime can hold (the gate kept 1e19 ms before, as
+    a float, and ``Threads.get`` failed on it: "invalid literal for int()"), and can be
+    deleted."""
+    from datetime import datetime, timedelta, timezone
+
+    from celery.bin.celery import celery as celery_command
+    from click.testing import CliRunner
+
+    thread = tid("far-retry")
+    result = proj.retried_by_hand.delay(thread, "far", fail_times=1, when=1e16)
+    threads = Threads(proj.app)
+    wait_for(lambda: starts(r, thread) == ["far"] and threads.get(thread) is not None, what="the re-entry")
+    info = wait_for(lambda: threads.get(thread), what="the waiting member")
+    [member] = info.waiting
+    assert member.task_id == result.id and member.retries == 1
+    assert member.scheduled_at > datetime.now(timezone.utc) + timedelta(days=365 * 99)
+    runner = CliRunner()
+    for args in (["ls", "--json"], ["show", thread, "--json"], ["show", thread]):
+        out = runner.invoke(celery_command, ["-A", "tests.support.proj", "threads", *args])
+        assert out.exit_code == 0, out.output
+    threads.delete(result.id)
+    _next_runs(proj, r, thread)
+    assert starts(r, thread) == ["far", "next"]
+
+
 def test_retry_raised_by_hand_stops_at_max_retries(proj, worker, r):
     """Raised by hand on every attempt, it runs 1 + max_retries times (2) and dies as
     self.retry() would: with the Retry's exception, else MaxRetriesExceededError (it ran on
