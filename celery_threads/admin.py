@@ -20,6 +20,7 @@ from .gate import (
     OPERATOR_BATCH,
     DeadRecord,
     Pause,
+    Record,
     Redriven,
     Restart,
     Resume,
@@ -458,10 +459,16 @@ class Threads:
         while total < bound:
             # Their stored messages, their requests in the result backend: a chord counts its
             # parts, an extended result names them, the rpc:// backend replies to their caller.
-            messages: dict[str, bytes] = {}
-            dropped, left = self.gate.purge(thread_id, messages=messages)
+            records: dict[str, Record] = {}
+            dropped, left = self.gate.purge(thread_id, records=records)
             for task_id in dropped:
-                self.runtime.mark_revoked(task_id, "purged from its thread", messages.get(task_id))
+                record = records.get(task_id)
+                self.runtime.mark_revoked(
+                    task_id,
+                    "purged from its thread",
+                    record.envelope if record is not None else None,
+                    record.retries if record is not None else None,
+                )
             if dropped:
                 # task-revoked for Flower, sent by one worker per member (Runtime.revoke_unstarted)
                 self.gate.note_deleted(thread_id, *dropped)

@@ -291,13 +291,17 @@ class Runtime:
         elif outcome.info == "RUNNING":
             # Detached at once: its pool (threads, solo, gevent) cannot stop it (a terminate
             # would only fail in its worker); its body runs on, and ends as revoked there.
-            self.mark_revoked(task_id, envelope=record.envelope)
+            self.mark_revoked(task_id, envelope=record.envelope, retries=record.retries)
             self.app.control.revoke(task_id)
         else:
             # ENDED: the call was replayed after its reply was lost, and the member may have
             # been running: revoke with terminate (a no-op where it does not run).
             self.revoke_unstarted(
-                thread_id, task_id, terminate=outcome.info == ENDED, envelope=record.envelope
+                thread_id,
+                task_id,
+                terminate=outcome.info == ENDED,
+                envelope=record.envelope,
+                retries=record.retries,
             )
         if outcome.info == STOPPING:
             self._wait_stopped(thread_id, task_id, wait)
@@ -310,11 +314,12 @@ class Runtime:
         reason: str = "deleted from its thread",
         terminate: bool = False,
         envelope: Optional[bytes] = None,
+        retries: Optional[int] = None,
     ) -> None:
         """A member that left its thread before it ran: ``REVOKED`` in the result backend (and
         in its chord: see :meth:`mark_revoked`), and one worker (elected by a note in the gate)
         sends the ``task-revoked`` event, so Flower shows it without a phantom worker."""
-        self.mark_revoked(task_id, reason, envelope)
+        self.mark_revoked(task_id, reason, envelope, retries)
         self.gate.note_deleted(thread_id, task_id, expired=reason == "expired")
         self.app.control.revoke(task_id, terminate=terminate)
 
@@ -363,15 +368,23 @@ class Runtime:
         return task is None or not task.ignore_result or bool(task.store_errors_even_if_ignored)
 
     def mark_revoked(
-        self, task_id: str, reason: str = "deleted from its thread", envelope: Optional[bytes] = None
+        self,
+        task_id: str,
+        reason: str = "deleted from its thread",
+        envelope: Optional[bytes] = None,
+        retries: Optional[int] = None,
     ) -> None:
         """``REVOKED`` in the result backend (where its task stores it).  ``envelope``: the
         member's stored message, read before it left the gate, is the request Celery ends a
         revoked task with: an extended result (``result_extended``) names its task, arguments
         and queue, and when a chord counts the member (its request has the chord and its group)
         the chord counts it revoked, as a worker's revoke of a chord's part does (the chord ends
-        with a ChordError, and its body never runs with a part missing)."""
+        with a ChordError, and its body never runs with a part missing).  ``retries``: the
+        member's record's, which its next run's request would carry (a lost attempt re-enters
+        with its stored message unchanged, whose headers still say the retries before it)."""
         request = None if not envelope else member_request(self.app, task_id, envelope)
+        if request is not None and retries is not None:
+            request["retries"] = retries
         if request is not None and not (request.get("group") and request.get("chord")):
             request["chord"] = None  # Celery counts a part of any request with a chord
         try:

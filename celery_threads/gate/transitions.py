@@ -26,6 +26,7 @@ from .library import _load_lua, function_library, script_sources
 from .reads import GateReads, clock_argument
 from .records import (
     HOLD_MARK,
+    Record,
     ReleasePush,
     _max_retries,
     _text,
@@ -598,15 +599,16 @@ class Gate:
         return [Redriven(c) for c in outcome.info], outcome.release
 
     def purge(
-        self, thread_id: str, limit: int = OPERATOR_BATCH, messages: Optional[dict[str, bytes]] = None
+        self, thread_id: str, limit: int = OPERATOR_BATCH, records: Optional[dict[str, Record]] = None
     ) -> tuple[list[str], int]:
         """Drop at most ``limit`` waiting members of ``thread_id``, the last in release order
-        first (lua/purge.lua): the task ids dropped, and how many still wait.  ``messages`` is
-        given the stored message of each dropped member (its request in the result backend)."""
+        first (lua/purge.lua): the task ids dropped, and how many still wait.  ``records`` is
+        given the record of each dropped member (its stored message and retries: its request in
+        the result backend)."""
         _, left, dropped, *rest = self._run("purge", thread_id, limit)
-        if messages is not None and rest:
+        if records is not None and rest:
             pairs = rest[0]
-            messages.update((_text(t), parse_record(r).envelope) for t, r in zip(pairs[::2], pairs[1::2]))
+            records.update((_text(t), parse_record(r)) for t, r in zip(pairs[::2], pairs[1::2]))
         return [_text(t) for t in dropped], int(left)
 
     def trim_dead(

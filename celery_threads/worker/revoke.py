@@ -134,7 +134,7 @@ def _end_revoked_member(runtime: Runtime, consumer: Any, task_id: str) -> None:
         outcome = runtime.gate.delete(task_id, only_waiting=True, thread_id=record.thread_id)
         deleted = runtime.publish_outcome(outcome).done
         if deleted:
-            runtime.mark_revoked(task_id, envelope=record.envelope)
+            runtime.mark_revoked(task_id, envelope=record.envelope, retries=record.retries)
     expired = None if deleted else runtime.gate.take_deleted_note(task_id)
     if deleted or expired is not None:
         dispatcher = consumer.event_dispatcher

@@ -163,6 +163,35 @@ def test_members_ended_unrun_have_an_extended_result_that_names_them(proj, isola
             assert meta.get("queue") == "celery", meta
 
 
+@pytest.mark.parametrize("how", ["delete", "purge"])
+def test_a_member_dropped_after_a_lost_attempt_is_revoked_with_its_retries(proj, isolated_app, how):
+    """A member whose attempt was lost (its pool process died: the gate's ``fail`` re-enters it,
+    its stored message unchanged) and that is deleted or purged while it waits for its retry is
+    stored REVOKED with the retries it spent, as its next run's request would carry them (its
+    extended result said 0).  No worker: the test claims and fails the member as a worker
+    would."""
+    from celery_threads.gate import Lapse
+    from celery_threads.runtime import get_runtime
+    from tests.support.isolated import pointed_at
+
+    with pointed_at(isolated_app, result_extended=True):
+        thread = tid("lost-then-deleted")
+        result = proj.record.apply_async((thread, "lost"))
+        gate = get_runtime(isolated_app).gate
+        snapshot = gate.reads.snapshot(thread)
+        assert snapshot is not None and snapshot.active["task"] == result.id, snapshot
+        token = snapshot.active["token"]
+        assert gate.claim(thread, result.id, token, "test-worker") == 1
+        assert gate.fail(thread, result.id, token, "the pool process was lost").status == Lapse.RETRIED
+        record = gate.reads.record(result.id, thread)
+        assert record is not None and record.retries == 1, record
+        threads = Threads(isolated_app)
+        assert threads.delete(result.id) if how == "delete" else threads.purge(thread) == 1
+        meta = isolated_app.backend.get_task_meta(result.id, cache=False)
+        assert meta["status"] == "REVOKED", meta
+        assert meta.get("retries") == 1, meta
+
+
 def test_a_member_removed_unrun_is_revoked_to_an_rpc_caller(proj, isolated_app):
     """The ``rpc://`` result backend replies to the caller's queue (the message's ``reply_to``,
     ``correlation_id``): a member deleted or purged while it waits raises TaskRevokedError in the
