@@ -89,6 +89,9 @@ class ScriptLine:
             packed = command(local.functions)
             sock.sendall(packed + self._then)
             deadline.note_sent(packed)
+            extra = deadline.allowance(len(packed))
+            if extra and bound is not None:
+                bound(extra)  # a large message: Redis takes longer to run the call
             data: Any = sock.recv(65536)
             replies: list[Any] = []
             end = 0
@@ -105,7 +108,7 @@ class ScriptLine:
                     if not isinstance(data, bytearray):
                         data = bytearray(data)
                     data += more
-        except OSError as exc:
+        except (OSError, redis.TimeoutError) as exc:  # a timeout: also no time left for the reply
             deadline.note_failed(exc)
             self._drop()
             return _MISSED

@@ -35,7 +35,7 @@ from celery_threads.runtime import get_runtime
 from tests.chaos import Cluster, Options, parse_history
 from tests.conftest import IN_CI
 from tests.support.checker import Limits, check
-from tests.support.helpers import assert_serial, starts, wait_for
+from tests.support.helpers import assert_serial, starts, tid, wait_for
 from tests.support.isolated import BROKER_DB, GATE_DB, pointed_at
 from tests.support.netfault import Relay
 
@@ -179,6 +179,26 @@ def test_the_longest_int_thread_id_is_accepted(proj: Any, isolated_app: Any) -> 
         info = Threads(isolated_app).get(str(n))
         assert info is not None and info.active is not None
         assert info.active.task_id == result.id and info.thread_id == str(n)
+
+
+def test_a_message_of_many_megabytes_is_stored_and_published_within_a_short_bound(
+    proj: Any, isolated_app: Any
+) -> None:
+    """A call carrying 64 MB of arguments takes Redis time to run (it parses, stores and hands on
+    the message): its wait, and the producer's bound, grow with its size (gate.deadline
+    ``allowance``).  Before, such a call timed out while Redis ran it: apply_async raised
+    GateUnavailable ("the member may be stored whole and will run"), and the member ran.  Here
+    the bound is 0.2 s, which the call alone outlasts (a 150 MB message outlasted the default 5 s)."""
+    thread = tid("big-message")
+    big = "x" * (64 << 20)
+    with pointed_at(isolated_app, threads_publish_timeout=0.2):
+        result = proj.record.apply_async((thread, big))
+    info = Threads(isolated_app).get(thread)
+    assert info is not None and info.active is not None and info.active.task_id == result.id
+    broker = redis.Redis.from_url(isolated_app.conf.broker_url)
+    [queue] = [k for k in broker.keys() if broker.type(k) == b"list"]
+    [message] = broker.lrange(queue, 0, -1)
+    assert len(message) > len(big) and result.id.encode() in message
 
 
 def test_a_uuid_thread_id_is_the_thread_of_its_canonical_string(proj: Any, worker: Any) -> None:
