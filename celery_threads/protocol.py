@@ -252,7 +252,15 @@ def normalize_task_id(value: Any, amqp: bool = False) -> str:
             "uuid.UUID; nothing was stored or sent"
         )
     text = str.__str__(value)
-    if amqp and len(text.encode("utf-8", "surrogatepass")) > MAX_AMQP_TASK_ID_BYTES:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidArgument(
+            f"task id {text[:60]!r}{'...' if len(text) > 60 else ''} holds {text[exc.start]!r} at "
+            f"position {exc.start}, a lone surrogate that UTF-8 cannot encode: use valid text or "
+            "a uuid.UUID; nothing was stored or sent"
+        ) from None
+    if amqp and len(text.encode("utf-8")) > MAX_AMQP_TASK_ID_BYTES:
         raise InvalidArgument(
             f"task id {text[:40]!r}... is longer than the {MAX_AMQP_TASK_ID_BYTES} bytes an AMQP "
             "broker carries (its correlation_id); use a shorter one; nothing was stored or sent"

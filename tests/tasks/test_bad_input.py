@@ -241,6 +241,7 @@ def test_a_str_subclass_thread_id_is_the_thread_of_its_text(proj: Any, worker: A
         (b"bytes-id", "is a bytes"),
         (7, "is a int"),
         ("", "is a str"),
+        ("id-\udcff", "a lone surrogate"),  # it raised UnicodeEncodeError
     ],
 )
 def test_a_task_id_that_is_no_str_is_refused(
