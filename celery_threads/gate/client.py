@@ -24,6 +24,8 @@ logger = get_logger(__name__)
 #: How long a gate call waits for Redis to accept a connection, or to answer, before it counts as
 #: failed (and is retried): no call waits forever on a link that went silent.
 SOCKET_TIMEOUT = 5.0
+#: redis-py options of TCP connections only: a ``unix://`` gate's connections do not take them.
+TCP_ONLY_KEYS = ("socket_keepalive", "socket_keepalive_options")
 #: A call's retries give up this long after its first failure: the last replay of a call is sent
 #: at most this plus ``SOCKET_TIMEOUT`` after the call, within the gate's ENDED_WINDOW (30 s,
 #: lua/_common.lua) of remembering what ended.
@@ -136,6 +138,10 @@ def make_client(url: str, options: Optional[dict[str, Any]] = None) -> redis.Red
     }
     cluster_mode = bool((options or {}).get("cluster"))
     kwargs.update(client_kwargs(options))
+    if url.lower().startswith("unix:"):
+        # TCP's own options, which a Unix socket's connection refuses (as kombu drops them).
+        for key in TCP_ONLY_KEYS:
+            kwargs.pop(key, None)
     url = url_cert_reqs(url)
     if cluster_mode:
         return cluster.make_cluster_client(url, kwargs, RETRY_BUDGET)  # type: ignore[return-value]

@@ -262,3 +262,41 @@ def test_a_library_of_our_name_with_other_code_is_not_called(own_redis, caplog):
     assert client.info("commandstats").get("cmdstat_fcall", {}).get("calls", 0) == 0
     warned = [r for r in caplog.records if library.name in r.getMessage()]
     assert len(warned) == 1 and "EVALSHA" in warned[0].getMessage()
+
+
+def test_a_gate_on_a_unix_socket_serves_producers_and_workers(proj, make_deployment, redis_server):
+    """``threads_redis_url = "unix:///path/redis.sock"``, a scheme the settings name: the client
+    gave the socket's connection TCP keepalive options, which it refuses, so every producer call
+    raised ConfigurationError ("UnixDomainSocketConnection does not take them").  Now a producer
+    and a prefork worker (its hot path's own line included) run a thread's members in order,
+    and the thread's keys vanish with its last member."""
+    import tempfile
+
+    from celery_threads import Threads
+    from tests.conftest import RedisServer
+    from tests.support.helpers import assert_serial, starts, tid, wait_for
+
+    socket_dir = tempfile.mkdtemp(prefix="ct-sock-")
+    gate = RedisServer(args=("--unixsocket", f"{socket_dir}/r.sock", "--unixsocketperm", "700"))
+    gate.start()
+    d = None
+    try:
+        d = make_deployment(
+            CT_REDIS_URL=f"unix://{socket_dir}/r.sock?db=0",
+            CT_BACKEND_URL=redis_server.url(2),
+            CT_HISTORY_URL=redis_server.url(0),
+        )
+        d.worker("unix", concurrency=2)
+        thread = tid("unix")
+        results = [proj.record.delay(thread, f"m{i}") for i in range(4)]
+        assert [result.get(timeout=30) for result in results] == [f"m{i}" for i in range(4)]
+        r = proj.history()
+        assert starts(r, thread) == [f"m{i}" for i in range(4)]
+        assert_serial(r, thread)
+        wait_for(lambda: Threads(proj.app).get(thread) is None, what="the thread's end")
+        keys = redis.Redis(unix_socket_path=f"{socket_dir}/r.sock").keys(f"*{thread}*")
+        assert keys == []
+    finally:
+        if d is not None:
+            d.stop()
+        gate.stop()
