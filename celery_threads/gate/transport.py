@@ -56,20 +56,24 @@ def _handshake_failure(error: BaseException) -> bool:
 
 def mismatch(host: str, port: int, tls: bool, wait: float = PROBE_WAIT) -> Optional[str]:
     """What is wrong when a ``rediss://`` (``tls``) or ``redis://`` connection to ``host:port``
-    failed and the port answers the other way, else ``None`` (the port does not answer either
-    way: an outage, or not Redis)."""
+    failed and the port answers the other way, or as an AMQP broker, else ``None`` (the port
+    does not answer either way: an outage, or not Redis)."""
     where = f"{host}:{port}"
+    answer = _answer_to_ping(host, port, wait)
+    if answer.startswith(b"AMQP"):
+        return (
+            f"the server at {where} speaks AMQP (a RabbitMQ broker's port), not Redis: "
+            "threads_redis_url must name a Redis server, such as redis://host:6379/0"
+        )
+    if tls:
+        if answer[:1] in (b"+", b"-"):  # +PONG, or -NOAUTH...: a Redis without TLS
+            return (
+                f"the Redis server at {where} speaks plain Redis, not TLS, and the URL "
+                "says rediss://: use redis://, or the port of the server's tls-port"
+            )
+        return None
     try:
         with socket.create_connection((host, port), timeout=wait) as sock:
-            if tls:
-                sock.sendall(b"PING\r\n")
-                answer = sock.recv(64)
-                if answer[:1] in (b"+", b"-"):  # +PONG, or -NOAUTH...: a Redis without TLS
-                    return (
-                        f"the Redis server at {where} speaks plain Redis, not TLS, and the URL "
-                        "says rediss://: use redis://, or the port of the server's tls-port"
-                    )
-                return None
             context = ssl.create_default_context()
             context.check_hostname = False
             context.verify_mode = ssl.CERT_NONE
@@ -85,6 +89,18 @@ def mismatch(host: str, port: int, tls: bool, wait: float = PROBE_WAIT) -> Optio
             )
     except OSError:
         return None
+
+
+def _answer_to_ping(host: str, port: int, wait: float) -> bytes:
+    """The first bytes ``host:port`` answers a plain ``PING`` with (``b""`` for none).  The PING
+    is sent as redis-py sends it, 14 bytes: more than an AMQP server reads before it answers
+    with its own protocol header."""
+    try:
+        with socket.create_connection((host, port), timeout=wait) as sock:
+            sock.sendall(b"*1\r\n$4\r\nPING\r\n")
+            return sock.recv(64)
+    except OSError:
+        return b""
 
 
 def refusal(error: BaseException) -> Optional[str]:

@@ -197,6 +197,21 @@ def test_a_wrong_password_or_database_is_a_setting_to_fix_not_an_outage(redis_se
         locked.stop()
 
 
+def test_a_gate_url_naming_rabbitmqs_port_says_it_is_amqp(proj):
+    """``threads_redis_url = "redis://host:5672/0"`` (the broker's port, from ``broker_url``): the
+    server closes the connection on Redis's first command, which read as an outage, retried for
+    threads_publish_timeout and reported as a Redis that could not be reached.  It is named, at
+    once, as a setting to fix."""
+    from tests.conftest import rabbitmq_url
+    from tests.support.isolated import pointed_at
+
+    rabbitmq_url()  # RabbitMQ answers on 5672 (CI starts it)
+    with pointed_at(proj.app, threads_redis_url="redis://127.0.0.1:5672/0", threads_publish_timeout=5.0):
+        with pytest.raises(ConfigurationError, match="speaks AMQP") as info:
+            proj.record.apply_async((tid("amqp-port"), "x"))
+    assert "threads_redis_url" in str(info.value), info.value
+
+
 def test_beat_with_a_wrong_setting_stops_as_a_worker_does(tmp_path):
     """Its dispatch entry would only fail on every worker; it logged the error and went on."""
     import subprocess
