@@ -181,6 +181,11 @@ def make_cluster_client(url: str, kwargs: dict[str, Any], budget: float) -> Gate
     socket settings.  redis-py's cluster client takes no ``retry_on_error`` (it retries on
     connection errors and timeouts itself); ``db`` must be 0 on a cluster."""
     kwargs = {k: v for k, v in kwargs.items() if k not in ("cluster", "retry_on_error")}
+    # Each node's connections wait within the caller's bound, as a single Redis's do (.deadline):
+    # a large call's longer wait included.
+    tls = url.lower().startswith("rediss:") or bool(kwargs.get("ssl"))
+    base = kwargs.get("connection_class") or (redis.SSLConnection if tls else redis.Connection)
+    kwargs["connection_class"] = deadline.bounded_class(base)
     client: GateCluster = GateCluster.from_url(url, budget=budget, **kwargs)  # type: ignore[assignment]
     return client
 

@@ -300,6 +300,27 @@ def test_cluster_semantics_spread_and_listing(proj, sharded, redis_cluster, r):
             Threads(proj.app).delete(member.task_id)
 
 
+def test_a_large_message_goes_through_a_cluster_gate_within_a_short_bound(proj, sharded, redis_cluster):
+    """A call of 64 MB waits for its reply as long as its size needs (gate.deadline
+    ``allowance``) on a cluster's connections too, and within the caller's bound: they were not
+    bounded connections, so a producer's first call, which goes the cluster client's way, timed
+    out after the socket's timeout (5 s: a 150 MB message; here 0.2 s) while Redis still ran it,
+    its member stored."""
+    import redis
+
+    from tests.support.isolated import pointed_at
+
+    d = sharded(redis_cluster.url(), 3, True)
+    thread = tid("cluster-big")
+    options = {"cluster": True, "socket_timeout": 0.2}
+    with pointed_at(proj.app, threads_publish_timeout=0.2, threads_redis_options=options):
+        result = proj.record.apply_async((thread, "x" * (64 << 20)))
+    info = Threads(proj.app).get(thread)
+    assert info is not None and info.active is not None and info.active.task_id == result.id
+    assert Threads(proj.app).delete(result.id)
+    redis.Redis.from_url(d.env["CT_BROKER_URL"]).delete(d.env["CT_QUEUE"])
+
+
 def test_cluster_wake_reaches_the_dispatch_loop(proj, sharded, redis_cluster, r):
     """The workers' loop sleeps for its whole interval (30 s) when nothing is due: a countdown
     member that becomes a shard's earliest head is published on that shard's wake channel, and
