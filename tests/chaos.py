@@ -812,10 +812,10 @@ class Workload:
         purged: list[str] = []
         mark = threads.runtime.mark_revoked
 
-        def marked(task_id: str, reason: str = "deleted from its thread", envelope: Any = None) -> None:
+        def marked(task_id: str, reason: str = "deleted from its thread", *args: Any, **kwargs: Any) -> None:
             if reason.startswith("purged"):  # this thread is the only one that purges
                 purged.append(task_id)
-            mark(task_id, reason, envelope)
+            mark(task_id, reason, *args, **kwargs)
 
         setattr(threads.runtime, "mark_revoked", marked)
         try:
