@@ -270,6 +270,7 @@ def test_a_gate_on_a_unix_socket_serves_producers_and_workers(proj, make_deploym
     raised ConfigurationError ("UnixDomainSocketConnection does not take them").  Now a producer
     and a prefork worker (its hot path's own line included) run a thread's members in order,
     and the thread's keys vanish with its last member."""
+    import shutil
     import tempfile
 
     from celery_threads import Threads
@@ -297,6 +298,10 @@ def test_a_gate_on_a_unix_socket_serves_producers_and_workers(proj, make_deploym
         keys = redis.Redis(unix_socket_path=f"{socket_dir}/r.sock").keys(f"*{thread}*")
         assert keys == []
     finally:
-        if d is not None:
-            d.stop()
-        gate.stop()
+        try:
+            if d is not None:
+                d.stop()  # raises when its worker met an unrecoverable error
+        finally:
+            gate.stop()
+            shutil.rmtree(gate.dir, ignore_errors=True)
+            shutil.rmtree(socket_dir, ignore_errors=True)
