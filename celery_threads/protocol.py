@@ -253,14 +253,14 @@ def normalize_task_id(value: Any, amqp: bool = False) -> str:
         )
     text = str.__str__(value)
     try:
-        text.encode("utf-8")
+        encoded = text.encode("utf-8")
     except UnicodeEncodeError as exc:
         raise InvalidArgument(
             f"task id {text[:60]!r}{'...' if len(text) > 60 else ''} holds {text[exc.start]!r} at "
             f"position {exc.start}, a lone surrogate that UTF-8 cannot encode: use valid text or "
             "a uuid.UUID; nothing was stored or sent"
         ) from None
-    if amqp and len(text.encode("utf-8")) > MAX_AMQP_TASK_ID_BYTES:
+    if amqp and len(encoded) > MAX_AMQP_TASK_ID_BYTES:
         raise InvalidArgument(
             f"task id {text[:40]!r}... is longer than the {MAX_AMQP_TASK_ID_BYTES} bytes an AMQP "
             "broker carries (its correlation_id); use a shorter one; nothing was stored or sent"

@@ -65,12 +65,13 @@ def mismatch(host: str, port: int, tls: bool, wait: float = PROBE_WAIT) -> Optio
             f"the server at {where} speaks AMQP (a RabbitMQ broker's port), not Redis: "
             "threads_redis_url must name a Redis server, such as redis://host:6379/0"
         )
-    if tls:
-        if answer[:1] in (b"+", b"-"):  # +PONG, or -NOAUTH...: a Redis without TLS
-            return (
-                f"the Redis server at {where} speaks plain Redis, not TLS, and the URL "
-                "says rediss://: use redis://, or the port of the server's tls-port"
-            )
+    plain = answer[:1] in (b"+", b"-")  # +PONG, or -NOAUTH...: a Redis without TLS
+    if tls and plain:
+        return (
+            f"the Redis server at {where} speaks plain Redis, not TLS, and the URL "
+            "says rediss://: use redis://, or the port of the server's tls-port"
+        )
+    if tls or plain:
         return None
     try:
         with socket.create_connection((host, port), timeout=wait) as sock:
