@@ -269,6 +269,13 @@ class Deployment:
             time.sleep(0.05)
         return proc
 
+    def log_tails(self, lines: int = 30) -> str:
+        """The last ``lines`` lines of each process's log: what a failed test prints."""
+        return "\n".join(
+            f"--- {proc.kind} {proc.name} ({proc.log}):\n" + "\n".join(proc.output().splitlines()[-lines:])
+            for proc in self.processes
+        )
+
     def dump_stacks(self) -> None:
         """Have every process still running (main processes and pool children) write its threads'
         stacks into its log (tests/support/proj.py registers the handler), and print where the logs are:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import signal
 from typing import Any
 
+from celery.exceptions import TimeoutError as ResultTimeout
+
 from celery_threads import Threads
 from tests.conftest import Deployment
 from tests.support.helpers import assert_serial, starts, tid, wait_for
@@ -57,7 +59,12 @@ def crash_recovery(d: Deployment, proj: Any, r: Any) -> None:
     wait_for(lambda: starts(r, thread) == ["doomed"], what="doomed to start")
     d.worker("survivor", concurrency=1)
     victim.kill(signal.SIGKILL)
-    assert nxt.get(timeout=30) == "next"
+    try:
+        assert nxt.get(timeout=30) == "next"
+    except ResultTimeout:
+        raise AssertionError(
+            f"next did not run: {starts(r, thread)}, {Threads(proj.app).get(thread)}\n{d.log_tails()}"
+        ) from None
     wait_for(
         lambda: starts(r, thread)[:3] == ["doomed", "next", "doomed"],
         timeout=30,
