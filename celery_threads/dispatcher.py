@@ -119,7 +119,9 @@ class Dispatcher:
                 outcome.info,
                 thread_id,
             )
-            self.runtime.mark_revoked(outcome.info, envelope=outcome.gone_envelope or None)
+            self.runtime.mark_revoked(
+                outcome.info, envelope=outcome.gone_envelope or None, retries=outcome.gone_retries
+            )
         elif outcome.status == Lapse.DIED:
             report.died += 1
             record = self.runtime.gate.reads.dead_record(outcome.info)

@@ -27,6 +27,7 @@ from .gate import (
     DeadRecord,
     Gate,
     Outcome,
+    Record,
     Release,
     ReleasePush,
     deadline,
@@ -214,7 +215,11 @@ class Runtime:
         ``member_dead`` listener, since the task did not fail; fenced by its token, and only
         while it is still RELEASED (a worker that claimed it in time runs it).  Returns the
         release of the member promoted in its place, if any."""
-        envelope = release.envelope or self._stored_envelope(release)  # for its chord, if any
+        # Its stored record, read before it leaves: its message for its chord (a release may carry
+        # none), its retries for its result (its message's headers may say fewer).
+        record = self._stored_record(release)
+        envelope = release.envelope or (record.envelope if record else None)
+        retries = record.retries if record else None
         try:
             outcome = self.gate.delete(
                 release.task_id, token=release.token, only_released=True, thread_id=release.thread_id
@@ -235,7 +240,9 @@ class Runtime:
                 release.task_id,
                 release.thread_id,
             )
-            self.revoke_unstarted(release.thread_id, release.task_id, "expired", envelope=envelope)
+            self.revoke_unstarted(
+                release.thread_id, release.task_id, "expired", envelope=envelope, retries=retries
+            )
         return outcome.release
 
     def _deadline_at_ttl(self, release: Release, ttl: float) -> None:
@@ -351,14 +358,13 @@ class Runtime:
             time.sleep(pause)
             pause = min(pause * 2, 0.1)
 
-    def _stored_envelope(self, release: Release) -> Optional[bytes]:
-        """The message the gate stores for a release that carries none (an enqueue's own: its
-        caller had it), read before the member leaves; ``None`` if it cannot be read."""
+    def _stored_record(self, release: Release) -> Optional[Record]:
+        """The gate's record of a released member, read before it leaves; ``None`` if it cannot
+        be read."""
         try:
-            record = self.gate.reads.record(release.task_id, release.thread_id)
+            return self.gate.reads.record(release.task_id, release.thread_id)
         except redis.RedisError:
             return None
-        return None if record is None else record.envelope
 
     def _stores_errors(self, request: Optional[dict[str, Any]]) -> bool:
         """Whether an ending of the request's task is stored, as Celery's worker decides it

@@ -131,6 +131,9 @@ class Outcome:
     # The stored message of a member that left the gate in this call, for its chord and result
     # backend: the waiting member an enqueue superseded, the deleted one whose lease lapsed.
     gone_envelope: bytes = b""
+    # That member's retries, from its record (its message's headers may say fewer: a lost
+    # attempt re-enters with its stored message unchanged); None when no member left.
+    gone_retries: Optional[int] = None
     # An enqueue's under coalesce or debounce, when its member is due later than now: its
     # scheduled_at (ms, the server's clock).
     due_ms: Optional[int] = None

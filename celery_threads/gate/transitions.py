@@ -223,10 +223,11 @@ class Gate:
         """``name``'s reply; ``own``: the envelope the call sent, which a reply releasing it
         leaves out."""
         status, info = REPLIES.get(name, Done)(int(reply[0])), _text(reply[1])
-        gone, due_ms = b"", None
+        gone, gone_retries, due_ms = b"", None, None
         if len(reply) > 6:  # an enqueue's under coalesce or debounce, an expire's of a deleted member
             if reply[6]:  # the record of the member that left (gone_envelope)
-                gone = parse_record(reply[6]).envelope
+                left = parse_record(reply[6])
+                gone, gone_retries = left.envelope, left.retries
             if len(reply) > 7:  # its member is due later than now
                 due_ms = int(reply[7])
             reply = reply[:2] if not reply[2] else reply[:5] if not reply[5] else reply[:6]
@@ -239,7 +240,7 @@ class Gate:
         elif len(reply) > 2:
             record = parse_record(reply[4])
             release = Release(thread_id, _text(reply[2]), _text(reply[3]), record.retries, record.envelope)
-        return Outcome(status, info, release, gone, due_ms)
+        return Outcome(status, info, release, gone, gone_retries=gone_retries, due_ms=due_ms)
 
     def _call(self, name: str, thread_id: str, *args: Any) -> Outcome:
         return self._outcome(name, thread_id, self._run(name, thread_id, *args))

@@ -123,7 +123,9 @@ class ThreadedRequest(Request):
             retries = int(self.request_dict.get("retries") or 0)
             runtime.end_death(thread_id, self.id, WorkerLostError(reason), reason, retries)
         elif outcome.status == Lapse.DELETED:
-            runtime.mark_revoked(self.id, envelope=outcome.gone_envelope or None)
+            runtime.mark_revoked(
+                self.id, envelope=outcome.gone_envelope or None, retries=outcome.gone_retries
+            )
 
     def on_timeout(self, soft: bool, timeout: float) -> None:
         thread_id, token = request_member(self)

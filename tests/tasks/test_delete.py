@@ -192,6 +192,91 @@ def test_a_member_dropped_after_a_lost_attempt_is_revoked_with_its_retries(proj,
         assert meta.get("retries") == 1, meta
 
 
+def _dispatch_until(runtime, condition, what):
+    """Dispatcher ticks until ``condition()`` holds."""
+    from celery_threads.dispatcher import Dispatcher
+
+    def ticked():
+        Dispatcher(runtime).run_until_idle()
+        return condition()
+
+    wait_for(ticked, what=what)
+
+
+def _lose_an_attempt(app, result, thread):
+    """Claim ``result``'s member and fail it as a worker whose pool process was lost: it
+    re-enters with its stored message unchanged (retries 1 in the gate's record, 0 in its
+    message's headers).  Returns once the dispatcher has released it again (its retry delay,
+    ``record``'s, is 0.2 s): its new token."""
+    from celery_threads.gate import Lapse
+    from celery_threads.runtime import get_runtime
+
+    runtime = get_runtime(app)
+    gate = runtime.gate
+    snapshot = gate.reads.snapshot(thread)
+    assert snapshot is not None and snapshot.active["task"] == result.id, snapshot
+    token = snapshot.active["token"]
+    assert gate.claim(thread, result.id, token, "test-worker", "test-claimant") == 1
+    assert gate.fail(thread, result.id, token, "the pool process was lost").status == Lapse.RETRIED
+
+    def new_token() -> str:
+        again = gate.reads.snapshot(thread)
+        return again.active["token"] if again and again.active and again.active["token"] != token else ""
+
+    _dispatch_until(runtime, new_token, "the lost attempt's retry to be released")
+    return new_token()
+
+
+def test_a_member_deleted_while_it_runs_after_a_lost_attempt_is_revoked_with_its_retries(proj, isolated_app):
+    """A member whose attempt was lost, running again, is deleted and its lease lapses (no
+    worker left to end it): the dispatcher stores it REVOKED with the retries it spent (the
+    expire's record, as the delete's and purge's above)."""
+    from celery_threads.gate import STOPPING
+    from celery_threads.runtime import get_runtime
+    from tests.support.isolated import pointed_at
+
+    with pointed_at(isolated_app, result_extended=True):
+        thread = tid("lost-then-lapsed")
+        result = proj.record.apply_async((thread, "lost"))
+        runtime = get_runtime(isolated_app)
+        gate = runtime.gate
+        token = _lose_an_attempt(isolated_app, result, thread)
+        # Claimed by a pool that stops members: the delete marks it, for its worker to stop.
+        assert gate.claim(thread, result.id, token, "test-worker", "again", stoppable=True) == 1
+        assert gate.delete(result.id, stop=True, thread_id=thread).info == STOPPING
+        gate.renew(thread, result.id, token, "again", for_ms=1)  # its worker is gone
+        _dispatch_until(
+            runtime, lambda: gate.reads.snapshot(thread) is None, "the deleted member's lease to lapse"
+        )
+        meta = isolated_app.backend.get_task_meta(result.id, cache=False)
+        assert meta["status"] == "REVOKED", meta
+        assert meta.get("retries") == 1, meta
+
+
+def test_a_member_expired_after_a_lost_attempt_is_revoked_with_its_retries(proj, isolated_app):
+    """A member whose attempt was lost and whose ``expires`` passes before its retry is
+    released ends REVOKED ('expired') with the retries it spent."""
+    from celery_threads.runtime import get_runtime
+    from tests.support.isolated import pointed_at
+
+    with pointed_at(isolated_app, result_extended=True):
+        thread = tid("lost-then-expired")
+        expires = time.time() + 1.0
+        result = proj.record.apply_async((thread, "lost"), expires=1.0)
+        runtime = get_runtime(isolated_app)
+        token = _lose_an_attempt(isolated_app, result, thread)
+        # Its retry was released (and published: no worker here claims it); once its expires has
+        # passed, its release lapses and the dispatcher, about to publish it again, ends it.
+        wait_for(lambda: time.time() > expires + 0.1, what="its expires to pass")
+        runtime.gate.renew(thread, result.id, token, for_ms=1)
+        _dispatch_until(
+            runtime, lambda: runtime.gate.reads.snapshot(thread) is None, "the expired member to leave"
+        )
+        meta = isolated_app.backend.get_task_meta(result.id, cache=False)
+        assert meta["status"] == "REVOKED", meta
+        assert meta.get("retries") == 1, meta
+
+
 def test_a_member_removed_unrun_is_revoked_to_an_rpc_caller(proj, isolated_app):
     """The ``rpc://`` result backend replies to the caller's queue (the message's ``reply_to``,
     ``correlation_id``): a member deleted or purged while it waits raises TaskRevokedError in the
