@@ -922,7 +922,11 @@ def _progress(
 @threads.command()
 @click.argument("thread_id", required=False)
 @click.option(
-    "--limit", type=click.IntRange(min=0), default=None, help="Redrive at most this many, oldest death first."
+    "--limit",
+    # Not 0: `dead --limit 0` lists every letter, and a redrive of none is not what that asks.
+    type=click.IntRange(min=1),
+    default=None,
+    help="Redrive at most this many, oldest death first (without it: every one).",
 )
 @click.option("--dry-run", is_flag=True, help="List what would be redriven; change nothing.")
 @json_option

@@ -202,6 +202,9 @@ def test_nothing_to_do_is_done(cli):
         result = cli(*args, "--json")
         assert result.exit_code == 0, (args, result.output)
         assert set(json.loads(result.stdout).values()) == {0}
+    # `dead --limit 0` lists every letter: `redrive --limit 0` is refused, not read as "none".
+    result = cli("redrive", "--limit", "0")
+    assert result.exit_code == 2 and "0 is not in the range x>=1" in result.output, result.output
     # Nothing to drop: no question (with no answer to give, it aborted with status 1).
     result = cli("purge", "no-such-thread", input="")
     assert result.exit_code == 0 and "Dropped 0 waiting members" in result.stdout, result.output
