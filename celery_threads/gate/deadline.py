@@ -36,10 +36,11 @@ MIN_WAIT = 0.05
 
 #: A call that carries a large message (a task's arguments of many MB) takes Redis time in
 #: proportion: it parses it, hands it to the script and stores it (an enqueue with a 150 MB
-#: message ran 4.9 s inside Redis on a 2-core VM).  Such a call waits that much longer for its
-#: reply, and the caller's deadline grows with it: one second per ``LARGE_CALL_RATE`` bytes sent
-#: beyond ``LARGE_CALL_FROM``.  Without it the call timed out while Redis ran it, its member
-#: stored, and apply_async raised although the task was going to run.
+#: message ran 4.9 s inside Redis on a 2-core VM), and a busy Redis reads it slowly.  Such a
+#: call may wait that much longer, to send it and for its reply, and the caller's deadline grows
+#: with it: one second per ``LARGE_CALL_RATE`` bytes sent beyond ``LARGE_CALL_FROM``.  Without it
+#: the call timed out while Redis ran it, its member stored, and apply_async raised although the
+#: task was going to run; or its send timed out.
 LARGE_CALL_FROM = 1 << 20
 LARGE_CALL_RATE = 4 << 20
 
@@ -225,14 +226,16 @@ class _Bounded:
             self._clamped = bool(extra)
 
     def send_packed_command(self, command: Any, *args: Any, **kwargs: Any) -> Any:
-        self._bound_socket()
+        # A large call's allowance holds from its first byte: Redis reads its message at its own
+        # pace (Python's sendall times out on the whole send), then runs it.
+        self._extra = allowance(sent_size(command))
+        self._bound_socket(self._extra)
         try:
             super().send_packed_command(command, *args, **kwargs)  # type: ignore[misc]
         except _FAILURES as exc:
             note_failed(exc)
             raise
         note_sent(command)
-        self._extra = allowance(sent_size(command))
 
     def read_response(self, *args: Any, **kwargs: Any) -> Any:
         extra, self._extra = getattr(self, "_extra", 0.0), 0.0

@@ -87,11 +87,11 @@ class ScriptLine:
             return _MISSED
         try:
             packed = command(local.functions)
-            sock.sendall(packed + self._then)
-            deadline.note_sent(packed)
             extra = deadline.allowance(len(packed))
             if extra and bound is not None:
-                bound(extra)  # a large message: Redis takes longer to run the call
+                bound(extra)  # a large message: Redis takes longer to read it and run the call
+            sock.sendall(packed + self._then)
+            deadline.note_sent(packed)
             data: Any = sock.recv(65536)
             replies: list[Any] = []
             end = 0

@@ -323,3 +323,60 @@ def test_a_gate_that_answers_with_an_error_is_not_called_unreachable(proj: Any, 
     message = str(info.value)
     assert "answered the call" in message and "WRONGTYPE" in message, message
     assert "could not reach" not in message
+
+
+def _paused(server: RedisServer, seconds: float) -> threading.Timer:
+    """Stop ``server`` (SIGSTOP) and let it go on after ``seconds``: it reads nothing meanwhile."""
+    assert server.proc is not None
+    server.proc.send_signal(signal.SIGSTOP)
+    resume = threading.Timer(seconds, server.proc.send_signal, (signal.SIGCONT,))
+    resume.start()
+    return resume
+
+
+BIG = 64 << 20  # its allowance (gate.deadline): 15.75 s
+
+
+def test_a_large_message_waits_for_a_server_slow_to_read_it(
+    proj: Any, isolated_app: Any, gate_server: RedisServer
+) -> None:
+    """A call of 64 MB takes its allowance from its first byte: sent to a server that reads
+    nothing for a second (busy, or here stopped), it goes through within a bound of 0.2 s
+    plus that allowance.  Before, only the wait for the reply had it: the send timed out after
+    the socket's timeout or the caller's bound ('Timeout writing to socket'), as a 64 MB call
+    to a cluster did on a loaded machine."""
+    thread = f"big-slow-{uuid.uuid4().hex[:8]}"
+    options = {"socket_timeout": 0.2}
+    with pointed_at(
+        proj.app,
+        threads_redis_url=gate_server.url(),
+        threads_publish_timeout=0.2,
+        threads_redis_options=options,
+    ):
+        for _ in range(2):  # the first-use checks, then the hot path's own line, open
+            proj.record.apply_async((f"warm-{uuid.uuid4().hex[:8]}", "warm-up"))
+        resume = _paused(gate_server, 1.0)
+        try:
+            result = proj.record.apply_async((thread, "x" * BIG))
+        finally:
+            resume.join()
+    with pointed_at(proj.app, threads_redis_url=gate_server.url()):
+        info = Threads(proj.app).get(thread)
+        assert info is not None and info.active is not None and info.active.task_id == result.id
+
+        # redis-py's connections (the client's way: an admin call, the cluster's nodes) alike.
+        from celery_threads.gate import deadline
+
+        pool = redis.ConnectionPool.from_url(
+            gate_server.url(), connection_class=deadline.bounded_class(redis.Connection), socket_timeout=0.2
+        )
+        client = redis.Redis(connection_pool=pool)
+        client.ping()
+        resume = _paused(gate_server, 1.0)
+        try:
+            with deadline.within(0.2):
+                assert client.set("big", b"y" * BIG)
+        finally:
+            resume.join()
+        assert client.strlen("big") == BIG
+        pool.disconnect()
