@@ -507,13 +507,17 @@ class Threads:
         return STUCK_AFTER_TICKS * self.runtime.config.dispatch_interval
 
     @_admin
-    def status(self, thread_id: Any) -> Optional[ThreadStatus]:
+    def status(self, thread_id: Any, limit: Optional[int] = None) -> Optional[ThreadStatus]:
         """The thread's members with their health (lease expiry, worker, ages), or ``None`` when
-        the thread does not exist."""
-
+        the thread does not exist.  ``limit``: of its waiting members, only the first that many
+        in release order are read (their number is ``waiting_total``): Redis reads every record
+        of the ones it returns, which for a thread of many thousands holds up the gate.  Their
+        ``arrival`` then ranks them among those read."""
+        if limit is not None and limit < 1:
+            raise InvalidArgument(f"limit must be 1 or more (None: every waiting member), not {limit}")
         thread_id = normalize_thread_id(thread_id)
         now = self.reads.now_ms()
-        snapshot = self.reads.snapshot(thread_id)
+        snapshot = self.reads.snapshot(thread_id, limit)
         return None if snapshot is None else _status(snapshot, now)
 
     @_admin_iter
@@ -750,14 +754,15 @@ class ThreadStatus(NamedTuple):
     thread_id: str
     now: datetime  # the Redis server's clock when it was read
     active: Optional[ActiveStatus]
-    waiting: list[WaitingStatus]  # in the order they would be released
+    waiting: list[WaitingStatus]  # in the order they would be released; the first, when limited
     next_eligible_at: Optional[datetime]  # the head's scheduled_at, or later under a rate limit
     head_age: Optional[float]  # seconds since the head became eligible; negative: not yet
     paused: Optional[str] = None  # the pause's reason, or None
+    waiting_total: int = 0  # the waiting members, ``waiting`` or more
 
     @property
     def members(self) -> int:
-        return len(self.waiting) + (1 if self.active else 0)
+        return max(self.waiting_total, len(self.waiting)) + (1 if self.active else 0)
 
 
 class ThreadSummary(NamedTuple):
@@ -901,6 +906,7 @@ def _status(snapshot: ThreadSnapshot, now: int) -> ThreadStatus:
         next_eligible_at=_utc(head_ms),
         head_age=None if head_ms is None else (now - head_ms) / 1000.0,
         paused=snapshot.paused,
+        waiting_total=snapshot.waiting_total,
     )
 
 

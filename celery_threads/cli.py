@@ -67,6 +67,7 @@ EX_NOPERM = 77  # the gate's Redis user lacks a right (ACL) or the password is w
 EX_CONFIG = 78  # a threads_* setting is wrong (sysexits EX_CONFIG)
 EX_PIPE = 141  # stdout's reader went away (`| head`): the status of a process SIGPIPE ends
 DEAD_LIMIT = 100  # `dead`: the latest deaths listed unless --limit says otherwise
+SHOW_LIMIT = 100  # `show`: the waiting members listed unless --limit says otherwise
 PROGRESS_FROM = 1000  # `purge`, `redrive`: a progress bar on a terminal from this many items
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -597,13 +598,21 @@ class _Counted(Generic[T]):
 
 @threads.command()
 @click.argument("thread_id")
+@click.option(
+    "--limit",
+    type=click.IntRange(min=0),
+    default=SHOW_LIMIT,
+    show_default=True,
+    help="Show only this many of the waiting members, first in release order; 0 shows them all "
+    "(Redis reads every one it returns: a thread of many thousands holds up the gate meanwhile).",
+)
 @json_option
 @click.pass_context
 @_guarded
-def show(ctx: click.Context, thread_id: str, as_json: bool) -> None:
+def show(ctx: click.Context, thread_id: str, limit: int, as_json: bool) -> None:
     """Show a thread: active member, waiting members in release order."""
     threads = _threads(ctx)
-    status = threads.status(thread_id)
+    status = threads.status(thread_id, limit or None)
     if status is None:
         member = threads.reads.record(thread_id)  # a task id given for a thread id?
         hint = (
@@ -615,8 +624,15 @@ def show(ctx: click.Context, thread_id: str, as_json: bool) -> None:
         raise CommandError(
             f"no thread {thread_id!r}: a thread exists only while it has members or is paused. {hint}."
         )
+    more = status.waiting_total - len(status.waiting)
     if as_json:
         _echo_json({**_jsonable(status), "members": status.members})
+        if more:  # as `dead` does: the JSON keeps its shape; what it leaves out is said beside it
+            click.echo(
+                f"the first {len(status.waiting)} of {status.waiting_total} waiting members listed; "
+                "--limit 0 lists them all",
+                err=True,
+            )
         return
     n = status.members
     click.echo(
@@ -678,7 +694,13 @@ def show(ctx: click.Context, thread_id: str, as_json: bool) -> None:
     if not status.waiting:
         click.echo("Waiting members: none.")
         return
-    click.echo("Waiting members, in release order")
+    if more:
+        click.echo(
+            f"Waiting members: the first {len(status.waiting)} of {status.waiting_total}, in release "
+            "order (ARRIVAL ranks them among those shown)"
+        )
+    else:
+        click.echo("Waiting members, in release order")
     columns = [
         Column("#", right=True),
         Column("SCHEDULED AT"),
@@ -699,6 +721,8 @@ def show(ctx: click.Context, thread_id: str, as_json: bool) -> None:
     for line, m in zip(lines[1:], status.waiting):
         click.echo(line)
         click.echo(_fit(_printable(f"    {m.name or '?'} {m.arguments or ''}".rstrip()), width))
+    if more:
+        click.echo(f"... and {more} more waiting; --limit 0 lists them all")
 
 
 @threads.command()

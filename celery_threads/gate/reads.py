@@ -64,13 +64,14 @@ class GateReads:
             return True
         return self.client.zscore(shard.ended, task_id) is not None
 
-    def snapshot(self, thread_id: str) -> Optional[ThreadSnapshot]:
+    def snapshot(self, thread_id: str, limit: Optional[int] = None) -> Optional[ThreadSnapshot]:
         """A consistent read of one thread (a read-only script: its members' records live in the
-        shard's tasks hash, under ids the thread's own keys name)."""
+        shard's tasks hash, under ids the thread's own keys name); of its waiting members, the
+        first ``limit`` in release order (all when ``None``), and their number."""
         keys = self.keys.thread(thread_id)
-        active, queue, records, due_at, paused = self._snapshot(
+        active, queue, records, due_at, paused, total = self._snapshot(
             keys=[keys.active, keys.queue, keys.shard.tasks, keys.shard.due, keys.shard.paused],
-            args=[thread_id],
+            args=[thread_id, limit or 0],
         )
         if not active and not queue and not paused:
             return None
@@ -81,6 +82,7 @@ class GateReads:
             records={_text(t): r for t, r in zip(records[::2], records[1::2])},
             due_at=None if due_at in (b"", "", None) else int(due_at),
             paused=pause_reason(_text(paused[0])) if paused else None,
+            waiting_total=int(total),
         )
 
     def peek(self, thread_id: str, task_id: str, token: str) -> Optional[str]:

@@ -165,6 +165,7 @@ class ThreadSnapshot:
     records: dict[str, bytes]
     due_at: Optional[int]
     paused: Optional[str] = None  # the pause's reason, when the thread is paused
+    waiting_total: int = 0  # its waiting members, ``waiting`` the first of them when limited
 
 
 @dataclass(frozen=True)

@@ -185,6 +185,39 @@ def test_show_lists_the_active_member_then_waiting_ones_in_release_order(proj, c
     )
 
 
+def test_show_reads_the_first_waiting_members_only(proj, app, cli):
+    """A thread of many waiting members: show lists the first ``--limit`` (100 by default) in
+    release order, says how many more wait, and counts them all; Redis reads only the records
+    shown (a thread of 20,000 held the gate's Redis for 0.2 s, and filled the terminal)."""
+    thread = tid("cli-show-many")
+    first = proj.record.delay(thread, "first").id
+    waiting = [proj.record.delay(thread, f"w{i}").id for i in range(5)]
+
+    out = ok(cli("show", thread, "--limit", "2"))
+    assert out.startswith(f"Thread {thread}: 6 members")
+    assert "Waiting members: the first 2 of 5, in release order" in out
+    shown = [line.split()[-1] for line in out[out.index("Waiting members") :].splitlines()[2:6:2]]
+    assert shown == waiting[:2]
+    assert not any(task_id in out for task_id in waiting[2:])
+    assert out.splitlines()[-1] == "... and 3 more waiting; --limit 0 lists them all"
+
+    result = cli("show", thread, "--limit", "2", "--json")
+    data = json.loads(result.stdout)
+    assert data["members"] == 6 and data["waiting_total"] == 5
+    assert [m["task_id"] for m in data["waiting"]] == waiting[:2]
+    assert result.stderr == "the first 2 of 5 waiting members listed; --limit 0 lists them all\n"
+
+    everything = as_json(cli("show", thread, "--limit", "0", "--json"))
+    assert [m["task_id"] for m in everything["waiting"]] == waiting and everything["members"] == 6
+    assert as_json(cli("show", thread, "--json"))["waiting_total"] == 5  # under the default 100
+
+    status = Threads(app).status(thread, limit=1)
+    assert status is not None and status.active is not None and status.active.task_id == first
+    assert [m.task_id for m in status.waiting] == waiting[:1] and status.members == 6
+    snapshot = Threads(app).reads.snapshot(thread, 1)
+    assert snapshot is not None and set(snapshot.records) == {first, waiting[0]}
+
+
 def test_show_of_a_task_id_names_its_thread(proj, cli):
     """A task id given where a thread id goes: "no thread" said nothing of the member it is."""
     thread = tid("cli-show-task")

@@ -1,12 +1,16 @@
 -- snapshot: a consistent read of one thread (no writes), for inspection.
 --   KEYS[1] active   KEYS[2] queue   KEYS[3] the shard's tasks hash   KEYS[4] the shard's due index
 --   KEYS[5] the shard's paused hash
---   ARGV[1] thread id
--- Returns {active as a flat field/value list, the waiting members as a flat task id/score list,
---          the records of the active and waiting members as a flat task id/record list,
---          the thread's score in the due index or "", {the pause's reason} or {}}.
+--   ARGV[1] thread id   ARGV[2] the most waiting members to read, first in release order (0 or
+--   none: all; a thread of many thousands takes Redis as many records to read)
+-- Returns {active as a flat field/value list, the waiting members read as a flat task id/score
+--          list, the records of the active and waiting members read as a flat task id/record
+--          list, the thread's score in the due index or "", {the pause's reason} or {},
+--          the number of waiting members}.
 local active = redis.call('HGETALL', KEYS[1])
-local queue = redis.call('ZRANGE', KEYS[2], 0, -1, 'WITHSCORES')
+local limit = tonumber(ARGV[2]) or 0
+local queue = redis.call('ZRANGE', KEYS[2], 0, limit > 0 and limit - 1 or -1, 'WITHSCORES')
+local total = limit > 0 and redis.call('ZCARD', KEYS[2]) or #queue / 2
 local records = {}
 for i = 1, #active, 2 do
   if active[i] == 'task' then
@@ -35,4 +39,4 @@ for start = 1, #fields, 1000 do    -- in chunks: unpack() is bounded by Lua's st
 end
 local paused = redis.call('HGET', KEYS[5], ARGV[1])
 return { active, waiting, records, redis.call('ZSCORE', KEYS[4], ARGV[1]) or '',
-         paused and { paused } or {} }
+         paused and { paused } or {}, total }
