@@ -202,6 +202,13 @@ def _on_task_revoked(sender: Any = None, **kwargs: Any) -> None:
     on_task_revoked(sender=sender, **kwargs)
 
 
+@signals.task_retry.connect
+def _on_task_retry(sender: Any = None, **kwargs: Any) -> None:
+    from .worker.revoke import on_task_retry
+
+    on_task_retry(sender=sender, **kwargs)
+
+
 @signals.task_unknown.connect
 def _on_task_unknown(sender: Any = None, **kwargs: Any) -> None:
     from .worker.strategy import on_unrunnable_message

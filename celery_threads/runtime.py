@@ -379,6 +379,8 @@ class Runtime:
         reason: str = "deleted from its thread",
         envelope: Optional[bytes] = None,
         retries: Optional[int] = None,
+        count_in_chord: bool = True,
+        request: Optional[dict[str, Any]] = None,
     ) -> None:
         """``REVOKED`` in the result backend (where its task stores it).  ``envelope``: the
         member's stored message, read before it left the gate, is the request Celery ends a
@@ -387,11 +389,14 @@ class Runtime:
         the chord counts it revoked, as a worker's revoke of a chord's part does (the chord ends
         with a ChordError, and its body never runs with a part missing).  ``retries``: the
         member's record's, which its next run's request would carry (a lost attempt re-enters
-        with its stored message unchanged, whose headers still say the retries before it)."""
-        request = None if not envelope else member_request(self.app, task_id, envelope)
+        with its stored message unchanged, whose headers still say the retries before it).
+        ``count_in_chord``: false for a member marked again, which its chord counted already.
+        ``request``: the request to end it with when there is no ``envelope`` (a worker's)."""
+        if envelope:
+            request = member_request(self.app, task_id, envelope)
         if request is not None and retries is not None:
             request["retries"] = retries
-        if request is not None and not (request.get("group") and request.get("chord")):
+        if request is not None and not (count_in_chord and request.get("group") and request.get("chord")):
             request["chord"] = None  # Celery counts a part of any request with a chord
         try:
             from celery.app.task import Context

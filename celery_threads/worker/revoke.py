@@ -50,6 +50,41 @@ def on_task_revoked(
     runtime.publish_outcome(runtime.gate.delete(request.id, token=token))
 
 
+#: The reason a member re-marked REVOKED by :func:`on_task_retry` is given.
+LEFT_AS_IT_RETRIED = "left its thread unrun (deleted, purged, superseded or expired) as its retry was stored"
+
+
+def on_task_retry(sender: Any = None, request: Any = None, **kwargs: Any) -> None:
+    """After Celery stored a member's ``RETRY`` (``task_retry`` comes after it): the member had
+    re-entered its thread before that (its ending, in ``member.run``), so a delete, purge,
+    supersede or expiry that took it from its thread in between stored ``REVOKED`` first, which
+    ``RETRY`` then overwrote: the result read RETRY for good.  A member that is no longer in the
+    gate (nor dead) is marked ``REVOKED`` again; not counted again in its chord.  One read of the
+    gate per retry."""
+    if not is_threaded(sender) or request is None:
+        return
+    headers = request.headers or {}
+    thread_id = str(headers.get(THREAD_HEADER) or "")
+    if not thread_id or not headers.get(TOKEN_HEADER):
+        return
+    runtime = get_runtime(sender.app)
+    try:
+        if runtime.gate.reads.record(request.id, thread_id) is not None:
+            return  # waiting for its retry (or released, running): RETRY holds until then
+        if runtime.gate.reads.dead_record(request.id) is not None:
+            return
+    except Exception:
+        logger.debug("celery-threads: could not check %s after its retry", request.id, exc_info=True)
+        return
+    logger.info(
+        "celery-threads: %s[%s] of thread %s left its thread as its retry was stored; revoked",
+        sender.name,
+        request.id,
+        thread_id,
+    )
+    runtime.mark_revoked(request.id, LEFT_AS_IT_RETRIED, count_in_chord=False, request=dict(vars(request)))
+
+
 #: task id -> (pid, claimant prefix) of the pool process (prefork) running it, noted by the revoke
 #: command just before Celery's terminate signals that process; read by :func:`on_task_revoked`
 #: (Celery forgets the request, and its pool process, before it sends ``task_revoked``).

@@ -176,7 +176,7 @@ def test_a_redis_user_without_rights_is_a_clear_error_not_a_traceback(app, serve
 
 
 def test_an_unexpected_error_is_a_bug_with_its_own_status(app, cli, monkeypatch):
-    def broken(self, thread_id):
+    def broken(self, thread_id, limit=None):
         raise RuntimeError("a bug")
 
     monkeypatch.setattr(Threads, "status", broken)

@@ -17,7 +17,7 @@ from typing import Optional
 import redis
 from celery import Celery
 from celery.exceptions import Ignore, Reject, Retry
-from celery.signals import task_failure, task_retry
+from celery.signals import task_failure, task_retry, worker_process_init
 from celery.worker.request import Request
 
 from celery_threads import ThreadedTask
@@ -580,6 +580,28 @@ from celery_threads.signals import member_dead  # noqa: E402
 def _remember_death(sender=None, task_id=None, thread_id=None, exception=None, retries=None, **kwargs):
     history().rpush(f"dead_signal:{thread_id}", f"{task_id}|{exception}")
     history().rpush(f"dead_retries:{task_id}", str(retries))
+
+
+@app.task(base=ThreadedTask, bind=True, thread_key="thread", default_retry_delay=60)
+def retry_slow_to_store(self, thread, label):
+    """Retries (in 60 s); the pool process stores its RETRY only once ``say:<thread>`` exists
+    (at most 30 s): a result backend slow to answer, after the member re-entered its thread."""
+    with _Span(self, thread, label):
+        pass
+    raise self.retry(exc=RuntimeError(f"{label} retries"))
+
+
+@worker_process_init.connect
+def _slow_retry_store(**kwargs):
+    backend = app.backend
+    mark_as_retry = backend.mark_as_retry
+
+    def slow(task_id, *args, request=None, **kw):
+        if getattr(request, "task", None) == retry_slow_to_store.name:
+            _await_key(f"say:{request.args[0]}")
+        return mark_as_retry(task_id, *args, request=request, **kw)
+
+    backend.mark_as_retry = slow
 
 
 @task_retry.connect

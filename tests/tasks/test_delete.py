@@ -277,6 +277,33 @@ def test_a_member_expired_after_a_lost_attempt_is_revoked_with_its_retries(proj,
         assert meta.get("retries") == 1, meta
 
 
+def test_a_member_deleted_as_its_retry_is_stored_reads_revoked(proj, make_deployment, r):
+    """A member re-enters its thread for its retry before Celery stores its RETRY (the tracer
+    stores it once the task's call has returned): deleted in between, its REVOKED was
+    overwritten by RETRY for good (a chaos run's operator hit it).  Here the pool process stores
+    the RETRY once the test has deleted the member."""
+    d = make_deployment()
+    worker = d.worker("w", concurrency=1)
+    thread = tid("retry-deleted")
+    result = proj.retry_slow_to_store.delay(thread, "r")
+    threads = Threads(proj.app)
+
+    def reentered() -> bool:
+        info = threads.get(thread)
+        return info is not None and info.active is None and [m.task_id for m in info.waiting] == [result.id]
+
+    wait_for(reentered, what="the retry to re-enter the thread")
+    assert threads.delete(result.id)
+    assert result.state == "REVOKED"
+    r.set(f"say:{thread}", 1)
+    wait_for(
+        lambda: f"[{result.id}] retry: Retry in 60s" in worker.output(), what="the worker to log the retry"
+    )
+    meta = proj.app.backend.get_task_meta(result.id, cache=False)
+    assert meta["status"] == "REVOKED", meta
+    assert threads.get(thread) is None
+
+
 def test_a_member_removed_unrun_is_revoked_to_an_rpc_caller(proj, isolated_app):
     """The ``rpc://`` result backend replies to the caller's queue (the message's ``reply_to``,
     ``correlation_id``): a member deleted or purged while it waits raises TaskRevokedError in the
