@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import functools
 import heapq
+import time
+import uuid
 from collections.abc import Iterator
 from datetime import datetime, timezone
 from typing import Any, Callable, NamedTuple, Optional, TypeVar
@@ -31,7 +33,7 @@ from .gate import (
 from .gate.eviction import Eviction, check_eviction, persistence_gaps
 from .logs import get_logger
 from .metrics import Counters, Metrics
-from .protocol import normalize_task_id, normalize_thread_id, retry_settings
+from .protocol import RETRIED_COMMAND, normalize_task_id, normalize_thread_id, retry_settings
 from .publish import arguments_repr, decode_arguments, route_of, task_name
 from .runtime import get_runtime
 
@@ -39,6 +41,9 @@ T = TypeVar("T")
 logger = get_logger(__name__)
 
 NO_REASON = "paused"
+#: The most a restart or redrive waits for a worker to take the announcement of its members
+#: (and as long again for one that took it to send it).
+ANNOUNCE_WAIT = 0.5
 """The reason of a pause given none: ``ThreadInfo.paused`` is ``None`` only when not paused."""
 
 
@@ -282,6 +287,7 @@ class Threads:
             raise UnknownTask(f"{task_id} is not in the dead-letter store (see Threads.dead())")
         max_retries, retry_delay_ms = self._retry_settings(record)
         dropped = self._forget_result(task_id)
+        self._announce_retried([record])
         outcome = self.gate.restart(
             task_id,
             max_retries=max_retries,
@@ -351,8 +357,10 @@ class Threads:
         thread's in their original order; ``progress(n)`` is told after each call.  Returns the
         number redriven."""
         by_thread: dict[str, list[DeadRecord]] = {}
-        for record in self._redrivable(thread_id, limit):
+        letters = self._redrivable(thread_id, limit)
+        for record in letters:
             by_thread.setdefault(str(record.meta["thread_id"]), []).append(record)
+        self._announce_retried(letters)
         redriven = 0
         for thread, records in by_thread.items():
             # By place, so that the head released after each call is the earliest of them all.
@@ -378,6 +386,43 @@ class Threads:
                 if progress is not None:
                     progress(len(batch))
         return redriven
+
+    def _announce_retried(self, records: list[DeadRecord]) -> None:
+        """Dead letters about to wait in the gate again (redrive, restart): one worker, the one
+        that takes a note in the gate, sends their ``task-retried`` events
+        (:func:`celery_threads.worker.revoke.announce_retried`), before the gate call that can
+        release them, so that the new run's events come after.  A broadcast without replies (a
+        reply's consumer would stay on a pooled broker connection); the note says when the
+        events are out.  Not taken within :data:`ANNOUNCE_WAIT` (no worker up, none sends
+        events), it is cancelled: Flower shows the first run's end until the new one ends."""
+        try:
+            for at in range(0, len(records), DEAD_CHUNK):
+                note = uuid.uuid4().hex
+                self.gate.note_announcement(note)
+                members = [
+                    [r.task_id, str(r.meta.get("exception", ""))] for r in records[at : at + DEAD_CHUNK]
+                ]
+                self.app.control.broadcast(RETRIED_COMMAND, arguments={"note": note, "members": members})
+                state = self._wait_announced(note, "1")
+                if state == "1":  # no worker took it: cancelled, unless one takes it just now
+                    if self.gate.announcement_state(note, cancel=True) == "taken":
+                        self._wait_announced(note, "cancelled")
+                    return  # no worker takes the next ones either
+                if state == "taken":
+                    self._wait_announced(note, "taken")
+        except Exception:  # the broker or the gate is down: the letters go back all the same
+            logger.debug(
+                "celery-threads: could not announce %d retried member(s)", len(records), exc_info=True
+            )
+
+    def _wait_announced(self, note: str, state: str) -> Optional[str]:
+        """The note's state once it is no longer ``state``, or after :data:`ANNOUNCE_WAIT`."""
+        end = time.monotonic() + ANNOUNCE_WAIT
+        current: Optional[str] = state
+        while current == state and time.monotonic() < end:
+            time.sleep(0.01)
+            current = self.gate.announcement_state(note)
+        return current
 
     def _forget_result(self, task_id: str) -> Optional[dict[str, Any]]:
         """A dead letter about to wait in the gate again (redrive, restart): its stored FAILURE

@@ -113,6 +113,12 @@ class ShardKeys:
         announce as revoked (the ``task-revoked`` event Flower shows)."""
         return f"{self.tag}:deleted:{task_id}"
 
+    def announcement(self, note_id: str) -> str:
+        """STRING (short-lived): dead letters put back into their threads that one worker
+        announces with ``task-retried`` (``Threads.restart`` and ``redrive``): '1' until a
+        worker takes it, 'taken' while it sends, gone once they are sent."""
+        return f"{self.tag}:announce:{note_id}"
+
     def thread(self, thread_id: str) -> ThreadKeys:
         return ThreadKeys(self, thread_id)
 

@@ -46,6 +46,10 @@ def foreign_gate(headers: Any, ours: str) -> Optional[str]:
 DISPATCH_TASK = "celery_threads.dispatch"
 BEAT_ENTRY = "celery-threads-dispatch"
 
+#: The remote control command by which one worker announces dead letters put back into their
+#: threads (``restart``, ``redrive``) with ``task-retried`` (celery_threads/worker/revoke.py).
+RETRIED_COMMAND = "celery_threads_retried"
+
 #: ``ThreadedTask.Request``: the worker's request class for members, named as Celery names one.
 THREADED_REQUEST = "celery_threads.worker.request:ThreadedRequest"
 

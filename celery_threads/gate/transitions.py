@@ -683,6 +683,32 @@ class Gate:
                 return note == b"expired"
         return None
 
+    # -- announcements: one worker sends task-retried for letters put back (Threads.restart) --
+    def _announcement(self, note_id: str) -> str:
+        return self.keys.all_shards()[0].announcement(note_id)
+
+    def note_announcement(self, note_id: str, ttl: int = 60) -> None:
+        self.client.set(self._announcement(note_id), "1", ex=ttl)
+
+    def take_announcement(self, note_id: str) -> bool:
+        """Whether this caller is the one to send the announcement (once per note)."""
+        return _text(self.client.set(self._announcement(note_id), "taken", xx=True, get=True)) == "1"
+
+    def end_announcement(self, note_id: str) -> None:
+        self.client.getdel(self._announcement(note_id))
+
+    def announcement_state(self, note_id: str, cancel: bool = False) -> Optional[str]:
+        """'1' (no worker took it yet), 'taken' (one sends it now) or ``None`` (sent, or gone).
+        ``cancel``: no worker takes it after this (the state it had is returned; one that had
+        taken it ends it all the same)."""
+        key = self._announcement(note_id)
+        if not cancel:
+            return _text(self.client.get(key)) or None
+        state = _text(self.client.set(key, "cancelled", xx=True, get=True)) or None
+        if state != "taken":
+            self.client.getdel(key)
+        return state
+
     def forget(self, task_id: str) -> Outcome:
         """Drop a dead letter (lua/forget.lua): ``DONE`` if it was in the store, with the release
         of its thread's head when its death held the thread (``on_death="hold"``), which goes on

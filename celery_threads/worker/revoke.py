@@ -16,11 +16,12 @@ import signal as _signal
 from typing import Any, Optional
 
 from celery.worker import state as worker_state
+from celery.worker.control import control_command
 
 from .. import seams
 from ..gate import STOPPING
 from ..logs import get_logger
-from ..protocol import THREAD_HEADER, TOKEN_HEADER, is_threaded
+from ..protocol import RETRIED_COMMAND, THREAD_HEADER, TOKEN_HEADER, is_threaded
 from ..runtime import Runtime, get_runtime
 from . import handoff
 from .processes import open_pidfd, pool_holder, process_of, when_gone
@@ -177,6 +178,33 @@ def _end_revoked_member(runtime: Runtime, consumer: Any, task_id: str) -> None:
             dispatcher.send(
                 "task-revoked", uuid=task_id, terminated=False, signum=None, expired=bool(expired)
             )
+
+
+@control_command(
+    name=RETRIED_COMMAND,
+    args=[("note", str), ("members", list)],
+    signature="<note> [[task_id, exception], ...]",
+    help="celery-threads: announce dead letters put back into their threads (task-retried)",
+)
+def announce_retried(state: Any, note: str, members: list[list[str]], **kwargs: Any) -> None:
+    """``task-retried`` for dead letters an operator put back into their threads (``restart``,
+    ``redrive``), sent by the one worker that takes the gate's note (Flower makes a worker of the
+    sender of any task event but ``task-sent``), before they can be released: Flower shows them
+    retried, then their new run, where it kept showing the first run's FAILURE until the new run
+    ended (a ready state outranks ``task-received`` and ``task-started``; ``task-retried`` does
+    not).  The note goes once the events are flushed out: ``Threads`` waits for that."""
+    dispatcher = state.consumer.event_dispatcher
+    if dispatcher is None or not dispatcher.enabled:
+        return  # another worker, one that sends events, takes it
+    gate = get_runtime(state.consumer.app).gate
+    if not gate.take_announcement(note):
+        return
+    try:
+        for task_id, exception in members:
+            dispatcher.send("task-retried", uuid=task_id, exception=exception, traceback="")
+        dispatcher.flush()
+    finally:
+        gate.end_announcement(note)
 
 
 def _terminate_handed_off(runtime: Runtime, task_id: str, signal: Any) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import subprocess
 import sys
@@ -101,3 +102,36 @@ def test_flower_shows_waiting_running_and_deleted_members(flower, proj):
     assert any(name.startswith("w-") for name in known), known
     assert not any(name.startswith("gen") for name in known), known
     assert _task(base, doomed.id)["worker"].startswith(("w-", "shared-"))
+
+
+def test_flower_shows_a_restarted_member_retried_then_its_new_run(flower, proj):
+    """A dead member restarted while its thread is busy: Flower shows it retried (RETRY) while it
+    waits, then its new run.  It showed the first run's FAILURE until the new run ended (a
+    ready state outranks task-received and task-started in Flower's state)."""
+    base, d = flower
+    r = proj.history()
+    thread = tid("flower-restart")
+    go = f"go:{thread}"
+    r.set(f"flaky:{thread}", 1)
+    dying = proj.flaky.delay(thread, "dies")
+    wait_for(lambda: _task(base, dying.id).get("state") == "FAILURE", what="its death in flower")
+    wait_for(lambda: dying.id in {x.task_id for x in Threads(proj.app).dead()}, what="its dead letter")
+    blocker = proj.record.delay(thread, "blocker", until=go)
+    wait_for(lambda: _task(base, blocker.id).get("state") == "STARTED", what="the blocker started")
+    r.delete(f"flaky:{thread}")
+    Threads(proj.app).restart(dying.id)
+    # This process still forks: the announcement waits for no reply (a broadcast with replies
+    # can leave its reply consumer's BRPOP on a pooled broker connection, which a forked child's
+    # kombu cleanup then waits on: a ping-based announcement hung forked children in CI).
+    child = multiprocessing.get_context("fork").Process(target=sys.exit, args=(0,), daemon=True)
+    child.start()
+    child.join(20)
+    assert child.exitcode == 0
+    wait_for(lambda: _task(base, dying.id).get("state") == "RETRY", what="the restarted member retried")
+    assert Threads(proj.app).get(thread).waiting[0].task_id == dying.id  # it waits still
+    r.set(go, 1)
+    wait_for(
+        lambda: _task(base, dying.id).get("state") == "SUCCESS", what="its new run's success", timeout=30
+    )
+    assert proj.app.backend.get_task_meta(dying.id, cache=False)["status"] == "SUCCESS"
+    assert _task(base, dying.id)["worker"].startswith("w-")
