@@ -19,7 +19,7 @@ from celery.worker import state as worker_state
 from celery.worker.control import control_command
 
 from .. import seams
-from ..gate import STOPPING
+from ..gate import STOPPING, deadline
 from ..logs import get_logger
 from ..protocol import RETRIED_COMMAND, THREAD_HEADER, TOKEN_HEADER, is_threaded
 from ..runtime import Runtime, get_runtime
@@ -197,14 +197,29 @@ def announce_retried(state: Any, note: str, members: list[list[str]], **kwargs: 
     if dispatcher is None or not dispatcher.enabled:
         return  # another worker, one that sends events, takes it
     gate = get_runtime(state.consumer.app).gate
-    if not gate.take_announcement(note):
+    # The consumer's own thread: a gate that does not answer holds it up for a second at most
+    # (the caller gives up on the note after half as long).
+    try:
+        with deadline.within(ANNOUNCE_BOUND, bound="the announcement of retried members"):
+            if not gate.take_announcement(note):
+                return
+    except Exception:
+        logger.debug("celery-threads: could not take announcement %s", note, exc_info=True)
         return
     try:
         for task_id, exception in members:
             dispatcher.send("task-retried", uuid=task_id, exception=exception, traceback="")
         dispatcher.flush()
     finally:
-        gate.end_announcement(note)
+        try:
+            with deadline.within(ANNOUNCE_BOUND, bound="the announcement of retried members"):
+                gate.end_announcement(note)
+        except Exception:  # its TTL drops it; its caller stops waiting for it
+            logger.debug("celery-threads: could not end announcement %s", note, exc_info=True)
+
+
+#: The most the announcement's gate calls hold up the worker's consumer (seconds each).
+ANNOUNCE_BOUND = 1.0
 
 
 def _terminate_handed_off(runtime: Runtime, task_id: str, signal: Any) -> bool:
