@@ -26,7 +26,7 @@ from celery_threads.keys import Keys, shard_tag
 from tests.conftest import Deployment, RedisServer, configure_client, deployment_env
 from tests.support.helpers import assert_serial, starts, tid, wait_for
 from tests.support.isolated import point_app
-from tests.support.scenarios import crash_recovery, mixed_load
+from tests.support.scenarios import RECOVERY_RELEASE_TIMEOUT, crash_recovery, mixed_load
 
 
 @pytest.fixture
@@ -336,7 +336,16 @@ def test_cluster_wake_reaches_the_dispatch_loop(proj, sharded, redis_cluster, r)
 
 def test_cluster_crash_recovery(proj, sharded, redis_cluster, r):
     crash_recovery(
-        sharded(redis_cluster.url(), 3, True, CT_KEEPALIVE="2", CT_DISPATCH_INTERVAL="0.2"), proj, r
+        sharded(
+            redis_cluster.url(),
+            3,
+            True,
+            CT_KEEPALIVE="2",
+            CT_DISPATCH_INTERVAL="0.2",
+            CT_RELEASE_TIMEOUT=RECOVERY_RELEASE_TIMEOUT,
+        ),
+        proj,
+        r,
     )
 
 

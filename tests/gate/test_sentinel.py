@@ -26,7 +26,7 @@ from tests.conftest import Deployment, configure_client, deployment_env
 from tests.gate.test_durability import load_env, run_through_fault
 from tests.support.helpers import tid, wait_for
 from tests.support.isolated import point_app, pointed_at
-from tests.support.scenarios import crash_recovery, mixed_load
+from tests.support.scenarios import RECOVERY_RELEASE_TIMEOUT, crash_recovery, mixed_load
 from tests.support.topologies import MASTER
 
 
@@ -129,6 +129,7 @@ def test_semantics_on_a_sentinel_gate(proj, redis_server, sentinel_setup):
         CT_REDIS_OPTIONS=f'{{"master_name": "{MASTER}"}}',
         CT_WAIT_REPLICAS="1",
         CT_KEEPALIVE="6",
+        CT_RELEASE_TIMEOUT=RECOVERY_RELEASE_TIMEOUT,
     )
     d = Deployment(env)
     configure_client(proj.app, **env)

@@ -50,7 +50,7 @@ from tests.conftest import (
 )
 from tests.support.helpers import assert_serial, starts, terminate, tid, wait_for
 from tests.support.isolated import point_app, pointed_at
-from tests.support.scenarios import crash_recovery, mixed_load
+from tests.support.scenarios import RECOVERY_RELEASE_TIMEOUT, crash_recovery, mixed_load
 from tests.support.topologies import MASTER, RedisClusterServers, SentinelSetup
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -571,6 +571,7 @@ def test_semantics_on_a_tls_gate_as_an_acl_user(
         CT_REDIS_OPTIONS=json.dumps(options),
         CT_KEEPALIVE="2",
         CT_DISPATCH_INTERVAL="0.2",
+        CT_RELEASE_TIMEOUT=RECOVERY_RELEASE_TIMEOUT,
     ) as d:
         r = redis.Redis(port=redis_server.port)
         d.worker("w1", concurrency=2)

@@ -45,6 +45,12 @@ def mixed_load(proj: Any, r: Any, threads: list[str]) -> dict[str, Any]:
     return {"listed": listed, "dead": {thread: dead[thread].id for thread in threads}}
 
 
+#: The release timeout of a deployment that runs :func:`crash_recovery`: a release the victim
+#: had just received when it was killed (before its renewer counted it held) comes back after
+#: threads_release_timeout, which the scenario's 30 s waits must cover (the tests' default is 60 s).
+RECOVERY_RELEASE_TIMEOUT = "5"
+
+
 def crash_recovery(d: Deployment, proj: Any, r: Any) -> None:
     """A worker SIGKILLed while it runs a member (``d``'s keepalive short, e.g. CT_KEEPALIVE=2):
     the member waiting behind it runs on another worker once the lease lapses, then the lost
