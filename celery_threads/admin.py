@@ -41,10 +41,10 @@ T = TypeVar("T")
 logger = get_logger(__name__)
 
 NO_REASON = "paused"
+"""The reason of a pause given none: ``ThreadInfo.paused`` is ``None`` only when not paused."""
 #: The most a restart or redrive waits for a worker to take the announcement of its members
 #: (and as long again for one that took it to send it).
 ANNOUNCE_WAIT = 0.5
-"""The reason of a pause given none: ``ThreadInfo.paused`` is ``None`` only when not paused."""
 
 
 def _utc(ms: Optional[int]) -> Optional[datetime]:
